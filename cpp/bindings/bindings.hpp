@@ -1,0 +1,29 @@
+// Shared helpers of the nanobind module poolkeeper._core.
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "poolkeeper/pool.hpp"
+
+namespace poolkeeper::py {
+namespace nb = nanobind;
+using namespace nb::literals;
+
+// Python argument conversion with typed poolkeeper errors (never a bare TypeError/OverflowError).
+std::size_t parse_size(nb::handle h, const char* what = "nbytes");
+std::uintptr_t parse_ptr(nb::handle h);
+// None -> kNoStream; int; objects with __cuda_stream__ (CUDA stream protocol), .cuda_stream
+// (torch.cuda.Stream) or .ptr (cupy.cuda.Stream).
+Stream parse_stream(nb::handle h);
+nb::object stream_to_py(Stream s);
+nb::dict stats_to_dict(const PoolStats& st);
+nb::dict snapshot_to_dict(const Snapshot& snap);
+nb::dict upstream_counters_to_dict(const UpstreamCounters& c);
+
+void bind_errors(nb::module_& m);
+void bind_upstreams(nb::module_& m);
+void bind_pools(nb::module_& m);
+void bind_cuda(nb::module_& m);
+void bind_capi(nb::module_& m);
+
+}  // namespace poolkeeper::py

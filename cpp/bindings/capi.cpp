@@ -1,0 +1,47 @@
+// Python access to the C ABI registry, and a native loop to time the C-ABI pair without Python.
+#include <chrono>
+#include <nanobind/stl/shared_ptr.h>
+
+#include "../capi/poolkeeper_capi.h"
+#include "bindings.hpp"
+#include "poolkeeper/registry.hpp"
+
+namespace poolkeeper::py {
+
+void bind_capi(nb::module_& m) {
+  m.def("registry_set", [](int device, std::shared_ptr<Pool> pool) { registry::set(device, std::move(pool)); },
+        "device"_a, "pool"_a.none(), "Install pool for device (-1: host) behind the C ABI; None removes it.");
+  m.def("registry_get", [](int device) -> nb::object {
+        Pool* p = registry::get_fast(device);
+        if (!p) return nb::none();
+        return nb::cast(registry::get_shared(device));
+      }, "device"_a);
+  m.def("registry_clear", &registry::clear);
+  m.def("registry_devices", []() {
+    nb::list l;
+    for (auto& [d, p] : registry::all()) l.append(d);
+    return l;
+  });
+  m.def(
+      "capi_bench_pair",
+      [](int device, std::size_t nbytes, std::size_t iterations, nb::handle stream) {
+        const Stream s = parse_stream(stream);
+        nb::gil_scoped_release nogil;
+        // Warm the path (first call may grow a backing and fill the thread cache).
+        void* w = poolkeeper_malloc(nbytes, device, s);
+        if (!w) throw Error(std::string("capi_bench_pair: ") + poolkeeper_last_error());
+        poolkeeper_free(w, device, s);
+        const auto t0 = std::chrono::steady_clock::now();
+        for (std::size_t i = 0; i < iterations; ++i) {
+          void* p = poolkeeper_malloc(nbytes, device, s);
+          poolkeeper_free(p, device, s);
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        return double(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count()) / double(iterations);
+      },
+      "device"_a, "nbytes"_a, "iterations"_a, "stream"_a = nb::none(),
+      "Time poolkeeper_malloc+poolkeeper_free pairs in a native loop; returns ns per pair.");
+  m.def("capi_last_error", []() { return std::string(poolkeeper_last_error()); });
+}
+
+}  // namespace poolkeeper::py

@@ -1,0 +1,12 @@
+// poolkeeper._core: the hot path of poolkeeper. Everything else is Python.
+#include "bindings.hpp"
+
+NB_MODULE(_core, m) {
+  using namespace poolkeeper::py;
+  m.doc() = "poolkeeper's native core: upstreams, pools, stream order, accounting, C ABI.";
+  bind_errors(m);
+  bind_upstreams(m);
+  bind_pools(m);
+  bind_cuda(m);
+  bind_capi(m);
+}

@@ -1,0 +1,50 @@
+// Reading pool options from a Python dict: typed, validated, and unknown keys refused by name.
+#pragma once
+#include <set>
+
+#include "bindings.hpp"
+
+namespace poolkeeper::py {
+
+class OptionReader {
+ public:
+  explicit OptionReader(nb::handle d, std::string pool) : pool_(std::move(pool)) {
+    if (!d.is_none()) dict_ = nb::borrow<nb::dict>(d);
+  }
+  std::size_t size(const char* key, std::size_t def, bool allow_zero = true) {
+    known_.insert(key);
+    if (!dict_.is_valid() || !dict_.contains(key)) return def;
+    nb::handle v = dict_[key];
+    if (v.is_none()) return def;
+    if (allow_zero && nb::isinstance<nb::int_>(v) && nb::cast<long long>(v) == 0) return 0;
+    return parse_size(v, key);
+  }
+  double real(const char* key, double def) {
+    known_.insert(key);
+    if (!dict_.is_valid() || !dict_.contains(key)) return def;
+    return nb::cast<double>(dict_[key]);
+  }
+  bool flag(const char* key, bool def) {
+    known_.insert(key);
+    if (!dict_.is_valid() || !dict_.contains(key)) return def;
+    return nb::cast<bool>(dict_[key]);
+  }
+  void finish() {
+    if (!dict_.is_valid()) return;
+    for (auto [k, v] : dict_) {
+      const std::string key = nb::cast<std::string>(k);
+      if (!known_.count(key)) {
+        std::string valid;
+        for (auto& s : known_) valid += (valid.empty() ? "" : ", ") + s;
+        throw InvalidArgument(pool_ + ": unknown option '" + key + "' (valid: " + valid + ")");
+      }
+    }
+  }
+
+ private:
+  nb::dict dict_;
+  std::string pool_;
+  std::set<std::string> known_;
+};
+
+}  // namespace poolkeeper::py

@@ -1,0 +1,150 @@
+// Pool bindings. allocate/deallocate first try the pool's lock-free path while holding the GIL
+// (no thread switch: a hit costs tens of nanoseconds); only a miss releases the GIL, because the
+// full path may wait on the pool lock or on an upstream call that takes hundreds of microseconds.
+#include <nanobind/stl/shared_ptr.h>
+
+#include "bindings.hpp"
+#include "options.hpp"
+#include "poolkeeper/arena_pool.hpp"
+#include "poolkeeper/direct_pool.hpp"
+#include "poolkeeper/size_class_pool.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
+  const std::size_t n = parse_size(nbytes);
+  const Stream s = parse_stream(stream);
+  if (void* r = p.try_allocate_fast(n, s)) return reinterpret_cast<std::uintptr_t>(r);
+  nb::gil_scoped_release nogil;
+  return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
+}
+
+void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
+  const std::uintptr_t a = parse_ptr(ptr);
+  const Stream s = parse_stream(stream);
+  if (p.try_deallocate_fast(reinterpret_cast<void*>(a), s)) return;
+  nb::gil_scoped_release nogil;
+  p.deallocate(reinterpret_cast<void*>(a), s);
+}
+}  // namespace
+
+void bind_pools(nb::module_& m) {
+  nb::class_<Pool>(m, "Pool", "A memory pool (abstract): see poolkeeper.pools for the documented classes.")
+      .def("allocate", &py_allocate, "nbytes"_a, "stream"_a = nb::none())
+      .def("deallocate", &py_deallocate, "ptr"_a, "stream"_a = nb::none())
+      .def(
+          "record_stream",
+          [](Pool& p, nb::handle ptr, nb::handle stream) {
+            const auto a = parse_ptr(ptr);
+            const Stream s = parse_stream(stream);
+            if (s == kNoStream) throw InvalidArgument("record_stream needs a stream, not None", true);
+            nb::gil_scoped_release nogil;
+            p.record_stream(reinterpret_cast<void*>(a), s);
+          },
+          "ptr"_a, "stream"_a)
+      .def("stats",
+           [](Pool& p) {
+             PoolStats st;
+             {
+               nb::gil_scoped_release nogil;
+               st = p.stats();
+             }
+             return stats_to_dict(st);
+           })
+      .def("validate",
+           [](Pool& p) {
+             nb::gil_scoped_release nogil;
+             p.validate();
+           })
+      .def("trim",
+           [](Pool& p) {
+             nb::gil_scoped_release nogil;
+             return p.trim();
+           })
+      .def("process_pending",
+           [](Pool& p) {
+             nb::gil_scoped_release nogil;
+             return p.process_pending();
+           })
+      .def("synchronize",
+           [](Pool& p) {
+             nb::gil_scoped_release nogil;
+             p.synchronize();
+           })
+      .def("close",
+           [](Pool& p) {
+             nb::gil_scoped_release nogil;
+             p.close();
+           })
+      .def("_snapshot_dict",
+           [](Pool& p) {
+             Snapshot s;
+             {
+               nb::gil_scoped_release nogil;
+               s = p.snapshot();
+             }
+             return snapshot_to_dict(s);
+           })
+      .def("owns", [](Pool& p, nb::handle ptr) { return p.owns_live(parse_ptr(ptr)); }, "ptr"_a)
+      .def_prop_ro("closed", &Pool::closed)
+      .def_prop_ro("upstream", [](Pool& p) { return p.upstream(); })
+      .def_prop_ro("id", &Pool::id)
+      .def_prop_ro("name", &Pool::name)
+      .def_prop_ro("alignment", &Pool::alignment);
+
+  nb::class_<DirectPool, Pool>(m, "DirectPool")
+      .def("__init__", [](DirectPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
+        OptionReader r(opts, "Direct");
+        DirectOptions o;
+        o.alignment = r.size("alignment", o.alignment, false);
+        o.limit = r.size("limit", 0);
+        r.finish();
+        new (self) DirectPool(std::move(up), o);
+      }, "upstream"_a, "options"_a = nb::none());
+
+  nb::class_<SizeClassPool, Pool>(m, "SizeClassPool")
+      .def("__init__", [](SizeClassPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
+        OptionReader r(opts, "SizeClassPool");
+        SizeClassOptions o;
+        o.alignment = r.size("alignment", o.alignment, false);
+        o.limit = r.size("limit", 0);
+        o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
+        o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
+        r.finish();
+        new (self) SizeClassPool(std::move(up), o);
+      }, "upstream"_a, "options"_a = nb::none())
+      .def("release_cached", [](SizeClassPool& p) {
+        nb::gil_scoped_release nogil;
+        return p.release_cached();
+      })
+      .def_static("class_size", &SizeClassPool::class_size_for, "nbytes"_a, "alignment"_a = 256,
+                  "classes_per_doubling"_a = 4);
+
+  nb::class_<ArenaPool, Pool>(m, "ArenaPool")
+      .def("__init__", [](ArenaPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
+        OptionReader r(opts, "ArenaPool");
+        ArenaOptions o;
+        o.alignment = r.size("alignment", o.alignment, false);
+        o.limit = r.size("limit", 0);
+        o.initial_backing = r.size("initial_backing", o.initial_backing, false);
+        o.max_backing = r.size("max_backing", o.max_backing, false);
+        o.growth_factor = r.real("growth_factor", o.growth_factor);
+        o.thread_cache_bytes = r.size("thread_cache_bytes", o.thread_cache_bytes);
+        o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
+        o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
+        o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
+        r.finish();
+        new (self) ArenaPool(std::move(up), o);
+      }, "upstream"_a, "options"_a = nb::none())
+      .def("shrink_scan", [](ArenaPool& p) {
+        nb::gil_scoped_release nogil;
+        return p.shrink_scan();
+      }, "Run one automatic shrink scan now; returns bytes released.")
+      .def("flush_thread_cache", [](ArenaPool& p) {
+        nb::gil_scoped_release nogil;
+        p.flush_thread_cache();
+      }, "Return the calling thread's cached blocks to the pool.");
+}
+
+}  // namespace poolkeeper::py

@@ -1,0 +1,41 @@
+/* poolkeeper's C ABI: plain C entry points over the process-wide pool registry.
+ *
+ * Exported (default visibility) from the built module poolkeeper/_core*.so, so PyTorch's
+ * torch.cuda.memory.CUDAPluggableAllocator(path, "poolkeeper_torch_malloc", "poolkeeper_torch_free")
+ * can load them from the module's path.
+ *
+ * Contract: no C++ exception crosses this boundary. A failure returns NULL / a nonzero code and
+ * leaves a message for poolkeeper_last_error() on the calling thread. Thread-safe.
+ * Streams: a stream is the raw handle (cudaStream_t); NULL is the legacy default stream and is a
+ * real stream (stream-ordered), as it is for PyTorch. poolkeeper_malloc/free take
+ * POOLKEEPER_NO_STREAM for "no stream: caller guarantees completion".
+ */
+#ifndef POOLKEEPER_CAPI_H
+#define POOLKEEPER_CAPI_H
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define POOLKEEPER_NO_STREAM UINT64_MAX
+
+/* PyTorch pluggable-allocator signatures. size 0 returns NULL (PyTorch's convention for empty
+ * tensors); free(NULL) is a no-op. */
+void* poolkeeper_torch_malloc(size_t size, int device, void* stream);
+void poolkeeper_torch_free(void* ptr, size_t size, int device, void* stream);
+/* record_stream hook: the block's release also waits for `stream`. Returns 0 or an error code. */
+int poolkeeper_torch_record_stream(void* ptr, int device, void* stream);
+/* empty_cache hook: trim every installed pool. Returns bytes released (saturated to int64). */
+int64_t poolkeeper_empty_cache(void);
+
+/* General entry points. Return 0 on success, nonzero on error (see poolkeeper_last_error). */
+void* poolkeeper_malloc(size_t size, int device, uint64_t stream);
+int poolkeeper_free(void* ptr, int device, uint64_t stream);
+const char* poolkeeper_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

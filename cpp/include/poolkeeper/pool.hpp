@@ -1,0 +1,137 @@
+// Pool: the interface every pool implements (Direct, SizeClassPool, ArenaPool), so the bindings,
+// the C ABI registry and the tests treat them alike.
+//
+// Contracts shared by every pool:
+// - allocate(n, s): n > 0 bytes, aligned to the pool's alignment, usable on stream s
+//   (kNoStream: usable anywhere once the caller orders it). Throws InvalidArgument (n == 0,
+//   n > 2^62), OutOfMemory (after the pool's own recovery), PoolClosed.
+// - deallocate(p, s): p must be live in this pool. s = kNoStream: the caller guarantees all device
+//   work on the block has completed. s = a stream: work on p was ordered on s; the block is
+//   reusable at once on s, and by other streams once an event recorded on s (and on every stream
+//   added by record_stream) has completed. Throws InvalidPointer (null, unknown, double free,
+//   interior, another pool's) and leaves the pool unchanged.
+// - Accounting at one observation point: reserved == live + free + pending + overhead
+//   (see accounting.hpp). validate() checks it with every structural invariant and throws
+//   InvariantViolation; call it at a quiescent point (no concurrent allocate/deallocate).
+// - Thread safety: all members may be called concurrently, except close() and validate(),
+//   which need no concurrent allocate/deallocate on the same pool.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "poolkeeper/errors.hpp"
+#include "poolkeeper/upstream.hpp"
+
+namespace poolkeeper {
+
+enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3 };
+const char* chunk_state_name(ChunkState s);
+
+struct PoolStats {
+  std::size_t reserved = 0, live = 0, free = 0, pending = 0, overhead = 0;
+  std::size_t thread_cached = 0;          // part of free: exact-size blocks parked in thread caches
+  std::size_t thread_cached_pending = 0;  // part of pending: cached blocks usable only on their stream
+  std::size_t largest_free = 0;
+  std::size_t peak_reserved = 0, peak_live = 0;
+  std::size_t live_blocks = 0, free_chunks = 0, pending_blocks = 0, backings = 0;
+  std::size_t limit = 0;
+  std::vector<std::pair<Stream, std::size_t>> pending_by_stream;
+  // Per-pool extras (counters of passes, hits, ...): name -> value.
+  std::vector<std::pair<std::string, std::uint64_t>> extra;
+};
+
+struct ChunkInfo {
+  std::size_t offset = 0, size = 0, requested = 0;
+  ChunkState state = ChunkState::Free;
+  Stream alloc_stream = kNoStream, last_stream = kNoStream;
+  EventId event = kNullEvent;  // pending: the event it waits on (kNullEvent: not yet fenced)
+  std::vector<Stream> waits_on;  // pending: the streams whose events it waits on
+};
+
+struct BackingInfo {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  bool resident = false, oversize = false;
+  std::vector<ChunkInfo> chunks;
+};
+
+struct Snapshot {
+  std::string pool, upstream;
+  std::size_t alignment = 0;
+  PoolStats stats;
+  std::vector<BackingInfo> backings;
+};
+
+class Pool {
+ public:
+  explicit Pool(std::shared_ptr<Upstream> upstream);
+  virtual ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  virtual void* allocate(std::size_t nbytes, Stream s) = 0;
+  virtual void deallocate(void* p, Stream s) = 0;
+  // Lock-free attempts used by the bindings while holding the GIL; nullptr/false means "take the
+  // full path" (which may block on the pool lock or the upstream, so it runs without the GIL).
+  virtual void* try_allocate_fast(std::size_t nbytes, Stream s) { return nullptr; }
+  virtual bool try_deallocate_fast(void* p, Stream s) { return false; }
+  // Mark live block p as used on stream s too: its release then also waits for s.
+  virtual void record_stream(void* p, Stream s) = 0;
+
+  virtual PoolStats stats() = 0;
+  virtual void validate() = 0;
+  // Return every wholly free backing (except a resident one) to the upstream. Returns bytes freed.
+  virtual std::size_t trim() = 0;
+  // Move pending blocks whose events have completed to free. Returns bytes moved.
+  virtual std::size_t process_pending() = 0;
+  // Wait for the device, then process_pending(): nothing is pending afterwards.
+  virtual void synchronize() = 0;
+  // Free everything. Throws LiveBlocksAtClose (and stays open) while blocks are live.
+  virtual void close() = 0;
+  virtual Snapshot snapshot() = 0;
+  // Is p a live block of this pool? (used to name the owner of a foreign pointer)
+  virtual bool owns_live(std::uintptr_t p) = 0;
+  virtual std::string name() const = 0;
+  virtual std::size_t alignment() const = 0;
+
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
+  const std::shared_ptr<Upstream>& upstream() const { return upstream_; }
+  std::uint64_t id() const { return id_; }
+
+ protected:
+  void check_open() const {
+    if (closed_.load(std::memory_order_relaxed)) throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
+  }
+  // Error for a pointer this pool does not hold live: names another pool when one owns it.
+  [[noreturn]] void throw_foreign_pointer(std::uintptr_t p, const std::string& what_we_know);
+  // Upstream calls made by this pool, counted per pool (an upstream may serve several pools).
+  void* upstream_alloc(std::size_t n) {
+    void* p = upstream_->allocate(n);
+    up_allocs_.fetch_add(1, std::memory_order_relaxed);
+    return p;
+  }
+  void upstream_free(void* p, std::size_t n) {
+    upstream_->deallocate(p, n);
+    up_frees_.fetch_add(1, std::memory_order_relaxed);
+  }
+  void fill_upstream_counts(PoolStats& st) const {
+    st.extra.emplace_back("upstream_allocations", up_allocs_.load(std::memory_order_relaxed));
+    st.extra.emplace_back("upstream_deallocations", up_frees_.load(std::memory_order_relaxed));
+  }
+  std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0};
+  // Build the OOM error once recovery has failed.
+  [[noreturn]] void throw_oom(OomFigures f);
+
+  std::shared_ptr<Upstream> upstream_;
+  std::atomic<bool> closed_{false};
+  std::uint64_t id_;
+};
+
+// Validates a request size; returns it. Throws InvalidArgument with the figure.
+std::size_t check_request(std::size_t nbytes);
+
+}  // namespace poolkeeper

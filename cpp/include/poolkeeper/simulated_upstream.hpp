@@ -1,0 +1,81 @@
+// Simulated: a device that does not exist, so CI can test device logic without a GPU.
+//
+// - Addresses are fake and never touched: they come from a 64 TiB virtual range, so a GB-scale
+//   high-water mark costs nothing. A capacity (default 140 GiB, an H200) is enforced, so upstream
+//   exhaustion is real.
+// - Latency: each call busy-waits a calibrated time. The "h200" model is fitted on
+//   shared/anchors/native.txt: a cudaMalloc+cudaFree pair costs 86.1 us + 0.787 us per MiB
+//   (1 MiB: 86.9 us, 1 GiB: 892 us), split evenly between the two calls. latency_us=x makes every
+//   call cost x us (0 for fast tests).
+// - Streams and events run on a deterministic virtual clock (microseconds): enqueue(s, work)
+//   makes stream s busy until max(now, busy(s)) + work; an event recorded on s completes when the
+//   clock reaches the busy time of s at recording; advance() moves the clock; synchronize() jumps
+//   it to the end of all enqueued work. Any stream id may be used; unknown ids are idle streams.
+//
+// Thread safety: all members may be called concurrently (one internal mutex).
+#pragma once
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "poolkeeper/upstream.hpp"
+
+namespace poolkeeper {
+
+struct LatencyModel {
+  double alloc_base_us = 0, alloc_per_mib_us = 0, free_base_us = 0, free_per_mib_us = 0;
+  static LatencyModel none() { return {}; }
+  static LatencyModel fixed(double us) { return {us, 0, us, 0}; }
+  static LatencyModel h200() { return {43.05, 0.3935, 43.05, 0.3935}; }
+  double alloc_us(std::size_t n) const { return alloc_base_us + alloc_per_mib_us * double(n) / 1048576.0; }
+  double free_us(std::size_t n) const { return free_base_us + free_per_mib_us * double(n) / 1048576.0; }
+};
+
+class SimulatedUpstream final : public Upstream {
+ public:
+  explicit SimulatedUpstream(LatencyModel model = LatencyModel::h200(),
+                             std::size_t capacity = std::size_t{140} << 30, std::size_t alignment = 256);
+  std::string name() const override { return "Simulated"; }
+  MemoryKind kind() const override { return MemoryKind::Device; }
+  std::size_t alignment() const override { return alignment_; }
+  const LatencyModel& model() const { return model_; }
+  std::size_t capacity() const { return capacity_; }
+
+  // --- the virtual device ---
+  Stream new_stream();
+  void enqueue(Stream s, double work_us);
+  void advance(double us);
+  double now() const;
+  double stream_busy_until(Stream s) const;
+  std::size_t live_events() const;
+
+  bool streams_supported() const override { return true; }
+  EventId record_event(Stream s) override;
+  bool query_event(EventId e) override;
+  void wait_event(EventId e) override;
+  void release_event(EventId e) override;
+  void synchronize() override;
+
+ protected:
+  void* do_allocate(std::size_t nbytes) override;
+  void do_deallocate(void* p, std::size_t nbytes) override;
+
+ private:
+  double busy_locked(Stream s) const;
+  LatencyModel model_;
+  std::size_t capacity_, alignment_;
+  mutable std::mutex mu_;
+  std::uintptr_t next_addr_;
+  std::size_t used_ = 0;
+  std::map<std::uintptr_t, std::size_t> live_;  // validates every free the pools make
+  double now_ = 0;
+  Stream next_stream_ = 1;
+  std::unordered_map<Stream, double> busy_;
+  std::vector<double> event_time_;  // index = id - 1; <0 = released
+  std::vector<EventId> free_events_;
+};
+
+void busy_wait_us(double us);
+
+}  // namespace poolkeeper

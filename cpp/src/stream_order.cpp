@@ -1,0 +1,183 @@
+#include "poolkeeper/stream_order.hpp"
+
+#include <algorithm>
+#include <map>
+
+namespace poolkeeper {
+
+StreamOrder::~StreamOrder() {
+  for (Lane& l : lanes_)
+    for (auto& f : l.fences) up_->release_event(f.event);
+}
+
+StreamOrder::Lane& StreamOrder::lane_for(Stream s) {
+  for (Lane& l : lanes_)
+    if (l.stream == s) return l;
+  lanes_.emplace_back();
+  lanes_.back().stream = s;
+  return lanes_.back();
+}
+
+void StreamOrder::defer(BlockRecord* b, Stream s) {
+  b->set(ChunkState::Pending);
+  b->last_stream = s;
+  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+  bytes_ += b->size;
+  ++blocks_;
+  const bool multi = b->used_on && !b->used_on->empty();
+  if (multi) {
+    // Used on several streams: record one event per stream now, at release, where stream order
+    // guarantees each covers that stream's use of the block.
+    b->lane = kMultiLane;
+    b->events = new std::vector<EventId>();
+    b->events->reserve(b->used_on->size() + 1);
+    if (s != kNoStream) b->events->push_back(up_->record_event(s));
+    for (Stream u : *b->used_on)
+      if (u != s) b->events->push_back(up_->record_event(u));
+    b->pend_next = multi_head_;
+    if (multi_head_) multi_head_->pend_prev = b;
+    multi_head_ = b;
+    return;
+  }
+  // Index of the lane: lanes_ is append-only while the pool lives, so the index is stable.
+  Lane& l = lane_for(s);
+  b->lane = static_cast<std::uint32_t>(&l - lanes_.data());
+  b->pend_seq = l.next_seq++;
+  b->pend_prev = l.tail;
+  if (l.tail) l.tail->pend_next = b;
+  else l.head = b;
+  l.tail = b;
+  List& sl = l.by_size[b->size];
+  b->size_prev = sl.tail;
+  if (sl.tail) sl.tail->size_next = b;
+  else sl.head = b;
+  sl.tail = b;
+  l.bytes += b->size;
+  ++l.blocks;
+}
+
+void StreamOrder::unlink(Lane& l, BlockRecord* b) {
+  if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
+  else l.head = b->pend_next;
+  if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
+  else l.tail = b->pend_prev;
+  auto it = l.by_size.find(b->size);
+  List& sl = it->second;
+  if (b->size_prev) b->size_prev->size_next = b->size_next;
+  else sl.head = b->size_next;
+  if (b->size_next) b->size_next->size_prev = b->size_prev;
+  else sl.tail = b->size_prev;
+  // Keep empty size lists while few, so a steady workload never touches the heap here.
+  if (!sl.head && l.by_size.size() > 256) l.by_size.erase(it);
+  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+  l.bytes -= b->size;
+  --l.blocks;
+  bytes_ -= b->size;
+  --blocks_;
+}
+
+void StreamOrder::unlink_multi(BlockRecord* b) {
+  if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
+  else multi_head_ = b->pend_next;
+  if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
+  b->pend_prev = b->pend_next = nullptr;
+  bytes_ -= b->size;
+  --blocks_;
+}
+
+bool StreamOrder::multi_ready(BlockRecord* b, bool wait) {
+  for (EventId e : *b->events) {
+    if (wait) up_->wait_event(e);
+    if (!up_->query_event(e)) return false;
+  }
+  return true;
+}
+
+void StreamOrder::release_multi_events(BlockRecord* b) {
+  for (EventId e : *b->events) up_->release_event(e);
+  delete b->events;
+  b->events = nullptr;
+}
+
+BlockRecord* StreamOrder::take_for_stream(Stream s, std::size_t size) {
+  for (Lane& l : lanes_) {
+    if (l.stream != s) continue;
+    if (!l.blocks) return nullptr;
+    auto it = l.by_size.find(size);
+    if (it == l.by_size.end() || !it->second.tail) return nullptr;
+    BlockRecord* b = it->second.tail;  // most recent: likeliest still warm
+    unlink(l, b);
+    ++same_stream_reuses_;
+    return b;
+  }
+  return nullptr;
+}
+
+std::vector<std::pair<Stream, std::size_t>> StreamOrder::by_stream() const {
+  std::map<Stream, std::size_t> m;
+  for (const Lane& l : lanes_)
+    if (l.bytes) m[l.stream] += l.bytes;
+  for (BlockRecord* b = multi_head_; b; b = b->pend_next) m[b->last_stream] += b->size;
+  return {m.begin(), m.end()};
+}
+
+void StreamOrder::describe(const BlockRecord* b, std::vector<Stream>& waits_on, EventId& event) const {
+  waits_on.clear();
+  event = kNullEvent;
+  if (b->lane == kMultiLane) {
+    if (b->last_stream != kNoStream) waits_on.push_back(b->last_stream);
+    if (b->used_on)
+      for (Stream u : *b->used_on)
+        if (u != b->last_stream) waits_on.push_back(u);
+    if (b->events && !b->events->empty()) event = b->events->front();
+    return;
+  }
+  const Lane& l = lanes_[b->lane];
+  waits_on.push_back(l.stream);
+  for (const Fence& f : l.fences)
+    if (b->pend_seq <= f.last_seq) {
+      event = f.event;
+      break;
+    }
+}
+
+void StreamOrder::validate() const {
+  std::size_t bytes = 0, blocks = 0;
+  for (const Lane& l : lanes_) {
+    std::size_t lb = 0, ln = 0;
+    const BlockRecord* prev = nullptr;
+    std::uint64_t seq = 0;
+    for (const BlockRecord* b = l.head; b; b = b->pend_next) {
+      if (b->pend_prev != prev) throw InvariantViolation("stream order: broken lane links");
+      if (b->st() != ChunkState::Pending) throw InvariantViolation("stream order: non-pending block in a lane");
+      if (b->pend_seq <= seq) throw InvariantViolation("stream order: lane out of release order");
+      seq = b->pend_seq;
+      lb += b->size;
+      ++ln;
+      prev = b;
+    }
+    if (prev != l.tail) throw InvariantViolation("stream order: lane tail mismatch");
+    if (lb != l.bytes || ln != l.blocks) throw InvariantViolation("stream order: lane totals mismatch");
+    std::size_t sn = 0;
+    for (auto& [sz, sl] : l.by_size)
+      for (const BlockRecord* b = sl.head; b; b = b->size_next) {
+        if (b->size != sz) throw InvariantViolation("stream order: block in the wrong size list");
+        ++sn;
+      }
+    if (sn != ln) throw InvariantViolation("stream order: size index does not match the lane");
+    bytes += lb;
+    blocks += ln;
+  }
+  for (const BlockRecord* b = multi_head_; b; b = b->pend_next) {
+    if (b->st() != ChunkState::Pending || !b->events)
+      throw InvariantViolation("stream order: bad multi-stream pending block");
+    bytes += b->size;
+    ++blocks;
+  }
+  if (bytes != bytes_ || blocks != blocks_)
+    throw InvariantViolation("stream order: pending totals " + std::to_string(bytes_) + " B / " +
+                             std::to_string(blocks_) + " blocks, lanes hold " + std::to_string(bytes) + " B / " +
+                             std::to_string(blocks) + " blocks");
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,102 @@
+#include "poolkeeper/upstream.hpp"
+
+#include <chrono>
+#include <cstdio>
+
+namespace poolkeeper {
+
+namespace {
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+}  // namespace
+
+void* Upstream::allocate(std::size_t nbytes) {
+  const auto t0 = now_ns();
+  void* p = nullptr;
+  try {
+    p = do_allocate(nbytes);
+  } catch (...) {
+    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
+    alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+  bytes_allocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  const auto out = outstanding_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  auto peak = peak_outstanding_.load(std::memory_order_relaxed);
+  while (out > peak && !peak_outstanding_.compare_exchange_weak(peak, out, std::memory_order_relaxed)) {
+  }
+  return p;
+}
+
+void Upstream::deallocate(void* p, std::size_t nbytes) {
+  const auto t0 = now_ns();
+  try {
+    do_deallocate(p, nbytes);
+  } catch (...) {
+    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
+    dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  deallocations_.fetch_add(1, std::memory_order_relaxed);
+  bytes_deallocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  outstanding_.fetch_sub(nbytes, std::memory_order_relaxed);
+}
+
+UpstreamCounters Upstream::counters() const {
+  UpstreamCounters c;
+  c.allocations = allocations_.load(std::memory_order_relaxed);
+  c.deallocations = deallocations_.load(std::memory_order_relaxed);
+  c.bytes_allocated = bytes_allocated_.load(std::memory_order_relaxed);
+  c.bytes_deallocated = bytes_deallocated_.load(std::memory_order_relaxed);
+  c.outstanding_bytes = outstanding_.load(std::memory_order_relaxed);
+  c.peak_outstanding_bytes = peak_outstanding_.load(std::memory_order_relaxed);
+  c.alloc_ns = alloc_ns_.load(std::memory_order_relaxed);
+  c.dealloc_ns = dealloc_ns_.load(std::memory_order_relaxed);
+  c.failed_allocations = failed_allocations_.load(std::memory_order_relaxed);
+  c.failed_deallocations = failed_deallocations_.load(std::memory_order_relaxed);
+  return c;
+}
+
+void Upstream::reset_counters() {
+  // Outstanding bytes are state, not history: they survive a reset (peak restarts from them).
+  allocations_ = 0;
+  deallocations_ = 0;
+  bytes_allocated_ = 0;
+  bytes_deallocated_ = 0;
+  peak_outstanding_ = outstanding_.load();
+  alloc_ns_ = 0;
+  dealloc_ns_ = 0;
+  failed_allocations_ = 0;
+  failed_deallocations_ = 0;
+}
+
+std::string format_bytes(std::size_t n) {
+  char buf[64];
+  const double d = static_cast<double>(n);
+  if (n >= (std::size_t{1} << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", d / double(1u << 30));
+  else if (n >= (std::size_t{1} << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", d / double(1u << 20));
+  else if (n >= (std::size_t{1} << 10)) std::snprintf(buf, sizeof buf, "%.2f KiB", d / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%zu B", n);
+  return buf;
+}
+
+std::string format_stream(Stream s) {
+  if (s == kNoStream) return "none";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(s));
+  return buf;
+}
+
+std::string format_ptr(std::uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,63 @@
+"""poolkeeper: device memory pools for Python inference runtimes.
+
+Allocation on the hot path costs tens of nanoseconds, every byte is accounted for
+(``reserved == live + free + pending + overhead``), and an out-of-memory error says why.
+
+    >>> import poolkeeper as pk
+    >>> pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+    >>> p = pool.allocate(1 << 20)
+    >>> pool.deallocate(p)
+    >>> pool.validate()
+"""
+from __future__ import annotations
+
+from poolkeeper import _core, errors, upstream
+from poolkeeper.errors import (
+    CudaUnavailableError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    InvalidStreamError,
+    LiveBlocksError,
+    OutOfMemoryError,
+    PoolClosedError,
+    PoolkeeperError,
+    UpstreamError,
+)
+from poolkeeper.pools import ArenaPool, Direct, SizeClassPool, make_pool
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Heavier or optional parts load on first use: importing poolkeeper stays cheap and never
+    # imports torch, cupy or the CUDA driver.
+    if name in ("PinnedStagingPool", "CopyCompleted"):
+        from poolkeeper import staging
+
+        return getattr(staging, name)
+    if name in ("accounting", "staging", "cuda", "lab", "streams"):
+        import importlib
+
+        return importlib.import_module(f"poolkeeper.{name}")
+    raise AttributeError(f"module 'poolkeeper' has no attribute {name!r}")
+
+
+__all__ = [
+    "ArenaPool",
+    "SizeClassPool",
+    "Direct",
+    "make_pool",
+    "upstream",
+    "errors",
+    "PoolkeeperError",
+    "OutOfMemoryError",
+    "InvalidPointerError",
+    "InvalidArgumentError",
+    "InvalidStreamError",
+    "UpstreamError",
+    "CudaUnavailableError",
+    "PoolClosedError",
+    "LiveBlocksError",
+    "PinnedStagingPool",
+    "CopyCompleted",
+]

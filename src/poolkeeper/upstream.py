@@ -1,0 +1,82 @@
+"""Upstreams: where a pool's backing memory comes from.
+
+Every upstream counts its calls (``counters()``: allocations, deallocations, bytes, outstanding
+bytes, cumulative ns). On a device the call count *is* the cost, and it carries no machine noise.
+
+- :class:`Host`: aligned host memory.
+- :class:`Simulated`: a fake device (never-touched addresses, calibrated latency, virtual streams
+  and events), so CI tests device logic without a GPU.
+- ``CudaDevice``, ``CudaAsync``, ``CudaPinned``: the CUDA driver API, loaded at run time
+  (see :mod:`poolkeeper.cuda`). Importing this module never needs CUDA.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from poolkeeper import _core
+
+Upstream = _core.Upstream
+
+
+class Host(_core.HostUpstream):
+    """Aligned host memory from the C heap.
+
+    Args:
+        alignment: power of two, at least the pointer size (default 256).
+    """
+
+    def __init__(self, alignment: int = 256) -> None:
+        super().__init__(alignment)
+
+    def __repr__(self) -> str:
+        return f"Host(alignment={self.alignment})"
+
+
+class Simulated(_core.SimulatedUpstream):
+    """A simulated device for testing device logic without a GPU.
+
+    Addresses come from a 64 TiB fake range and are never touched, so a GB-scale high-water mark
+    costs nothing; ``capacity`` (default 140 GiB, an H200) is enforced.
+
+    Latency: ``latency="h200"`` (default) busy-waits the H200-calibrated cost of cudaMalloc /
+    cudaFree (a pair costs 86.1 us + 0.787 us per MiB, fitted on ``shared/anchors/native.txt``);
+    ``latency_us=x`` makes every call cost ``x`` microseconds (``0`` for fast tests);
+    ``latency="none"`` is the same as ``latency_us=0``.
+
+    The virtual device (deterministic, in microseconds):
+
+    - ``stream()`` returns a new stream handle (an int); any int is accepted as a stream.
+    - ``enqueue(stream, work_us)``: the stream is busy until ``max(now, busy) + work_us``.
+    - ``record_event(stream)``: an event completing when the clock reaches the stream's busy time.
+    - ``query_event(event)``, ``wait_event(event)``, ``advance(us)``, ``synchronize()``, ``now``.
+    """
+
+    def __init__(
+        self,
+        latency: Optional[str] = "h200",
+        latency_us: Optional[float] = None,
+        capacity: Optional[int] = None,
+        alignment: int = 256,
+    ) -> None:
+        super().__init__(latency, latency_us, capacity, alignment)
+
+    def __repr__(self) -> str:
+        m = self.latency_model
+        return f"Simulated(alloc={m['alloc_base_us']:.1f}us+{m['alloc_per_mib_us']:.3f}us/MiB, capacity={self.capacity})"
+
+
+def __getattr__(name: str):
+    # CUDA upstreams live in poolkeeper.cuda; resolved lazily so importing this module never
+    # touches the driver.
+    if name in ("CudaDevice", "CudaAsync", "CudaPinned"):
+        from poolkeeper.cuda import upstreams as _cu
+
+        return getattr(_cu, name)
+    if name == "Faulty":
+        from poolkeeper.faulty import Faulty
+
+        return Faulty
+    raise AttributeError(f"module 'poolkeeper.upstream' has no attribute {name!r}")
+
+
+__all__ = ["Upstream", "Host", "Simulated", "CudaDevice", "CudaAsync", "CudaPinned", "Faulty"]
