@@ -14,6 +14,8 @@ using detail::ArenaBacking;
 using detail::ArenaChunk;
 using detail::ThreadCache;
 
+static bool wholly_free(const ArenaBacking* b);
+
 ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
     : Pool(std::move(upstream)), opt_(opt), index_(opt.alignment), order_(upstream_.get()) {
   if (!is_pow2(opt_.alignment))
@@ -52,7 +54,7 @@ ArenaPool::~ArenaPool() {
     } catch (...) {
     }
     for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
-      if (b->first && !b->first->next_addr && b->first->st() == ChunkState::Free) release_backing_locked(b, out);
+      if (wholly_free(b)) release_backing_locked(b, out);
     }
   }
   for (auto& [p, n] : out) {
@@ -94,6 +96,7 @@ void* ArenaPool::make_live_locked(ArenaChunk* c, std::size_t nbytes, Stream s) {
 
 void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
+    c->set(ChunkState::Live);  // before filing the remainder: c is not a merge partner
     ArenaChunk* rest = chunk_nodes_.create();
     rest->addr = c->addr + rounded;
     rest->size = c->size - rounded;
@@ -198,9 +201,14 @@ ArenaChunk* ArenaPool::grow_locked(std::size_t rounded) {
 }
 
 void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
-  ArenaChunk* c = b->first;
-  index_.remove(c);
-  chunk_nodes_.destroy(c);
+  // Every chunk is free (not necessarily merged: a shrink scan does not coalesce, so it never
+  // destroys the exact-size chunks a steady workload is reusing).
+  for (ArenaChunk* c = b->first; c;) {
+    ArenaChunk* n = c->next_addr;
+    index_.remove(c);
+    chunk_nodes_.destroy(c);
+    c = n;
+  }
   backings_.erase(std::find(backings_.begin(), backings_.end(), b));
   reserved_ -= b->size;
   if (!b->oversize) --ramp_backings_;
@@ -210,14 +218,18 @@ void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
   delete b;
 }
 
+static bool wholly_free(const ArenaBacking* b) {
+  for (const ArenaChunk* c = b->first; c; c = c->next_addr)
+    if (c->st() != ChunkState::Free) return false;
+  return true;
+}
+
 // Release wholly free, non-resident backings: all of them (trim) or those wholly free for
 // shrink_hysteresis consecutive scans (automatic shrink). Returns bytes detached.
 std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteresis) {
-  coalesce_locked();
   std::size_t bytes = 0;
   for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
-    const bool wholly_free = b->first && !b->first->next_addr && b->first->st() == ChunkState::Free;
-    if (!wholly_free || b->resident) {
+    if (b->resident || !wholly_free(b)) {
       b->free_scans = 0;
       continue;
     }
