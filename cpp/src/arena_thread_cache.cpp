@@ -127,6 +127,8 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   ArenaChunk* c = nullptr;
   if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c)) return false;  // the locked path explains
   if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
+  // Released on a stream other than its own: it must also wait for the allocating stream.
+  if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
   if (tc->bytes + c->size > opt_.thread_cache_bytes) return false;
   ThreadCache::Bin* slot = nullptr;
   ThreadCache::Bin* empty = nullptr;
