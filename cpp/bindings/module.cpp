@@ -9,4 +9,5 @@ NB_MODULE(_core, m) {
   bind_pools(m);
   bind_cuda(m);
   bind_capi(m);
+  { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
 }

@@ -1,0 +1,48 @@
+#include "poolkeeper/faulty_upstream.hpp"
+
+#include <algorithm>
+
+namespace poolkeeper {
+
+FaultyUpstream::FaultyUpstream(std::shared_ptr<Upstream> inner, FaultPlan plan)
+    : inner_(std::move(inner)), plan_(std::move(plan)), armed_(plan_.armed) {
+  if (!inner_) throw InvalidArgument("Faulty needs an inner upstream");
+  std::sort(plan_.fail_at.begin(), plan_.fail_at.end());
+  plan_.fail_at.erase(std::unique(plan_.fail_at.begin(), plan_.fail_at.end()), plan_.fail_at.end());
+}
+
+bool FaultyUpstream::should_fail(std::uint64_t index, std::size_t nbytes) const {
+  if (!armed()) return false;
+  if (plan_.fail_every && (index + 1) % plan_.fail_every == 0) return true;
+  if (plan_.fail_bytes_over && nbytes > plan_.fail_bytes_over) return true;
+  return std::binary_search(plan_.fail_at.begin(), plan_.fail_at.end(), index);
+}
+
+void* FaultyUpstream::do_allocate(std::size_t nbytes) {
+  const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
+  if (should_fail(i, nbytes)) {
+    injected_allocs_.fetch_add(1, std::memory_order_relaxed);
+    const std::string what = "injected fault: allocation #" + std::to_string(i) + " of " + format_bytes(nbytes) +
+                             " refused by " + name();
+    if (plan_.error == FaultPlan::Error::Oom)
+      throw UpstreamOutOfMemory(what, name(), "POOLKEEPER_INJECTED_OOM", kInjectedCode);
+    throw UpstreamFailure(what, name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
+  }
+  return inner_->allocate(nbytes);
+}
+
+void FaultyUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  if (plan_.fail_frees) {
+    const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
+    if (should_fail(i, nbytes)) {
+      injected_frees_.fetch_add(1, std::memory_order_relaxed);
+      throw UpstreamFailure("injected fault: free #" + std::to_string(i) + " of " +
+                                format_ptr(reinterpret_cast<std::uintptr_t>(p)) + " (" + format_bytes(nbytes) +
+                                ") refused by " + name(),
+                            name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
+    }
+  }
+  inner_->deallocate(p, nbytes);
+}
+
+}  // namespace poolkeeper
