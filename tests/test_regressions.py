@@ -1,0 +1,109 @@
+"""Regression tests for core bugs found by the hardening work (fuzzing, stress, fault injection),
+each named after what broke. xfail(strict=True) while the fix is not on main: once it lands the
+test passes, strict xfail turns that into a failure, and the marker must come off.
+
+Native-only findings (a crash or deadlock between threads) have their regression checks in
+cpp/tests/stress.cpp (--scenario registry / thread-exit) and cpp/tests/fuzz_regressions/, run by
+tools/sanitize.sh --strict; see docs/hardening.md.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import poolkeeper as pk
+
+_M = (1 << 64) - 1
+
+
+def _home_slot(key: int, capacity: int) -> int:
+    """PointerTable::hash(key) & (capacity - 1), as in cpp/include/poolkeeper/detail/pointer_table.hpp."""
+    key ^= key >> 29
+    key = (key * 0xBF58476D1CE4E5B9) & _M
+    key ^= key >> 32
+    return key & (capacity - 1)
+
+
+def _capacity_after_inserts(n: int) -> int:
+    c = 64  # inserts only: the table doubles when its live keys would pass a quarter
+    while n * 4 > c:
+        c *= 2
+    return c
+
+
+def _erase_a_block_in_pointer_one_home_slot(pool):
+    """Allocate until a block shares pointer 0x1's home slot in the pool's pointer table, then free
+    it: the erase leaves a tombstone (key 1, the erased record still in the slot) on 0x1's probe
+    path. Returns the blocks still live."""
+    live = []
+    while True:
+        b = pool.allocate(4096)
+        live.append(b)
+        cap = pool.stats().get("table_capacity") or _capacity_after_inserts(len(live))
+        if _home_slot(b, cap) == _home_slot(1, cap):
+            break
+    pool.deallocate(live.pop())
+    if isinstance(pool, pk.ArenaPool):
+        pool.flush_thread_cache()
+    return live
+
+
+@pytest.mark.xfail(strict=True, reason="PointerTable::find() matches key 0x1 against a tombstone (kTomb == 1) and "
+                   "returns the erased block's record; fix: find/erase refuse keys <= kTomb")
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_regression_free_of_pointer_one_matches_a_tombstone(kind):
+    up = pk.upstream.Simulated(latency_us=0)
+    pool = {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}[kind](up)
+    live = _erase_a_block_in_pointer_one_home_slot(pool)
+    with pytest.raises(pk.errors.InvalidPointerError) as ei:
+        pool.deallocate(1)
+    assert ei.value.reason == "unknown"
+    assert up.counters()["failed_deallocations"] == 0  # no upstream free of 0x1 was attempted
+    assert pool.stats()["live_blocks"] == len(live)
+    pool.validate()
+
+
+_NULL_FREE = """
+import poolkeeper as pk
+pool = pk.ArenaPool(pk.upstream.Host())
+pool.deallocate(pool.allocate(1000))  # this thread now has a cache: the lock-free path runs first
+try:
+    pool.deallocate(0)
+except pk.errors.InvalidPointerError as e:
+    print("reason", e.reason)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="ArenaPool::try_deallocate_fast(nullptr) looks key 0 (kEmpty) up in the "
+                   "pointer table, matches an empty slot and dereferences its null record (SIGSEGV)")
+def test_regression_null_free_with_warm_thread_cache():
+    # In a child process: today this kills the interpreter.
+    r = subprocess.run([sys.executable, "-c", _NULL_FREE], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"child died with {r.returncode}: {r.stderr[-500:]}"
+    assert r.stdout.strip() == "reason null"
+
+
+@pytest.mark.xfail(strict=True, reason="SizeClassPool claims reserved bytes before its upstream call and counts "
+                   "them nowhere else, so stats() during a miss breaks reserved == live+free+pending+overhead")
+def test_regression_size_class_stats_balance_during_an_upstream_call():
+    up = pk.upstream.Simulated(latency_us=100_000)  # every upstream call busy-waits 0.1 s
+    pool = pk.SizeClassPool(up)
+    done = threading.Event()
+    broken = []
+
+    def misses():
+        for k in range(3):  # three distinct classes: three upstream calls, GIL released in each
+            pool.allocate((1 + k) << 20)
+        done.set()
+
+    t = threading.Thread(target=misses)
+    t.start()
+    while not done.is_set():
+        st = pool.stats()
+        if st["reserved_bytes"] != st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"]:
+            broken.append(st["reserved_bytes"] - st["live_bytes"] - st["overhead_bytes"])
+    t.join()
+    assert not broken, f"{len(broken)} stats() readings off balance (by {sorted(set(broken))[:3]} B)"

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Hardening stages (CI runs this from .ci/run): the native stress test under AddressSanitizer +
+# UndefinedBehaviorSanitizer and, in a separate build, under ThreadSanitizer; the fuzz target on
+# random inputs under ASan+UBSan; then a short coverage-guided libFuzzer run (tools/fuzz.sh).
+# Any sanitizer report, stress failure or fuzz finding stops the script with a nonzero status.
+#
+#   tools/sanitize.sh            CI size: fits 2 cores, about 4 minutes from a clean tree
+#   tools/sanitize.sh --strict   also the checks of known open core bugs (see "Known" below)
+#
+# Environment: BUILD_ROOT (build/sanitize), JOBS (2), FUZZ_SECONDS (30), SKIP_FUZZ=1,
+# REQUIRE_FUZZ=1 (fail instead of skipping when clang cannot be had).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+strict=0
+[ "${1:-}" = "--strict" ] && strict=1
+root=${BUILD_ROOT:-build/sanitize}
+jobs=${JOBS:-2}
+gen=()
+command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+
+# Known open core issues, reported to the lead (docs/hardening.md, "Findings"). Until each fix is
+# on main, the CI run steps around it and --strict checks it; delete an entry together with its
+# fix so CI checks it from then on.
+known_stress=(--allow snapshot-race --allow inflight-reserved)  # stress ops that hit an open issue
+known_scenarios=(registry thread-exit)                          # stress scenarios that fail today
+known_inputs=cpp/tests/fuzz_regressions                         # fuzz crash inputs, replayed
+export FUZZ_ALLOW=sentinel-keys                                 # fuzz target step-arounds
+if [ $strict = 1 ]; then
+  known_stress=()
+  export FUZZ_ALLOW=
+fi
+
+stage() { printf '\n== %s\n' "$*"; }
+build() {  # dir sanitizers extra-cxx-flags
+  cmake -S . -B "$root/$1" "${gen[@]}" -DPOOLKEEPER_PYTHON=OFF -DPOOLKEEPER_NATIVE_TESTS=ON \
+    -DPOOLKEEPER_SANITIZE="$2" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="$3" >/dev/null
+  cmake --build "$root/$1" -j "$jobs" >/dev/null
+}
+t0=$SECONDS
+
+stage "ASan+UBSan: build (-fno-sanitize-recover=all)"
+build asan address,undefined "-fno-sanitize-recover=all"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:allocator_may_return_null=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+stage "ASan+UBSan: stress"
+"$root/asan/stress" --threads 8 --ops 20000 --seed 1 "${known_stress[@]}"
+"$root/asan/stress" --threads 32 --ops 2000 --seed 2 "${known_stress[@]}"
+stage "ASan+UBSan: fuzz target on random inputs and the seed corpus"
+"$root/asan/fuzz_pools" --random 10000 --seed 1 cpp/tests/fuzz_corpus
+if [ $strict = 1 ]; then
+  stage "ASan+UBSan: known open issues (--strict)"
+  "$root/asan/fuzz_pools" "$known_inputs"
+  for s in "${known_scenarios[@]}"; do "$root/asan/stress" --scenario "$s" --ops 40000; done
+fi
+
+stage "TSan: build"
+build tsan thread ""
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+stage "TSan: stress"
+"$root/tsan/stress" --threads 8 --ops 8000 --seed 3 "${known_stress[@]}"
+"$root/tsan/stress" --threads 32 --ops 1000 --seed 4 "${known_stress[@]}"
+if [ $strict = 1 ]; then
+  stage "TSan: known open issues (--strict)"
+  for s in "${known_scenarios[@]}"; do "$root/tsan/stress" --scenario "$s" --ops 4000; done
+fi
+
+if [ "${SKIP_FUZZ:-0}" = 1 ]; then
+  stage "libFuzzer: skipped (SKIP_FUZZ=1)"
+elif command -v clang++ >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && apt-get install -y -q clang >/dev/null 2>&1; }; then
+  stage "libFuzzer: ${FUZZ_SECONDS:-30} s"
+  mkdir -p "$root"
+  if ! FUZZ_BUILD="$root/fuzz" tools/fuzz.sh "${FUZZ_SECONDS:-30}" >"$root/fuzz.log" 2>&1; then
+    tail -n 60 "$root/fuzz.log"
+    echo "libFuzzer: finding (input saved under $root/fuzz/artifacts/)" >&2
+    exit 1
+  fi
+  grep -E "^(#[0-9]+ +DONE|Done |stat::number_of_executed_units|stat::new_units_added)" "$root/fuzz.log" || true
+else
+  [ "${REQUIRE_FUZZ:-0}" = 1 ] && { echo "libFuzzer: clang++ unavailable" >&2; exit 1; }
+  stage "libFuzzer: SKIPPED -- clang++ unavailable (apt-get install clang); the random-input stage above ran"
+fi
+
+printf '\nsanitize: all stages clean (%d s)\n' $((SECONDS - t0))
