@@ -15,7 +15,7 @@ secs=${1:-60}
 [ $# -gt 0 ] && shift
 out=${FUZZ_BUILD:-build/fuzz}
 cxx=${FUZZ_CXX:-clang++}
-export FUZZ_ALLOW=${FUZZ_ALLOW-sentinel-keys}
+export FUZZ_ALLOW=${FUZZ_ALLOW-sentinel-keys,limit-readopt}
 
 if ! command -v "$cxx" >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
