@@ -4,7 +4,7 @@
 # random inputs under ASan+UBSan; then a short coverage-guided libFuzzer run (tools/fuzz.sh).
 # Any sanitizer report, stress failure or fuzz finding stops the script with a nonzero status.
 #
-#   tools/sanitize.sh            CI size: fits 2 cores, about 4 minutes from a clean tree
+#   tools/sanitize.sh            CI size: fits 2 cores, about 3 minutes from a clean tree
 #   tools/sanitize.sh --strict   also the checks of known open core bugs (see "Known" below)
 #
 # Environment: BUILD_ROOT (build/sanitize), JOBS (2), FUZZ_SECONDS (30), SKIP_FUZZ=1,
@@ -46,10 +46,11 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --threads 8 --ops 20000 --seed 1 "${known_stress[@]}"
 "$root/asan/stress" --threads 32 --ops 2000 --seed 2 "${known_stress[@]}"
 stage "ASan+UBSan: fuzz target on random inputs and the seed corpus"
-"$root/asan/fuzz_pools" --random 10000 --seed 1 cpp/tests/fuzz_corpus
+# (ASan warns on each absurd-but-legal host request it refuses; the upstream turns that into OOM.)
+"$root/asan/fuzz_pools" --random 10000 --seed 1 cpp/tests/fuzz_corpus 2>&1 | grep -v "failed to allocate 0x"
 if [ $strict = 1 ]; then
   stage "ASan+UBSan: known open issues (--strict)"
-  "$root/asan/fuzz_pools" "$known_inputs"
+  "$root/asan/fuzz_pools" "$known_inputs" 2>&1 | grep -v "failed to allocate 0x"
   for s in "${known_scenarios[@]}"; do "$root/asan/stress" --scenario "$s" --ops 40000; done
 fi
 
