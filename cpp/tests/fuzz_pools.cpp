@@ -55,6 +55,11 @@ namespace {
     if (!(cond)) finding(#cond, ##__VA_ARGS__);  \
   } while (0)
 
+// Totals for the replay driver's summary line.
+struct Totals {
+  std::uint64_t ops = 0, bad_inputs = 0, typed_errors = 0, faults = 0, ooms = 0;
+} g_tot;
+
 struct Reader {
   const std::uint8_t* d;
   std::size_t n, i = 0;
@@ -140,6 +145,7 @@ class Session {
     for (int ops = 0; ops < 400 && !r_.empty() && !closed_; ++ops) {
       const std::uint8_t op = r_.u8();
       step(op);
+      ++g_tot.ops;
       if (allow().trace) {
         const PoolStats st = pool_->stats();
         std::fprintf(stderr, "op %2d: reserved %zu live %zu free %zu pending %zu backings %zu | armed %d injected %llu\n",
@@ -316,7 +322,9 @@ class Session {
       add_live(p, n, s);
     } catch (const InvalidArgument&) {
       CHECK(n == 0 || n > kMaxRequest, "InvalidArgument for a valid size " + std::to_string(n));
+      ++g_tot.bad_inputs, ++g_tot.typed_errors;
     } catch (const OutOfMemory& e) {
+      ++g_tot.ooms;
       // Legitimate only when something can run out: a huge request, the limit, the simulated
       // capacity, or an injected refusal.
       CHECK(n > (std::size_t{1} << 20) || kind_ == Kind::ArenaTiny || faults_possible() ||
@@ -377,11 +385,13 @@ class Session {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     if (live_.count(a)) return;
     const Books before = books();
+    ++g_tot.bad_inputs;
     const bool fast = (r_.u8() & 1) && !(a == 0 && allow().sentinel_keys);
     try {
       if (!(fast && pool_->try_deallocate_fast(p, kNoStream))) pool_->deallocate(p, kNoStream);
       finding("a bad free was accepted", format_ptr(a) + " kind " + std::to_string(int(kind_)));
     } catch (const InvalidPointer& e) {
+      ++g_tot.typed_errors;
       if (expect) CHECK(e.reason == expect, "bad free reason '" + e.reason + "', expected '" + expect + "': " + e.what());
       CHECK(e.reason == "null" || e.reason == "unknown" || e.reason == "double_free" || e.reason == "interior" ||
                 e.reason == "other_pool",
@@ -398,12 +408,14 @@ class Session {
       return;
     }
     const Books before = books();
+    ++g_tot.bad_inputs;
     std::uintptr_t bad = r_.u64() | 1;
     if (bad == 1 && allow().sentinel_keys) bad = 3;
     try {
       pool_->record_stream(reinterpret_cast<void*>(bad), s);
       finding("record_stream on a non-block was accepted", format_ptr(bad));
     } catch (const InvalidPointer&) {
+      ++g_tot.typed_errors;
     }
     CHECK(books() == before, "a refused record_stream changed the books");
   }
@@ -445,6 +457,7 @@ class Session {
     try {
       pool_->close();
     } catch (const LiveBlocksAtClose& e) {
+      ++g_tot.bad_inputs, ++g_tot.typed_errors;
       CHECK(!live_.empty() && e.blocks == live_.size() && e.bytes == live_bytes_, "LiveBlocksAtClose figures wrong");
       CHECK(!pool_->closed() && books() == before, "a refused close changed the pool");
       return;
@@ -452,21 +465,26 @@ class Session {
     CHECK(live_.empty(), "close() succeeded with live blocks");
     CHECK(pool_->closed(), "close() did not close");
     closed_ = true;
+    ++g_tot.bad_inputs;
     try {
       pool_->allocate(256, kNoStream);
       finding("allocate after close succeeded");
     } catch (const PoolClosed&) {
+      ++g_tot.typed_errors;
     }
     if (other_block_) {
+      ++g_tot.bad_inputs;
       try {
         pool_->deallocate(other_block_, kNoStream);
         finding("deallocate after close succeeded");
       } catch (const PoolClosed&) {
+        ++g_tot.typed_errors;
       }
     }
   }
 
   void finish() {
+    if (faulty_) g_tot.faults += faulty_->injected();
     if (faulty_) faulty_->set_armed(false);
     if (!closed_) {
       for (auto& [a, l] : std::map<std::uintptr_t, Live>(live_)) {
@@ -562,7 +580,11 @@ int main(int argc, char** argv) {
     LLVMFuzzerTestOneInput(buf.data(), buf.size());
     ++runs;
   }
-  std::printf("fuzz_pools: %llu inputs, 0 findings\n", static_cast<unsigned long long>(runs));
+  std::printf("fuzz_pools: %llu inputs, %llu operations, %llu bad inputs tried -> %llu typed errors, %llu faults "
+              "injected, %llu out-of-memory errors, 0 findings\n",
+              static_cast<unsigned long long>(runs), static_cast<unsigned long long>(g_tot.ops),
+              static_cast<unsigned long long>(g_tot.bad_inputs), static_cast<unsigned long long>(g_tot.typed_errors),
+              static_cast<unsigned long long>(g_tot.faults), static_cast<unsigned long long>(g_tot.ooms));
   return 0;
 }
 #endif
