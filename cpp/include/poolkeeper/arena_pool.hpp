@@ -117,6 +117,7 @@ class ArenaPool final : public Pool {
   bool resident_assigned_ = false;
   std::size_t ramp_backings_ = 0;
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
+  std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
