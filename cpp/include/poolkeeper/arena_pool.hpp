@@ -44,7 +44,7 @@ namespace poolkeeper {
 struct ArenaOptions {
   std::size_t alignment = 256;
   std::size_t initial_backing = std::size_t{2} << 20;
-  std::size_t max_backing = std::size_t{256} << 20;
+  std::size_t max_backing = std::size_t{32} << 20;
   double growth_factor = 2.0;
   std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
   std::size_t thread_cache_max_block = std::size_t{1} << 20;
