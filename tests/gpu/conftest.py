@@ -40,7 +40,8 @@ class Gate:
 
             self._cp, self._np = cupy, np
             self._kern = cupy.RawKernel(GATE_SRC, "gate_fill")
-            self._kern.compile()
+            if hasattr(self._kern, "compile"):
+                self._kern.compile()  # surface compile errors here, not inside a test
             self.gated = True
         except Exception as e:  # pragma: no cover - depends on the machine
             self._why = repr(e)
