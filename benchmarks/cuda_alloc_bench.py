@@ -13,9 +13,12 @@ Arms (each at 1 MiB, 64 MiB, 256 MiB and 1 GiB):
                     separate the bindings' share from the driver's
 
 Every figure is measured from Python through poolkeeper's bindings (one loop iteration = the
-calls named above), as the median over --reps repetitions of the mean per iteration. The
-synchronize is on a non-blocking stream of our own, as in shared/anchors/native_anchor.cu, whose
-native C++ figures are printed beside ours for reference.
+calls named above), as the median over --reps repetitions of the mean per iteration; the
+measurements of one row group run round-robin so drift hits them alike, and every repetition is
+kept in the JSON (runs_us). The synchronize is on a non-blocking stream of our own, as in
+shared/anchors/native_anchor.cu, whose native C++ figures are printed beside ours for reference.
+The main thread has the device's primary context current (driver.set_device), as a CUDA program
+does after cudaSetDevice; async_warm_native_noctx repeats the warm cycle on a fresh thread.
 
 Usage (device machine):  python3 benchmarks/cuda_alloc_bench.py --out results.json
 """
@@ -41,24 +44,35 @@ ANCHORS = {
 TARGETS = {"async_warm": 4.0, "arena_nosync": 1.0}  # us, from issue 4
 
 
-def per_op_us(fn: Callable[[], None], iters: int, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(reps):
+def per_op_runs(fn: Callable[[], None], iters: int, warmup: int = 3) -> Callable[[], float]:
+    """A measurement: one call runs `iters` iterations of fn and returns us per iteration."""
+
+    def one() -> float:
         t0 = time.perf_counter_ns()
         for _ in range(iters):
             fn()
-        runs.append((time.perf_counter_ns() - t0) / iters / 1000.0)
-    return statistics.median(runs)
+        return (time.perf_counter_ns() - t0) / iters / 1000.0
+
+    for _ in range(warmup):
+        fn()
+    return one
 
 
-def native_us(up, size: int, iters: int, reps: int, stream: int) -> float:
+def native_runs(up, size: int, iters: int, stream: int) -> Callable[[], float]:
     """The same cycle timed inside C++ (no Python in the loop)."""
     from poolkeeper import _core
 
     _core.cuda_time_upstream_cycle(up, size, 3, stream)
-    return statistics.median(_core.cuda_time_upstream_cycle(up, size, iters, stream) for _ in range(reps)) / 1000.0
+    return lambda: _core.cuda_time_upstream_cycle(up, size, iters, stream) / 1000.0
+
+
+def interleaved(measures: Dict[str, Callable[[], float]], reps: int) -> Dict[str, List[float]]:
+    """Run the measurements round-robin, reps times, so drift and order effects hit all alike."""
+    runs: Dict[str, List[float]] = {k: [] for k in measures}
+    for _ in range(reps):
+        for k, m in measures.items():
+            runs[k].append(m())
+    return runs
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -85,9 +99,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     rows: List[Dict] = []
 
-    def record(arm: str, size: int, us: float, iters: int, up=None, pool=None, note: str = "") -> None:
+    def record(arm: str, size: int, runs: List[float], iters: int, up=None, pool=None, note: str = "") -> None:
+        us = statistics.median(runs)
         row = {"arm": arm, "size_bytes": size, "size_mib": size // MiB, "us_per_op": round(us, 3), "iters": iters,
-               "reps": args.reps, "note": note}
+               "reps": len(runs), "runs_us": [round(r, 3) for r in runs], "note": note}
         if up is not None:
             row["upstream_counters"] = up.counters()
         if pool is not None:
@@ -95,24 +110,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             row["pool_upstream_allocations"] = st.get("upstream_allocations")
             row["pool_reserved_bytes"] = st["reserved_bytes"]
         rows.append(row)
-        print(f"  {arm:<18} {size // MiB:>5} MiB  {us:10.2f} us  ({iters} iters)", flush=True)
+        print(f"  {arm:<24} {size // MiB:>5} MiB  {us:10.2f} us  (median of {len(runs)} x {iters}; "
+              f"min {min(runs):.2f}, max {max(runs):.2f})", flush=True)
+
+    def upstream_arm(arm: str, up, size: int, iters: int, note: str = "") -> None:
+        def op():
+            p = up.allocate(size)
+            up.deallocate(p, size)
+            sync()
+
+        runs = interleaved({"py": per_op_runs(op, iters), "native": native_runs(up, size, iters, stream.handle)},
+                           args.reps)
+        record(arm, size, runs["py"], iters, up=up, note=note)
+        record(arm + "_native", size, runs["native"], iters, note="timed in C++; " + note)
 
     print(f"device {dev}: {info.name}, driver {pk.cuda.driver_version()}", flush=True)
+    # Like any CUDA program after cudaSetDevice: the thread's current context is the device's.
+    driver.set_device(dev)
 
     # floor: the synchronize alone
-    us = per_op_us(sync, n(20000), args.reps)
-    record("sync_only", 0, us, n(20000))
+    record("sync_only", 0, interleaved({"s": per_op_runs(sync, n(20000))}, args.reps)["s"], n(20000))
 
     # 1. cudaMalloc: CudaDevice directly
     up = pk.upstream.CudaDevice(dev)
     for s in SIZES:
-        def op(s=s):
-            p = up.allocate(s)
-            up.deallocate(p, s)
-            sync()
-        it = n(40)
-        record("cudaMalloc", s, per_op_us(op, it, args.reps), it, up=up)
-        record("cudaMalloc_native", s, native_us(up, s, it, args.reps, stream.handle), it, note="timed in C++")
+        upstream_arm("cudaMalloc", up, s, n(40))
     del up
 
     # 2. CudaAsync cold: threshold 0, no warm handle
@@ -123,27 +145,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     warm.trim_to(dev, 0)
     cold = pk.upstream.CudaAsync(dev, stream, warm=False)
     for s in SIZES:
-        def op(s=s):
-            p = cold.allocate(s)
-            cold.deallocate(p, s)
-            sync()
-        it = n(60)
-        record("async_cold", s, per_op_us(op, it, args.reps), it, up=cold, note="release threshold 0")
-        record("async_cold_native", s, native_us(cold, s, it, args.reps, stream.handle), it, note="timed in C++")
+        upstream_arm("async_cold", cold, s, n(60), note="release threshold 0")
     del cold
 
     # 3. CudaAsync warm: the manager raises the threshold while the upstream lives
     hot = pk.upstream.CudaAsync(dev, stream)
     thr = warm.release_threshold(dev)
     for s in SIZES:
-        def op(s=s):
-            p = hot.allocate(s)
-            hot.deallocate(p, s)
-            sync()
-        it = n(5000)
-        record("async_warm", s, per_op_us(op, it, args.reps), it, up=hot,
-               note=f"release threshold {'max' if thr == warm.MAX_THRESHOLD else thr}")
-        record("async_warm_native", s, native_us(hot, s, it, args.reps, stream.handle), it, note="timed in C++")
+        upstream_arm("async_warm", hot, s, n(5000),
+                     note=f"release threshold {'max' if thr == warm.MAX_THRESHOLD else thr}")
+    # the same on a thread with no current context (what a fresh worker thread sees)
+    import threading
+
+    box: Dict[str, List[float]] = {}
+
+    def fresh_thread() -> None:
+        m = native_runs(hot, MiB, n(5000), stream.handle)
+        box["runs"] = [m() for _ in range(args.reps)]
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    record("async_warm_native_noctx", MiB, box["runs"], n(5000), note="timed in C++ on a thread with no current context")
     del hot
     warm_state = warm.state()
     restored = warm.release_threshold(dev)
@@ -172,10 +195,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 p = alloc(s)
                 free(p)
 
-            it = n(5000)
-            record(f"{kind}_sync", s, per_op_us(op_sync, it, args.reps), it, up=base, pool=pool)
-            it = n(50000)
-            record(f"{kind}_nosync", s, per_op_us(op_pair, it, args.reps), it, up=base, pool=pool)
+            runs = interleaved({"sync": per_op_runs(op_sync, n(5000)), "pair": per_op_runs(op_pair, n(50000))},
+                               args.reps)
+            record(f"{kind}_sync", s, runs["sync"], n(5000), up=base, pool=pool)
+            record(f"{kind}_nosync", s, runs["pair"], n(50000), up=base, pool=pool)
         pool.close()
 
     stream.close()
@@ -191,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{label:<26}" + "".join(f"{v:>12.2f}" if v is not None else f"{'-':>12}" for v in vals))
 
     print(f"{'sync_only':<26}{by[('sync_only', 0)]:>12.2f}")
+    if ("async_warm_native_noctx", 1) in by:
+        print(f"{'async_warm, C++, no ctx':<26}{by[('async_warm_native_noctx', 1)]:>12.2f}   (1 MiB, fresh thread)")
     for arm in ("cudaMalloc", "async_cold", "async_warm", "size_class_sync", "size_class_nosync", "arena_sync",
                 "arena_nosync"):
         if arm not in present:

@@ -28,6 +28,16 @@ extern "C" __global__ void gate_fill(unsigned char* p, unsigned long long n, uns
 """
 
 
+class _Proto:
+    """A bare handle speaking the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 class Gate:
     def __init__(self) -> None:
         self.pinned = pk.upstream.CudaPinned()
@@ -62,7 +72,9 @@ class Gate:
         """Enqueue on ``stream``: wait for the gate, then fill [ptr, ptr+nbytes) with ``value``."""
         if self.gated:
             np = self._np
-            with self._cp.cuda.ExternalStream(stream):
+            cs = self._cp.cuda.Stream
+            ext = cs.from_external(_Proto(stream)) if hasattr(cs, "from_external") else self._cp.cuda.ExternalStream(stream)
+            with ext:
                 self._kern((64,), (256,), (np.uint64(ptr), np.uint64(nbytes), np.uint8(value), np.uint64(self.flag)))
         else:  # pragma: no cover
             torch = self._torch
