@@ -35,6 +35,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
 }
 
 ArenaPool::~ArenaPool() {
+  unregister();
   // First: no exiting thread may flush into us any more.
   detail::arena_registry_remove(id_);
   try {
