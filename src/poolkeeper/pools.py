@@ -67,6 +67,8 @@ class _PoolAPI:
 
 
 def _opts(**kw: Any) -> dict:
+    # Unknown keywords travel on to the core, which refuses them by name with an
+    # InvalidArgumentError listing the valid options (a typo must not pass silently).
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -79,8 +81,10 @@ class Direct(_PoolAPI, _core.DirectPool):
         limit: cap on reserved bytes (None: no cap).
     """
 
-    def __init__(self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None) -> None:
-        super().__init__(upstream, _opts(alignment=alignment, limit=limit))
+    def __init__(
+        self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None, **unknown: Any
+    ) -> None:
+        super().__init__(upstream, _opts(alignment=alignment, limit=limit, **unknown))
 
 
 class SizeClassPool(_PoolAPI, _core.SizeClassPool):
@@ -109,10 +113,12 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         classes_per_doubling: int = 4,
         max_cached_bytes: Optional[int] = None,
         limit: Optional[int] = None,
+        **unknown: Any,
     ) -> None:
         super().__init__(
             upstream,
             _opts(
+                **unknown,
                 alignment=alignment,
                 classes_per_doubling=classes_per_doubling,
                 max_cached_bytes=max_cached_bytes,
@@ -157,10 +163,12 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         shrink_hysteresis: int = 2,
         shrink_interval: int = 4096,
         limit: Optional[int] = None,
+        **unknown: Any,
     ) -> None:
         super().__init__(
             upstream,
             _opts(
+                **unknown,
                 initial_backing=initial_backing,
                 max_backing=max_backing,
                 growth_factor=growth_factor,
