@@ -45,6 +45,7 @@ def render_html() -> str:
 class _Handler(BaseHTTPRequestHandler):
     page: bytes = b""
     quiet: bool = True
+    timeout = 30  # seconds; a browser's idle speculative connection must not hold a thread forever
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path.split("?", 1)[0] not in ("/", "/index.html"):
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.once:
             server.timeout = args.timeout
+            server.daemon_threads = False  # so server_close() waits until the page is sent
             server.handle_request()
         else:
             timer: Optional[threading.Timer] = None
