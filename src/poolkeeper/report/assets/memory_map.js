@@ -128,7 +128,7 @@
   }
 
   // ---- the map ----
-  const ROW_H = 22, BAR_Y = 4, BAR_H = 14, LABEL_W = 200, PAD_R = 10;
+  const ROW_H = 22, BAR_Y = 4, BAR_H = 14, LABEL_W = 240, PAD_R = 10;
   const scroll = $("map-scroll"), canvas = $("map"), spacer = $("map-spacer"), tip = $("tooltip");
   const ctx = canvas.getContext("2d");
   const maxSize = B.reduce((m, b) => Math.max(m, b.size), 1);
@@ -413,9 +413,14 @@
       const b = B[row];
       if (!b || chunk < 0 || chunk >= b.off.length) return null;
       scroll.scrollTop = Math.max(0, row * ROW_H - H / 2);
-      const rect = canvas.getBoundingClientRect();
+      const yIn = row * ROW_H - scroll.scrollTop + BAR_Y + BAR_H / 2;
+      let rect = canvas.getBoundingClientRect();
+      if (rect.top + yIn < 0 || rect.top + yIn > window.innerHeight - 4) {
+        window.scrollBy(0, rect.top + yIn - window.innerHeight / 2);
+        rect = canvas.getBoundingClientRect();
+      }
       const x0 = Math.max(LABEL_W, xOf(b, b.off[chunk])), x1 = Math.min(LABEL_W + barW(), xOf(b, b.off[chunk] + b.sz[chunk]));
-      return { x: rect.left + (x0 + x1) / 2, y: rect.top + row * ROW_H - scroll.scrollTop + BAR_Y + BAR_H / 2 };
+      return { x: rect.left + (x0 + x1) / 2, y: rect.top + yIn };
     },
     timings: {},
   };

@@ -55,7 +55,7 @@
     invalid[which] = null;
     if (x !== lab[which]) {
       lab[which] = x;
-      lab.changes.push(lab.elapsed);
+      if (lab.elapsed > 0) lab.changes.push(lab.elapsed);  // a mid-run change: mark it on the plot
       lab.log.push(`${lab.elapsed.toFixed(1)} s: ${NAMES[which].toLowerCase()} set to ${fmt(x)} units/s (elapsed time and backlog kept)`);
     }
   }
