@@ -214,6 +214,9 @@ def test_map_of_a_real_pool(page, tmp_path, kind):
         assert figure(page, key) == st[stat], key
     assert figure(page, "fragmentation") == pytest.approx(st["fragmentation"], abs=1e-12)
     assert "adds up" in page.text_content("#equation")
+    by_stream = page.text_content("#sum-pending_by_stream")
+    for s, n in st["pending_by_stream"].items():
+        assert f"stream {s}: " in by_stream
     assert page.get_attribute("#verify", "class") != "bad"
     # Hover the pending release: the tooltip names its state and the streams it waits on.
     bi, ci, c = next((bi, ci, c) for bi, ci, c in chunks if c.state == "pending" and 2 in c.waits_on)

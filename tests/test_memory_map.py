@@ -46,6 +46,7 @@ def test_real_snapshot_renders_with_every_chunk_and_the_verified_partition(kind)
     )
     assert v["reserved"] == v["live"] + v["free"] + v["pending"] + v["overhead"]
     assert v["largest_free"] == st["largest_free_block"]
+    assert data["pending_by_stream"] == [[str(k), v] for k, v in st["pending_by_stream"].items()]
     if kind == "direct":
         return  # Direct hands releases straight back to the upstream: nothing pending to draw
     assert "pending" in {c.state for c in chunks}, "the scenario should leave a pending release to draw"

@@ -102,6 +102,12 @@ def page_data(snapshot: Snapshot) -> dict:
         for k, v in snapshot.stats.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and (not isinstance(v, float) or math.isfinite(v))
     }
+    pbs = snapshot.stats.get("pending_by_stream") or {}
+    pending_by_stream = [
+        ["default" if k is None else _handle(k) if _is_int(k) else str(k), v]
+        for k, v in (pbs.items() if isinstance(pbs, dict) else [])
+        if _is_int(v)
+    ]
     return {
         "pool": str(snapshot.pool),
         "upstream": str(snapshot.upstream),
@@ -121,6 +127,7 @@ def page_data(snapshot: Snapshot) -> dict:
             "fragmentation": part.fragmentation,
         },
         "stats": stats,
+        "pending_by_stream": pending_by_stream,
         "backings": backings,
     }
 
