@@ -310,3 +310,11 @@ def test_map_many_backings_are_virtualized(page, tmp_path):
     settle(page)
     page.mouse.move(pos["x"], pos["y"])
     assert hex(snap.backings[9999].address) in page.text_content("#tooltip")
+
+
+def test_map_of_an_empty_pool(page, tmp_path):
+    import poolkeeper as pk
+
+    open_map(page, pk.SizeClassPool(pk.upstream.Simulated(latency_us=0)).snapshot(), tmp_path, "empty.html")
+    assert figure(page, "reserved") == 0 and figure(page, "chunks") == 0
+    assert "adds up" in page.text_content("#equation")

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+import poolkeeper as pk
+
 from poolkeeper.cli import main
 from poolkeeper.errors import InvariantError
 from poolkeeper.report.memory_map import render_html
@@ -54,6 +56,12 @@ def test_real_snapshot_renders_with_every_chunk_and_the_verified_partition(kind)
     pend = [(b, i) for b in data["backings"] for i, s in enumerate(b["st"]) if data["states"][s] == "pending"]
     waits = {data["streams"][k] for b, i in pend for k in (b["w"][i] or [])}
     assert waits >= {"2"}
+
+
+def test_an_empty_pool_renders():
+    pool = pk.SizeClassPool(pk.upstream.Simulated(latency_us=0))
+    data = page_data(render_html(pool.snapshot()))
+    assert data["backings"] == [] and data["verified"]["reserved"] == 0
 
 
 def test_to_html_writes_the_same_page(tmp_path):

@@ -192,6 +192,7 @@
       if (y < -ROW_H || y > H) continue;
       const b = B[mark.row], i = mark.chunk;
       const x0 = Math.max(LABEL_W, xOf(b, b.off[i])), x1 = Math.min(LABEL_W + barW(), xOf(b, b.off[i] + b.sz[i]));
+      if (x1 < x0) continue;  // zoomed out of view
       ctx.strokeStyle = style;
       ctx.lineWidth = 2;
       const w = Math.max(3, x1 - x0);
