@@ -156,7 +156,7 @@ def tampered(kind: str) -> dict:
         ("stats", "live_bytes"),
         ("requested", "requested"),
         ("state", "borrowed"),
-        ("type", "integers"),
+        ("type", "must be an integer"),
         ("missing", "not a poolkeeper snapshot"),
         ("backing_overlap", "overlap"),
     ],
