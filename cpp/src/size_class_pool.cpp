@@ -150,7 +150,7 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       peak_live_ = std::max(peak_live_, live_);
       return reinterpret_cast<void*>(b->addr);
     }
-    if (opt_.limit && reserved_ + csize > opt_.limit) {
+    if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
       if (!retried && free_blocks_) {
         // Give cached blocks of other classes back, then retry once.
         for (std::size_t c = 0; c < free_.size(); ++c)
@@ -166,14 +166,14 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       throw_oom(std::move(f));
     }
     ++misses_;
-    reserved_ += csize;  // claimed before the upstream call so concurrent callers respect the limit
+    claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
     g.unlock();
     void* p = nullptr;
     try {
       p = upstream_alloc(csize);
     } catch (const UpstreamOutOfMemory& e) {
       std::unique_lock<std::mutex> g2(mu_);
-      reserved_ -= csize;
+      claimed_ -= csize;
       if (!retried) {
         order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
         for (std::size_t c = 0; c < free_.size(); ++c)
@@ -190,10 +190,12 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       throw_oom(std::move(f));
     } catch (...) {
       std::lock_guard<std::mutex> g2(mu_);
-      reserved_ -= csize;
+      claimed_ -= csize;
       throw;
     }
     std::lock_guard<std::mutex> g2(mu_);
+    claimed_ -= csize;
+    reserved_ += csize;
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
     nb->size = csize;
@@ -317,6 +319,7 @@ std::size_t SizeClassPool::release_cached() {
   std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
+    check_open();
     for (std::size_t c = 0; c < free_.size(); ++c)
       while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) {
         bytes += b->size;

@@ -81,6 +81,7 @@ class SizeClassPool final : public Pool {
   detail::PointerTable<Block*> table_;
   std::vector<FreeList> free_;  // by class index
   StreamOrder order_;
+  std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
   std::size_t reserved_ = 0, live_ = 0, overhead_ = 0, free_bytes_ = 0, free_blocks_ = 0;
   std::size_t peak_reserved_ = 0, peak_live_ = 0, live_blocks_ = 0;
   std::uint64_t hits_ = 0, misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;
