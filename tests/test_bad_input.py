@@ -46,12 +46,12 @@ def ctx(make_pool, upstream, pool_kind):
     # The other pool shares the upstream, as two pools on one device do (two Simulated upstreams
     # would hand out the same fake addresses).
     o = Oracle(pool, exclusive_upstream=False)
+    other_pool = make_pool(upstream)
+    other = other_pool.allocate(1000)  # before the free below, so it cannot take the freed address
     a = o.allocate(1000)
     b = o.allocate(70 * KiB)
     freed = o.allocate(3000)
     o.deallocate(freed)
-    other_pool = make_pool(upstream)
-    other = other_pool.allocate(1000)
     stream = upstream.stream() if hasattr(upstream, "stream") else 7
     c = Ctx(pool, o, a, b, freed, other_pool, other, stream)
     yield c
