@@ -278,3 +278,36 @@ def test_seeded_random_run_validates_every_step(pool, upstream, seed):
     pool.trim()
     pool.close()
     assert upstream.counters()["outstanding_bytes"] == 0
+
+
+# ---------------------------------------------------------------------------------- the oracle
+
+
+class _OverlappingPool:
+    """A broken pool for the oracle's own test: its second block starts inside its first."""
+
+    alignment = ALIGN
+
+    def __init__(self):
+        self.upstream = pk.upstream.Host()
+        self.base = self.upstream.allocate(64 * KiB)
+        self.n = 0
+
+    def allocate(self, n, stream=None):
+        self.n += 1
+        return self.base + (0 if self.n == 1 else 4 * KiB)
+
+
+def test_the_oracle_catches_overlap_and_overwritten_payloads():
+    bad = _OverlappingPool()
+    o = Oracle(bad, exclusive_upstream=False)
+    p = o.allocate(16 * KiB)
+    with pytest.raises(AssertionError, match="overlaps"):
+        o.allocate(1000)
+    # The same overlap seen only through memory: another writer scribbles inside the block.
+    import ctypes
+
+    ctypes.memset(p + 5000, 0xAB, 10)
+    with pytest.raises(AssertionError, match=r"payload of block .* overwritten at offset 5000"):
+        o.check_cookie(p)
+    bad.upstream.deallocate(bad.base, 64 * KiB)
