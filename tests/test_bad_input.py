@@ -419,3 +419,23 @@ def test_table_sentinel_pointers_are_refused(pool_kind, op, bad, failing, reques
         env=env,
     )
     assert r.returncode == 0 and "SENTINEL-OK" in r.stdout, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-2000:]}"
+
+
+# ---------------------------------------------------------------------------------- stale pointers
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ArenaPool reports a pointer inside a FREE chunk as 'interior' and advises freeing the free chunk's "
+    "start address (another double free)"))
+def test_arena_double_free_after_coalescing_is_called_a_double_free():
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0), thread_cache_bytes=0)
+    a, b, keep = pool.allocate(1000), pool.allocate(1000), pool.allocate(1000)
+    pool.deallocate(a)
+    pool.deallocate(b)
+    pool.trim()  # settles: a and b merge into one free chunk starting at a
+    before = _full_state(pool)
+    with pytest.raises(InvalidPointerError) as ei:
+        pool.deallocate(b)
+    assert _full_state(pool) == before
+    pool.validate()
+    assert ei.value.reason == "double_free", str(ei.value)
+    assert "free the block's start address" not in str(ei.value)
