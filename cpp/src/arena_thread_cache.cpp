@@ -80,16 +80,20 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
-  ThreadCache::Bin* hit = nullptr;
-  for (auto& b : tc->bins) {
-    if (!b.count || b.size != rounded) continue;
-    if (b.stream == s) {  // released on this very stream: preferred (otherwise pending for others)
-      hit = &b;
-      break;
+  ThreadCache::Bin* hit = &tc->bins[tc->hint];
+  if (!(hit->count && hit->size == rounded && hit->stream == s)) {
+    hit = nullptr;
+    for (auto& b : tc->bins) {
+      if (!b.count || b.size != rounded) continue;
+      if (b.stream == s) {  // released on this very stream: preferred (otherwise pending for others)
+        hit = &b;
+        break;
+      }
+      if (b.stream == kNoStream && !hit) hit = &b;
     }
-    if (b.stream == kNoStream && !hit) hit = &b;
+    if (!hit) return nullptr;
+    tc->hint = static_cast<int>(hit - tc->bins);
   }
-  if (!hit) return nullptr;
   ArenaChunk* c = hit->items[--hit->count];
   const auto size = static_cast<std::int64_t>(c->size);
   const auto req = static_cast<std::int64_t>(nbytes);
@@ -103,13 +107,10 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   tc->add(tc->blocks_delta, 1);
   tc->add(tc->hits, 1);
   tc->end();
-  tc->bytes -= c->size;
-  if (!hit->count) {
-    hit->size = 0;
-    hit->stream = kNoStream;
-  }
+  tc->bytes -= c->size;  // an emptied bin keeps its key: the next free of that size lands there
   // Peak estimate: exact while one thread uses the pool (the pool's own live bytes plus this
   // cache's delta); with several threads the locked paths and stats() keep the peak.
+  if (ncaches_.load(std::memory_order_relaxed) != 1) return reinterpret_cast<void*>(c->addr);
   const auto est = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed)) +
                    tc->live_delta.load(std::memory_order_relaxed);
   if (est > static_cast<std::int64_t>(tc->peak_live)) {
@@ -130,23 +131,27 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   // Released on a stream other than its own: it must also wait for the allocating stream.
   if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
   if (tc->bytes + c->size > opt_.thread_cache_bytes) return false;
-  ThreadCache::Bin* slot = nullptr;
-  ThreadCache::Bin* empty = nullptr;
-  for (auto& b : tc->bins) {
-    if (b.count) {
-      if (b.size == c->size && b.stream == s && b.count < ThreadCache::kPerBin) {
-        slot = &b;
-        break;
+  ThreadCache::Bin* slot = &tc->bins[tc->hint];
+  if (!(slot->size == c->size && slot->stream == s && slot->count < ThreadCache::kPerBin)) {
+    slot = nullptr;
+    ThreadCache::Bin* empty = nullptr;
+    for (auto& b : tc->bins) {
+      if (b.count) {
+        if (b.size == c->size && b.stream == s && b.count < ThreadCache::kPerBin) {
+          slot = &b;
+          break;
+        }
+      } else if (!empty) {
+        empty = &b;
       }
-    } else if (!empty) {
-      empty = &b;
     }
-  }
-  if (!slot) {
-    if (!empty) return false;
-    slot = empty;
-    slot->size = c->size;
-    slot->stream = s;
+    if (!slot) {
+      if (!empty) return false;
+      slot = empty;
+      slot->size = c->size;
+      slot->stream = s;
+    }
+    tc->hint = static_cast<int>(slot - tc->bins);
   }
   slot->items[slot->count++] = c;
   const auto size = static_cast<std::int64_t>(c->size);
@@ -168,6 +173,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
 ThreadCache* ArenaPool::cache_locked() {
   if (ThreadCache* tc = detail::tls_find_cache(id_)) return tc;
   caches_.push_back(std::make_unique<ThreadCache>());
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
   ThreadCache* tc = caches_.back().get();
   detail::tls_add_cache(id_, tc);
   return tc;
@@ -224,6 +230,7 @@ void ArenaPool::on_thread_exit(ThreadCache* tc) {
   flush_cache_locked(tc);
   fold_cache_locked(tc);
   std::erase_if(caches_, [tc](const std::unique_ptr<ThreadCache>& p) { return p.get() == tc; });
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
 }
 
 void ArenaPool::flush_thread_cache() {

@@ -41,6 +41,7 @@ class ThreadCache {
 
   // --- owner only ---
   Bin bins[kBins];
+  int hint = 0;                   // the bin the last hit used: a steady loop skips the scan
   std::size_t bytes = 0;          // cached bytes (owner's view of cached_free + cached_pending)
   std::size_t peak_live = 0;      // best local estimate of the pool's live peak
   void begin() {
