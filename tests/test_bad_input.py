@@ -80,13 +80,7 @@ SIZE_ROWS = [
     Row("size-integral-float", lambda c: c.pool.allocate(1024.0), InvalidArgumentError, r"must be an integer.*float"),
     Row("size-bool", lambda c: c.pool.allocate(True), InvalidArgumentError, r"must be an integer, not bool"),
     Row("size-str", lambda c: c.pool.allocate("10"), InvalidArgumentError, r"must be an integer.*str"),
-    Row(
-        "size-none",
-        lambda c: c.pool.allocate(None),
-        InvalidArgumentError,
-        r"nbytes",
-        xfail={k: "nanobind refuses None before the core sees it: a bare TypeError" for k in ("direct", "size_class", "arena")},
-    ),
+    Row("size-none", lambda c: c.pool.allocate(None), InvalidArgumentError, r"must be an integer.*NoneType"),
     Row("size-2^62+1", lambda c: c.pool.allocate(2**62 + 1), InvalidArgumentError, r"absurd \(above 2\^62\)"),
     Row("size-2^64", lambda c: c.pool.allocate(2**64), InvalidArgumentError, r"absurd \(above 2\^62\)"),
     Row("size-2^80", lambda c: c.pool.allocate(2**80), InvalidArgumentError, r"absurd \(above 2\^62\)"),
@@ -106,7 +100,6 @@ POINTER_ROWS = [
         InvalidPointerError,
         r"points inside the (live )?block at",
         reason="interior",
-        xfail={"direct": "Direct does not look for the block around a pointer: reason 'unknown'"},
     ),
     Row(
         "ptr-interior+1",
@@ -114,7 +107,6 @@ POINTER_ROWS = [
         InvalidPointerError,
         r"points inside the (live )?block at .*offset 1\)",
         reason="interior",
-        xfail={"direct": "Direct does not look for the block around a pointer: reason 'unknown'"},
     ),
     Row(
         "ptr-double-free",
@@ -139,14 +131,7 @@ POINTER_ROWS = [
     Row("ptr-float", lambda c: c.pool.deallocate(float(c.a)), InvalidArgumentError, r"ptr must be an integer.*float"),
     Row("ptr-str", lambda c: c.pool.deallocate(hex(c.a)), InvalidArgumentError, r"ptr must be an integer.*str"),
     Row("ptr-bool", lambda c: c.pool.deallocate(True), InvalidArgumentError, r"ptr must be an integer, not bool"),
-    Row(
-        "ptr-none",
-        lambda c: c.pool.deallocate(None),
-        InvalidPointerError,
-        r"null",
-        reason="null",
-        xfail={k: "nanobind refuses None before the core sees it: a bare TypeError" for k in ("direct", "size_class", "arena")},
-    ),
+    Row("ptr-none", lambda c: c.pool.deallocate(None), InvalidArgumentError, r"ptr must be an integer.*NoneType"),
     Row(
         "record-stream-unknown-ptr",
         lambda c: c.pool.record_stream(0x3039_0000, c.stream),
@@ -187,7 +172,6 @@ STREAM_ROWS = (
             lambda c: c.pool.record_stream(c.a, None),
             InvalidStreamError,
             r"record_stream needs a stream, not None",
-            xfail={k: "the binding refuses None before its own check: a bare TypeError" for k in ("direct", "size_class", "arena")},
         )
     ]
 )
@@ -250,7 +234,6 @@ CLOSED_ROWS = [
         lambda c: c.pool.record_stream(c.a, c.stream),
         PoolClosedError,
         r"#\d+ is closed",
-        xfail={k: "record_stream does not check for a closed pool: InvalidPointerError 'not live'" for k in ("direct", "size_class")},
     ),
 ]
 
