@@ -1,6 +1,7 @@
 #include "poolkeeper/simulated_upstream.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 namespace poolkeeper {
@@ -15,12 +16,16 @@ void busy_wait_us(double us) {
 }
 
 namespace {
-constexpr std::uintptr_t kBase = std::uintptr_t{0x2000} << 32;  // 0x2000_0000_0000
-constexpr std::uintptr_t kRange = std::uintptr_t{64} << 40;     // 64 TiB
+constexpr std::uintptr_t kFirst = std::uintptr_t{0x2000} << 32;  // 0x2000_0000_0000
+constexpr std::uintptr_t kRange = std::uintptr_t{64} << 40;      // 64 TiB per instance
+std::atomic<std::uintptr_t> g_instances{0};
+// Each simulated device gets its own range, so two never hand out the same address (a pointer
+// freed into the wrong pool is then told apart, as on real devices).
+std::uintptr_t next_base() { return kFirst + (g_instances.fetch_add(1) % 16384) * kRange; }
 }  // namespace
 
 SimulatedUpstream::SimulatedUpstream(LatencyModel model, std::size_t capacity, std::size_t alignment)
-    : model_(model), capacity_(capacity), alignment_(alignment), next_addr_(kBase) {
+    : model_(model), capacity_(capacity), alignment_(alignment), base_(next_base()), next_addr_(base_) {
   if (!is_pow2(alignment)) throw InvalidArgument("Simulated alignment must be a power of two");
   if (capacity == 0) throw InvalidArgument("Simulated capacity must be positive");
 }
@@ -36,7 +41,7 @@ void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
                               "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
   // Addresses are never reused while the range lasts, so a stale pointer can never alias a new
   // block by accident; the range wraps only after 64 TiB of traffic.
-  if (next_addr_ + n > kBase + kRange) next_addr_ = kBase;
+  if (next_addr_ + n > base_ + kRange) next_addr_ = base_;
   const std::uintptr_t a = next_addr_;
   next_addr_ += align_up(n, 4096);
   live_.emplace(a, nbytes);
