@@ -1,6 +1,6 @@
 // Simulated: a device that does not exist, so CI can test device logic without a GPU.
 //
-// - Addresses are fake and never touched: they come from a 64 TiB virtual range of its own (one
+// - Addresses are fake and never touched: they come from a 1 TiB virtual range of its own (one
 //   per instance, so two simulated devices never share an address), so a GB-scale
 //   high-water mark costs nothing. A capacity (default 140 GiB, an H200) is enforced, so upstream
 //   exhaustion is real.
