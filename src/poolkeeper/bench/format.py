@@ -44,7 +44,11 @@ def fmt_ratio(r: Optional[float]) -> str:
         return "-"
     if r == float("inf"):
         return "∞"
-    return f"{r:.2f}×" if abs(r) < 100 else f"{r:.0f}×"
+    if abs(r) >= 100:
+        return f"{r:.0f}×"
+    if abs(r) >= 0.1:
+        return f"{r:.2f}×"
+    return f"{r:.2g}×"
 
 
 __all__ = ["fmt_bytes", "fmt_ns", "fmt_rate", "fmt_ratio"]
