@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
              + f", scale {scale}, arms {', '.join(a.label for a in pl.arms)}")
     console.print(bench_table(rows, title))
     for line in highlights(rows):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)
     notes = list(pl.skipped and [f"not run: {'; '.join(pl.skipped)}"] or [])
     if any(r["stream_ordered"] for r in rows):
         notes.append(STREAM_ORDERED_NOTE)
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         notes.append(f"rows written to {args.json} (compare them with: poolkeeper compare {args.json})")
     for n in notes:
-        console.print(f"[dim]{n}[/]", highlight=False)
+        console.print(f"[dim]{n}[/]", highlight=False, soft_wrap=True)
     return 0
 
 

@@ -135,7 +135,7 @@ def render(doc: Dict[str, Any], console: Any) -> None:
     head = (f"[bold]{doc['log']}[/] ({doc['log_format']}"
             + (f", device {doc['log_info']['device']}" if "device" in doc["log_info"] else "")
             + f"): {doc['events']} events replayed on the {doc['backend']} backend")
-    console.print(head)
+    console.print(head, soft_wrap=True)
     if first:
         console.print(f"  allocations {c['allocations']}, frees {c['frees']}, unknown frees skipped "
                       f"{c['unknown_frees']}, failed in log {c['failed_in_log']}, zero-size {c['zero_size']}, "
