@@ -20,9 +20,14 @@ nb::dict stats_to_dict(const PoolStats& st);
 nb::dict snapshot_to_dict(const Snapshot& snap);
 nb::dict upstream_counters_to_dict(const UpstreamCounters& c);
 
+// Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
+void set_python_error(const std::exception_ptr& p);
+
 void bind_errors(nb::module_& m);
 void bind_upstreams(nb::module_& m);
 void bind_pools(nb::module_& m);
+// Replace Pool.allocate/deallocate with raw vectorcall descriptors (fast_methods.cpp).
+void install_fast_methods(nb::handle pool_type);
 void bind_cuda(nb::module_& m);
 void bind_capi(nb::module_& m);
 

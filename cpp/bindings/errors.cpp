@@ -27,8 +27,7 @@ nb::list ptr_list(const std::vector<std::uintptr_t>& v) {
 }
 }  // namespace
 
-void bind_errors(nb::module_& m) {
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+void set_python_error(const std::exception_ptr& p) {
     try {
       std::rethrow_exception(p);
     } catch (const OutOfMemory& e) {
@@ -77,6 +76,22 @@ void bind_errors(nb::module_& m) {
       raise("InvariantError", e.what(), nb::dict());
     } catch (const Error& e) {
       raise("PoolkeeperError", e.what(), nb::dict());
+    } catch (const nb::python_error& e) {
+      nb::python_error copy = e;
+      copy.restore();
+    } catch (const std::bad_alloc&) {
+      PyErr_NoMemory();
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+}
+
+void bind_errors(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error&) {
+      set_python_error(p);
     }
   });
 }

@@ -1,23 +1,496 @@
+// ArenaPool: the locked paths (allocate/deallocate misses, growth, coalescing, shrink, close).
+// The lock-free thread-cache paths are in arena_thread_cache.cpp; accounting, validate() and
+// snapshots in arena_accounting.cpp.
 #include "poolkeeper/arena_pool.hpp"
 
+#include <algorithm>
+#include <cmath>
+
+#include "arena_registry.hpp"
+
 namespace poolkeeper {
-namespace detail { class ArenaCore {}; }
-ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions) : Pool(std::move(upstream)) { throw Error("ArenaPool: not built yet"); }
-ArenaPool::~ArenaPool() = default;
-void* ArenaPool::allocate(std::size_t, Stream) { return nullptr; }
-void ArenaPool::deallocate(void*, Stream) {}
-void* ArenaPool::try_allocate_fast(std::size_t, Stream) { return nullptr; }
-bool ArenaPool::try_deallocate_fast(void*, Stream) { return false; }
-void ArenaPool::record_stream(void*, Stream) {}
-PoolStats ArenaPool::stats() { return {}; }
-void ArenaPool::validate() {}
-std::size_t ArenaPool::trim() { return 0; }
-std::size_t ArenaPool::process_pending() { return 0; }
-void ArenaPool::synchronize() {}
-void ArenaPool::close() {}
-Snapshot ArenaPool::snapshot() { return {}; }
-bool ArenaPool::owns_live(std::uintptr_t) { return false; }
-std::size_t ArenaPool::alignment() const { return 256; }
-std::size_t ArenaPool::shrink_scan() { return 0; }
-void ArenaPool::flush_thread_cache() {}
+
+using detail::ArenaBacking;
+using detail::ArenaChunk;
+using detail::ThreadCache;
+
+static bool wholly_free(const ArenaBacking* b);
+
+ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
+    : Pool(std::move(upstream)), opt_(opt), index_(opt.alignment), order_(upstream_.get()) {
+  if (!is_pow2(opt_.alignment))
+    throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  if (opt_.initial_backing == 0 || opt_.max_backing == 0)
+    throw InvalidArgument("initial_backing and max_backing must be positive");
+  if (opt_.initial_backing > opt_.max_backing)
+    throw InvalidArgument("initial_backing (" + std::to_string(opt_.initial_backing) + ") exceeds max_backing (" +
+                          std::to_string(opt_.max_backing) + ")");
+  if (!(opt_.growth_factor >= 1.0) || opt_.growth_factor > 64.0)
+    throw InvalidArgument("growth_factor must be in [1, 64]");
+  if (opt_.shrink_hysteresis == 0) throw InvalidArgument("shrink_hysteresis must be >= 1 scan");
+  opt_.initial_backing = align_up(opt_.initial_backing, opt_.alignment);
+  opt_.max_backing = align_up(opt_.max_backing, opt_.alignment);
+  cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
+  detail::arena_registry_add(id_, this);
 }
+
+ArenaPool::~ArenaPool() {
+  // First: no exiting thread may flush into us any more.
+  detail::arena_registry_remove(id_);
+  try {
+    close();
+    return;
+  } catch (...) {
+  }
+  // Live blocks remain: their backings stay with the user (never freed under them); return the
+  // backings that hold nothing live.
+  Detached out;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    try {
+      for (auto& tc : caches_) flush_cache_locked(tc.get());
+      drain_locked(true);
+      coalesce_locked();
+    } catch (...) {
+    }
+    for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
+      if (wholly_free(b)) release_backing_locked(b, out);
+    }
+  }
+  for (auto& [p, n] : out) {
+    try {
+      upstream_->deallocate(p, n);
+    } catch (...) {
+    }
+  }
+  for (ArenaBacking* b : backings_) delete b;
+}
+
+// ---------------------------------------------------------------- chunk bookkeeping
+
+void ArenaPool::file_free_locked(ArenaChunk* c) {
+  c->set(ChunkState::Free);
+  c->drop_used_on();
+  c->requested = 0;
+  index_.insert(c);
+  ArenaBacking* b = c->backing;
+  if (!b->dirty && ((c->prev_addr && c->prev_addr->st() == ChunkState::Free) ||
+                    (c->next_addr && c->next_addr->st() == ChunkState::Free))) {
+    b->dirty = true;
+    ++dirty_backings_;
+  }
+}
+
+void* ArenaPool::make_live_locked(ArenaChunk* c, std::size_t nbytes, Stream s) {
+  c->requested = nbytes;
+  c->alloc_stream = c->last_stream = s;
+  c->set(ChunkState::Live);
+  c->backing->free_scans = 0;
+  table_.insert(c->addr, c);
+  live_.store(live_.load(std::memory_order_relaxed) + nbytes, std::memory_order_relaxed);
+  overhead_ += c->size - nbytes;
+  ++live_blocks_;
+  note_peak_locked();
+  return reinterpret_cast<void*>(c->addr);
+}
+
+void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
+  if (c->size > rounded) {
+    c->set(ChunkState::Live);  // before filing the remainder: c is not a merge partner
+    ArenaChunk* rest = chunk_nodes_.create();
+    rest->addr = c->addr + rounded;
+    rest->size = c->size - rounded;
+    rest->backing = c->backing;
+    rest->prev_addr = c;
+    rest->next_addr = c->next_addr;
+    if (c->next_addr) c->next_addr->prev_addr = rest;
+    c->next_addr = rest;
+    c->size = rounded;
+    file_free_locked(rest);
+  }
+  return make_live_locked(c, nbytes, s);
+}
+
+void ArenaPool::coalesce_locked() {
+  if (!dirty_backings_) return;
+  ++coalesce_passes_;
+  for (ArenaBacking* b : backings_) {
+    if (!b->dirty) continue;
+    for (ArenaChunk* c = b->first; c; c = c->next_addr) {
+      if (c->st() != ChunkState::Free || !c->next_addr || c->next_addr->st() != ChunkState::Free) continue;
+      index_.remove(c);
+      while (c->next_addr && c->next_addr->st() == ChunkState::Free) {
+        ArenaChunk* n = c->next_addr;
+        index_.remove(n);
+        c->size += n->size;
+        c->next_addr = n->next_addr;
+        if (n->next_addr) n->next_addr->prev_addr = c;
+        chunk_nodes_.destroy(n);
+        ++merges_;
+      }
+      index_.insert(c);
+    }
+    b->dirty = false;
+  }
+  dirty_backings_ = 0;
+}
+
+void ArenaPool::drain_locked(bool wait) {
+  order_.drain([&](BlockRecord* r) { file_free_locked(static_cast<ArenaChunk*>(r)); }, wait);
+}
+
+// Settle everything this thread can settle without waiting: own cache back, completed pending
+// releases to free, merges owed.
+void ArenaPool::settle_locked() {
+  if (cache_enabled_) {
+    if (ThreadCache* tc = detail::tls_find_cache(id_); tc && tc->bytes) flush_cache_locked(tc);
+  }
+  if (order_.pending_blocks()) drain_locked(false);
+  coalesce_locked();
+}
+
+// ---------------------------------------------------------------- backings
+
+ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize) {
+  auto* b = new ArenaBacking();
+  b->addr = addr;
+  b->size = size;
+  b->oversize = oversize;
+  if (!oversize && !resident_assigned_) {
+    b->resident = true;
+    resident_assigned_ = true;
+  }
+  ArenaChunk* c = chunk_nodes_.create();
+  c->addr = addr;
+  c->size = size;
+  c->backing = b;
+  b->first = c;
+  backings_.insert(std::upper_bound(backings_.begin(), backings_.end(), b,
+                                    [](const ArenaBacking* x, const ArenaBacking* y) { return x->addr < y->addr; }),
+                   b);
+  reserved_ += size;
+  peak_reserved_ = std::max(peak_reserved_, reserved_);
+  if (!oversize) ++ramp_backings_;
+  return b;
+}
+
+ArenaChunk* ArenaPool::grow_locked(std::size_t rounded) {
+  const bool oversize = rounded > opt_.max_backing;
+  std::size_t size = rounded;
+  if (!oversize) {
+    const double ramp = double(opt_.initial_backing) * std::pow(opt_.growth_factor, double(ramp_backings_));
+    const std::size_t r = ramp >= double(opt_.max_backing) ? opt_.max_backing : static_cast<std::size_t>(ramp);
+    size = std::max(rounded, align_up(r, opt_.alignment));
+  }
+  if (opt_.limit) {
+    if (reserved_ + rounded > opt_.limit) throw LimitHit{};
+    if (reserved_ + size > opt_.limit) size = std::max(rounded, (opt_.limit - reserved_) & ~(opt_.alignment - 1));
+  }
+  void* p;
+  try {
+    p = upstream_alloc(size);
+  } catch (const UpstreamOutOfMemory&) {
+    if (size == rounded) throw;
+    size = rounded;  // the ramp asked for more than needed: ask for just the request
+    p = upstream_alloc(size);
+  }
+  ++backings_created_;
+  if (oversize) ++oversize_backings_created_;
+  ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), size, oversize);
+  return b->first;
+}
+
+void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
+  // Every chunk is free (not necessarily merged: a shrink scan does not coalesce, so it never
+  // destroys the exact-size chunks a steady workload is reusing).
+  for (ArenaChunk* c = b->first; c;) {
+    ArenaChunk* n = c->next_addr;
+    index_.remove(c);
+    chunk_nodes_.destroy(c);
+    c = n;
+  }
+  backings_.erase(std::find(backings_.begin(), backings_.end(), b));
+  reserved_ -= b->size;
+  if (!b->oversize) --ramp_backings_;
+  if (b->dirty) --dirty_backings_;
+  ++backings_released_;
+  out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
+  delete b;
+}
+
+static bool wholly_free(const ArenaBacking* b) {
+  for (const ArenaChunk* c = b->first; c; c = c->next_addr)
+    if (c->st() != ChunkState::Free) return false;
+  return true;
+}
+
+// Release wholly free, non-resident backings: all of them (trim) or those wholly free for
+// shrink_hysteresis consecutive scans (automatic shrink). Returns bytes detached.
+std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteresis) {
+  std::size_t bytes = 0;
+  for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
+    if (b->resident || !wholly_free(b)) {
+      b->free_scans = 0;
+      continue;
+    }
+    if (hysteresis && ++b->free_scans < opt_.shrink_hysteresis) continue;
+    bytes += b->size;
+    release_backing_locked(b, out);
+  }
+  return bytes;
+}
+
+void ArenaPool::free_detached(Detached& d) {
+  // Outside the lock: freeing device memory synchronizes the device. A free the upstream refuses
+  // is re-adopted as a wholly free backing (retried at the next trim or scan) and counted, so the
+  // books never lose the bytes.
+  for (auto& [p, n] : d) {
+    try {
+      upstream_free(p, n);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mu_);
+      ++upstream_free_failures_;
+      ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), n, n > opt_.max_backing);
+      --backings_created_;
+      file_free_locked(b->first);
+    }
+  }
+  d.clear();
+}
+
+void ArenaPool::tick_locked(Detached& out) {
+  if (!opt_.shrink_interval || ++ops_since_scan_ < opt_.shrink_interval) return;
+  ops_since_scan_ = 0;
+  ++shrink_scans_;
+  release_free_backings_locked(out, true);
+}
+
+// ---------------------------------------------------------------- allocate / deallocate
+
+void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
+  check_request(nbytes);
+  check_open();
+  const std::size_t rounded = align_up(nbytes, opt_.alignment);
+  Detached detached;
+  struct FreeAfter {
+    ArenaPool* self;
+    Detached& d;
+    ~FreeAfter() {
+      if (!d.empty()) self->free_detached(d);
+    }
+  } free_after{this, detached};
+
+  std::unique_lock<std::mutex> g(mu_);
+  check_open();
+  ++slow_allocs_;
+  ThreadCache* tc = cache_enabled_ ? cache_locked() : nullptr;
+  if (tc && tc->flush_requested.load(std::memory_order_relaxed)) flush_cache_locked(tc);
+  tick_locked(detached);
+
+  if (s != kNoStream)
+    if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
+  ArenaChunk* c = index_.take_best_fit(rounded);
+  if (!c) {
+    ++pressure_passes_;
+    settle_locked();
+    c = index_.take_best_fit(rounded);
+  }
+  if (c) return carve_locked(c, rounded, nbytes, s);
+
+  // Grow; on failure recover what can be recovered (ask other threads to flush, return wholly
+  // free backings) and try once more before explaining the failure.
+  std::string upstream_error;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      return carve_locked(grow_locked(rounded), rounded, nbytes, s);
+    } catch (const LimitHit&) {
+    } catch (const UpstreamOutOfMemory& e) {
+      upstream_error = e.what();
+    }
+    if (attempt == 1) break;
+    ++oom_retries_;
+    for (auto& other : caches_)
+      if (other.get() != tc) other->flush_requested.store(true, std::memory_order_relaxed);
+    release_free_backings_locked(detached, false);
+    if (!detached.empty()) {
+      g.unlock();
+      free_detached(detached);
+      g.lock();
+    }
+    if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
+  }
+  OomFigures f = figures_locked(nbytes);
+  f.upstream_error = upstream_error;
+  const std::size_t pending_total = f.pending;
+  if (pending_total && pending_total + f.free >= rounded && f.largest_free < rounded) f.cause = "pending";
+  else if (f.free >= rounded && f.largest_free < rounded) f.cause = "fragmentation";
+  else if (opt_.limit && reserved_ + rounded > opt_.limit) f.cause = "limit";
+  else f.cause = "upstream";
+  g.unlock();
+  throw_oom(std::move(f));
+}
+
+void ArenaPool::deallocate(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
+  Detached detached;
+  std::string err, reason;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    check_open();
+    ArenaChunk* c = nullptr;
+    if (!table_.find(a, c)) {
+      err = locate_locked(a, reason);
+    } else if (c->st() != ChunkState::Live) {
+      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
+      reason = "double_free";
+    } else {
+      ++slow_frees_;
+      if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr;
+          tc && tc->flush_requested.load(std::memory_order_relaxed))
+        flush_cache_locked(tc);
+      live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
+      overhead_ -= c->size - c->requested;
+      --live_blocks_;
+      table_.erase(a);
+      if (s == kNoStream) file_free_locked(c);
+      else order_.defer(c, s);
+      tick_locked(detached);
+    }
+  }
+  if (!err.empty()) {
+    if (reason == "unknown") throw_foreign_pointer(a, err);
+    throw InvalidPointer(err, a, reason);
+  }
+  free_detached(detached);
+}
+
+std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
+  auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
+                             [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
+  if (it != backings_.begin()) {
+    ArenaBacking* b = *(it - 1);
+    if (a < b->addr + b->size) {
+      for (ArenaChunk* c = b->first; c; c = c->next_addr) {
+        if (a < c->addr || a >= c->addr + c->size) continue;
+        if (a == c->addr) {
+          reason = "double_free";
+          return format_ptr(a) + " was already freed (double free; the block is " + chunk_state_name(c->st()) + ")";
+        }
+        reason = "interior";
+        return format_ptr(a) + " points inside the " + chunk_state_name(c->st()) + " block at " + format_ptr(c->addr) +
+               " (offset " + std::to_string(a - c->addr) + "): free the block's start address";
+      }
+    }
+  }
+  reason = "unknown";
+  return "is not a block of this pool (never allocated here)";
+}
+
+void ArenaPool::record_stream(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> g(mu_);
+  check_open();
+  ArenaChunk* c = nullptr;
+  if (!table_.find(a, c) || c->st() != ChunkState::Live)
+    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
+  if (s == c->alloc_stream || s == kNoStream) return;
+  if (!c->used_on) c->used_on = new std::vector<Stream>();
+  if (std::find(c->used_on->begin(), c->used_on->end(), s) == c->used_on->end()) c->used_on->push_back(s);
+}
+
+// ---------------------------------------------------------------- maintenance
+
+std::size_t ArenaPool::process_pending() {
+  std::lock_guard<std::mutex> g(mu_);
+  const std::size_t before = order_.pending_bytes();
+  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) {
+    // Own stream-tagged cached blocks count as pending: settle them too.
+    bool tagged = false;
+    for (auto& b : tc->bins) tagged |= b.count && b.stream != kNoStream;
+    if (tagged) flush_cache_locked(tc);
+  }
+  drain_locked(false);
+  return before >= order_.pending_bytes() ? before - order_.pending_bytes() : 0;
+}
+
+void ArenaPool::synchronize() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) flush_cache_locked(tc);
+  drain_locked(true);
+}
+
+std::size_t ArenaPool::trim() {
+  Detached d;
+  std::size_t bytes;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    check_open();
+    settle_locked();
+    bytes = release_free_backings_locked(d, false);
+  }
+  free_detached(d);
+  return bytes;
+}
+
+std::size_t ArenaPool::shrink_scan() {
+  Detached d;
+  std::size_t bytes;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    check_open();
+    ++shrink_scans_;
+    bytes = release_free_backings_locked(d, true);
+  }
+  free_detached(d);
+  return bytes;
+}
+
+void ArenaPool::close() {
+  Detached d;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed()) return;
+    std::int64_t blocks = static_cast<std::int64_t>(live_blocks_);
+    std::int64_t live = static_cast<std::int64_t>(live_.load());
+    for (auto& tc : caches_) {
+      const auto k = tc->read();
+      blocks += k.blocks_delta;
+      live += k.live_delta;
+    }
+    if (blocks > 0) {
+      std::vector<std::uintptr_t> sample;
+      table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
+        if (c->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
+      });
+      throw LiveBlocksAtClose("cannot close ArenaPool #" + std::to_string(id_) + ": " + std::to_string(blocks) +
+                                  " block(s), " + format_bytes(static_cast<std::size_t>(live)) +
+                                  " still live; free them first",
+                              static_cast<std::size_t>(blocks), static_cast<std::size_t>(live), sample);
+    }
+    // Every other thread's cache is idle by contract (close needs quiescence): take them back.
+    for (auto& tc : caches_) flush_cache_locked(tc.get());
+    drain_locked(true);
+    coalesce_locked();  // nothing is live, cached or pending now: each backing merges to one chunk
+    for (auto& tc : caches_) fold_cache_locked(tc.get());
+    for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) release_backing_locked(b, d);
+    table_.clear();
+    closed_.store(true, std::memory_order_release);
+  }
+  for (auto& [p, n] : d) {
+    try {
+      upstream_free(p, n);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mu_);
+      ++upstream_free_failures_;
+    }
+  }
+}
+
+bool ArenaPool::owns_live(std::uintptr_t p) {
+  std::lock_guard<std::mutex> g(mu_);
+  ArenaChunk* c;
+  return table_.find(p, c) && c->st() == ChunkState::Live;
+}
+
+}  // namespace poolkeeper

@@ -79,7 +79,10 @@ void Pool::throw_oom(OomFigures f) {
   } else if (f.cause == "fragmentation") {
     d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks but the largest is "
       << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings (" << format_bytes(f.reserved)
-      << " reserved, " << format_bytes(f.live) << " live)";
+      << " reserved";
+    if (f.limit) d << " of a " << format_bytes(f.limit) << " limit";
+    else d << ", the upstream refused more";
+    d << ", " << format_bytes(f.live) << " live)";
   } else {
     d << "upstream " << f.upstream << " exhausted (" << format_bytes(f.reserved) << " reserved by this pool, "
       << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free, largest "

@@ -24,16 +24,21 @@ void StreamOrder::defer(BlockRecord* b, Stream s) {
   b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
   bytes_ += b->size;
   ++blocks_;
-  const bool multi = b->used_on && !b->used_on->empty();
+  // The allocating stream is always a user: a release on another stream must also wait for it
+  // (as PyTorch's allocator does), unless the block was allocated with no stream.
+  const bool cross = b->alloc_stream != kNoStream && b->alloc_stream != s;
+  const bool multi = cross || (b->used_on && !b->used_on->empty());
   if (multi) {
     // Used on several streams: record one event per stream now, at release, where stream order
     // guarantees each covers that stream's use of the block.
     b->lane = kMultiLane;
     b->events = new std::vector<EventId>();
-    b->events->reserve(b->used_on->size() + 1);
-    if (s != kNoStream) b->events->push_back(up_->record_event(s));
-    for (Stream u : *b->used_on)
-      if (u != s) b->events->push_back(up_->record_event(u));
+    b->events->reserve((b->used_on ? b->used_on->size() : 0) + 2);
+    b->events->push_back(up_->record_event(s));
+    if (cross) b->events->push_back(up_->record_event(b->alloc_stream));
+    if (b->used_on)
+      for (Stream u : *b->used_on)
+        if (u != s && u != b->alloc_stream) b->events->push_back(up_->record_event(u));
     b->pend_next = multi_head_;
     if (multi_head_) multi_head_->pend_prev = b;
     multi_head_ = b;
@@ -125,10 +130,11 @@ void StreamOrder::describe(const BlockRecord* b, std::vector<Stream>& waits_on, 
   waits_on.clear();
   event = kNullEvent;
   if (b->lane == kMultiLane) {
-    if (b->last_stream != kNoStream) waits_on.push_back(b->last_stream);
+    waits_on.push_back(b->last_stream);
+    if (b->alloc_stream != kNoStream && b->alloc_stream != b->last_stream) waits_on.push_back(b->alloc_stream);
     if (b->used_on)
       for (Stream u : *b->used_on)
-        if (u != b->last_stream) waits_on.push_back(u);
+        if (u != b->last_stream && u != b->alloc_stream) waits_on.push_back(u);
     if (b->events && !b->events->empty()) event = b->events->front();
     return;
   }

@@ -67,6 +67,8 @@ class _PoolAPI:
 
 
 def _opts(**kw: Any) -> dict:
+    # Unknown keywords travel on to the core, which refuses them by name with an
+    # InvalidArgumentError listing the valid options (a typo must not pass silently).
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -79,8 +81,10 @@ class Direct(_PoolAPI, _core.DirectPool):
         limit: cap on reserved bytes (None: no cap).
     """
 
-    def __init__(self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None) -> None:
-        super().__init__(upstream, _opts(alignment=alignment, limit=limit))
+    def __init__(
+        self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None, **unknown: Any
+    ) -> None:
+        super().__init__(upstream, _opts(alignment=alignment, limit=limit, **unknown))
 
 
 class SizeClassPool(_PoolAPI, _core.SizeClassPool):
@@ -109,10 +113,12 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         classes_per_doubling: int = 4,
         max_cached_bytes: Optional[int] = None,
         limit: Optional[int] = None,
+        **unknown: Any,
     ) -> None:
         super().__init__(
             upstream,
             _opts(
+                **unknown,
                 alignment=alignment,
                 classes_per_doubling=classes_per_doubling,
                 max_cached_bytes=max_cached_bytes,
@@ -138,7 +144,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       backing is returned after ``shrink_hysteresis`` consecutive scans (freeing device memory
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
-    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (256 MiB), ``growth_factor``
+    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (32 MiB), ``growth_factor``
     (2.0), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
     ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
     0 disables automatic scans), ``limit`` (None).
@@ -149,7 +155,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         upstream: _core.Upstream,
         *,
         initial_backing: int = 2 * MiB,
-        max_backing: int = 256 * MiB,
+        max_backing: int = 32 * MiB,
         growth_factor: float = 2.0,
         alignment: int = 256,
         thread_cache_bytes: int = 8 * MiB,
@@ -157,10 +163,12 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         shrink_hysteresis: int = 2,
         shrink_interval: int = 4096,
         limit: Optional[int] = None,
+        **unknown: Any,
     ) -> None:
         super().__init__(
             upstream,
             _opts(
+                **unknown,
                 initial_backing=initial_backing,
                 max_backing=max_backing,
                 growth_factor=growth_factor,

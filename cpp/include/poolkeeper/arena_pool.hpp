@@ -31,8 +31,11 @@
 #include <set>
 #include <vector>
 
+#include "poolkeeper/detail/arena_types.hpp"
+#include "poolkeeper/detail/free_index.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
+#include "poolkeeper/detail/thread_cache.hpp"
 #include "poolkeeper/pool.hpp"
 #include "poolkeeper/stream_order.hpp"
 
@@ -41,7 +44,7 @@ namespace poolkeeper {
 struct ArenaOptions {
   std::size_t alignment = 256;
   std::size_t initial_backing = std::size_t{2} << 20;
-  std::size_t max_backing = std::size_t{256} << 20;
+  std::size_t max_backing = std::size_t{32} << 20;
   double growth_factor = 2.0;
   std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
   std::size_t thread_cache_max_block = std::size_t{1} << 20;
@@ -50,13 +53,6 @@ struct ArenaOptions {
   std::size_t limit = 0;
 };
 
-namespace detail {
-struct ArenaChunk;
-struct ArenaBacking;
-class ThreadCache;
-class ArenaCore;
-}  // namespace detail
-
 class ArenaPool final : public Pool {
  public:
   ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt = {});
@@ -64,6 +60,7 @@ class ArenaPool final : public Pool {
 
   void* allocate(std::size_t nbytes, Stream s) override;
   void deallocate(void* p, Stream s) override;
+  // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
@@ -76,15 +73,57 @@ class ArenaPool final : public Pool {
   Snapshot snapshot() override;
   bool owns_live(std::uintptr_t p) override;
   std::string name() const override { return "ArenaPool"; }
-  std::size_t alignment() const override;
+  std::size_t alignment() const override { return opt_.alignment; }
 
   // One automatic shrink scan, now. Returns bytes released.
   std::size_t shrink_scan();
   // Return the calling thread's cached blocks to the pool.
   void flush_thread_cache();
+  // Thread-exit hook (internal): fold a dying thread's cache into the pool.
+  void on_thread_exit(detail::ThreadCache* tc);
 
  private:
-  std::unique_ptr<detail::ArenaCore> core_;
+  using Detached = std::vector<std::pair<void*, std::size_t>>;
+  struct LimitHit {};
+  detail::ThreadCache* cache_locked();
+  void flush_cache_locked(detail::ThreadCache* tc);
+  void fold_cache_locked(detail::ThreadCache* tc);
+  void file_free_locked(detail::ArenaChunk* c);
+  void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
+  void coalesce_locked();
+  detail::ArenaChunk* grow_locked(std::size_t rounded);
+  detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);
+  void release_backing_locked(detail::ArenaBacking* b, Detached& out);
+  std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
+  void free_detached(Detached& d);
+  void tick_locked(Detached& out);
+  void settle_locked();
+  void drain_locked(bool wait);
+  PoolStats stats_locked();
+  void note_peak_locked();
+  std::string locate_locked(std::uintptr_t p, std::string& reason);
+  OomFigures figures_locked(std::size_t requested);
+
+  ArenaOptions opt_;
+  bool cache_enabled_;
+  mutable std::mutex mu_;
+  detail::NodeArena<detail::ArenaChunk> chunk_nodes_;
+  detail::PointerTable<detail::ArenaChunk*> table_;  // Live and ThreadCached chunks
+  detail::FreeIndex index_;
+  StreamOrder order_;
+  std::vector<detail::ArenaBacking*> backings_;  // sorted by address
+  std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
+  bool resident_assigned_ = false;
+  std::size_t ramp_backings_ = 0;
+  std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
+  std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
+  std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
+  std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
+  std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
+                backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0,
+                upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
+                slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
 };
 
 }  // namespace poolkeeper

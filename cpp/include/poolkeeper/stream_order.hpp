@@ -13,8 +13,9 @@
 // one event per pressure pass. Fences complete in lane order, so draining a lane stops at the
 // first fence that has not completed.
 //
-// A block whose release must wait on several streams (record_stream) gets its events recorded at
-// release time, one per stream, and waits on a separate list until all have completed.
+// A block whose release must wait on several streams -- record_stream streams, or its allocating
+// stream when released on another one -- gets its events recorded at release time, one per
+// stream, and waits on a separate list until all have completed.
 //
 // Not thread-safe: every member runs under the owning pool's lock.
 #pragma once

@@ -3,30 +3,31 @@
 // and insert/erase touch no allocator once the slot array has grown to the working set.
 //
 // Concurrency: ONE writer at a time (the owning pool's lock), any number of lock-free readers.
-// - A key is published with a release store after its value is written; readers load it acquire.
-// - Slots only ever go empty -> key -> tombstone -> key; never back to empty in a live array, so a
-//   reader's probe chain for a key present before it started is never cut short.
-// - Growth rehashes into a new array and retires the old one (kept until the table dies), so a
-//   reader still walking the old array reads valid memory holding the same live keys.
-// A reader racing an erase of the very key it looks up is a user race (a double free), not ours.
+// A lock-free find() may miss a key that is present (while the writer sweeps tombstones in
+// place); callers treat a miss as "take the locked path", where the lookup is authoritative.
+// A hit is never wrong: the reader re-reads the key after the value and retries on a change.
+// - Growth (doubling) moves to a new array and retires the old one, kept until the table dies:
+//   a reader still walking it reads valid memory. Retired arrays total less than the live one.
+// - Tombstone sweeps rehash in place through a scratch buffer sized with the array, so churn at a
+//   steady size never allocates and never grows the table.
 #pragma once
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace poolkeeper::detail {
 
 template <class V>
 class PointerTable {
-  static_assert(sizeof(V) <= sizeof(std::uintptr_t));
   static constexpr std::uintptr_t kEmpty = 0;
-  static constexpr std::uintptr_t kTomb = 1;  // addresses are >= 256-aligned, never 1
+  static constexpr std::uintptr_t kTomb = 1;  // addresses are >= 2-aligned, never 1
 
   struct Slot {
     std::atomic<std::uintptr_t> key{kEmpty};
-    V value{};
+    std::atomic<V> value{};
   };
   struct Array {
     explicit Array(std::size_t cap) : cap(cap), mask(cap - 1), slots(new Slot[cap]) {}
@@ -38,9 +39,7 @@ class PointerTable {
   explicit PointerTable(std::size_t initial_capacity = 64) {
     std::size_t c = 16;
     while (c < initial_capacity) c <<= 1;
-    auto a = std::make_unique<Array>(c);
-    cur_.store(a.get(), std::memory_order_release);
-    arrays_.push_back(std::move(a));
+    install(std::make_unique<Array>(c));
   }
 
   static std::size_t hash(std::uintptr_t k) {
@@ -51,38 +50,31 @@ class PointerTable {
     return static_cast<std::size_t>(k);
   }
 
-  // Lock-free. Returns true and sets out when key is present.
+  // Lock-free. True and out set when key is present; may report a present key as absent while a
+  // sweep runs (see above). Exact when called under the writer's lock.
   bool find(std::uintptr_t key, V& out) const {
     const Array* a = cur_.load(std::memory_order_acquire);
     std::size_t i = hash(key) & a->mask;
-    for (;;) {
+    for (std::size_t probes = 0; probes < a->cap; ++probes) {
       const std::uintptr_t k = a->slots[i].key.load(std::memory_order_acquire);
       if (k == key) {
-        out = a->slots[i].value;
+        const V v = a->slots[i].value.load(std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (a->slots[i].key.load(std::memory_order_relaxed) != key) return false;
+        out = v;
         return true;
       }
       if (k == kEmpty) return false;
       i = (i + 1) & a->mask;
     }
+    return false;
   }
 
   // Writer only. key must not be present.
   void insert(std::uintptr_t key, V value) {
-    if ((used_ + 1) * 2 > cur()->cap) grow();
-    Array* a = cur();
-    std::size_t i = hash(key) & a->mask;
-    for (;;) {
-      const std::uintptr_t k = a->slots[i].key.load(std::memory_order_relaxed);
-      if (k == kEmpty || k == kTomb) {
-        a->slots[i].value = value;
-        a->slots[i].key.store(key, std::memory_order_release);
-        if (k == kEmpty) ++used_;
-        else --tombs_;
-        ++size_;
-        return;
-      }
-      i = (i + 1) & a->mask;
-    }
+    if ((used_ + 1) * 2 > cur()->cap) rehash();
+    place(cur(), key, value);
+    ++size_;
   }
 
   // Writer only. Returns false when absent.
@@ -102,12 +94,13 @@ class PointerTable {
     }
   }
 
+  // Writer only (or quiescent).
   template <class F>
   void for_each(F&& f) const {
     const Array* a = cur_.load(std::memory_order_acquire);
     for (std::size_t i = 0; i < a->cap; ++i) {
       const std::uintptr_t k = a->slots[i].key.load(std::memory_order_acquire);
-      if (k != kEmpty && k != kTomb) f(k, a->slots[i].value);
+      if (k != kEmpty && k != kTomb) f(k, a->slots[i].value.load(std::memory_order_relaxed));
     }
   }
 
@@ -121,41 +114,78 @@ class PointerTable {
   std::size_t capacity() const { return cur_.load(std::memory_order_acquire)->cap; }
   std::size_t tombstones() const { return tombs_; }
   std::size_t grows() const { return grows_; }
+  std::size_t sweeps() const { return sweeps_; }
   // Invariant: size + tombstones == used slots, and used <= capacity / 2.
-  bool consistent() const { return size_ + tombs_ == used_ && used_ * 2 <= cur_.load()->cap; }
+  bool consistent() const {
+    std::size_t live = 0, tomb = 0;
+    const Array* a = cur_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < a->cap; ++i) {
+      const auto k = a->slots[i].key.load(std::memory_order_relaxed);
+      live += (k != kEmpty && k != kTomb);
+      tomb += (k == kTomb);
+    }
+    return live == size_ && tomb == tombs_ && size_ + tombs_ == used_ && used_ * 2 <= a->cap;
+  }
 
  private:
   Array* cur() const { return cur_.load(std::memory_order_relaxed); }
 
-  void grow() {
-    // Rehash; double only when live keys (not tombstones) fill a quarter, so insert/erase churn at
-    // a steady size just sweeps tombstones and the array stops growing.
-    const Array* old = cur();
-    std::size_t cap = old->cap;
-    if ((size_ + 1) * 4 > cap) cap <<= 1;
-    auto a = std::make_unique<Array>(cap);
-    for (std::size_t i = 0; i < old->cap; ++i) {
-      const std::uintptr_t k = old->slots[i].key.load(std::memory_order_relaxed);
-      if (k == kEmpty || k == kTomb) continue;
-      std::size_t j = hash(k) & a->mask;
-      while (a->slots[j].key.load(std::memory_order_relaxed) != kEmpty) j = (j + 1) & a->mask;
-      a->slots[j].value = old->slots[i].value;
-      a->slots[j].key.store(k, std::memory_order_relaxed);
-    }
-    used_ = size_;
-    tombs_ = 0;
-    ++grows_;
+  void install(std::unique_ptr<Array> a) {
+    scratch_.assign(a->cap, {0, V{}});
     cur_.store(a.get(), std::memory_order_release);
-    // Retired arrays stay alive for lock-free readers that may still walk them. Same-size sweeps
-    // reuse nothing, so bound the list: beyond 8 retired arrays of the current size, the oldest
-    // same-size ones are long unreachable (readers hold an array only for one probe).
     arrays_.push_back(std::move(a));
-    if (arrays_.size() > 16) arrays_.erase(arrays_.begin(), arrays_.begin() + 8);
+  }
+
+  void place(Array* a, std::uintptr_t key, V value) {
+    std::size_t i = hash(key) & a->mask;
+    for (;;) {
+      const std::uintptr_t k = a->slots[i].key.load(std::memory_order_relaxed);
+      if (k == kEmpty || k == kTomb) {
+        a->slots[i].value.store(value, std::memory_order_relaxed);
+        a->slots[i].key.store(key, std::memory_order_release);
+        if (k == kEmpty) ++used_;
+        else --tombs_;
+        return;
+      }
+      i = (i + 1) & a->mask;
+    }
+  }
+
+  void rehash() {
+    Array* a = cur();
+    if ((size_ + 1) * 4 > a->cap) {
+      // Live keys fill a quarter: double. The old array is retired, never freed under a reader.
+      auto b = std::make_unique<Array>(a->cap * 2);
+      Array* nb = b.get();
+      std::size_t n = 0;
+      for (std::size_t i = 0; i < a->cap; ++i) {
+        const auto k = a->slots[i].key.load(std::memory_order_relaxed);
+        if (k == kEmpty || k == kTomb) continue;
+        scratch_[n++] = {k, a->slots[i].value.load(std::memory_order_relaxed)};
+      }
+      used_ = tombs_ = 0;
+      for (std::size_t j = 0; j < n; ++j) place(nb, scratch_[j].first, scratch_[j].second);
+      install(std::move(b));
+      ++grows_;
+      return;
+    }
+    // Mostly tombstones: sweep in place. Concurrent readers may miss keys meanwhile and fall back
+    // to the locked path; none can read freed memory.
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < a->cap; ++i) {
+      const auto k = a->slots[i].key.load(std::memory_order_relaxed);
+      if (k != kEmpty && k != kTomb) scratch_[n++] = {k, a->slots[i].value.load(std::memory_order_relaxed)};
+      a->slots[i].key.store(kEmpty, std::memory_order_release);
+    }
+    used_ = tombs_ = 0;
+    for (std::size_t j = 0; j < n; ++j) place(a, scratch_[j].first, scratch_[j].second);
+    ++sweeps_;
   }
 
   std::atomic<Array*> cur_{nullptr};
   std::vector<std::unique_ptr<Array>> arrays_;
-  std::size_t used_ = 0, size_ = 0, tombs_ = 0, grows_ = 0;
+  std::vector<std::pair<std::uintptr_t, V>> scratch_;
+  std::size_t used_ = 0, size_ = 0, tombs_ = 0, grows_ = 0, sweeps_ = 0;
 };
 
 }  // namespace poolkeeper::detail

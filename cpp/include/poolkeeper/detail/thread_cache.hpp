@@ -1,0 +1,84 @@
+// ThreadCache: one thread's exact-size blocks for one ArenaPool, in front of the pool's lock.
+//
+// - Owner-only contents: bins of (chunk size, stream tag) holding up to kPerBin chunks each. A tag
+//   of kNoStream means "free for every stream"; a stream tag means the block was released on that
+//   stream and may be reused at once only by it (for other streams it is pending).
+// - Counters other threads read (stats at any time) are written by the owner inside a seqlock:
+//   every fast-path operation is balanced within one cache (cached <-> live + overhead), so the
+//   sum over caches of consistent snapshots keeps reserved == live + free + pending + overhead
+//   exact without any atomic read-modify-write on the hot path.
+// - Another thread never touches the bins. It may set flush_requested (allocation pressure); the
+//   owner flushes on its next locked operation.
+// Lifetime: owned by the pool; the thread-exit hook returns the blocks to the pool if it is alive.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "poolkeeper/types.hpp"
+
+namespace poolkeeper::detail {
+
+struct ArenaChunk;
+
+class ThreadCache {
+ public:
+  static constexpr int kBins = 16;
+  static constexpr int kPerBin = 8;
+
+  struct Bin {
+    std::size_t size = 0;
+    Stream stream = kNoStream;
+    std::uint32_t count = 0;
+    ArenaChunk* items[kPerBin] = {};
+  };
+
+  struct Counters {
+    std::int64_t live_delta = 0, overhead_delta = 0, blocks_delta = 0;
+    std::int64_t cached_free = 0, cached_pending = 0;
+    std::uint64_t hits = 0, frees = 0;
+  };
+
+  // --- owner only ---
+  Bin bins[kBins];
+  int hint = 0;                   // the bin the last hit used: a steady loop skips the scan
+  std::size_t bytes = 0;          // cached bytes (owner's view of cached_free + cached_pending)
+  std::size_t peak_live = 0;      // best local estimate of the pool's live peak
+  void begin() {
+    seq_.store(seq_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+  }
+  void end() { seq_.store(seq_.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
+  // Fields are atomics written with relaxed stores by the owner (no read-modify-write).
+  void add(std::atomic<std::int64_t>& f, std::int64_t d) { f.store(f.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+  void add(std::atomic<std::uint64_t>& f, std::uint64_t d) { f.store(f.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+
+  std::atomic<std::int64_t> live_delta{0}, overhead_delta{0}, blocks_delta{0}, cached_free{0}, cached_pending{0};
+  std::atomic<std::uint64_t> hits{0}, frees{0};
+  std::atomic<std::size_t> peak_live_pub{0};
+
+  // --- any thread ---
+  std::atomic<bool> flush_requested{false};
+
+  Counters read() const {
+    Counters c;
+    for (;;) {
+      const auto s1 = seq_.load(std::memory_order_acquire);
+      if (s1 & 1) continue;
+      c.live_delta = live_delta.load(std::memory_order_relaxed);
+      c.overhead_delta = overhead_delta.load(std::memory_order_relaxed);
+      c.blocks_delta = blocks_delta.load(std::memory_order_relaxed);
+      c.cached_free = cached_free.load(std::memory_order_relaxed);
+      c.cached_pending = cached_pending.load(std::memory_order_relaxed);
+      c.hits = hits.load(std::memory_order_relaxed);
+      c.frees = frees.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (seq_.load(std::memory_order_relaxed) == s1) return c;
+    }
+  }
+
+ private:
+  std::atomic<std::uint32_t> seq_{0};
+};
+
+}  // namespace poolkeeper::detail

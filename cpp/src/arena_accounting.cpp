@@ -1,0 +1,229 @@
+// ArenaPool accounting: stats (exact at one observation point, thread caches included),
+// validate() (every invariant in arena_pool.hpp), snapshots, and the figures an OOM reports.
+#include <algorithm>
+
+#include "arena_registry.hpp"
+#include "poolkeeper/arena_pool.hpp"
+
+namespace poolkeeper {
+
+using detail::ArenaBacking;
+using detail::ArenaChunk;
+using detail::ThreadCache;
+
+void ArenaPool::note_peak_locked() {
+  // Exact live bytes need every cache's delta; read them only when another thread has a cache
+  // (a single-threaded pool keeps its peak from the fast path's own estimate).
+  std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
+  for (auto& tc : caches_) live += tc->read().live_delta;
+  if (live > static_cast<std::int64_t>(peak_live_)) peak_live_ = static_cast<std::size_t>(live);
+}
+
+PoolStats ArenaPool::stats_locked() {
+  PoolStats st;
+  std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
+  std::int64_t overhead = static_cast<std::int64_t>(overhead_), blocks = static_cast<std::int64_t>(live_blocks_);
+  std::int64_t cached_free = 0, cached_pending = 0;
+  std::uint64_t hits = folded_hits_, fast_frees = folded_frees_;
+  std::size_t peak_live = peak_live_;
+  for (auto& tc : caches_) {
+    const auto k = tc->read();
+    live += k.live_delta;
+    overhead += k.overhead_delta;
+    blocks += k.blocks_delta;
+    cached_free += k.cached_free;
+    cached_pending += k.cached_pending;
+    hits += k.hits;
+    fast_frees += k.frees;
+    peak_live = std::max(peak_live, tc->peak_live_pub.load(std::memory_order_relaxed));
+  }
+  st.reserved = reserved_;
+  st.live = static_cast<std::size_t>(live);
+  st.overhead = static_cast<std::size_t>(overhead);
+  st.thread_cached = static_cast<std::size_t>(cached_free);
+  st.thread_cached_pending = static_cast<std::size_t>(cached_pending);
+  st.free = index_.bytes() + st.thread_cached;
+  st.pending = order_.pending_bytes() + st.thread_cached_pending;
+  st.largest_free = index_.largest();
+  st.peak_reserved = peak_reserved_;
+  st.peak_live = std::max(peak_live, st.live);
+  st.live_blocks = static_cast<std::size_t>(blocks);
+  st.free_chunks = index_.count();
+  st.pending_blocks = order_.pending_blocks();
+  st.backings = backings_.size();
+  st.limit = opt_.limit;
+  st.pending_by_stream = order_.by_stream();
+  std::size_t oversize = 0;
+  for (ArenaBacking* b : backings_) oversize += b->oversize;
+  fill_upstream_counts(st);
+  st.extra.emplace_back("oversize_backings", oversize);
+  st.extra.emplace_back("backings_created", backings_created_);
+  st.extra.emplace_back("oversize_backings_created", oversize_backings_created_);
+  st.extra.emplace_back("backings_released", backings_released_);
+  st.extra.emplace_back("coalesce_passes", coalesce_passes_);
+  st.extra.emplace_back("merges", merges_);
+  st.extra.emplace_back("shrink_scans", shrink_scans_);
+  st.extra.emplace_back("pressure_passes", pressure_passes_);
+  st.extra.emplace_back("thread_cache_hits", hits);
+  st.extra.emplace_back("thread_cache_frees", fast_frees);
+  st.extra.emplace_back("thread_caches", caches_.size());
+  st.extra.emplace_back("cache_flushes", cache_flushes_);
+  st.extra.emplace_back("slow_allocations", slow_allocs_);
+  st.extra.emplace_back("slow_deallocations", slow_frees_);
+  st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
+  st.extra.emplace_back("fences_recorded", order_.fences_recorded());
+  st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
+  st.extra.emplace_back("oom_retries", oom_retries_);
+  st.extra.emplace_back("tree_chunks", index_.tree_size());
+  st.extra.emplace_back("table_capacity", table_.capacity());
+  st.extra.emplace_back("table_grows", table_.grows());
+  st.extra.emplace_back("chunk_nodes", chunk_nodes_.live());
+  return st;
+}
+
+PoolStats ArenaPool::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_locked();
+}
+
+OomFigures ArenaPool::figures_locked(std::size_t requested) {
+  const PoolStats st = stats_locked();
+  OomFigures f;
+  f.requested = requested;
+  f.reserved = st.reserved;
+  f.live = st.live;
+  f.free = st.free;
+  f.largest_free = st.largest_free;
+  f.free_chunks = st.free_chunks;
+  f.pending = st.pending;
+  f.pending_by_stream = st.pending_by_stream;
+  f.thread_cached = st.thread_cached;
+  f.limit = opt_.limit;
+  return f;
+}
+
+void ArenaPool::validate() {
+  std::lock_guard<std::mutex> g(mu_);
+  auto fail = [&](const std::string& m) { throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": " + m); };
+  std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
+  std::uintptr_t prev_end = 0;
+  std::size_t dirty = 0;
+  bool resident_seen = false;
+  for (ArenaBacking* b : backings_) {
+    if (b->addr < prev_end) fail("backings overlap or are out of address order");
+    prev_end = b->addr + b->size;
+    reserved += b->size;
+    dirty += b->dirty;
+    if (b->resident) {
+      if (resident_seen || b->oversize) fail("more than one resident backing, or an oversize one");
+      resident_seen = true;
+    }
+    std::uintptr_t at = b->addr;
+    const ArenaChunk* prev = nullptr;
+    for (ArenaChunk* c = b->first; c; c = c->next_addr) {
+      if (c->addr != at) fail("chunks do not tile backing " + format_ptr(b->addr) + " at " + format_ptr(at));
+      if (c->prev_addr != prev || c->backing != b) fail("broken chunk links in backing " + format_ptr(b->addr));
+      if (c->size == 0 || c->size % opt_.alignment || c->addr % opt_.alignment) fail("misaligned chunk " + format_ptr(c->addr));
+      at += c->size;
+      ArenaChunk* found = nullptr;
+      const bool in_table = table_.find(c->addr, found) && found == c;
+      switch (c->st()) {
+        case ChunkState::Live:
+          if (!in_table) fail("live chunk " + format_ptr(c->addr) + " missing from the pointer table");
+          if (c->requested == 0 || c->requested > c->size) fail("live chunk requested size out of range");
+          live += c->requested;
+          overhead += c->size - c->requested;
+          ++nlive;
+          break;
+        case ChunkState::ThreadCached:
+          if (!in_table) fail("thread-cached chunk missing from the pointer table");
+          cached += c->size;
+          ++ncached;
+          break;
+        case ChunkState::Free:
+          if (in_table || c->where == ArenaChunk::kNowhere) fail("free chunk " + format_ptr(c->addr) + " not indexed (or in the table)");
+          if (!b->dirty && prev && prev->st() == ChunkState::Free)
+            fail("adjacent free chunks at " + format_ptr(prev->addr) + " after a coalesce pass");
+          free_b += c->size;
+          break;
+        case ChunkState::Pending:
+          if (in_table) fail("pending chunk still in the pointer table");
+          pending += c->size;
+          break;
+      }
+      prev = c;
+    }
+    if (at != b->addr + b->size) fail("chunks cover " + std::to_string(at - b->addr) + " of " + std::to_string(b->size) + " bytes in backing " + format_ptr(b->addr));
+  }
+  if (dirty != dirty_backings_) fail("dirty-backing count is off");
+  index_.check(fail);
+  order_.validate();
+  if (free_b != index_.bytes()) fail("free index bytes disagree with the free chunks");
+  if (pending != order_.pending_bytes()) fail("pending bytes disagree with the stream-order lanes");
+  if (table_.size() != nlive + ncached || !table_.consistent()) fail("pointer table does not match live + cached chunks");
+  std::size_t cache_bins_bytes = 0;
+  std::int64_t cached_counted = 0;
+  for (auto& tc : caches_) {
+    std::size_t own = 0;
+    for (auto& bin : tc->bins) {
+      if (bin.count > ThreadCache::kPerBin) fail("thread-cache bin overflow");
+      for (std::uint32_t i = 0; i < bin.count; ++i) {
+        ArenaChunk* c = bin.items[i];
+        if (c->st() != ChunkState::ThreadCached || c->size != bin.size || c->cache_tag != bin.stream)
+          fail("thread-cache bin holds a chunk that is not cached there");
+        own += c->size;
+      }
+    }
+    if (own != tc->bytes) fail("thread cache byte count is off");
+    const auto k = tc->read();
+    cached_counted += k.cached_free + k.cached_pending;
+    cache_bins_bytes += own;
+  }
+  if (cache_bins_bytes != cached || cached_counted != static_cast<std::int64_t>(cached))
+    fail("thread-cached bytes disagree with the caches");
+  if (reserved != reserved_) fail("reserved " + std::to_string(reserved_) + " but backings add to " + std::to_string(reserved));
+  const PoolStats st = stats_locked();
+  if (st.live != live || st.overhead != overhead || st.live_blocks != nlive)
+    fail("live/overhead totals (" + std::to_string(st.live) + "/" + std::to_string(st.overhead) + ") disagree with the chunks (" +
+         std::to_string(live) + "/" + std::to_string(overhead) + ")");
+  if (st.reserved != st.live + st.free + st.pending + st.overhead)
+    fail("reserved " + std::to_string(st.reserved) + " != live " + std::to_string(st.live) + " + free " +
+         std::to_string(st.free) + " + pending " + std::to_string(st.pending) + " + overhead " + std::to_string(st.overhead));
+}
+
+Snapshot ArenaPool::snapshot() {
+  std::lock_guard<std::mutex> g(mu_);
+  Snapshot snap;
+  snap.pool = name();
+  snap.upstream = upstream_->name();
+  snap.alignment = opt_.alignment;
+  snap.stats = stats_locked();
+  for (ArenaBacking* b : backings_) {
+    BackingInfo bi;
+    bi.address = b->addr;
+    bi.size = b->size;
+    bi.resident = b->resident;
+    bi.oversize = b->oversize;
+    for (ArenaChunk* c = b->first; c; c = c->next_addr) {
+      ChunkInfo ci;
+      ci.offset = c->addr - b->addr;
+      ci.size = c->size;
+      ci.state = c->st();
+      ci.requested = c->requested;
+      ci.alloc_stream = c->alloc_stream;
+      ci.last_stream = c->last_stream;
+      if (ci.state == ChunkState::Pending) {
+        order_.describe(c, ci.waits_on, ci.event);
+      } else if (ci.state == ChunkState::ThreadCached && c->cache_tag != kNoStream) {
+        // Cached for reuse on its own stream only: for every other stream it is pending.
+        ci.state = ChunkState::Pending;
+        ci.waits_on.push_back(c->cache_tag);
+      }
+      bi.chunks.push_back(std::move(ci));
+    }
+    snap.backings.push_back(std::move(bi));
+  }
+  return snap;
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,20 @@
+// Internal to ArenaPool: the per-thread lookup of a thread's cache for a pool, and the registry
+// of live arenas the thread-exit hook consults (so a dying thread never touches a dead pool).
+#pragma once
+#include <cstdint>
+
+namespace poolkeeper {
+class ArenaPool;
+namespace detail {
+class ThreadCache;
+
+// Lock-free: this thread's cache for pool `id`, or nullptr.
+ThreadCache* tls_find_cache(std::uint64_t id);
+// Record this thread's cache for pool `id` (called under the pool's lock, first use only).
+void tls_add_cache(std::uint64_t id, ThreadCache* tc);
+
+void arena_registry_add(std::uint64_t id, ArenaPool* pool);
+void arena_registry_remove(std::uint64_t id);
+
+}  // namespace detail
+}  // namespace poolkeeper

@@ -1,0 +1,125 @@
+"""Accounting: the partition from snapshots alone, JSON round trips, tamper detection and phase
+(leak) comparison."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper.accounting import PhaseTracker, Snapshot, check
+from poolkeeper.errors import InvariantError
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def busy_pool(kind):
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.make_pool(kind, sim)
+    s = sim.stream()
+    sim.enqueue(s, 100.0)
+    ptrs = [pool.allocate(n) for n in (1000, 5000, 70_000, 300_000, 4096, 4096)]
+    pool.deallocate(ptrs[1])  # free (or thread-cached)
+    pool.deallocate(ptrs[4])
+    q = pool.allocate(64 * KiB, s)
+    pool.deallocate(q, s)  # pending on s
+    return pool, sim
+
+
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_snapshot_round_trips_through_json_and_checks(kind, tmp_path):
+    pool, _ = busy_pool(kind)
+    snap = pool.snapshot()
+    part = check(snap)
+    st = pool.stats()
+    assert part.reserved == st["reserved_bytes"] and part.live == st["live_bytes"]
+    assert part.free == st["free_bytes"] and part.pending == st["pending_bytes"]
+    path = tmp_path / "snap.json"
+    snap.to_json(path)
+    back = Snapshot.from_json(path)
+    assert back == snap
+    assert Snapshot.from_json(snap.to_json()) == snap
+    check(back)
+    if kind != "direct":
+        states = {c.state for _, c in snap.chunks()}
+        assert {"live", "pending"} <= states and (states & {"free", "thread_cached"})
+
+
+def test_snapshot_pending_chunk_names_its_stream():
+    pool, sim = busy_pool("arena")
+    pend = [c for _, c in pool.snapshot().chunks() if c.state == "pending"]
+    assert pend and all(c.waits_on for c in pend)
+
+
+def _tamper(snap: Snapshot, how: str) -> Snapshot:
+    d = copy.deepcopy(snap.to_dict())
+    b = next(b for b in d["backings"] if len(b["chunks"]) > 1)
+    if how == "double":
+        c = dict(b["chunks"][0])
+        b["chunks"].insert(1, c)  # a region counted twice
+    elif how == "missing":
+        del b["chunks"][1]  # a chunk missing: a gap
+    elif how == "stats":
+        d["stats"]["live_bytes"] += 256
+    elif how == "tail":
+        b["chunks"].pop()  # the backing's end is not covered
+    return Snapshot.from_dict(d)
+
+
+@pytest.mark.parametrize("how,needle", [("double", "counted twice"), ("missing", "gap"), ("stats", "live_bytes"),
+                                        ("tail", "missing chunk")])
+def test_check_catches_a_tampered_snapshot(how, needle):
+    pool, _ = busy_pool("arena")
+    snap = pool.snapshot()
+    check(snap)
+    with pytest.raises(InvariantError, match=needle):
+        check(_tamper(snap, how))
+
+
+def test_not_a_snapshot_is_refused_clearly():
+    with pytest.raises(InvariantError, match="not a poolkeeper snapshot"):
+        Snapshot.from_dict({"pool": "x"})
+
+
+def test_fragmentation_figure():
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0), initial_backing=1 * MiB, max_backing=1 * MiB, thread_cache_bytes=0)
+    ptrs = [pool.allocate(64 * KiB) for _ in range(16)]
+    for p in ptrs[::2]:
+        pool.deallocate(p)
+    st = pool.stats()
+    assert st["free_bytes"] == 512 * KiB and st["largest_free_block"] == 64 * KiB
+    assert st["fragmentation"] == pytest.approx(1 - 64 / 512)
+    assert check(pool.snapshot()).fragmentation == pytest.approx(st["fragmentation"])
+
+
+def run_phase(pool, leak, keep):
+    ptrs = [pool.allocate(n) for n in (10 * KiB, 200 * KiB, 3 * MiB, 700 * KiB)]
+    if leak:
+        keep.append(ptrs.pop())  # one block per phase never freed
+    for p in ptrs:
+        pool.deallocate(p)
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_phase_tracker_tells_a_high_water_mark_from_a_leak(leak):
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+    tracker = PhaseTracker(pool)
+    keep = []
+    for _ in range(8):
+        run_phase(pool, leak, keep)
+        pool.synchronize()  # a completion point
+        tracker.record()
+    v = tracker.verdict()
+    assert v.stable is (not leak)
+    if leak:
+        assert "live" in v.growing and "growing without bound" in v.message
+        assert "per phase" in v.message
+    else:
+        assert "stable" in v.message and not v.growing
+
+
+def test_phase_tracker_needs_enough_phases():
+    t = PhaseTracker(warmup=2)
+    t.record({"reserved_bytes": 1, "live_bytes": 1, "free_bytes": 0, "pending_bytes": 0})
+    assert "need at least" in t.verdict().message
