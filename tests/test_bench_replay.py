@@ -201,3 +201,19 @@ def test_option_values():
         parse_options(["novalue"])
     with pytest.raises(pk.errors.InvalidArgumentError):
         parse_options(["a=lots"])
+
+
+def test_gzip_compressed_logs_are_read_and_truncation_is_reported(tmp_path):
+    import gzip
+
+    for name in ("rmm_small.csv", "torch_small.pickle"):
+        data = open(fixture(name), "rb").read()
+        gz = tmp_path / (name + ".gz")
+        gz.write_bytes(gzip.compress(data))
+        plain, packed = read_log(fixture(name)), read_log(str(gz))
+        assert packed.events == plain.events and packed.format == plain.format
+        cut = tmp_path / (name + ".cut.gz")
+        comp = gzip.compress(data)
+        cut.write_bytes(comp[: len(comp) // 2])
+        with pytest.raises(ReplayError, match="truncated"):
+            read_log(str(cut))

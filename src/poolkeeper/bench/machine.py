@@ -33,13 +33,9 @@ def gpu_name(device: int = 0) -> Optional[str]:
 
         if not _core.cuda_is_available():
             return None
-        from poolkeeper import cuda  # written by the CUDA helper; optional here
+        from poolkeeper import cuda
 
-        for attr in ("device_name", "get_device_name"):
-            fn = getattr(cuda, attr, None)
-            if fn is not None:
-                return str(fn(device))
-        return "CUDA device"
+        return str(cuda.device_info(device).name)
     except Exception:
         return None
 
