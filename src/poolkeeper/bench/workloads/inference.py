@@ -22,6 +22,18 @@ def _model(scale: str) -> Dict[str, int]:
     return {"layers": 16 if scale == "full" else 8, "hidden": 2048, "ffn": 5632, "vocab": 32000}
 
 
+def _setup_extras(up: Any, before: Dict[str, int], w_ns: int, w_bytes: int, blocks: int) -> Dict[str, Any]:
+    """The weights phase's own figures: the row's upstream counters cover it, its wall time does not."""
+    after = up.counters()
+    return {
+        "weights_alloc_ns": w_ns,
+        "weights_bytes": w_bytes,
+        "weights_blocks": blocks,
+        "setup_upstream_allocations": after["allocations"] - before["allocations"],
+        "setup_upstream_ns": (after["alloc_ns"] - before["alloc_ns"]) + (after["dealloc_ns"] - before["dealloc_ns"]),
+    }
+
+
 def _alloc_weights(pool: Any, m: Dict[str, int]) -> Tuple[List[Tuple[int, int]], int, int]:
     h, f, v = m["hidden"], m["ffn"], m["vocab"]
     sizes = [v * h * DTYPE]  # embedding
@@ -92,11 +104,13 @@ def _inference_params(sel: Selection) -> List[Dict[str, Any]]:
 
 def _inference(pool: Any, p: Dict[str, Any], ctx: RunContext) -> Measurement:
     rng = random.Random(ctx.seed)
+    before = ctx.upstream.counters()
     held, w_ns, w_bytes = _alloc_weights(pool, p)
+    setup = _setup_extras(ctx.upstream, before, w_ns, w_bytes, len(held))
     m = Meter(pool)
     t0 = perf_counter_ns()
     _serve(m, p, _requests(rng, p["requests"]), p["decode_steps"])
-    meas = single(m, perf_counter_ns() - t0, weights_alloc_ns=w_ns, weights_bytes=w_bytes, weights_blocks=len(held))
+    meas = single(m, perf_counter_ns() - t0, **setup)
     meas.peak_live_bytes = None  # weights are live too: the pool's peak covers both
     _free_weights(pool, held)
     return meas
@@ -118,7 +132,9 @@ def _inference_mt_params(sel: Selection) -> List[Dict[str, Any]]:
 
 
 def _inference_mt(pool: Any, p: Dict[str, Any], ctx: RunContext) -> Measurement:
+    before = ctx.upstream.counters()
     held, w_ns, w_bytes = _alloc_weights(pool, p)
+    setup = _setup_extras(ctx.upstream, before, w_ns, w_bytes, len(held))
     n = p["threads"]
     prompts = _requests(random.Random(ctx.seed), p["requests"])
 
@@ -126,7 +142,7 @@ def _inference_mt(pool: Any, p: Dict[str, Any], ctx: RunContext) -> Measurement:
         _serve(m, p, prompts[i::n], p["decode_steps"])
 
     meas = run_threads(pool, n, body)
-    meas.extras.update(weights_alloc_ns=w_ns, weights_bytes=w_bytes, weights_blocks=len(held))
+    meas.extras.update(setup)
     _free_weights(pool, held)
     return meas
 
