@@ -40,6 +40,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
 }
 
 SizeClassPool::~SizeClassPool() {
+  unregister();
   if (closed()) return;
   // Free what the pool holds; live blocks stay with their owner (never freed under them).
   std::vector<std::pair<void*, std::size_t>> out;
@@ -208,6 +209,42 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     peak_live_ = std::max(peak_live_, live_);
     return p;
   }
+}
+
+void* SizeClassPool::try_allocate_fast(std::size_t nbytes, Stream s) {
+  if (nbytes - 1 >= kMaxRequest || closed_.load(std::memory_order_relaxed)) return nullptr;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return nullptr;
+  const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
+  Block* b = nullptr;
+  if (s != kNoStream) b = static_cast<Block*>(order_.take_for_stream(s, csize));
+  if (!b) b = pop_free_locked(static_cast<std::uint32_t>(class_index(csize)));
+  if (!b) return nullptr;
+  ++hits_;
+  b->requested = nbytes;
+  b->alloc_stream = b->last_stream = s;
+  b->set(ChunkState::Live);
+  live_ += nbytes;
+  overhead_ += csize - nbytes;
+  ++live_blocks_;
+  peak_live_ = std::max(peak_live_, live_);
+  return reinterpret_cast<void*>(b->addr);
+}
+
+bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!a || closed_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  Block* b = nullptr;
+  if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
+  if (s == kNoStream && opt_.max_cached_bytes && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
+  live_ -= b->requested;
+  overhead_ -= b->size - b->requested;
+  --live_blocks_;
+  if (s == kNoStream) make_free_locked(b);
+  else order_.defer(b, s);
+  return true;
 }
 
 void SizeClassPool::deallocate(void* p, Stream s) {

@@ -37,6 +37,10 @@ class SizeClassPool final : public Pool {
 
   void* allocate(std::size_t nbytes, Stream s) override;
   void deallocate(void* p, Stream s) override;
+  // Hits only, and only when the lock is free right now (try_lock): the caller holds the GIL, so
+  // it must never wait here. Anything else (a miss, contention, an error) takes the full path.
+  void* try_allocate_fast(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_fast(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void validate() override;
