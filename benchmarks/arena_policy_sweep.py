@@ -34,6 +34,8 @@ VARIANTS: List[Tuple[str, Dict[str, Any], bool]] = [
     ("max_backing=128MiB", {"max_backing": 128 * MiB}, False),
     ("max_backing=256MiB", {"max_backing": 256 * MiB}, False),
     ("thread_cache_bytes=0", {"thread_cache_bytes": 0}, False),
+    ("shrink_interval=0", {"shrink_interval": 0}, False),
+    ("shrink_hysteresis=8", {"shrink_hysteresis": 8}, False),
     ("trim_before_grow", {}, True),
     ("trim_before_grow+256MiB", {"max_backing": 256 * MiB}, True),
 ]
