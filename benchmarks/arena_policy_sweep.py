@@ -5,7 +5,8 @@ reported, and those carry no timing noise):
 
 - the bench's ``random_lifetime`` (py_anchor's sequence, 4,000 steps) and ``kv_cache`` (quick and
   full parameters) workloads,
-- the two PyTorch traces in ``benchmarks/traces`` (replayed like ``poolkeeper replay``),
+- the two PyTorch traces in ``benchmarks/traces`` (replayed like ``poolkeeper replay
+  --include-pre-trace``),
 
 varying one option at a time from the defaults, plus one policy the pool does not have, emulated
 from Python: ``trim_before_grow`` calls ``trim()`` before any request larger than the pool's
@@ -71,8 +72,9 @@ def run_trace(path: str) -> Callable[[Any, Any], Tuple[int, int, int]]:
     trace = read_log(path)
 
     def go(pool: Any, up: Any) -> Tuple[int, int, int]:
-        table: Dict[int, Tuple[int, int]] = {}
-        live = peak = 0
+        # Blocks held from before the trace first, as `poolkeeper replay --include-pre-trace` does.
+        table: Dict[int, Tuple[int, int]] = {ev.addr: (pool.allocate(ev.size), ev.size) for ev in trace.pre_trace}
+        live = peak = sum(n for _, n in table.values())
         for ev in trace.events:
             if ev.kind == "alloc":
                 table[ev.addr] = (pool.allocate(ev.size), ev.size)

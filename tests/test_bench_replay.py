@@ -217,3 +217,47 @@ def test_gzip_compressed_logs_are_read_and_truncation_is_reported(tmp_path):
         cut.write_bytes(comp[: len(comp) // 2])
         with pytest.raises(ReplayError, match="truncated"):
             read_log(str(cut))
+
+
+def test_blocks_from_before_the_log_can_be_replayed_too(tmp_path):
+    # A snapshot whose process held two blocks before recording began: one freed during the trace
+    # (an unknown free), one still allocated at the end (seen only in the segments).
+    snap = {
+        "segments": [{"device": 0, "address": 0x1000000, "total_size": 4 << 20, "stream": 0, "segment_type": "large",
+                      "allocated_size": 3000, "active_size": 3000,
+                      "blocks": [{"address": 0x1000000, "size": 3072, "requested_size": 3000,
+                                  "state": "active_allocated", "frames": []},
+                                 {"address": 0x1000c00, "size": 1024, "requested_size": 1024,
+                                  "state": "inactive", "frames": []}]}],
+        "device_traces": [[
+            {"action": "alloc", "addr": 0x2000000, "size": 5000, "stream": 0},
+            {"action": "free_completed", "addr": 0x3000000, "size": 7000, "stream": 0},  # held since before
+            {"action": "alloc", "addr": 0x2100000, "size": 1000, "stream": 0},
+            {"action": "free_completed", "addr": 0x2000000, "size": 5000, "stream": 0},
+            {"action": "free_completed", "addr": 0x2100000, "size": 1000, "stream": 0},
+        ]],
+    }
+    p = tmp_path / "pre.pickle"
+    p.write_bytes(pickle.dumps(snap, protocol=4))
+    trace = read_log(str(p))
+    assert sorted((e.addr, e.size) for e in trace.pre_trace) == [(0x1000000, 3000), (0x3000000, 7000)]
+    assert trace.info["source_live_before_trace"] == 10000
+    assert trace.info["source_peak_live_bytes"] == 3000 + 7000 + 5000  # before the 7000 block is freed
+
+    skipped = replay_log(str(p), ["direct"], latency_us=0)["pools"]["direct"]
+    assert skipped["counts"]["unknown_frees"] == 1 and skipped["peak_live_bytes"] == 6000
+    included = replay_log(str(p), ["direct"], latency_us=0, include_pre_trace=True)["pools"]["direct"]
+    assert included["counts"]["unknown_frees"] == 0 and included["counts"]["pre_trace_blocks"] == 2
+    assert included["peak_live_bytes"] == trace.info["source_peak_live_bytes"]
+    assert included["live_at_end_bytes"] == 3000  # the block still allocated when the snapshot was taken
+
+
+def test_rmm_unknown_frees_become_pre_trace_blocks(capsys):
+    exp = EXPECTED["rmm_small.csv"]
+    assert main(["replay", fixture("rmm_small.csv"), "--pool", "direct", "--include-pre-trace", "--json",
+                 "--sim-latency-us", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    r = doc["pools"]["direct"]
+    assert doc["pre_trace_blocks"] == 1 and doc["pre_trace_bytes"] == 4096
+    assert r["counts"]["unknown_frees"] == 0 and r["counts"]["frees"] == exp["frees"] + 1
+    assert r["peak_live_bytes"] == exp["peak_live_bytes"]  # the early block is freed by the first event

@@ -135,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
                            workloads=_names(args.workloads), threads=_ints(args.threads), seed=args.seed,
                            latency_us=args.sim_latency_us, arm_options=arm_options)
     pl = runner.plan(cfg)
+    if show_bar:
+        console.print(f"[dim]{pl.total} runs ({len(pl.cases)} workload cases x {len(pl.arms)} arms) on backend "
+                      f"{pl.backend}, scale {scale}" + ("; --quick runs in under a minute" if scale == "full" else "")
+                      + "[/]", highlight=False)
     with _Bar(console, show_bar) as bar:
         rows = runner.run(cfg, bar, pl)
     if args.json:

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PyTorch snapshot: which device's trace to replay (default: the one with most allocations)")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="pool option, e.g. max_backing=64MiB (given to every selected pool that accepts it)")
+    p.add_argument("--include-pre-trace", action="store_true",
+                   help="first allocate the blocks the logged process held from before the log began (frees of "
+                        "never-allocated addresses; for snapshots also blocks still allocated at the end), so peak live "
+                        "matches the logged allocator's")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH (or stdout when no PATH is given)")
     p.add_argument("--sim-latency-us", type=float, default=None, help=argparse.SUPPRESS)
@@ -48,7 +52,8 @@ def _pools(arg: Optional[str]) -> List[str]:
 
 def replay_log(log: str, pools: List[str], backend: str = "simulated", log_format: str = "auto",
                device: Optional[int] = None, options: Optional[Dict[str, Dict[str, Any]]] = None,
-               latency_us: Optional[float] = None, progress: Any = None) -> Dict[str, Any]:
+               latency_us: Optional[float] = None, progress: Any = None,
+               include_pre_trace: bool = False) -> Dict[str, Any]:
     """Parse ``log`` once and replay it on each pool kind; return the report document."""
     import poolkeeper as pk
     from poolkeeper.bench import backends
@@ -63,7 +68,7 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
         upstream = factory()
         pool = pk.make_pool(kind, upstream, **(options or {}).get(kind, {}))
         cb = progress(kind) if progress else None
-        results[kind] = replay(trace, pool, upstream, cb)
+        results[kind] = replay(trace, pool, upstream, cb, include_pre_trace)
         pool.validate()
         pool.close()
     info = dict(trace.info)
@@ -76,8 +81,12 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
         "log_info": info,
         "backend": backend,
         "events": len(trace.events),
+        "pre_trace_blocks": len(trace.pre_trace),
+        "pre_trace_bytes": sum(ev.size for ev in trace.pre_trace),
+        "include_pre_trace": include_pre_trace,
         "ignored_actions": dict(trace.ignored),
         "source_peak_reserved_bytes": source_peak,
+        "source_peak_live_bytes": info.get("source_peak_live_bytes"),
         "pools": results,
         "machine": machine_info(),
     }
@@ -92,28 +101,26 @@ def run(args: argparse.Namespace) -> int:
     from poolkeeper.bench.console import make_console
 
     console = make_console(stderr=to_stdout)
-    progress_ctx = None
-    progress = None
     if not args.no_progress and console.is_terminal:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress_ctx = Progress(TextColumn("replay on {task.description}"), BarColumn(), TimeElapsedColumn(),
-                                console=console, transient=True)
+        bar = Progress(TextColumn("replay on {task.description}"), BarColumn(), TimeElapsedColumn(),
+                       console=console, transient=True)
 
-        def progress(kind: str):
-            task = progress_ctx.add_task(kind, total=1)
+        def per_pool(kind: str) -> Any:
+            task = bar.add_task(kind, total=1)
 
             def cb(done: int, total: int) -> None:
-                progress_ctx.update(task, completed=done, total=max(total, 1))
+                bar.update(task, completed=done, total=max(total, 1))
 
             return cb
 
-    if progress_ctx is not None:
-        with progress_ctx:
+        with bar:
             doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options,
-                             args.sim_latency_us, progress)
+                             args.sim_latency_us, per_pool, args.include_pre_trace)
     else:
-        doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options, args.sim_latency_us)
+        doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options, args.sim_latency_us,
+                         include_pre_trace=args.include_pre_trace)
     if args.json is not None:
         text = json.dumps(doc, indent=1)
         if to_stdout:
@@ -170,11 +177,22 @@ def render(doc: Dict[str, Any], console: Any) -> None:
     for name, get in metrics:
         cells = [get(r) for _, r in pools]
         if src and first and first["peak_live_bytes"]:
-            extra = {"peak live": fmt_bytes(first["peak_live_bytes"]), "peak reserved": fmt_bytes(src),
-                     "reserved / live": fmt_ratio(src / first["peak_live_bytes"])}
+            src_live = doc.get("source_peak_live_bytes") or first["peak_live_bytes"]
+            extra = {"peak live": fmt_bytes(src_live), "peak reserved": fmt_bytes(src),
+                     "reserved / live": fmt_ratio(src / src_live)}
             cells.append(extra.get(name, ""))
         t.add_row(name, *cells)
     console.print(t)
+    if doc["pre_trace_bytes"]:
+        if doc["include_pre_trace"]:
+            note = (f"{doc['pre_trace_blocks']} blocks ({fmt_bytes(doc['pre_trace_bytes'])}) held from before the log "
+                    "began were allocated first (--include-pre-trace), so the pools hold what the logged process held")
+        else:
+            note = (f"the logged process also held {doc['pre_trace_blocks']} blocks ({fmt_bytes(doc['pre_trace_bytes'])}) "
+                    "allocated before the log began: the pools' peak live leaves them out"
+                    + (", the logged allocator's counts them" if doc.get("source_peak_live_bytes") else "")
+                    + " (--include-pre-trace replays them too)")
+        console.print(f"[dim]{note}[/]", highlight=False, soft_wrap=True)
     console.print("[dim]reserved/live = peak reserved ÷ peak live (1.00× holds nothing beyond what was asked); "
                   "fragmentation = 1 − largest free ÷ free, at the moment live bytes peaked[/]")
 

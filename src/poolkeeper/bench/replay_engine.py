@@ -33,10 +33,17 @@ class ReplayCounts:
     zero_size: int = 0
     reallocated_live: int = 0
     size_mismatch_frees: int = 0
+    pre_trace_blocks: int = 0
 
 
-def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
-    """Replay ``trace`` on ``pool`` (which draws from ``upstream``); return the report dict."""
+def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callable[[int, int], None]] = None,
+           include_pre_trace: bool = False) -> Dict[str, Any]:
+    """Replay ``trace`` on ``pool`` (which draws from ``upstream``); return the report dict.
+
+    ``include_pre_trace``: first allocate (untimed) the blocks the logged process held from before
+    the log began (``trace.pre_trace``), so the pool holds what the logged allocator held and their
+    frees are no longer unknown.
+    """
     counts = ReplayCounts()
     alloc_t = new_samples()
     free_t = new_samples()
@@ -45,6 +52,13 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
     at_peak: Dict[str, Any] = {}
     peak_pending = False
     alloc, free = pool.allocate, pool.deallocate
+    if include_pre_trace:
+        for ev in trace.pre_trace:
+            if ev.size and ev.addr not in table:
+                table[ev.addr] = (alloc(ev.size), ev.size)
+                live += ev.size
+                counts.pre_trace_blocks += 1
+        peak_live = live
     events = trace.events
     n = len(events)
     step = max(1, n // 200)
@@ -129,6 +143,7 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
     ops = len(all_t)
     return {
         "events": n,
+        "include_pre_trace": include_pre_trace,
         "counts": counts.__dict__.copy(),
         "ignored_actions": dict(trace.ignored),
         "peak_live_bytes": peak_live,

@@ -82,6 +82,7 @@ def read(f: TextIO, path: str = "") -> Trace:
         trace.events.append(Event(kind, addr, int(size_text), stream, lineno))
     if not cols:
         raise ReplayError("empty log: no RMM header line", path=path, line=max(lineno, 1))
+    trace.find_pre_trace()
     return trace
 
 

@@ -108,7 +108,44 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
             segment_delta += d
             peak_running = max(peak_running, running)
     _source_peak(trace, snap, device, saw_segments, segment_delta, peak_running)
+    _source_live(trace, snap, device)
     return trace
+
+
+def _source_live(trace: Trace, snap: Dict[str, Any], device: int) -> None:
+    """The logged process's own peak live bytes, counting blocks allocated before the trace began.
+
+    The replay skips those by default (their frees are "unknown"), so its peak live can be lower
+    than what the logged allocator held; the logged allocator's ratio uses this figure. Such blocks
+    are the ones the trace frees without having allocated, plus the ones the snapshot's segments
+    show as still allocated that the trace never allocated (``Trace.pre_trace``).
+    """
+    trace.find_pre_trace()
+    allocated = {ev.addr for ev in trace.events if ev.kind == ALLOC}
+    for seg in snap.get("segments") or []:
+        if not isinstance(seg, dict) or seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks") or []:
+            if not isinstance(b, dict) or b.get("state") not in ("active_allocated", "active_awaiting_free"):
+                continue
+            addr = b.get("address")
+            size = b.get("requested_size", b.get("size"))
+            if isinstance(addr, int) and isinstance(size, int) and size > 0 and addr not in allocated:
+                trace.pre_trace.append(Event(ALLOC, addr, size, 0, -1))
+    pre = sum(ev.size for ev in trace.pre_trace)
+    if pre == 0:
+        return
+    live = peak = pre
+    table: Dict[int, int] = {ev.addr: ev.size for ev in trace.pre_trace}
+    for ev in trace.events:
+        if ev.kind == ALLOC:
+            table[ev.addr] = ev.size
+            live += ev.size
+            peak = max(peak, live)
+        elif ev.addr in table:
+            live -= table.pop(ev.addr)
+    trace.info["source_live_before_trace"] = pre
+    trace.info["source_peak_live_bytes"] = peak
 
 
 def _source_peak(trace: Trace, snap: Dict[str, Any], device: int, saw: bool, delta: int, peak_running: int) -> None:
