@@ -138,6 +138,7 @@ void bind_pools(nb::module_& m) {
         o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
         o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
         o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
+        o.oversize_threshold = r.size("oversize_threshold", o.oversize_threshold, false);
         r.finish();
         new (self) ArenaPool(std::move(up), o);
       }, "upstream"_a, "options"_a = nb::none())

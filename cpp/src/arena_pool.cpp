@@ -30,6 +30,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   if (opt_.shrink_hysteresis == 0) throw InvalidArgument("shrink_hysteresis must be >= 1 scan");
   opt_.initial_backing = align_up(opt_.initial_backing, opt_.alignment);
   opt_.max_backing = align_up(opt_.max_backing, opt_.alignment);
+  if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
   detail::arena_registry_add(id_, this);
 }
@@ -171,15 +172,20 @@ ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, boo
                    b);
   reserved_ += size;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
-  if (!oversize) ++ramp_backings_;
+  if (!oversize) {
+    ++ramp_backings_;
+    ++ramp_steps_;
+  }
   return b;
 }
 
 ArenaChunk* ArenaPool::grow_locked(std::size_t rounded) {
-  const bool oversize = rounded > opt_.max_backing;
+  const bool oversize = rounded > opt_.oversize_threshold;
   std::size_t size = rounded;
   if (!oversize) {
-    const double ramp = double(opt_.initial_backing) * std::pow(opt_.growth_factor, double(ramp_backings_));
+    // The ramp remembers how far it went: after a shrink, regrowth takes full-size backings
+    // rather than climbing again from initial_backing (which multiplied upstream calls).
+    const double ramp = double(opt_.initial_backing) * std::pow(opt_.growth_factor, double(ramp_steps_));
     const std::size_t r = ramp >= double(opt_.max_backing) ? opt_.max_backing : static_cast<std::size_t>(ramp);
     size = std::max(rounded, align_up(r, opt_.alignment));
   }
@@ -251,7 +257,7 @@ void ArenaPool::free_detached(Detached& d) {
     } catch (...) {
       std::lock_guard<std::mutex> g(mu_);
       ++upstream_free_failures_;
-      ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), n, n > opt_.max_backing);
+      ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), n, n > opt_.oversize_threshold);
       --backings_created_;
       file_free_locked(b->first);
     }

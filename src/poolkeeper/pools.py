@@ -154,10 +154,11 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       backing is returned after ``shrink_hysteresis`` consecutive scans (freeing device memory
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
-    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (32 MiB), ``growth_factor``
-    (2.0), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
+    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (128 MiB), ``growth_factor``
+    (1.5), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
     ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
-    0 disables automatic scans), ``limit`` (None).
+    0 disables automatic scans), ``oversize_threshold`` (32 MiB, clamped to ``max_backing``;
+    requests above it get an oversize backing of their own), ``limit`` (None).
     """
 
     def __init__(
@@ -165,13 +166,14 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         upstream: _core.Upstream,
         *,
         initial_backing: int = 2 * MiB,
-        max_backing: int = 32 * MiB,
-        growth_factor: float = 2.0,
+        max_backing: int = 128 * MiB,
+        growth_factor: float = 1.5,
         alignment: int = 256,
         thread_cache_bytes: int = 8 * MiB,
         thread_cache_max_block: int = 1 * MiB,
         shrink_hysteresis: int = 2,
         shrink_interval: int = 4096,
+        oversize_threshold: int = 32 * MiB,
         limit: Optional[int] = None,
         **unknown: Any,
     ) -> None:
@@ -187,6 +189,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
                 thread_cache_max_block=thread_cache_max_block,
                 shrink_hysteresis=shrink_hysteresis,
                 shrink_interval=shrink_interval,
+                oversize_threshold=oversize_threshold,
                 limit=limit,
             ),
         )

@@ -44,13 +44,16 @@ namespace poolkeeper {
 struct ArenaOptions {
   std::size_t alignment = 256;
   std::size_t initial_backing = std::size_t{2} << 20;
-  std::size_t max_backing = std::size_t{32} << 20;
-  double growth_factor = 2.0;
+  std::size_t max_backing = std::size_t{128} << 20;
+  double growth_factor = 1.5;
   std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
   std::size_t thread_cache_max_block = std::size_t{1} << 20;
   std::size_t shrink_hysteresis = 2;
   std::size_t shrink_interval = 4096;  // locked operations between automatic scans; 0: never
   std::size_t limit = 0;
+  // Requests above this get an oversize backing of their own (clamped to max_backing). Large
+  // blocks then do not fragment the ramp backings, and a freed one is a whole hole for the next.
+  std::size_t oversize_threshold = std::size_t{32} << 20;
 };
 
 class ArenaPool final : public Pool {
@@ -115,7 +118,8 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   bool resident_assigned_ = false;
-  std::size_t ramp_backings_ = 0;
+  std::size_t ramp_backings_ = 0;  // non-oversize backings held
+  std::size_t ramp_steps_ = 0;     // non-oversize backings ever made: the ramp never restarts after a shrink
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
