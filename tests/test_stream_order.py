@@ -219,3 +219,20 @@ def test_random_multi_stream_run_never_reuses_early(kind, seed):
     pool.synchronize()
     assert pool.stats()["pending_bytes"] == 0
     pool.validate()
+
+
+def test_a_stream_splits_its_own_pending_blocks_instead_of_growing():
+    """A framework frees on the stream it allocates on while the device lags: the stream must be
+    able to carve smaller requests out of what it released, not only reuse exact sizes."""
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=4 * MiB, max_backing=4 * MiB, thread_cache_bytes=0)
+    s, other = sim.stream(), sim.stream()
+    sim.enqueue(s, 1e6)  # the device is far behind
+    big = pool.allocate(3 * MiB, s)
+    pool.deallocate(big, s)
+    reserved = pool.stats()["reserved_bytes"]
+    parts = [pool.allocate(700 * KiB, s) for _ in range(4)]  # all carved from the pending 3 MiB
+    assert parts[0] == big and pool.stats()["reserved_bytes"] == reserved
+    assert all(big <= p < big + 3 * MiB for p in parts)
+    assert pool.allocate(700 * KiB, other) not in range(big, big + 3 * MiB)  # never another stream
+    pool.validate()

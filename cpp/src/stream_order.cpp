@@ -118,6 +118,22 @@ BlockRecord* StreamOrder::take_for_stream(Stream s, std::size_t size) {
   return nullptr;
 }
 
+BlockRecord* StreamOrder::take_for_stream_fit(Stream s, std::size_t size) {
+  for (Lane& l : lanes_) {
+    if (l.stream != s) continue;
+    if (!l.blocks) return nullptr;
+    for (auto it = l.by_size.lower_bound(size); it != l.by_size.end(); ++it) {
+      if (!it->second.tail) continue;  // empty lists are kept while few
+      BlockRecord* b = it->second.tail;
+      unlink(l, b);
+      ++same_stream_reuses_;
+      return b;
+    }
+    return nullptr;
+  }
+  return nullptr;
+}
+
 std::vector<std::pair<Stream, std::size_t>> StreamOrder::by_stream() const {
   std::map<Stream, std::size_t> m;
   for (const Lane& l : lanes_)

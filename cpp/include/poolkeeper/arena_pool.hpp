@@ -94,6 +94,7 @@ class ArenaPool final : public Pool {
   void file_free_locked(detail::ArenaChunk* c);
   void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
+  void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void coalesce_locked();
   detail::ArenaChunk* grow_locked(std::size_t rounded);
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);

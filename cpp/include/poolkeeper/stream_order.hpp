@@ -22,7 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
-#include <unordered_map>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -75,7 +75,7 @@ class StreamOrder {
     std::size_t bytes = 0, blocks = 0;
     std::uint64_t next_seq = 1, fenced_seq = 0;
     std::deque<Fence> fences;
-    std::unordered_map<std::size_t, List> by_size;  // same-stream reuse by exact size
+    std::map<std::size_t, List> by_size;  // same-stream reuse: exact size, or best fit to split
   };
 
  public:
@@ -89,6 +89,9 @@ class StreamOrder {
   // A pending block released on s with exactly `size` bytes, reusable on s at once; nullptr if
   // none. The block is removed from pending (state left Pending: the caller makes it Live).
   BlockRecord* take_for_stream(Stream s, std::size_t size);
+  // The smallest pending block released on s with at least `size` bytes (best fit, for a pool
+  // that can split it: the caller returns the remainder with defer(rest, s)); nullptr if none.
+  BlockRecord* take_for_stream_fit(Stream s, std::size_t size);
 
   // Fence every lane with unfenced releases, then hand each block whose events have completed to
   // on_ready(BlockRecord*) (state still Pending). wait=true blocks on each event first, so nothing
