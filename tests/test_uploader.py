@@ -1,0 +1,237 @@
+"""The Uploader on the Host upstream: bytes arrive intact, buffers are reused, fill overlaps copy."""
+from __future__ import annotations
+
+import ctypes
+import io
+import threading
+
+import numpy as np
+import pytest
+
+import poolkeeper as pk
+from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.staging import PinnedStagingPool, Uploader, _engine
+
+CHUNK = 64 * 1024
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def host():
+    return pk.upstream.Host()
+
+
+@pytest.fixture
+def uploader(host):
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, buffers=3, fill_threads=2)
+    yield up
+    up.close()
+
+
+SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 123, 40 * CHUNK + 4097]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "numpy"])
+def test_memory_sources_arrive_intact(uploader, n, kind):
+    data = payload(n, seed=n)
+    src = {
+        "bytes": lambda: data,
+        "bytearray": lambda: bytearray(data),
+        "memoryview": lambda: memoryview(data),
+        "numpy": lambda: np.frombuffer(data, dtype=np.uint8).copy(),
+    }[kind]()
+    dst = bytearray(n)
+    report = uploader.upload(src, dst)
+    assert dst == data
+    assert report.nbytes == n and report.chunks == -(-n // CHUNK)
+
+
+def test_multi_dimensional_numpy_source_and_pointer_destination(uploader):
+    src = np.arange(3 * 1000 * 77, dtype=np.uint32).reshape(3, 1000, 77)
+    dst = np.zeros_like(src)
+    uploader.upload(src, dst.ctypes.data)
+    assert np.array_equal(src, dst)
+
+
+def test_large_multi_threaded_fill_arrives_intact(host):
+    # Chunks of 4 MiB are split across the fill threads (parts of >= 1 MiB each).
+    data = payload(3 * (4 << 20) + 12345, seed=7)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, buffers=2, fill_threads=4) as up:
+        up.upload(data, dst)
+    assert dst == data
+
+
+def test_path_source(uploader, tmp_path):
+    data = payload(7 * CHUNK + 99, seed=3)
+    p = tmp_path / "weights.bin"
+    p.write_bytes(data)
+    dst = bytearray(len(data))
+    uploader.upload(p, dst)
+    assert dst == data
+    dst2 = bytearray(len(data))
+    uploader.upload(str(p), dst2)
+    assert dst2 == data
+
+
+def test_large_path_source_read_in_parallel(host, tmp_path):
+    data = payload(2 * (4 << 20) + 777, seed=4)
+    p = tmp_path / "big.bin"
+    p.write_bytes(data)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, buffers=2, fill_threads=3) as up:
+        up.upload(p, dst)
+    assert dst == data
+
+
+def test_file_object_source_from_its_current_position(uploader, tmp_path):
+    data = payload(6 * CHUNK + 5, seed=5)
+    p = tmp_path / "w.bin"
+    p.write_bytes(b"HEADER" + data)
+    with open(p, "rb") as f:
+        f.read(6)
+        dst = bytearray(len(data))
+        uploader.upload(f, dst)
+    assert dst == data
+
+
+def test_unseekable_file_object_needs_nbytes(uploader):
+    data = payload(3 * CHUNK + 1, seed=6)
+
+    class Pipe:
+        def __init__(self):
+            self._b = io.BytesIO(data)
+
+        def readinto(self, mv):
+            return self._b.readinto(mv)
+
+    with pytest.raises(InvalidArgumentError, match="nbytes is required"):
+        uploader.upload(Pipe(), bytearray(len(data)))
+    dst = bytearray(len(data))
+    uploader.upload(Pipe(), dst, nbytes=len(data))
+    assert dst == data
+
+
+def test_partial_source(uploader):
+    data = payload(4 * CHUNK, seed=8)
+    dst = bytearray(len(data))
+    report = uploader.upload(data, dst, nbytes=2 * CHUNK + 3)
+    assert dst[: 2 * CHUNK + 3] == data[: 2 * CHUNK + 3] and not any(dst[2 * CHUNK + 3 :])
+    assert report.nbytes == 2 * CHUNK + 3
+
+
+def test_progress_reports_every_chunk_up_to_the_total(uploader):
+    n = 10 * CHUNK + 17
+    calls: list = []
+    uploader.upload(payload(n), bytearray(n), progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == 11
+    assert all(t == n for _, t in calls)
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and dones[-1] == n and dones[0] == CHUNK
+
+
+def test_steady_state_makes_no_pinned_allocations(uploader, host):
+    n = 20 * CHUNK + 1
+    first = uploader.upload(payload(n), bytearray(n))
+    assert first.pinned_alloc_calls == 3  # one per staging buffer, then only reuse
+    assert first.reuses == first.chunks - 3
+    for seed in range(3):
+        data = payload(n, seed)
+        dst = bytearray(n)
+        again = uploader.upload(data, dst)
+        assert dst == data
+        assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+    assert host.counters()["allocations"] == 3
+    s = uploader.pool.stats()
+    assert s["live_buffers"] == 0 and s["retained_buffers"] == 3 and s["frees"] == 0
+
+
+def test_fill_of_next_chunk_happens_while_previous_copy_is_in_flight(host, monkeypatch):
+    """The copy of chunk 0 is held on the copy thread until the fill of chunk 1 has begun. An
+    uploader that waited for each copy before filling the next chunk would never start that fill,
+    the gate would time out, and this test would fail (no timing is measured)."""
+    n = 4 * CHUNK
+    data = payload(n, seed=9)
+    next_fill_began = threading.Event()
+
+    class Source(io.BytesIO):
+        def readinto(self, mv):
+            if self.tell() >= CHUNK:
+                next_fill_began.set()
+            return super().readinto(mv)
+
+    observed: list = []
+
+    def held_copy(dst, src, nbytes):
+        if threading.current_thread().name == "poolkeeper-staging-copy" and not observed:
+            observed.append(next_fill_began.wait(20))
+        return ctypes.memmove(dst, src, nbytes)
+
+    monkeypatch.setattr(_engine, "_memmove", held_copy)
+    dst = bytearray(n)
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, buffers=2, fill_threads=1) as up:
+        report = up.upload(Source(data), dst)
+    assert observed == [True]
+    assert report.overlapped_fills >= 1
+    assert dst == data
+
+
+def test_start_returns_a_handle(uploader):
+    n = 9 * CHUNK + 3
+    data = payload(n, seed=10)
+    dst = bytearray(n)
+    handle = uploader.start(data, dst)
+    report = handle.wait(timeout=60)
+    assert handle.done() and dst == data and report.nbytes == n
+
+
+def test_start_reports_errors_on_wait(uploader):
+    handle = uploader.start(b"x" * 100, bytearray(10))
+    with pytest.raises(InvalidArgumentError):
+        handle.wait(timeout=60)
+
+
+def test_short_file_fails_cleanly_without_leaking_buffers(uploader, host):
+    data = payload(3 * CHUNK, seed=11)
+    with pytest.raises(InvalidArgumentError, match="ended"):
+        uploader.upload(io.BytesIO(data), bytearray(5 * CHUNK), nbytes=5 * CHUNK)
+    s = uploader.pool.stats()
+    assert s["live_buffers"] == 0
+    assert host.counters()["outstanding_bytes"] == s["retained_bytes"]
+    dst = bytearray(len(data))  # the uploader still works afterwards
+    uploader.upload(data, dst)
+    assert dst == data
+
+
+def test_bad_arguments(host):
+    with pytest.raises(InvalidArgumentError):
+        Uploader(PinnedStagingPool(host), buffers=1)
+    with pytest.raises(InvalidArgumentError):
+        Uploader(PinnedStagingPool(host), chunk_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="steady state"):
+        Uploader(PinnedStagingPool(host, max_buffers=2), buffers=3)
+    with pytest.raises(InvalidArgumentError, match="steady state"):
+        Uploader(PinnedStagingPool(host, max_bytes=CHUNK), chunk_bytes=CHUNK, buffers=2)
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK)
+    with pytest.raises(InvalidArgumentError):
+        up.upload(b"x" * 100, bytearray(99))
+    with pytest.raises(InvalidArgumentError):
+        up.upload(np.arange(100)[::2], bytearray(800))
+    with pytest.raises(InvalidArgumentError):
+        up.upload(b"x" * 100, bytearray(100), nbytes=101)
+    assert up.pool.stats()["acquires"] == 0
+    up.close()
+
+
+def test_default_uploader_pool_fits_its_buffers():
+    with Uploader(chunk_bytes=CHUNK, buffers=5, fill_threads=1) as up:
+        assert up.pool.max_buffers >= 5
+        if up.pool.upstream.kind == "host":
+            data = payload(12 * CHUNK)
+            dst = bytearray(len(data))
+            up.upload(data, dst)
+            assert dst == data and up.pool.stats()["pinned_alloc_calls"] == 5
