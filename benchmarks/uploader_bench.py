@@ -10,9 +10,13 @@ For each size (default 256 MiB and 2 GiB) it reports GB/s (1e9 B/s; median and b
 - ``pageable``: ``memcpy_htod(dev, numpy_buffer)`` (the driver stages pageable memory itself);
 - ``pinned``: ``memcpy_htod(dev, pinned_buffer)`` with the data already in page-locked memory
   (the pin and the fill are not timed: this is the ceiling, not a way to move pageable data);
-- ``uploader``: ``Uploader.upload(numpy_buffer, dev)`` for each chunk size x fill-thread count,
+- ``uploader``: ``Uploader.upload(numpy_buffer, dev)`` for each chunk size x worker count,
   after one warm-up upload; ``steady_pinned_allocs`` is the pool's pinned allocation count over
   the timed uploads (must be 0).
+
+``--nt-threshold BYTES`` re-runs the script with glibc's non-temporal store threshold lowered
+(``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold``), so the workers' large memcpys bypass
+the cache instead of reading each destination line first: less memory traffic per byte moved.
 
 Every uploader configuration's last upload is verified: the device bytes are copied back and
 compared with the source. A table goes to stdout and everything to the JSON file.
@@ -77,12 +81,17 @@ def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json_out", help="where to write the JSON results")
     ap.add_argument("--sizes", default="256M,2G", help="comma-separated transfer sizes (default 256M,2G)")
-    ap.add_argument("--chunks", default="8M,16M,32M,64M", help="uploader chunk sizes to measure")
-    ap.add_argument("--threads", default="4,8", help="uploader fill-thread counts to measure")
-    ap.add_argument("--buffers", type=int, default=3, help="staging buffers in flight (default 3)")
+    ap.add_argument("--chunks", default="4M,8M,16M", help="uploader chunk sizes to measure")
+    ap.add_argument("--workers", default="8,12,16", help="uploader worker counts to measure")
+    ap.add_argument("--depth", type=int, default=2, help="staging buffers per worker (default 2)")
+    ap.add_argument("--nt-threshold", type=parse_size, default=None, help="re-run with this glibc non-temporal threshold")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args(argv)
+    tun = f"glibc.cpu.x86_non_temporal_threshold={args.nt_threshold}" if args.nt_threshold else None
+    if tun and tun not in os.environ.get("GLIBC_TUNABLES", ""):
+        env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), tun])))
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + (argv if argv is not None else sys.argv[1:]), env)
 
     import poolkeeper as pk
     from poolkeeper.cuda import driver
@@ -90,9 +99,10 @@ def main(argv: list | None = None) -> int:
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     chunks = [parse_size(s) for s in args.chunks.split(",")]
-    threads = [int(t) for t in args.threads.split(",")]
+    workers = [int(t) for t in args.workers.split(",")]
     top = max(sizes)
     driver.set_device(args.device)
+    print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')}", flush=True)
 
     t0 = time.perf_counter()
     src = np.random.default_rng(0).integers(0, 2**63, top // 8 + 1, dtype=np.uint64).view(np.uint8)[:top]
@@ -108,7 +118,13 @@ def main(argv: list | None = None) -> int:
         driver.memcpy_dtoh(check.ctypes.data, dev, n)
         return bool(np.array_equal(check[:n], src[:n]))
 
-    results: dict = {"machine": machine(), "args": vars(args), "source_generation_s": gen_s, "rows": []}
+    results: dict = {
+        "machine": machine(),
+        "args": vars(args),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "source_generation_s": gen_s,
+        "rows": [],
+    }
     rows = results["rows"]
 
     for n in sizes:
@@ -135,9 +151,10 @@ def main(argv: list | None = None) -> int:
 
         # Uploader: pageable source through reused pinned staging buffers.
         for c in chunks:
-            for th in threads:
-                pool = PinnedStagingPool(pinned_up, max_buffers=max(8, args.buffers), max_bytes=max(512 * MiB, args.buffers * c))
-                with Uploader(pool, chunk_bytes=c, buffers=args.buffers, fill_threads=th) as up:
+            for th in workers:
+                nbuf = th * args.depth
+                pool = PinnedStagingPool(pinned_up, max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * c))
+                with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth) as up:
                     warm = up.upload(sp, dev)
                     reports = [up.upload(sp, dev) for _ in range(args.reps)]
                     ok = verify(n)
@@ -148,8 +165,8 @@ def main(argv: list | None = None) -> int:
                         method="uploader",
                         size=n,
                         chunk_bytes=c,
-                        buffers=args.buffers,
-                        fill_threads=th,
+                        workers=th,
+                        depth=args.depth,
                         verified=ok,
                         warmup_pinned_allocs=warm.pinned_alloc_calls,
                         steady_pinned_allocs=sum(rp.pinned_alloc_calls for rp in reports),
@@ -161,7 +178,7 @@ def main(argv: list | None = None) -> int:
                     )
                 )
                 print(
-                    f"  {fmt_size(n):>8} chunk {fmt_size(c):>7} threads {th:>2}: "
+                    f"  {fmt_size(n):>8} chunk {fmt_size(c):>7} workers {th:>2}: "
                     f"{rows[-1]['gbps_median']:6.1f} GB/s median, {rows[-1]['gbps_best']:6.1f} best, "
                     f"steady pinned allocs {rows[-1]['steady_pinned_allocs']}, verified {ok}",
                     flush=True,
@@ -179,7 +196,7 @@ def main(argv: list | None = None) -> int:
         for r in [x for x in sel if x["method"] != "uploader"] + [best]:
             name = r["method"]
             if name == "uploader":
-                name += f" ({fmt_size(r['chunk_bytes'])} x{r['buffers']}, {r['fill_threads']} thr)"
+                name += f" ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']})"
             pins = str(r.get("steady_pinned_allocs", "-"))
             print(f"{fmt_size(n):>8}  {name:<34} {r['gbps_median']:>11.1f} {r['gbps_best']:>9.1f} {pins:>11} {str(r['verified']):>8}")
             summary.append({k: v for k, v in r.items() if k != "seconds"})

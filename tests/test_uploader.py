@@ -11,6 +11,7 @@ import pytest
 import poolkeeper as pk
 from poolkeeper.errors import InvalidArgumentError
 from poolkeeper.staging import PinnedStagingPool, Uploader, _engine
+from poolkeeper.staging.sources import MemorySource, Source
 
 CHUNK = 64 * 1024
 
@@ -26,7 +27,7 @@ def host():
 
 @pytest.fixture
 def uploader(host):
-    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, buffers=3, fill_threads=2)
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=3, depth=2)
     yield up
     up.close()
 
@@ -57,13 +58,12 @@ def test_multi_dimensional_numpy_source_and_pointer_destination(uploader):
     assert np.array_equal(src, dst)
 
 
-def test_large_multi_threaded_fill_arrives_intact(host):
-    # Chunks of 4 MiB are split across the fill threads (parts of >= 1 MiB each).
-    data = payload(3 * (4 << 20) + 12345, seed=7)
+def test_large_chunks_many_workers_arrive_intact(host):
+    data = payload(5 * (4 << 20) + 12345, seed=7)
     dst = bytearray(len(data))
-    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, buffers=2, fill_threads=4) as up:
-        up.upload(data, dst)
-    assert dst == data
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, workers=4, depth=2) as up:
+        report = up.upload(data, dst)
+    assert dst == data and report.workers == 4
 
 
 def test_path_source(uploader, tmp_path):
@@ -83,7 +83,7 @@ def test_large_path_source_read_in_parallel(host, tmp_path):
     p = tmp_path / "big.bin"
     p.write_bytes(data)
     dst = bytearray(len(data))
-    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, buffers=2, fill_threads=3) as up:
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, workers=3, depth=1) as up:
         up.upload(p, dst)
     assert dst == data
 
@@ -134,20 +134,40 @@ def test_progress_reports_every_chunk_up_to_the_total(uploader):
     assert dones == sorted(dones) and dones[-1] == n and dones[0] == CHUNK
 
 
-def test_steady_state_makes_no_pinned_allocations(uploader, host):
+def test_steady_state_makes_no_pinned_allocations(host):
     n = 20 * CHUNK + 1
-    first = uploader.upload(payload(n), bytearray(n))
-    assert first.pinned_alloc_calls == 3  # one per staging buffer, then only reuse
-    assert first.reuses == first.chunks - 3
-    for seed in range(3):
-        data = payload(n, seed)
-        dst = bytearray(n)
-        again = uploader.upload(data, dst)
-        assert dst == data
-        assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=1, depth=3) as up:
+        first = up.upload(payload(n), bytearray(n))
+        assert first.pinned_alloc_calls == 3  # one per staging buffer, then only reuse
+        assert first.reuses == first.chunks
+        for seed in range(3):
+            data = payload(n, seed)
+            dst = bytearray(n)
+            again = up.upload(data, dst)
+            assert dst == data
+            assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+        s = up.pool.stats()
     assert host.counters()["allocations"] == 3
-    s = uploader.pool.stats()
     assert s["live_buffers"] == 0 and s["retained_buffers"] == 3 and s["frees"] == 0
+
+
+def test_steady_state_with_several_workers(uploader, host):
+    # Warm-up pins workers * depth buffers up front, so the count is exact despite the threads.
+    n = 30 * CHUNK + 5
+    first = uploader.upload(payload(n), bytearray(n))
+    assert first.pinned_alloc_calls == 6 and first.reuses == first.chunks
+    for seed in range(3):
+        again = uploader.upload(payload(n, seed), bytearray(n))
+        assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+    assert host.counters()["allocations"] == 6
+
+
+def test_warm_up_pins_once(host):
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, depth=2) as up:
+        assert up.warm_up() == 4
+        assert up.warm_up() == 0
+        report = up.upload(payload(9 * CHUNK), bytearray(9 * CHUNK))
+        assert report.pinned_alloc_calls == 0
 
 
 def test_fill_of_next_chunk_happens_while_previous_copy_is_in_flight(host, monkeypatch):
@@ -173,7 +193,7 @@ def test_fill_of_next_chunk_happens_while_previous_copy_is_in_flight(host, monke
 
     monkeypatch.setattr(_engine, "_memmove", held_copy)
     dst = bytearray(n)
-    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, buffers=2, fill_threads=1) as up:
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=1, depth=2) as up:
         report = up.upload(Source(data), dst)
     assert observed == [True]
     assert report.overlapped_fills >= 1
@@ -207,16 +227,70 @@ def test_short_file_fails_cleanly_without_leaking_buffers(uploader, host):
     assert dst == data
 
 
+class RecordingSource(Source):
+    """A memory source whose fills can be held and observed."""
+
+    def __init__(self, data: bytes, before_fill=None) -> None:
+        self._inner = MemorySource(data)
+        self.nbytes = self._inner.nbytes
+        self.before_fill = before_fill
+        self.filled: list = []
+
+    def fill(self, buf, offset, n):
+        if self.before_fill is not None:
+            self.before_fill(offset)
+        self._inner.fill(buf, offset, n)
+        self.filled.append(offset)
+
+    def close(self):
+        self._inner.close()
+
+
+def test_workers_fill_different_chunks_at_once(host):
+    """The first two fills wait for each other at a barrier, so they must be running at the same
+    moment: workers that filled one chunk at a time would break the barrier (timeout)."""
+    barrier = threading.Barrier(2, timeout=20)
+    first_two: list = []
+
+    def hold(offset):
+        if len(first_two) < 2:
+            first_two.append(offset)
+            barrier.wait()
+
+    data = payload(8 * CHUNK, seed=12)
+    src = RecordingSource(data, hold)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, depth=2) as up:
+        report = up.upload(src, dst)
+    assert dst == data and not barrier.broken
+    assert sorted(first_two) == [0, CHUNK] and sorted(src.filled) == [i * CHUNK for i in range(8)]
+    assert report.workers == 2
+    src.close()
+
+
+def test_failing_fill_in_one_worker_fails_the_upload_cleanly(uploader, host):
+    def boom(offset):
+        if offset == 5 * CHUNK:
+            raise OSError("disk on fire")
+
+    src = RecordingSource(payload(12 * CHUNK), boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        uploader.upload(src, bytearray(12 * CHUNK))
+    s = uploader.pool.stats()
+    assert s["live_buffers"] == 0 and s["closed_without_retire"] == 1
+    assert host.counters()["outstanding_bytes"] == s["retained_bytes"]
+    src.close()
+
+
 def test_bad_arguments(host):
-    with pytest.raises(InvalidArgumentError):
-        Uploader(PinnedStagingPool(host), buffers=1)
-    with pytest.raises(InvalidArgumentError):
-        Uploader(PinnedStagingPool(host), chunk_bytes=0)
+    for kw in ({"workers": 0}, {"depth": 0}, {"workers": 1, "depth": 1}, {"chunk_bytes": 0}, {"workers": True}):
+        with pytest.raises(InvalidArgumentError):
+            Uploader(PinnedStagingPool(host), **kw)
     with pytest.raises(InvalidArgumentError, match="steady state"):
-        Uploader(PinnedStagingPool(host, max_buffers=2), buffers=3)
+        Uploader(PinnedStagingPool(host, max_buffers=2), workers=3, depth=1)
     with pytest.raises(InvalidArgumentError, match="steady state"):
-        Uploader(PinnedStagingPool(host, max_bytes=CHUNK), chunk_bytes=CHUNK, buffers=2)
-    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK)
+        Uploader(PinnedStagingPool(host, max_bytes=CHUNK), chunk_bytes=CHUNK, workers=2, depth=1)
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2)
     with pytest.raises(InvalidArgumentError):
         up.upload(b"x" * 100, bytearray(99))
     with pytest.raises(InvalidArgumentError):
@@ -228,8 +302,8 @@ def test_bad_arguments(host):
 
 
 def test_default_uploader_pool_fits_its_buffers():
-    with Uploader(chunk_bytes=CHUNK, buffers=5, fill_threads=1) as up:
-        assert up.pool.max_buffers >= 5
+    with Uploader(chunk_bytes=CHUNK, workers=5, depth=1) as up:
+        assert up.pool.max_buffers >= 5 and up.buffers == 5
         if up.pool.upstream.kind == "host":
             data = payload(12 * CHUNK)
             dst = bytearray(len(data))

@@ -226,7 +226,7 @@ def _stream_handle(stream: Any) -> Optional[int]:
 
 def _host_dst(dst: Any, nbytes: int) -> tuple[int, Optional[BorrowedBuffer]]:
     if isinstance(dst, int) and not isinstance(dst, bool):
-        if dst <= 0 and nbytes:
+        if dst < 0 or (dst == 0 and nbytes):
             raise InvalidArgumentError(f"dst address must be a positive int; got {dst!r}")
         return dst, None
     hold = BorrowedBuffer(dst, writable=True, what="dst")
@@ -236,7 +236,7 @@ def _host_dst(dst: Any, nbytes: int) -> tuple[int, Optional[BorrowedBuffer]]:
     return hold.address, hold
 
 
-def _device_dst(dst: Any) -> int:
+def _device_dst(dst: Any, nbytes: int) -> int:
     if isinstance(dst, int) and not isinstance(dst, bool):
         ptr = dst
     elif hasattr(dst, "__cuda_array_interface__"):
@@ -246,7 +246,7 @@ def _device_dst(dst: Any) -> int:
             "dst of a copy from pinned staging must be a device pointer (int) or an object with "
             f"__cuda_array_interface__; got {type(dst).__name__}"
         )
-    if ptr <= 0:
+    if ptr < 0 or (ptr == 0 and nbytes):
         raise InvalidArgumentError(f"dst device pointer must be positive; got {ptr!r}")
     return ptr
 
@@ -274,12 +274,12 @@ def _start_host(dst: Any, staged: StagingBuffer, nbytes: int, blocking: bool) ->
 
 
 def _start_device(dst: Any, staged: StagingBuffer, nbytes: int, stream: Optional[int], blocking: bool) -> PendingCopy:
-    ptr = _device_dst(dst)
-    drv = _driver()
+    ptr = _device_dst(dst, nbytes)
     job: _DeviceJob = staged._begin_copy(lambda seq: _DeviceJob(seq, nbytes))
     if nbytes == 0:
-        job._done = True
+        job._done = True  # nothing to read: complete at once
         return PendingCopy._new(staged, job)
+    drv = _driver()
     if blocking and stream is None:
         # cuMemcpyHtoD from page-locked memory returns only once the copy is complete.
         try:

@@ -1,16 +1,24 @@
 """``Uploader``: stream a large host source to the device through a few reused staging buffers.
 
-A pageable source cannot be DMA'd directly (the driver would stage it through its own small
-pinned buffers, 6.8 GB/s on the H200 host against 55.3 GB/s from pinned memory). The uploader
-copies it chunk by chunk into page-locked staging buffers and issues an asynchronous H2D copy per
-chunk; while chunk *n* is in flight, chunk *n+1* is being filled (by several threads: one core's
-memcpy is slower than the link). A buffer goes back to the pool only with the witness of its own
-completed copy, so after the first ``buffers`` acquisitions every chunk reuses memory: the steady
-state makes no pinned allocation at all.
+A pageable source cannot be DMA'd directly (the driver stages it through its own small pinned
+buffers: 6.8 GB/s on the H200 host, against 55.3 GB/s from pinned memory). The uploader copies
+it chunk by chunk into page-locked staging buffers and issues an asynchronous H2D copy per chunk.
 
-    >>> up = Uploader(chunk_bytes=16 << 20, buffers=3)
+Pipeline: ``workers`` threads (the calling thread is one of them) each take the next chunk, fill
+one of their ``depth`` staging buffers from the source (a memmove or pread that releases the
+GIL), enqueue its copy, and go on to the next chunk while that copy runs; a worker waits for its
+oldest copy only when all its buffers are in flight. So fills overlap copies (within a worker and
+across workers), and several cores fill at once: one core's memcpy (about 10 GB/s on the H200
+host) is far slower than the link. Sources that must be read in order (file objects) get one
+worker with all the buffers.
+
+A buffer goes back to the pool only with the witness of its own completed copy. Before the first
+upload the uploader pins its ``workers * depth`` buffers once (:meth:`Uploader.warm_up`); from then
+on every chunk reuses one: the steady state makes no pinned allocation at all.
+
+    >>> up = Uploader(chunk_bytes=8 << 20, workers=8)
     >>> report = up.upload(numpy_array, device_ptr, progress=lambda done, total: ...)
-    >>> handle = up.start(open("weights.bin", "rb"), device_ptr); ...; handle.wait()
+    >>> handle = up.start("weights.bin", device_ptr); ...; handle.wait()
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from poolkeeper.errors import InvalidArgumentError
-from poolkeeper.staging._engine import _device_dst, _driver, _host_dst, copy_async
+from poolkeeper.staging._engine import _device_dst, _driver, _host_dst, copy, copy_async
 from poolkeeper.staging.pool import MiB, PinnedStagingPool
 from poolkeeper.staging.sources import Source, open_source
 
@@ -32,15 +40,18 @@ Progress = Callable[[int, int], Any]
 
 @dataclass(frozen=True)
 class UploadReport:
-    """What one upload did. ``pinned_alloc_calls`` / ``reuses`` are the pool's counter deltas over
-    the upload (they include other users of a shared pool). ``overlapped_fills``: chunks whose fill
-    started while an earlier chunk's copy was still in flight."""
+    """What one upload did.
+
+    ``pinned_alloc_calls`` / ``reuses``: the pool's counter deltas over the upload, warm-up
+    included (they include other users of a shared pool). ``overlapped_fills``: chunks whose fill
+    started while an earlier copy of the same worker was still in flight. ``workers``: workers
+    that ran (1 for sequential sources)."""
 
     nbytes: int
     chunks: int
     chunk_bytes: int
-    buffers: int
-    fill_threads: int
+    workers: int
+    depth: int
     seconds: float
     pinned_alloc_calls: int
     reuses: int
@@ -68,7 +79,7 @@ class UploadHandle:
             self._error = e
 
     def done(self) -> bool:
-        """Whether the upload has finished (data on the device, or failed)."""
+        """Whether the upload has finished (data at the destination, or failed)."""
         return not self._thread.is_alive()
 
     def wait(self, timeout: Optional[float] = None) -> UploadReport:
@@ -83,17 +94,56 @@ class UploadHandle:
         return self._result
 
 
+class _Run:
+    """Shared state of one upload: the next chunk, landed bytes, the first error."""
+
+    def __init__(self, total: int, chunk: int, progress: Optional[Progress]) -> None:
+        self.total = total
+        self.chunk = chunk
+        self.nchunks = -(-total // chunk)
+        self._next = 0
+        self._lock = threading.Lock()
+        self.done = 0
+        self.overlapped = 0
+        self.error: Optional[BaseException] = None
+        self._progress = progress
+
+    def take(self) -> int:
+        with self._lock:
+            if self.error is not None:
+                return self.nchunks
+            i = self._next
+            self._next += 1
+            return i
+
+    def landed(self, n: int) -> None:
+        with self._lock:  # callbacks are serialized, so bytes_done only grows
+            self.done += n
+            if self._progress is not None:
+                self._progress(self.done, self.total)
+
+    def overlap(self) -> None:
+        with self._lock:
+            self.overlapped += 1
+
+    def fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = e
+
+
 class Uploader:
     """Streams host data to a device allocation (or, on the Host upstream, a host buffer).
 
     Args:
         pool: the staging pool (default: a new :class:`PinnedStagingPool` on ``CudaPinned`` when
-            CUDA is available, else ``Host``, with room for ``buffers`` chunks). Its bounds must let
-            it retain ``buffers`` chunks, or the steady state would re-pin.
-        chunk_bytes: bytes per chunk (default 16 MiB).
-        buffers: staging buffers in flight, at least 2 (default 3).
-        fill_threads: threads that fill a chunk from a memory or path source (default
-            ``min(8, os.cpu_count())``); file objects are read sequentially.
+            CUDA is available, else ``Host``, with room for ``workers * depth`` chunks). Its bounds
+            must let it retain ``workers * depth`` chunks, or the steady state would re-pin.
+        chunk_bytes: bytes per chunk (default 8 MiB).
+        workers: threads filling chunks concurrently, the caller's included (default
+            ``min(8, os.cpu_count())``).
+        depth: staging buffers per worker (default 2); ``workers * depth`` must be at least 2 so a
+            fill can overlap a copy.
         stream: where copies are ordered on the CUDA path (default: a stream the uploader creates).
     """
 
@@ -101,36 +151,38 @@ class Uploader:
         self,
         pool: Optional[PinnedStagingPool] = None,
         *,
-        chunk_bytes: int = 16 * MiB,
-        buffers: int = 3,
-        fill_threads: Optional[int] = None,
+        chunk_bytes: int = 8 * MiB,
+        workers: Optional[int] = None,
+        depth: int = 2,
         stream: Any = None,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
-            raise InvalidArgumentError(f"buffers must be an int >= 2 (fill overlaps copy); got {buffers!r}")
-        if fill_threads is None:
-            fill_threads = min(8, os.cpu_count() or 1)
-        if isinstance(fill_threads, bool) or not isinstance(fill_threads, int) or fill_threads < 1:
-            raise InvalidArgumentError(f"fill_threads must be a positive int; got {fill_threads!r}")
+        if workers is None:
+            workers = min(8, os.cpu_count() or 1)
+        for name, v in (("workers", workers), ("depth", depth)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int; got {v!r}")
+        if workers * depth < 2:
+            raise InvalidArgumentError("workers * depth must be at least 2 so a fill can overlap a copy")
+        nbuf = workers * depth
         self._own_pool = pool is None
         if pool is None:
-            need = buffers * (chunk_bytes + 4095) // 4096 * 4096
-            pool = PinnedStagingPool(max_buffers=max(8, buffers), max_bytes=max(512 * MiB, need))
+            pool = PinnedStagingPool(max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * -(-chunk_bytes // 4096) * 4096))
         cap = pool.capacity_for(chunk_bytes)
-        if pool.max_buffers < buffers or pool.max_bytes < buffers * cap:
+        if pool.max_buffers < nbuf or pool.max_bytes < nbuf * cap:
             raise InvalidArgumentError(
                 f"the pool retains at most {pool.max_buffers} buffers / {pool.max_bytes} bytes; the uploader "
-                f"keeps {buffers} buffers of {cap} bytes, so its steady state would pin memory per chunk"
+                f"keeps {nbuf} buffers of {cap} bytes, so its steady state would pin memory per chunk"
             )
         self._pool = pool
         self._chunk = chunk_bytes
-        self._buffers = buffers
-        self._threads = fill_threads
+        self._workers = workers
+        self._depth = depth
         self._stream = stream
         self._own_stream: Any = None
         self._executor: Optional[cf.ThreadPoolExecutor] = None
+        self._warm = False
         self._lock = threading.Lock()
 
     @property
@@ -142,8 +194,30 @@ class Uploader:
         return self._chunk
 
     @property
+    def workers(self) -> int:
+        return self._workers
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    @property
     def buffers(self) -> int:
-        return self._buffers
+        """Staging buffers the uploader cycles through (``workers * depth``)."""
+        return self._workers * self._depth
+
+    def warm_up(self) -> int:
+        """Make sure the pool holds this uploader's ``workers * depth`` staging buffers now (e.g.
+        at model load), so no upload pays for pinning. Returns the pinned allocations it made.
+
+        Each buffer is acquired and retired with the witness of an empty copy: nothing read it,
+        so nothing can still be reading it."""
+        before = self._pool.stats()["pinned_alloc_calls"]
+        bufs = [self._pool.acquire(self._chunk) for _ in range(self.buffers)]
+        for b in bufs:
+            b.retire(copy(0, b, 0))
+        self._warm = True
+        return self._pool.stats()["pinned_alloc_calls"] - before
 
     def upload(self, src: Any, dst: Any, nbytes: Optional[int] = None, *, progress: Optional[Progress] = None) -> UploadReport:
         """Copy ``src`` to ``dst`` and return once every byte is there.
@@ -151,7 +225,8 @@ class Uploader:
         ``src``: bytes, bytearray, memoryview, a C-contiguous numpy array (any buffer), a path, or a
         binary file object (read from its current position). ``dst``: a device pointer (pinned
         pool), or a host address / writable buffer (Host pool). ``nbytes``: how much of the source
-        (default all of it). ``progress(bytes_done, total)`` is called as chunks land.
+        (default all of it). ``progress(bytes_done, total)`` is called as chunks land (from worker
+        threads, one call at a time).
         """
         source = open_source(src, nbytes)
         try:
@@ -175,7 +250,7 @@ class Uploader:
         return UploadHandle(run)
 
     def close(self) -> None:
-        """Stop the fill threads; close the pool if the uploader created it."""
+        """Stop the worker threads; close the pool if the uploader created it."""
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:
@@ -190,12 +265,10 @@ class Uploader:
         self.close()
 
     # -- internals -------------------------------------------------------------------------------
-    def _fill_pool(self) -> Optional[cf.ThreadPoolExecutor]:
-        if self._threads <= 1:
-            return None
+    def _helpers(self) -> cf.ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = cf.ThreadPoolExecutor(self._threads - 1, thread_name_prefix="poolkeeper-fill")
+                self._executor = cf.ThreadPoolExecutor(self._workers - 1, thread_name_prefix="poolkeeper-upload")
             return self._executor
 
     def _copy_stream(self) -> Any:
@@ -208,57 +281,69 @@ class Uploader:
 
     def _run(self, source: Source, dst: Any, progress: Optional[Progress]) -> UploadReport:
         total = source.nbytes
-        pinned = self._pool.upstream.kind == "pinned"
         hold = None
-        if pinned:
-            base = _device_dst(dst) if total else 0
+        if self._pool.upstream.kind == "pinned":
+            base = _device_dst(dst, total)
             stream = self._copy_stream() if total else None
         else:
             base, hold = _host_dst(dst, total)
             stream = None
-        executor = self._fill_pool()
-        before = self._pool.stats()
-        inflight: collections.deque = collections.deque()
-        done = chunks = overlapped = 0
-        buf = None
-        t0 = time.perf_counter()
         try:
-            for off in range(0, total, self._chunk):
-                n = min(self._chunk, total - off)
-                if len(inflight) >= self._buffers:
-                    done += self._land_oldest(inflight)
-                    if progress is not None:
-                        progress(done, total)
-                buf = self._pool.acquire(self._chunk)
-                if any(not pc.done() for _, pc in inflight):
-                    overlapped += 1
-                source.fill(buf, off, n, executor, self._threads)
-                inflight.append((buf, copy_async(base + off, buf, n, stream)))
-                buf = None
-                chunks += 1
-            while inflight:
-                done += self._land_oldest(inflight)
-                if progress is not None:
-                    progress(done, total)
+            before = self._pool.stats()
+            t0 = time.perf_counter()
+            if not self._warm:
+                self.warm_up()
+            run = _Run(total, self._chunk, progress)
+            if source.parallel:
+                workers, depth = min(self._workers, run.nchunks) or 1, self._depth
+            else:
+                workers, depth = 1, self.buffers
+            helpers = [self._helpers().submit(self._work, run, source, base, stream, depth) for _ in range(workers - 1)]
+            self._work(run, source, base, stream, depth)
+            for h in helpers:
+                h.result()
             seconds = time.perf_counter() - t0
-        except BaseException:
-            self._abandon(inflight, buf)
-            raise
         finally:
             if hold is not None:
                 hold.release()
+        if run.error is not None:
+            raise run.error
         after = self._pool.stats()
         return UploadReport(
             nbytes=total,
-            chunks=chunks,
+            chunks=run.nchunks,
             chunk_bytes=self._chunk,
-            buffers=self._buffers,
-            fill_threads=self._threads,
+            workers=workers,
+            depth=depth,
             seconds=seconds,
             pinned_alloc_calls=after["pinned_alloc_calls"] - before["pinned_alloc_calls"],
             reuses=after["reuses"] - before["reuses"],
-            overlapped_fills=overlapped,
+            overlapped_fills=run.overlapped,
         )
+
+    def _work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
+        inflight: collections.deque = collections.deque()
+        buf = None
+        try:
+            while True:
+                i = run.take()
+                if i >= run.nchunks:
+                    break
+                off = i * run.chunk
+                n = min(run.chunk, run.total - off)
+                if len(inflight) >= depth:
+                    run.landed(self._land_oldest(inflight))
+                buf = self._pool.acquire(run.chunk)
+                if any(not pending.done() for _, pending in inflight):
+                    run.overlap()
+                source.fill(buf, off, n)
+                inflight.append((buf, copy_async(base + off, buf, n, stream)))
+                buf = None
+            while inflight:
+                run.landed(self._land_oldest(inflight))
+        except BaseException as e:
+            run.fail(e)
+            self._abandon(inflight, buf)
 
     @staticmethod
     def _land_oldest(inflight: collections.deque) -> int:
