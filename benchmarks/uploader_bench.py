@@ -84,6 +84,7 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--chunks", default="4M,8M,16M", help="uploader chunk sizes to measure")
     ap.add_argument("--workers", default="8,12,16", help="uploader worker counts to measure")
     ap.add_argument("--depth", type=int, default=2, help="staging buffers per worker (default 2)")
+    ap.add_argument("--ramp", choices=("on", "off", "both"), default="on", help="uploader chunk ramp (default on)")
     ap.add_argument("--nt-threshold", type=parse_size, default=None, help="re-run with this glibc non-temporal threshold")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--device", type=int, default=0)
@@ -100,6 +101,7 @@ def main(argv: list | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     chunks = [parse_size(s) for s in args.chunks.split(",")]
     workers = [int(t) for t in args.workers.split(",")]
+    ramps = {"on": [True], "off": [False], "both": [True, False]}[args.ramp]
     top = max(sizes)
     driver.set_device(args.device)
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')}", flush=True)
@@ -151,10 +153,10 @@ def main(argv: list | None = None) -> int:
 
         # Uploader: pageable source through reused pinned staging buffers.
         for c in chunks:
-            for th in workers:
+            for th, ramp in [(w, r) for w in workers for r in ramps]:
                 nbuf = th * args.depth
                 pool = PinnedStagingPool(pinned_up, max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * c))
-                with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth) as up:
+                with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth, ramp=ramp) as up:
                     warm = up.upload(sp, dev)
                     reports = [up.upload(sp, dev) for _ in range(args.reps)]
                     ok = verify(n)
@@ -167,6 +169,7 @@ def main(argv: list | None = None) -> int:
                         chunk_bytes=c,
                         workers=th,
                         depth=args.depth,
+                        ramp=ramp,
                         verified=ok,
                         warmup_pinned_allocs=warm.pinned_alloc_calls,
                         steady_pinned_allocs=sum(rp.pinned_alloc_calls for rp in reports),
@@ -178,7 +181,7 @@ def main(argv: list | None = None) -> int:
                     )
                 )
                 print(
-                    f"  {fmt_size(n):>8} chunk {fmt_size(c):>7} workers {th:>2}: "
+                    f"  {fmt_size(n):>8} chunk {fmt_size(c):>7} workers {th:>2} ramp {'on ' if ramp else 'off'}: "
                     f"{rows[-1]['gbps_median']:6.1f} GB/s median, {rows[-1]['gbps_best']:6.1f} best, "
                     f"steady pinned allocs {rows[-1]['steady_pinned_allocs']}, verified {ok}",
                     flush=True,
@@ -196,7 +199,7 @@ def main(argv: list | None = None) -> int:
         for r in [x for x in sel if x["method"] != "uploader"] + [best]:
             name = r["method"]
             if name == "uploader":
-                name += f" ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']})"
+                name += f" ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']}{'' if r['ramp'] else ', no ramp'})"
             pins = str(r.get("steady_pinned_allocs", "-"))
             print(f"{fmt_size(n):>8}  {name:<34} {r['gbps_median']:>11.1f} {r['gbps_best']:>9.1f} {pins:>11} {str(r['verified']):>8}")
             summary.append({k: v for k, v in r.items() if k != "seconds"})

@@ -32,6 +32,37 @@ def uploader(host):
     up.close()
 
 
+def chunk_schedule(n: int, chunk: int, ramp: bool = True) -> list:
+    """(offset, size) of each chunk: with the ramp, chunk/8, /4, /2, then whole chunks."""
+    out, off = [], 0
+    size = max(min(chunk, 256 * 1024), chunk // 8) if ramp else chunk
+    while off < n:
+        out.append((off, min(size, n - off)))
+        off += out[-1][1]
+        size = min(2 * size, chunk)
+    return out
+
+
+class RecordingSource(Source):
+    """A memory source whose fills can be held and observed."""
+
+    def __init__(self, data: bytes, before_fill=None) -> None:
+        self._inner = MemorySource(data)
+        self.data = data
+        self.nbytes = self._inner.nbytes
+        self.before_fill = before_fill
+        self.filled: list = []
+
+    def fill(self, buf, offset, n):
+        if self.before_fill is not None:
+            self.before_fill(offset)
+        self._inner.fill(buf, offset, n)
+        self.filled.append(offset)
+
+    def close(self):
+        self._inner.close()
+
+
 SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 123, 40 * CHUNK + 4097]
 
 
@@ -48,7 +79,7 @@ def test_memory_sources_arrive_intact(uploader, n, kind):
     dst = bytearray(n)
     report = uploader.upload(src, dst)
     assert dst == data
-    assert report.nbytes == n and report.chunks == -(-n // CHUNK)
+    assert report.nbytes == n and report.chunks == len(chunk_schedule(n, CHUNK))
 
 
 def test_multi_dimensional_numpy_source_and_pointer_destination(uploader):
@@ -127,11 +158,29 @@ def test_partial_source(uploader):
 def test_progress_reports_every_chunk_up_to_the_total(uploader):
     n = 10 * CHUNK + 17
     calls: list = []
-    uploader.upload(payload(n), bytearray(n), progress=lambda done, total: calls.append((done, total)))
-    assert len(calls) == 11
+    report = uploader.upload(payload(n), bytearray(n), progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == report.chunks == len(chunk_schedule(n, CHUNK))
     assert all(t == n for _, t in calls)
     dones = [d for d, _ in calls]
-    assert dones == sorted(dones) and dones[-1] == n and dones[0] == CHUNK
+    assert dones == sorted(dones) and dones[-1] == n and len(set(dones)) == len(dones)
+
+
+@pytest.mark.parametrize("ramp", [True, False])
+def test_chunk_schedule_ramps_up_then_stays_at_chunk_bytes(host, ramp):
+    big = 4 << 20  # the ramp never goes below 256 KiB, so use chunks it can divide by 8
+    n = 6 * big + 5
+    src = RecordingSource(payload(n))
+    dst = bytearray(n)
+    with Uploader(PinnedStagingPool(host), chunk_bytes=big, workers=1, depth=2, ramp=ramp) as up:
+        report = up.upload(src, dst)
+    sched = chunk_schedule(n, big, ramp)
+    assert src.filled == [o for o, _ in sched] and report.chunks == len(sched)
+    if ramp:
+        assert [m for _, m in sched[:4]] == [big // 8, big // 4, big // 2, big]
+    else:
+        assert all(m == big for _, m in sched[:-1])
+    assert bytes(dst) == src.data
+    src.close()
 
 
 def test_steady_state_makes_no_pinned_allocations(host):
@@ -225,25 +274,6 @@ def test_short_file_fails_cleanly_without_leaking_buffers(uploader, host):
     dst = bytearray(len(data))  # the uploader still works afterwards
     uploader.upload(data, dst)
     assert dst == data
-
-
-class RecordingSource(Source):
-    """A memory source whose fills can be held and observed."""
-
-    def __init__(self, data: bytes, before_fill=None) -> None:
-        self._inner = MemorySource(data)
-        self.nbytes = self._inner.nbytes
-        self.before_fill = before_fill
-        self.filled: list = []
-
-    def fill(self, buf, offset, n):
-        if self.before_fill is not None:
-            self.before_fill(offset)
-        self._inner.fill(buf, offset, n)
-        self.filled.append(offset)
-
-    def close(self):
-        self._inner.close()
 
 
 def test_workers_fill_different_chunks_at_once(host):

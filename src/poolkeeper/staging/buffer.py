@@ -84,7 +84,7 @@ class StagingBuffer:
     Not meant to be shared between threads while being filled; the pool itself is thread-safe.
     """
 
-    __slots__ = ("_lease", "_nbytes", "_state", "_lock", "_views", "_tokens", "_seq", "_finalizer", "__weakref__")
+    __slots__ = ("_lease", "_nbytes", "_state", "_lock", "_views", "_tokens", "_seq", "_ended", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("StagingBuffer is created by PinnedStagingPool.acquire(nbytes)")
@@ -99,8 +99,18 @@ class StagingBuffer:
         self._views: list = []  # weak references to the ctypes arrays behind handed-out views
         self._tokens: dict = {}  # witness token -> copy seq, for witnesses minted for this lease
         self._seq = 0
-        self._finalizer = weakref.finalize(self, self._lease.finalize)
+        self._ended = False  # the memory was handed back (retire) or freed (close): __del__ does nothing
         return self
+
+    def __del__(self) -> None:
+        # Dropped without retire: free, never recycle. (__del__, not weakref.finalize: it costs
+        # nothing per lease, and this runs once per uploaded chunk.)
+        if not getattr(self, "_ended", True):
+            self._ended = True
+            try:
+                self._lease.finalize()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
 
     # -- read-only facts -------------------------------------------------------------------------
     @property
@@ -208,7 +218,7 @@ class StagingBuffer:
                 )
             _witness._consume(witness, self._tokens, token)
             self._state = RETIRED
-            self._finalizer.detach()
+            self._ended = True
         self._lease.pool._take_back(self._lease.ptr, self._lease.capacity)
 
     def close(self) -> None:
@@ -225,7 +235,7 @@ class StagingBuffer:
         if views:
             self._lease.closing = True  # the finalizer frees (and counts) once the views are gone
             return
-        self._finalizer.detach()
+        self._ended = True
         self._lease.end("closed")
 
     def __enter__(self) -> "StagingBuffer":

@@ -16,7 +16,7 @@ A buffer goes back to the pool only with the witness of its own completed copy. 
 upload the uploader pins its ``workers * depth`` buffers once (:meth:`Uploader.warm_up`); from then
 on every chunk reuses one: the steady state makes no pinned allocation at all.
 
-    >>> up = Uploader(chunk_bytes=8 << 20, workers=8)
+    >>> up = Uploader(chunk_bytes=8 << 20, workers=12)
     >>> report = up.upload(numpy_array, device_ptr, progress=lambda done, total: ...)
     >>> handle = up.start("weights.bin", device_ptr); ...; handle.wait()
 """
@@ -94,27 +94,39 @@ class UploadHandle:
         return self._result
 
 
-class _Run:
-    """Shared state of one upload: the next chunk, landed bytes, the first error."""
+RAMP_MIN = 256 * 1024
 
-    def __init__(self, total: int, chunk: int, progress: Optional[Progress]) -> None:
+
+class _Run:
+    """Shared state of one upload: the next chunk, landed bytes, the first error.
+
+    With ``ramp`` the first chunks are smaller (chunk/8, chunk/4, chunk/2, then chunk): the link
+    idles until the first fill completes, and every worker starts filling at once, so a small
+    first chunk gets the first copy going sooner. This matters for transfers of a few hundred MiB.
+    """
+
+    def __init__(self, total: int, chunk: int, progress: Optional[Progress], ramp: bool) -> None:
         self.total = total
         self.chunk = chunk
-        self.nchunks = -(-total // chunk)
-        self._next = 0
+        self.nchunks = 0
+        self._off = 0
+        self._size = max(min(chunk, RAMP_MIN), chunk // 8) if ramp else chunk
         self._lock = threading.Lock()
         self.done = 0
         self.overlapped = 0
         self.error: Optional[BaseException] = None
         self._progress = progress
 
-    def take(self) -> int:
+    def take(self) -> Optional[tuple[int, int]]:
+        """The next chunk as ``(offset, nbytes)``, or None when there is none (or a worker failed)."""
         with self._lock:
-            if self.error is not None:
-                return self.nchunks
-            i = self._next
-            self._next += 1
-            return i
+            if self.error is not None or self._off >= self.total:
+                return None
+            off, n = self._off, min(self._size, self.total - self._off)
+            self._off += n
+            self._size = min(self._size * 2, self.chunk)
+            self.nchunks += 1
+            return off, n
 
     def landed(self, n: int) -> None:
         with self._lock:  # callbacks are serialized, so bytes_done only grows
@@ -141,10 +153,12 @@ class Uploader:
             must let it retain ``workers * depth`` chunks, or the steady state would re-pin.
         chunk_bytes: bytes per chunk (default 8 MiB).
         workers: threads filling chunks concurrently, the caller's included (default
-            ``min(8, os.cpu_count())``).
+            ``min(12, os.cpu_count())``; 12 measured best on the H200 host, docs/staging.md).
         depth: staging buffers per worker (default 2); ``workers * depth`` must be at least 2 so a
             fill can overlap a copy.
         stream: where copies are ordered on the CUDA path (default: a stream the uploader creates).
+        ramp: start with smaller chunks (chunk/8, /4, /2) so the first copy starts sooner
+            (default True).
     """
 
     def __init__(
@@ -155,11 +169,12 @@ class Uploader:
         workers: Optional[int] = None,
         depth: int = 2,
         stream: Any = None,
+        ramp: bool = True,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
         if workers is None:
-            workers = min(8, os.cpu_count() or 1)
+            workers = min(12, os.cpu_count() or 1)
         for name, v in (("workers", workers), ("depth", depth)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int; got {v!r}")
@@ -180,6 +195,7 @@ class Uploader:
         self._workers = workers
         self._depth = depth
         self._stream = stream
+        self._ramp = bool(ramp)
         self._own_stream: Any = None
         self._executor: Optional[cf.ThreadPoolExecutor] = None
         self._warm = False
@@ -293,9 +309,9 @@ class Uploader:
             t0 = time.perf_counter()
             if not self._warm:
                 self.warm_up()
-            run = _Run(total, self._chunk, progress)
+            run = _Run(total, self._chunk, progress, self._ramp)
             if source.parallel:
-                workers, depth = min(self._workers, run.nchunks) or 1, self._depth
+                workers, depth = max(1, min(self._workers, -(-total // self._chunk))), self._depth
             else:
                 workers, depth = 1, self.buffers
             helpers = [self._helpers().submit(self._work, run, source, base, stream, depth) for _ in range(workers - 1)]
@@ -326,11 +342,10 @@ class Uploader:
         buf = None
         try:
             while True:
-                i = run.take()
-                if i >= run.nchunks:
+                nxt = run.take()
+                if nxt is None:
                     break
-                off = i * run.chunk
-                n = min(run.chunk, run.total - off)
+                off, n = nxt
                 if len(inflight) >= depth:
                     run.landed(self._land_oldest(inflight))
                 buf = self._pool.acquire(run.chunk)
