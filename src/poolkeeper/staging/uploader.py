@@ -349,7 +349,7 @@ class Uploader:
                 if len(inflight) >= depth:
                     run.landed(self._land_oldest(inflight))
                 buf = self._pool.acquire(run.chunk)
-                if any(not pending.done() for _, pending in inflight):
+                if inflight and not inflight[-1][1].done():  # copies complete in order: newest suffices
                     run.overlap()
                 source.fill(buf, off, n)
                 inflight.append((buf, copy_async(base + off, buf, n, stream)))
