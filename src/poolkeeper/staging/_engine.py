@@ -17,6 +17,7 @@ import ctypes
 import os
 import queue
 import threading
+import time
 from typing import Any, Optional
 
 from poolkeeper.errors import InvalidArgumentError, UpstreamError
@@ -82,17 +83,23 @@ class _DeviceJob(_Job):
         self._done = False
         self._lost = False  # enqueued but no event could be recorded: completion unknowable
 
+    # Read the event once: another thread may be finishing this job concurrently.
     def query(self) -> bool:
-        if not self._done and self._event is not None and self._event.query():
+        ev = self._event
+        if not self._done and ev is not None and ev.query():
             self._done, self._event = True, None
         return self._done
 
     def wait_complete(self) -> bool:
-        if not self._done:
-            if self._event is None:
-                return not self._lost
-            self._event.synchronize()
-            self._done, self._event = True, None
+        while not self._done:
+            ev = self._event
+            if ev is not None:
+                ev.synchronize()
+                self._done, self._event = True, None
+            elif self._lost:
+                return False
+            else:  # another thread is enqueueing this copy right now: its event is moments away
+                time.sleep(50e-6)
         return True
 
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from poolkeeper.errors import InvalidArgumentError
-from poolkeeper.staging._engine import _device_dst, _driver, _host_dst, copy, copy_async
+from poolkeeper.staging import _engine
+from poolkeeper.staging._engine import _device_dst, _host_dst, copy, copy_async
 from poolkeeper.staging.pool import MiB, PinnedStagingPool
 from poolkeeper.staging.sources import Source, open_source
 
@@ -156,7 +157,8 @@ class Uploader:
             ``min(12, os.cpu_count())``; 12 measured best on the H200 host, docs/staging.md).
         depth: staging buffers per worker (default 2); ``workers * depth`` must be at least 2 so a
             fill can overlap a copy.
-        stream: where copies are ordered on the CUDA path (default: a stream the uploader creates).
+        stream: where copies are ordered on the CUDA path (default: a stream the uploader creates on
+            the calling thread's current device at its first upload).
         ramp: start with smaller chunks (chunk/8, /4, /2) so the first copy starts sooner
             (default True).
     """
@@ -292,7 +294,8 @@ class Uploader:
             return self._stream
         with self._lock:
             if self._own_stream is None:
-                self._own_stream = _driver().Stream()
+                drv = _engine._driver()
+                self._own_stream = drv.Stream(drv.current_device())
             return self._own_stream
 
     def _run(self, source: Source, dst: Any, progress: Optional[Progress]) -> UploadReport:
