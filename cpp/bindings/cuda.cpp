@@ -5,6 +5,8 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+
 #include "bindings.hpp"
 #include "poolkeeper/cuda_driver.hpp"
 #include "poolkeeper/cuda_ops.hpp"
@@ -136,6 +138,22 @@ void bind_driver_helpers(nb::module_& m) {
     nb::gil_scoped_release nogil;
     cuda::device_synchronize(device);
   }, "device"_a);
+  // Benchmark helper: the allocate + free + stream-synchronize cycle timed in C++ (no Python in the
+  // loop), so the bindings' share of a Python-level figure can be told apart.
+  m.def("cuda_time_upstream_cycle", [](Upstream& up, std::size_t nbytes, std::size_t iters, nb::handle s) {
+    const std::uintptr_t h = stream_arg(s);
+    const std::size_t n = check_request(nbytes);
+    nb::gil_scoped_release nogil;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < iters; ++i) {
+      void* p = up.allocate(n);
+      up.deallocate(p, n);
+      cuda::stream_synchronize(h);
+    }
+    const auto dt = std::chrono::steady_clock::now() - t0;
+    return std::chrono::duration<double, std::nano>(dt).count() / double(iters ? iters : 1);
+  }, "upstream"_a, "nbytes"_a, "iters"_a, "stream"_a,
+     "Mean ns per allocate + deallocate + stream synchronize, timed natively.");
   m.def("cuda_mem_get_info", [](int device) {
     std::size_t free = 0, total = 0;
     cuda::mem_get_info(device, free, total);

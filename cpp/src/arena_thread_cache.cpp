@@ -110,6 +110,7 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   tc->bytes -= c->size;  // an emptied bin keeps its key: the next free of that size lands there
   // Peak estimate: exact while one thread uses the pool (the pool's own live bytes plus this
   // cache's delta); with several threads the locked paths and stats() keep the peak.
+  if (ncaches_.load(std::memory_order_relaxed) != 1) return reinterpret_cast<void*>(c->addr);
   const auto est = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed)) +
                    tc->live_delta.load(std::memory_order_relaxed);
   if (est > static_cast<std::int64_t>(tc->peak_live)) {
@@ -172,6 +173,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
 ThreadCache* ArenaPool::cache_locked() {
   if (ThreadCache* tc = detail::tls_find_cache(id_)) return tc;
   caches_.push_back(std::make_unique<ThreadCache>());
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
   ThreadCache* tc = caches_.back().get();
   detail::tls_add_cache(id_, tc);
   return tc;
@@ -228,6 +230,7 @@ void ArenaPool::on_thread_exit(ThreadCache* tc) {
   flush_cache_locked(tc);
   fold_cache_locked(tc);
   std::erase_if(caches_, [tc](const std::unique_ptr<ThreadCache>& p) { return p.get() == tc; });
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
 }
 
 void ArenaPool::flush_thread_cache() {

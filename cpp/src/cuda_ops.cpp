@@ -27,7 +27,17 @@ void stream_destroy(std::uintptr_t stream) {
 }
 
 void stream_synchronize(std::uintptr_t stream) {
-  auto ctx = ScopedContext::for_stream(stream);
+  if (stream > CU_STREAM_PER_THREAD) {
+    // An explicit stream names its context: no switch needed (retried in it if the driver says so).
+    CUresult r = api().cuStreamSynchronize(as_stream(stream));
+    if (r == CUDA_ERROR_INVALID_CONTEXT) {
+      auto ctx = ScopedContext::for_stream(stream);
+      r = api().cuStreamSynchronize(as_stream(stream));
+    }
+    check(r, "cuStreamSynchronize");
+    return;
+  }
+  auto ctx = ScopedContext::current_or_default();
   check(api().cuStreamSynchronize(as_stream(stream)), "cuStreamSynchronize");
 }
 

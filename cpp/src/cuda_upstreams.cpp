@@ -148,19 +148,20 @@ CudaAsyncUpstream::~CudaAsyncUpstream() {
 std::string CudaAsyncUpstream::name() const { return "CudaAsync(" + std::to_string(device_) + ")"; }
 
 void* CudaAsyncUpstream::do_allocate(std::size_t nbytes) {
-  cuda::ScopedContext ctx(device_);
   CUdeviceptr p = 0;
-  const CUresult r =
-      cuda::api().cuMemAllocAsync(&p, nbytes, reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_)));
+  const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_));
+  const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(stream_), device_,
+                                          [&] { return cuda::api().cuMemAllocAsync(&p, nbytes, st); });
   if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemAllocAsync", nbytes, device_), name());
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
 }
 
 void CudaAsyncUpstream::do_deallocate(void* p, std::size_t nbytes) {
   if (cuda::shutting_down()) return;
-  cuda::ScopedContext ctx(device_);
-  const CUresult r = cuda::api().cuMemFreeAsync(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)),
-                                                reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_)));
+  const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_));
+  const auto dp = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
+  const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(stream_), device_,
+                                          [&] { return cuda::api().cuMemFreeAsync(dp, st); });
   if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemFreeAsync", nbytes, device_), name());
 }
 

@@ -78,7 +78,19 @@ void DirectPool::deallocate(void* p, Stream s) {
       n = b->size;
     }
   }
-  if (!b) throw_foreign_pointer(a, "is not a live block (never allocated here, or already freed)");
+  if (!b) {
+    std::string inside;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      table_.for_each([&](std::uintptr_t k, BlockRecord* x) {
+        if (inside.empty() && a > k && a < k + x->size)
+          inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " + std::to_string(a - k) +
+                   "): free the block's start address";
+      });
+    }
+    if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
+    throw_foreign_pointer(a, "is not a live block (never allocated here, or already freed)");
+  }
   try {
     upstream_free(p, n);
   } catch (...) {
@@ -96,6 +108,7 @@ void DirectPool::deallocate(void* p, Stream s) {
 
 void DirectPool::record_stream(void* p, Stream s) {
   std::lock_guard<std::mutex> g(mu_);
+  check_open();
   BlockRecord* b = nullptr;
   if (!table_.find(reinterpret_cast<std::uintptr_t>(p), b))
     throw InvalidPointer("record_stream: " + format_ptr(reinterpret_cast<std::uintptr_t>(p)) + " is not live",

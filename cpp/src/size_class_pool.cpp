@@ -256,6 +256,7 @@ foreign:
 void SizeClassPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> g(mu_);
+  check_open();
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live)
     throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");

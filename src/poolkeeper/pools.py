@@ -144,7 +144,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       backing is returned after ``shrink_hysteresis`` consecutive scans (freeing device memory
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
-    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (256 MiB), ``growth_factor``
+    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (32 MiB), ``growth_factor``
     (2.0), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
     ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
     0 disables automatic scans), ``limit`` (None).
@@ -155,7 +155,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         upstream: _core.Upstream,
         *,
         initial_backing: int = 2 * MiB,
-        max_backing: int = 256 * MiB,
+        max_backing: int = 32 * MiB,
         growth_factor: float = 2.0,
         alignment: int = 256,
         thread_cache_bytes: int = 8 * MiB,

@@ -192,8 +192,8 @@ CUresult cuMemFreeHost(void* p) { NEED_CTX(); fake_free(p); return OK; }
 static struct ctx* stream_ctx(struct stream* s) { return (uintptr_t)s <= 2 ? current : s->ctx; }
 
 #ifndef FAKE_NO_POOL_API  /* build with -DFAKE_NO_POOL_API to mimic a pre-11.2 driver */
+/* As documented: an explicit stream names its context; only the default stream needs a current one. */
 CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
-  NEED_CTX();
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   struct pool* p = &pools[c->dev];
@@ -209,8 +209,7 @@ CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
   return OK;
 }
 CUresult cuMemFreeAsync(CUdeviceptr ptr, struct stream* s) {
-  NEED_CTX();
-  (void)s;
+  if (!stream_ctx(s)) return E_INVALID_CONTEXT;
   void* h = (void*)(uintptr_t)ptr;
   int d = (int)((uint64_t*)((char*)h - 256))[1];
   pthread_mutex_lock(&mu); pools[d].used -= hdr_size(h); pthread_mutex_unlock(&mu);

@@ -44,7 +44,7 @@ namespace poolkeeper {
 struct ArenaOptions {
   std::size_t alignment = 256;
   std::size_t initial_backing = std::size_t{2} << 20;
-  std::size_t max_backing = std::size_t{256} << 20;
+  std::size_t max_backing = std::size_t{32} << 20;
   double growth_factor = 2.0;
   std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
   std::size_t thread_cache_max_block = std::size_t{1} << 20;
@@ -117,6 +117,7 @@ class ArenaPool final : public Pool {
   bool resident_assigned_ = false;
   std::size_t ramp_backings_ = 0;
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
+  std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,

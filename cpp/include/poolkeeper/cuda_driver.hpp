@@ -44,6 +44,7 @@ inline constexpr CUresult CUDA_ERROR_DEINITIALIZED = 4;
 inline constexpr CUresult CUDA_ERROR_STUB_LIBRARY = 34;
 inline constexpr CUresult CUDA_ERROR_NO_DEVICE = 100;
 inline constexpr CUresult CUDA_ERROR_INVALID_DEVICE = 101;
+inline constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
 inline constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 inline constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 inline constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
@@ -173,6 +174,13 @@ class ScopedContext {
   bool switched_ = false;
 };
 
+// Run call() -- a driver call on an explicit stream, which names its context itself -- without
+// touching the thread's current context; only if the driver still answers
+// CUDA_ERROR_INVALID_CONTEXT, run it again with `device`'s primary context made current. This keeps
+// stream-ordered calls free of context switches on threads with no (or another) current context.
+template <class F>
+drv::CUresult on_stream_call(std::uintptr_t stream, int device, F&& call);
+
 // Device index of the calling thread's current context; -1 when none is current.
 int current_device();
 // Make device's primary context current on the calling thread (like cudaSetDevice).
@@ -190,5 +198,15 @@ struct DeviceInfo {
   bool memory_pools_supported = false;
 };
 DeviceInfo device_info(int device);
+
+template <class F>
+drv::CUresult on_stream_call(std::uintptr_t stream, int device, F&& call) {
+  if (stream > drv::CU_STREAM_PER_THREAD) {
+    const drv::CUresult r = call();
+    if (r != drv::CUDA_ERROR_INVALID_CONTEXT) return r;
+  }
+  ScopedContext ctx(device);
+  return call();
+}
 
 }  // namespace poolkeeper::cuda

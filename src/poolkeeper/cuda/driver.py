@@ -91,7 +91,10 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait for all work enqueued on this stream."""
-        _core.cuda_stream_synchronize(self.handle)
+        h = self._handle
+        if h is None:
+            self.handle  # raises: closed
+        _core.cuda_stream_synchronize(h)
 
     def close(self) -> None:
         """Destroy the stream (idempotent). Work already enqueued still completes."""
