@@ -257,3 +257,16 @@ def test_chunk_nodes_are_recycled_not_leaked():
 def test_bad_options_are_refused(bad):
     with pytest.raises(pk.InvalidArgumentError):
         pk.ArenaPool(sim(), **bad)
+
+
+def test_owed_merges_run_before_splitting_a_large_chunk():
+    """A merged hole that fits exactly beats carving the free tail: the pool merges first."""
+    pool = pk.ArenaPool(sim(), initial_backing=1 * MiB, max_backing=1 * MiB, thread_cache_bytes=0)
+    a, b = pool.allocate(64 * KiB), pool.allocate(64 * KiB)
+    pool.allocate(64 * KiB)  # a live separator; the rest of the backing is one free tail
+    pool.deallocate(a)
+    pool.deallocate(b)
+    passes = pool.stats()["coalesce_passes"]
+    assert pool.allocate(128 * KiB) == a  # the merged a+b hole, not the tail
+    assert pool.stats()["coalesce_passes"] == passes + 1
+    pool.validate()

