@@ -236,7 +236,7 @@ def test_device_dlpack_capsule_and_argument_checks(dev_pool):
     with pytest.raises(BufferExportError):
         b.__dlpack__(dl_device=(_dlpack.KDL_CPU, 0))
     with pytest.raises(BufferExportError):
-        b.__dlpack__(stream=0)  # ambiguous in DLPack
+        b.__dlpack__(stream="default")
     del cap
     gc.collect()
 

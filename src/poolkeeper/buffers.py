@@ -66,14 +66,14 @@ def _is_real_cuda(upstream: Any) -> bool:
 
 def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
     """A DLPack/CAI stream number -> a poolkeeper stream handle (None: do not synchronize)."""
-    if s is None or s == _LEGACY:
-        return 0
     if s == _NO_SYNC:
         return None
-    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+    if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
         raise BufferExportError(f"stream must be None, -1 or a stream handle; got {s!r}")
-    if s == 0:
-        raise BufferExportError("stream 0 is ambiguous in DLPack: pass 1 (legacy default) or 2 (per-thread)")
+    if s is None or s == _LEGACY or s == 0:
+        # DLPack disallows 0 as ambiguous; a consumer that sends it anyway means the null stream,
+        # which is the legacy default stream unless it was built for per-thread default streams.
+        return 0
     return s
 
 

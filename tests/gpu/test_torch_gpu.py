@@ -91,7 +91,7 @@ assert waits, "block released while the side stream uses it must be pending"
 assert any(side.cuda_stream in c["waits_on"] for c in waits), waits
 torch.cuda.synchronize()
 for p in pkt.pools().values():
-    p.process_pending()
+    p.synchronize()
 assert pkt.stats()["pending_bytes"] == 0
 assert float(y.sum()) == 3.0 * (1 << 20)
 print("ok")
