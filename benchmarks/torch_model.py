@@ -59,7 +59,25 @@ def quantiles(xs: List[float]) -> Dict[str, float]:
 # -- one arm (child process) ----------------------------------------------------------------------
 
 
-def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
+def _write_trace(torch, path: str) -> None:
+    """alloc / free_completed events of device 0 as gzipped CSV: action,addr,size,stream."""
+    import gzip
+
+    snap = torch.cuda.memory._snapshot()
+    with gzip.open(path, "wt") as f:
+        f.write("action,addr,size,stream\n")
+        for e in snap["device_traces"][0]:
+            if e["action"] in ("alloc", "free_completed"):
+                f.write(f"{e['action']},{e['addr']},{e['size']},{e.get('stream', 0)}\n")
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _top2_margin(logits):
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def run_arm(arm: str, plan: Dict[str, Any], seed: int, trace_out: str = None) -> Dict[str, Any]:
     if arm == "poolkeeper":
         from poolkeeper.integrations import torch as pkt
 
@@ -69,6 +87,8 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if trace_out:  # native arm only: PyTorch's allocation history, for offline replay against pools
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=4_000_000)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     cfg = LlamaConfig(**CONFIG)
@@ -80,6 +100,8 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
     tokens_hash = hashlib.sha256()
     prefill_ms: List[float] = []
     decode_ms: List[float] = []
+    decode_tokens: List[Any] = []  # per run: [batch][step] greedy tokens
+    decode_margins: List[Any] = []  # per run: [batch][step] top-1 minus top-2 logit
     t_start = time.perf_counter()
 
     with torch.inference_mode():
@@ -116,6 +138,7 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
             past = out.past_key_values
             nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
             generated = [nxt]
+            margins = [_top2_margin(out.logits[:, -1, :])]
             for _t in range(plan["decode_tokens"] - 1):
                 am = torch.cat([am, torch.ones((b, 1), dtype=am.dtype, device=dev)], dim=1)
                 torch.cuda.synchronize()
@@ -126,11 +149,20 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
                 torch.cuda.synchronize()
                 decode_ms.append((time.perf_counter() - t0) * 1e3)
                 generated.append(nxt)
-            tokens_hash.update(torch.cat(generated, dim=1).cpu().numpy().astype(np.int64).tobytes())
+                margins.append(_top2_margin(out.logits[:, -1, :]))
+            toks = torch.cat(generated, dim=1).cpu().numpy().astype(np.int64)
+            tokens_hash.update(toks.tobytes())
+            decode_tokens.append(toks.tolist())
+            decode_margins.append(torch.stack(margins, dim=1).float().cpu().numpy().tolist())
             del out, past, nxt, generated, ids, am
 
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
+    if trace_out:
+        try:
+            _write_trace(torch, trace_out)
+        except Exception as e:  # the trace is a by-product; the run's results still count
+            print(f"[torch_model] trace not written: {e!r}", file=sys.stderr)
     res: Dict[str, Any] = {
         "arm": arm,
         "torch": torch.__version__,
@@ -141,6 +173,8 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
         "tokens_sha256": tokens_hash.hexdigest(),
         "prefill_ms": quantiles(prefill_ms),
         "decode_ms": quantiles(decode_ms),
+        "decode_tokens": decode_tokens,
+        "decode_margins": decode_margins,
     }
     if arm == "native":
         ms = torch.cuda.memory_stats()
@@ -172,6 +206,22 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int) -> Dict[str, Any]:
 
 
 # -- the parent: both arms, then the comparison -------------------------------------------------
+
+
+def first_divergence(a: Dict[str, Any], b: Dict[str, Any]) -> Any:
+    """Where greedy decoding first picks a different token, and how close the call was there (the
+    top-1 minus top-2 logit in each run: a near tie flips on any rounding difference)."""
+    for run, (ta, tb) in enumerate(zip(a["decode_tokens"], b["decode_tokens"])):
+        for row, (ra, rb) in enumerate(zip(ta, tb)):
+            for step, (x, y) in enumerate(zip(ra, rb)):
+                if x != y:
+                    return {
+                        "run": run, "row": row, "step": step, "tokens": [x, y],
+                        "margin_a": a["decode_margins"][run][row][step],
+                        "margin_b": b["decode_margins"][run][row][step],
+                        "margin_a_before": a["decode_margins"][run][row][step - 1] if step else None,
+                    }
+    return None
 
 
 def fmt_bytes(n: Any) -> str:
@@ -210,6 +260,15 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
         f"Outputs identical: logits {results['identical']['logits']}, tokens {results['identical']['tokens']}.",
         "",
+    ]
+    if "identical_native_repeat" in results:
+        r = results["identical_native_repeat"]
+        out += [f"Native run twice, identical to itself: logits {r['logits']}, tokens {r['tokens']}.", ""]
+    for k, d in results.get("divergence", {}).items():
+        if d:
+            out += [f"First differing greedy token ({k}): decode run {d['run']}, row {d['row']}, step {d['step']}, "
+                    f"tokens {d['tokens']}, top-1 minus top-2 logit there {d['margin_a']:.4g} vs {d['margin_b']:.4g}.", ""]
+    out += [
         "Peak live: native counts allocated block sizes (rounded up to 512 B), poolkeeper the bytes requested. "
         "Native upstream calls are `num_device_alloc`/`num_device_free` from `torch.cuda.memory_stats()`; "
         "poolkeeper's are the arena's calls to its CudaDevice upstream (cuMemAlloc/cuMemFree).",
@@ -223,6 +282,10 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a shorter plan (about a minute per arm)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--repeat-native", action="store_true",
+                    help="run the native arm a second time, to tell allocator effects from run-to-run noise")
+    ap.add_argument("--trace-out", help="with --repeat-native: write the repeat run's allocation trace here "
+                    "(gzipped CSV action,addr,size,stream; the repeat's timings are then not comparable)")
     ap.add_argument("--arm", choices=["native", "poolkeeper"], help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -230,7 +293,7 @@ def main(argv: List[str] = None) -> int:
     plan = QUICK if args.quick else FULL
 
     if args.arm:  # child
-        res = run_arm(args.arm, plan, args.seed)
+        res = run_arm(args.arm, plan, args.seed, args.trace_out)
         with open(args.result_file, "w") as f:
             json.dump(res, f)
         return 0
@@ -238,31 +301,48 @@ def main(argv: List[str] = None) -> int:
     env = dict(os.environ)
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS in both arms
     results: Dict[str, Any] = {"plan_name": plan_name, "plan": plan, "seed": args.seed, "config": CONFIG}
+    runs = [("native", "native"), ("poolkeeper", "poolkeeper")]
+    if args.repeat_native:
+        runs.append(("native_repeat", "native"))
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in ("native", "poolkeeper"):
-            path = os.path.join(tmp, arm + ".json")
+        for name, arm in runs:
+            path = os.path.join(tmp, name + ".json")
             cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--result-file", path, "--seed",
                    str(args.seed)] + (["--quick"] if args.quick else [])
-            print(f"[torch_model] running {arm} ...", flush=True)
+            if name == "native_repeat" and args.trace_out:
+                cmd += ["--trace-out", os.path.abspath(args.trace_out)]
+            print(f"[torch_model] running {name} ...", flush=True)
             r = subprocess.run(cmd, env=env)
             if r.returncode != 0:
-                print(f"[torch_model] {arm} failed with exit {r.returncode}", file=sys.stderr)
+                print(f"[torch_model] {name} failed with exit {r.returncode}", file=sys.stderr)
+                if name == "native_repeat":  # a diagnostic run: keep the comparison of the other two
+                    results["native_repeat_error"] = r.returncode
+                    continue
                 return 1
             with open(path) as f:
-                results[arm] = json.load(f)
+                results[name] = json.load(f)
     results["identical"] = {
         "logits": results["native"]["logits_sha256"] == results["poolkeeper"]["logits_sha256"],
         "tokens": results["native"]["tokens_sha256"] == results["poolkeeper"]["tokens_sha256"],
     }
+    results["divergence"] = {"native_vs_poolkeeper": first_divergence(results["native"], results["poolkeeper"])}
+    if "native_repeat" in results:
+        results["identical_native_repeat"] = {
+            "logits": results["native"]["logits_sha256"] == results["native_repeat"]["logits_sha256"],
+            "tokens": results["native"]["tokens_sha256"] == results["native_repeat"]["tokens_sha256"],
+        }
+        results["divergence"]["native_vs_native_repeat"] = first_divergence(results["native"], results["native_repeat"])
     results["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "torch_model" + ("_quick" if args.quick else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(results, f, indent=2)
     md = markdown(results)
     with open(stem + ".md", "w") as f:
         f.write(md)
     print(md)
+    slim = {k: ({kk: vv for kk, vv in v.items() if kk not in ("decode_tokens", "decode_margins")}
+                if isinstance(v, dict) and "decode_tokens" in v else v) for k, v in results.items()}
+    with open(stem + ".json", "w") as f:  # the per-token lists stay out of the committed file
+        json.dump(slim, f, indent=2)
     return 0 if all(results["identical"].values()) else 2
 
 

@@ -36,6 +36,7 @@ EXPORTED = [
     "poolkeeper_malloc",
     "poolkeeper_free",
     "poolkeeper_last_error",
+    "poolkeeper_torch_malloc_raising",
     "poolkeeper_torch_record_stream_hook",
     "poolkeeper_torch_empty_cache_hook",
     "poolkeeper_torch_hook_counters",
@@ -67,6 +68,7 @@ class FakePluggableAllocator:
         self._native = FakeNativeAllocator(self.with_hooks)
 
     def allocator(self):
+        self._native._pluggable_alloc = self.alloc
         return self._native
 
     # What PyTorch does with the pointers it was given.
@@ -163,7 +165,7 @@ def test_install_wires_our_symbols_and_hooks(fake_torch):
     t = fake_torch()
     inst = pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
     (alloc,) = t.swaps
-    assert alloc.alloc == address("poolkeeper_torch_malloc")
+    assert alloc.alloc == address("poolkeeper_torch_malloc_raising")
     assert alloc.free == address("poolkeeper_torch_free")
     assert alloc.allocator().set == {
         "record_stream": address("poolkeeper_torch_record_stream_hook"),
@@ -289,6 +291,8 @@ def test_mempool_gets_a_pluggable_allocator_over_our_symbols(fake_torch):
     fake_torch()
     mp = pk_torch.mempool("arena", upstream="simulated")
     assert isinstance(mp, FakeMemPool)
+    # MemPool segments come through PyTorch's native allocator, which checks for NULL itself
+    assert mp.allocator._pluggable_alloc == address("poolkeeper_torch_malloc")
     assert _core.registry_has_factory()
     mp2 = pk_torch.mempool("arena", upstream="simulated")
     assert mp2.allocator is mp.allocator  # one allocator per process

@@ -5,13 +5,26 @@
 
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
+#include "poolkeeper_capi.h"
 #include "poolkeeper/registry.hpp"
 
 #define PK_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 std::atomic<std::uint64_t> g_record_served{0}, g_record_unowned{0}, g_empty_cache{0};
+}
+
+PK_EXPORT void* poolkeeper_torch_malloc_raising(size_t size, int device, void* stream) {
+  void* p = poolkeeper_torch_malloc(size, device, stream);
+  if (!p && size != 0)
+    // PyTorch's pluggable allocator does not check for NULL; an exception reaches Python as a
+    // RuntimeError carrying the pool's diagnosis (PyTorch converts std::exception at its boundary).
+    throw std::runtime_error(std::string("poolkeeper: cannot allocate ") + std::to_string(size) +
+                             " bytes on device " + std::to_string(device) + ": " + poolkeeper_last_error());
+  return p;
 }
 
 PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {

@@ -99,6 +99,33 @@ print("ok")
     )
 
 
+def test_allocation_the_pool_cannot_serve_raises():
+    # PyTorch's pluggable allocator takes whatever malloc returns; a NULL would become a tensor at
+    # address 0. install() wires the raising entry point, so the failure is a Python error.
+    out = run_isolated(
+        PRELUDE
+        + """
+pkt.install("arena", limit=64 << 20)
+x = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+try:
+    y = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+except RuntimeError as e:
+    msg = str(e)
+    print("raised:", msg[:200])
+    assert "poolkeeper" in msg and "limit" in msg, msg
+else:
+    raise AssertionError(f"no error; data_ptr={y.data_ptr():#x}")
+z = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")  # still usable afterwards
+assert int(x.sum()) + int(z.sum()) == 2 << 20
+st = pkt.stats()
+assert st["live_bytes"] == 2 << 20, st["live_bytes"]
+for p in pkt.pools().values():
+    p.validate()
+"""
+    )
+    assert "raised" in out
+
+
 def test_empty_cache_trims_free_backings():
     run_isolated(
         PRELUDE
@@ -128,7 +155,6 @@ def test_port_of_pytorch_mempool_with_allocator():
     run_isolated(
         PRELUDE
         + """
-assert torch.cuda.MemPool().allocator is None
 mp = pkt.mempool("arena")
 assert mp.use_count() == 1
 nelem_1mb = 1024 * 1024 // 4

@@ -4,7 +4,9 @@ Two ways in:
 
 - :func:`install` replaces PyTorch's CUDA caching allocator for the whole process, through
   ``torch.cuda.memory.CUDAPluggableAllocator`` over the C functions the core exports
-  (``poolkeeper_torch_malloc`` / ``poolkeeper_torch_free`` in ``poolkeeper/_core*.so``). Every
+  (``poolkeeper_torch_malloc_raising`` / ``poolkeeper_torch_free`` in ``poolkeeper/_core*.so``;
+  the raising variant because PyTorch does not check malloc's result for NULL: an allocation the
+  pool cannot serve raises ``RuntimeError`` with the pool's diagnosis). Every
   CUDA tensor then comes from a poolkeeper pool, one per device, created in the core on that
   device's first allocation. It must run before CUDA is initialized in the process.
 - :func:`mempool` / :func:`use_mempool` keep PyTorch's own allocator and route only the
@@ -35,7 +37,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from poolkeeper import _core
 from poolkeeper.integrations._common import AllocatorInitializedError, IntegrationError, import_optional
 
-MALLOC_SYMBOL = "poolkeeper_torch_malloc"
+MALLOC_SYMBOL = "poolkeeper_torch_malloc_raising"  # install(): a failure raises instead of NULL
+MEMPOOL_MALLOC_SYMBOL = "poolkeeper_torch_malloc"  # mempool(): NULL, which PyTorch's pool checks
 FREE_SYMBOL = "poolkeeper_torch_free"
 RECORD_STREAM_SYMBOL = "poolkeeper_torch_record_stream_hook"
 EMPTY_CACHE_SYMBOL = "poolkeeper_torch_empty_cache_hook"
@@ -306,7 +309,7 @@ def mempool(pool: str = "arena", *, upstream: str = "device", use_on_oom: bool =
         if _MEMPOOL_ALLOCATOR is None:
             _core.registry_set_factory(pool, options, upstream)
             _MEMPOOL_ALLOCATOR = (
-                torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL),
+                torch.cuda.memory.CUDAPluggableAllocator(library_path(), MEMPOOL_MALLOC_SYMBOL, FREE_SYMBOL),
                 (pool, dict(options), upstream),
             )
         elif _MEMPOOL_ALLOCATOR[1] != (pool, dict(options), upstream):
