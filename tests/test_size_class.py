@@ -72,3 +72,16 @@ def test_simulated_latency_model_is_the_h200_fit():
     assert pair(1) == pytest.approx(86.90, rel=0.01)
     assert pair(1024) == pytest.approx(892.26, rel=0.01)
     assert pair(256) == pytest.approx(280.25, rel=0.05)
+
+
+def test_simulated_addresses_wrap_without_aliasing_live_blocks():
+    sim = pk.upstream.Simulated(latency_us=0)
+    held = sim.allocate(1 << 20)  # at the start of the range, live throughout
+    for _ in range(12):  # 12 x 100 GiB of traffic: past the 1 TiB range, so the cursor wraps
+        p = sim.allocate(100 << 30)
+        assert not (p <= held < p + (100 << 30))
+        sim.deallocate(p, 100 << 30)
+    q = sim.allocate(1 << 20)
+    assert q != held
+    other = pk.upstream.Simulated(latency_us=0)
+    assert other.allocate(1 << 20) not in (held, q)  # each instance has its own range

@@ -281,6 +281,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
     }
   } free_after{this, detached};
 
+  if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   std::unique_lock<std::mutex> g(mu_);
   check_open();
   ++slow_allocs_;
@@ -385,13 +386,18 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
     if (a < b->addr + b->size) {
       for (ArenaChunk* c = b->first; c; c = c->next_addr) {
         if (a < c->addr || a >= c->addr + c->size) continue;
-        if (a == c->addr) {
+        const ChunkState st = c->st();
+        if (st != ChunkState::Live) {
+          // Free memory: a block freed before (its chunk may have merged with neighbours since)
+          // or an address this pool never handed out. Either way nothing live is there.
           reason = "double_free";
-          return format_ptr(a) + " was already freed (double free; the block is " + chunk_state_name(c->st()) + ")";
+          return format_ptr(a) + " points into " + chunk_state_name(st) + " memory (the " + chunk_state_name(st) +
+                 " chunk at " + format_ptr(c->addr) + ", offset " + std::to_string(a - c->addr) +
+                 "): already freed (double free) or never allocated here";
         }
         reason = "interior";
-        return format_ptr(a) + " points inside the " + chunk_state_name(c->st()) + " block at " + format_ptr(c->addr) +
-               " (offset " + std::to_string(a - c->addr) + "): free the block's start address";
+        return format_ptr(a) + " points inside the live block at " + format_ptr(c->addr) + " (offset " +
+               std::to_string(a - c->addr) + "): free the block's start address";
       }
     }
   }

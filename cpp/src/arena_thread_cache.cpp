@@ -56,12 +56,14 @@ void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
   TlsCaches& t = t_caches;
   t.entries.push_back({id, tc});
   t_last = t.entries.back();
-  if (t.entries.size() > 64) {
-    // Prune entries of pools that no longer exist (ids are never reused).
-    std::lock_guard<std::mutex> g(g_arena_mu);
-    std::erase_if(t.entries, [](const TlsEntry& e) { return !arenas().count(e.id); });
-    t_last = t.entries.back();
-  }
+}
+
+void tls_prune() {
+  TlsCaches& t = t_caches;
+  if (t.entries.size() <= 64) return;
+  std::lock_guard<std::mutex> g(g_arena_mu);
+  std::erase_if(t.entries, [](const TlsEntry& e) { return !arenas().count(e.id); });
+  t_last = t.entries.empty() ? TlsEntry{} : t.entries.back();
 }
 
 void arena_registry_add(std::uint64_t id, ArenaPool* pool) {

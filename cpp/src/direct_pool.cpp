@@ -22,7 +22,7 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
   const std::size_t n = align_up(nbytes, opt_.alignment);
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (opt_.limit && reserved_ + n > opt_.limit) {
+    if (opt_.limit && reserved_ + claimed_ + n > opt_.limit) {
       OomFigures f;
       f.requested = nbytes;
       f.reserved = reserved_;
@@ -31,14 +31,14 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
       f.cause = "limit";
       throw_oom(std::move(f));
     }
-    reserved_ += n;  // claimed before the upstream call so concurrent callers respect the limit
+    claimed_ += n;  // before the upstream call, so concurrent callers respect the limit
   }
   void* p;
   try {
     p = upstream_alloc(n);
   } catch (const UpstreamOutOfMemory& e) {
     std::lock_guard<std::mutex> g(mu_);
-    reserved_ -= n;
+    claimed_ -= n;
     OomFigures f;
     f.requested = nbytes;
     f.reserved = reserved_;
@@ -49,10 +49,12 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
     throw_oom(std::move(f));
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
-    reserved_ -= n;
+    claimed_ -= n;
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
+  claimed_ -= n;
+  reserved_ += n;
   BlockRecord* b = nodes_.create();
   b->addr = reinterpret_cast<std::uintptr_t>(p);
   b->size = n;

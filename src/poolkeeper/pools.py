@@ -66,6 +66,16 @@ class _PoolAPI:
         return f"<{type(self).__name__} #{self.id} over {self.upstream.name}{tail}>"
 
 
+def _check_upstream(upstream: Any) -> Any:
+    if not isinstance(upstream, _core.Upstream):
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"upstream must be a poolkeeper upstream (e.g. poolkeeper.upstream.Host()); got {type(upstream).__name__}"
+        )
+    return upstream
+
+
 def _opts(**kw: Any) -> dict:
     # Unknown keywords travel on to the core, which refuses them by name with an
     # InvalidArgumentError listing the valid options (a typo must not pass silently).
@@ -84,7 +94,7 @@ class Direct(_PoolAPI, _core.DirectPool):
     def __init__(
         self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None, **unknown: Any
     ) -> None:
-        super().__init__(upstream, _opts(alignment=alignment, limit=limit, **unknown))
+        super().__init__(_check_upstream(upstream), _opts(alignment=alignment, limit=limit, **unknown))
 
 
 class SizeClassPool(_PoolAPI, _core.SizeClassPool):
@@ -116,7 +126,7 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         **unknown: Any,
     ) -> None:
         super().__init__(
-            upstream,
+            _check_upstream(upstream),
             _opts(
                 **unknown,
                 alignment=alignment,
@@ -166,7 +176,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         **unknown: Any,
     ) -> None:
         super().__init__(
-            upstream,
+            _check_upstream(upstream),
             _opts(
                 **unknown,
                 initial_backing=initial_backing,
