@@ -225,7 +225,7 @@ def test_a_stream_splits_its_own_pending_blocks_instead_of_growing():
     """A framework frees on the stream it allocates on while the device lags: the stream must be
     able to carve smaller requests out of what it released, not only reuse exact sizes."""
     sim = pk.upstream.Simulated(latency_us=0)
-    pool = pk.ArenaPool(sim, initial_backing=4 * MiB, max_backing=4 * MiB, thread_cache_bytes=0)
+    pool = pk.ArenaPool(sim, initial_backing=3 * MiB, max_backing=3 * MiB, thread_cache_bytes=0)
     s, other = sim.stream(), sim.stream()
     sim.enqueue(s, 1e6)  # the device is far behind
     big = pool.allocate(3 * MiB, s)
