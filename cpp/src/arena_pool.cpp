@@ -114,7 +114,7 @@ void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nb
 }
 
 // A pending chunk released on s, taken for a request on s: carve the request, and put the rest
-// back as released on s (a fresh release is conservative: its fence comes later, never earlier).
+// back in s's lane at the block's own place in release order.
 void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
     ArenaChunk* rest = chunk_nodes_.create();
@@ -127,7 +127,8 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
     c->next_addr = rest;
     c->size = rounded;
     rest->alloc_stream = kNoStream;  // no other user to wait for: only s's release
-    order_.defer(rest, s);
+    order_.defer_as(rest, s, c->pend_seq);  // keeps the block's place in release order
+    note_pending_locked(rest);
   }
   c->drop_used_on();
   return make_live_locked(c, nbytes, s);
@@ -139,22 +140,50 @@ void ArenaPool::coalesce_locked() {
   for (ArenaBacking* b : backings_) {
     if (!b->dirty) continue;
     for (ArenaChunk* c = b->first; c; c = c->next_addr) {
-      if (c->st() != ChunkState::Free || !c->next_addr || c->next_addr->st() != ChunkState::Free) continue;
-      index_.remove(c);
-      while (c->next_addr && c->next_addr->st() == ChunkState::Free) {
-        ArenaChunk* n = c->next_addr;
-        index_.remove(n);
-        c->size += n->size;
-        c->next_addr = n->next_addr;
-        if (n->next_addr) n->next_addr->prev_addr = c;
-        chunk_nodes_.destroy(n);
-        ++merges_;
+      if (c->st() == ChunkState::Free && c->next_addr && c->next_addr->st() == ChunkState::Free) {
+        index_.remove(c);
+        while (c->next_addr && c->next_addr->st() == ChunkState::Free) {
+          ArenaChunk* n = c->next_addr;
+          index_.remove(n);
+          c->size += n->size;
+          c->next_addr = n->next_addr;
+          if (n->next_addr) n->next_addr->prev_addr = c;
+          chunk_nodes_.destroy(n);
+          ++merges_;
+        }
+        index_.insert(c);
+      } else if (same_lane_pending(c, c->next_addr)) {
+        // Neighbours released on the same stream merge too: that stream can carve the run at once
+        // (a lagging device would otherwise leave it only fragments, and the pool would grow).
+        while (same_lane_pending(c, c->next_addr)) {
+          ArenaChunk* n = c->next_addr;
+          order_.absorb(c, n);  // c->size grows; c keeps the later release position
+          c->next_addr = n->next_addr;
+          if (n->next_addr) n->next_addr->prev_addr = c;
+          chunk_nodes_.destroy(n);
+          ++merges_;
+        }
       }
-      index_.insert(c);
     }
     b->dirty = false;
   }
   dirty_backings_ = 0;
+}
+
+bool ArenaPool::same_lane_pending(const ArenaChunk* a, const ArenaChunk* b) const {
+  if (!a || !b || a->st() != ChunkState::Pending || b->st() != ChunkState::Pending) return false;
+  const Stream la = order_.lane_stream(a);
+  return la != kNoStream && la == order_.lane_stream(b);
+}
+
+// A chunk just released on a stream: if a neighbour was released on the same stream, a merge is
+// owed (the next coalesce pass joins them).
+void ArenaPool::note_pending_locked(ArenaChunk* c) {
+  ArenaBacking* b = c->backing;
+  if (!b->dirty && (same_lane_pending(c, c->prev_addr) || same_lane_pending(c, c->next_addr))) {
+    b->dirty = true;
+    ++dirty_backings_;
+  }
 }
 
 void ArenaPool::drain_locked(bool wait) {
@@ -337,8 +366,10 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   }
   if (!c) {
     ++pressure_passes_;
-    settle_locked();
+    settle_locked();  // drains completed releases and merges owed runs, pending ones included
     c = index_.take_best_fit(rounded);
+    if (!c && s != kNoStream)
+      if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
   }
   if (c) return carve_locked(c, rounded, nbytes, s);
 
@@ -398,8 +429,12 @@ void ArenaPool::deallocate(void* p, Stream s) {
       overhead_ -= c->size - c->requested;
       --live_blocks_;
       table_.erase(a);
-      if (s == kNoStream) file_free_locked(c);
-      else order_.defer(c, s);
+      if (s == kNoStream) {
+        file_free_locked(c);
+      } else {
+        order_.defer(c, s);
+        note_pending_locked(c);
+      }
       tick_locked(detached);
     }
   }

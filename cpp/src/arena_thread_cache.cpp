@@ -192,6 +192,7 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
         freed += static_cast<std::int64_t>(c->size);
       } else {
         order_.defer(c, c->cache_tag);  // released on that stream: pending for the others
+        note_pending_locked(c);
         pending += static_cast<std::int64_t>(c->size);
       }
     }

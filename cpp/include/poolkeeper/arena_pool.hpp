@@ -96,6 +96,8 @@ class ArenaPool final : public Pool {
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
   void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void coalesce_locked();
+  bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
+  void note_pending_locked(detail::ArenaChunk* c);
   detail::ArenaChunk* grow_locked(std::size_t rounded);
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);
   void release_backing_locked(detail::ArenaBacking* b, Detached& out);

@@ -73,7 +73,7 @@ class StreamOrder {
     BlockRecord* head = nullptr;  // FIFO in release order
     BlockRecord* tail = nullptr;
     std::size_t bytes = 0, blocks = 0;
-    std::uint64_t next_seq = 1, fenced_seq = 0;
+    std::uint64_t next_seq = 1, fenced_seq = 0, completed_seq = 0;  // releases up to completed_seq are safe
     std::deque<Fence> fences;
     std::map<std::size_t, List> by_size;  // same-stream reuse: exact size, or best fit to split
   };
@@ -102,6 +102,19 @@ class StreamOrder {
   // Forget everything (pool close): events released, on_each(b) called for every pending block.
   template <class F>
   void clear(F&& on_each);
+
+  // Take b out of pending (any lane, or the multi-stream list), releasing its own events; its
+  // state is left Pending for the caller to change. For a pool merging neighbours.
+  void remove(BlockRecord* b);
+  // defer() at an earlier release position `seq` (the remainder of a split pending block keeps its
+  // place: re-releasing it at the tail on every split could starve other streams of it).
+  void defer_as(BlockRecord* b, Stream s, std::uint64_t seq);
+  // Merge pending `gone` into its address neighbour `keep` (same lane): keep->size grows by
+  // gone's, and keep takes the later of the two release positions, so the merged block waits for
+  // exactly the fences either part waited for (no fresh position: repeated merges never starve).
+  void absorb(BlockRecord* keep, BlockRecord* gone);
+  // The stream whose lane holds b, or kNoStream when b waits on several streams.
+  Stream lane_stream(const BlockRecord* b) const { return b->lane == kMultiLane ? kNoStream : lanes_[b->lane].stream; }
 
   std::size_t pending_bytes() const { return bytes_; }
   std::size_t pending_blocks() const { return blocks_; }
@@ -137,16 +150,21 @@ std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
       l.fenced_seq = l.tail->pend_seq;
       ++fences_recorded_;
     }
-    while (!l.fences.empty()) {
-      Fence& f = l.fences.front();
-      if (wait) up_->wait_event(f.event);
-      if (!up_->query_event(f.event)) break;
-      while (l.head && l.head->pend_seq <= f.last_seq) {
+    auto settle_completed = [&] {
+      while (l.head && l.head->pend_seq <= l.completed_seq) {
         BlockRecord* b = l.head;
         unlink(l, b);
         moved += b->size;
         on_ready(b);
       }
+    };
+    settle_completed();  // a split remainder may carry a position whose fence already completed
+    while (!l.fences.empty()) {
+      Fence& f = l.fences.front();
+      if (wait) up_->wait_event(f.event);
+      if (!up_->query_event(f.event)) break;
+      l.completed_seq = f.last_seq;
+      settle_completed();
       up_->release_event(f.event);
       l.fences.pop_front();
     }
