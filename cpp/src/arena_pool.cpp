@@ -239,8 +239,9 @@ ArenaChunk* ArenaPool::grow_locked(std::size_t rounded) {
     size = std::max(rounded, align_up(r, opt_.alignment));
   }
   if (opt_.limit) {
-    if (reserved_ + rounded > opt_.limit) throw LimitHit{};
-    if (reserved_ + size > opt_.limit) size = std::max(rounded, (opt_.limit - reserved_) & ~(opt_.alignment - 1));
+    const std::size_t held = reserved_ + releasing_;  // a refused release comes back: count it
+    if (held + rounded > opt_.limit) throw LimitHit{};
+    if (held + size > opt_.limit) size = std::max(rounded, (opt_.limit - held) & ~(opt_.alignment - 1));
   }
   void* p;
   try {
@@ -270,6 +271,7 @@ void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
   if (!b->oversize) --ramp_backings_;
   if (b->dirty) --dirty_backings_;
   ++backings_released_;
+  releasing_ += b->size;  // still counts against the limit until the upstream takes it back
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   delete b;
 }
@@ -303,11 +305,14 @@ void ArenaPool::free_detached(Detached& d) {
   for (auto& [p, n] : d) {
     try {
       upstream_free(p, n);
+      std::lock_guard<std::mutex> g(mu_);
+      releasing_ -= n;
     } catch (...) {
       std::lock_guard<std::mutex> g(mu_);
+      releasing_ -= n;
       ++upstream_free_failures_;
+      --backings_released_;  // it was not released after all
       ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), n, n > opt_.oversize_threshold);
-      --backings_created_;
       file_free_locked(b->first);
     }
   }
@@ -342,7 +347,8 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   ++slow_allocs_;
   ThreadCache* tc = cache_enabled_ ? cache_locked() : nullptr;
   if (tc && tc->flush_requested.load(std::memory_order_relaxed)) flush_cache_locked(tc);
-  tick_locked(detached);
+  // No shrink tick here: a scan inside an allocation could return the very backing that would
+  // have served it (then grow again). Scans run on locked releases, when backings become free.
 
   if (s != kNoStream)
     if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
@@ -569,6 +575,8 @@ void ArenaPool::close() {
       std::lock_guard<std::mutex> g(mu_);
       ++upstream_free_failures_;
     }
+    std::lock_guard<std::mutex> g(mu_);
+    releasing_ -= n;
   }
 }
 

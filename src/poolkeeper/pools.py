@@ -150,7 +150,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       plus a (size, address) tree for best fit.
     - A per-thread cache of exact-size blocks sits in front (a hit takes no lock), bounded by
       ``thread_cache_bytes`` per thread and ``thread_cache_max_block`` per block.
-    - Shrink: every ``shrink_interval`` locked operations a scan runs; a wholly free non-resident
+    - Shrink: every ``shrink_interval`` locked releases a scan runs; a wholly free non-resident
       backing is returned after ``shrink_hysteresis`` consecutive scans (freeing device memory
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
