@@ -123,3 +123,11 @@ def test_phase_tracker_needs_enough_phases():
     t = PhaseTracker(warmup=2)
     t.record({"reserved_bytes": 1, "live_bytes": 1, "free_bytes": 0, "pending_bytes": 0})
     assert "need at least" in t.verdict().message
+
+
+def test_snapshot_with_wrong_field_types_is_refused():
+    pool, _ = busy_pool("arena")
+    d = pool.snapshot().to_dict()
+    d["backings"][0]["chunks"][0]["size"] = "4096"
+    with pytest.raises(InvariantError, match="chunk size must be an integer"):
+        Snapshot.from_dict(d)

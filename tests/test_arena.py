@@ -101,7 +101,7 @@ def test_fast_bins_serve_exact_small_sizes():
 
 
 def test_growth_ramp_then_cap_then_oversize():
-    pool = pk.ArenaPool(sim(), initial_backing=64 * KiB, max_backing=256 * KiB, thread_cache_bytes=0)
+    pool = pk.ArenaPool(sim(), initial_backing=64 * KiB, max_backing=256 * KiB, growth_factor=2.0, thread_cache_bytes=0)
     for _ in range(40):
         pool.allocate(60 * KiB)
     sizes = [b.size for b in pool.snapshot().backings]
@@ -213,6 +213,13 @@ def test_exiting_thread_returns_its_cached_blocks():
     t = threading.Thread(target=work)
     t.start()
     t.join()
+    # join() returns when the Python thread is done; the OS thread runs its thread-local
+    # destructors (our exit hook) a moment later. Wait for it, without asserting any timing.
+    import time
+
+    deadline = time.monotonic() + 10
+    while pool.stats()["thread_caches"] and time.monotonic() < deadline:
+        time.sleep(0.001)
     st = pool.stats()
     assert st["thread_cached_bytes"] == 0 and st["thread_caches"] == 0
     assert st["live_bytes"] == 0
@@ -250,3 +257,39 @@ def test_chunk_nodes_are_recycled_not_leaked():
 def test_bad_options_are_refused(bad):
     with pytest.raises(pk.InvalidArgumentError):
         pk.ArenaPool(sim(), **bad)
+
+
+def test_owed_merges_run_before_splitting_a_large_chunk():
+    """A merged hole that fits exactly beats carving the free tail: the pool merges first."""
+    pool = pk.ArenaPool(sim(), initial_backing=1 * MiB, max_backing=1 * MiB, thread_cache_bytes=0)
+    a, b = pool.allocate(64 * KiB), pool.allocate(64 * KiB)
+    pool.allocate(64 * KiB)  # a live separator; the rest of the backing is one free tail
+    pool.deallocate(a)
+    pool.deallocate(b)
+    passes = pool.stats()["coalesce_passes"]
+    assert pool.allocate(128 * KiB) == a  # the merged a+b hole, not the tail
+    assert pool.stats()["coalesce_passes"] == passes + 1
+    pool.validate()
+
+
+def test_oversize_threshold_gives_large_requests_their_own_backing():
+    pool = pk.ArenaPool(sim(), initial_backing=1 * MiB, max_backing=8 * MiB, oversize_threshold=2 * MiB)
+    pool.allocate(1 * MiB)
+    big = pool.allocate(3 * MiB)  # under the cap but above the threshold
+    over = [b for b in pool.snapshot().backings if b.oversize]
+    assert len(over) == 1 and over[0].address == big and over[0].size == 3 * MiB
+    pool.validate()
+
+
+def test_the_ramp_does_not_restart_after_a_shrink():
+    pool = pk.ArenaPool(sim(), initial_backing=64 * KiB, max_backing=1 * MiB, growth_factor=2.0,
+                        thread_cache_bytes=0, shrink_interval=0)
+    ptrs = [pool.allocate(60 * KiB) for _ in range(40)]  # ramps 64K, 128K, ... up to 1 MiB
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.trim()
+    pool.allocate(60 * KiB)  # the resident backing
+    pool.allocate(100 * KiB)
+    grown = [b.size for b in pool.snapshot().backings if not b.resident]
+    assert grown and all(s == 1 * MiB for s in grown)  # straight back to full-size backings
+    pool.validate()

@@ -219,3 +219,54 @@ def test_random_multi_stream_run_never_reuses_early(kind, seed):
     pool.synchronize()
     assert pool.stats()["pending_bytes"] == 0
     pool.validate()
+
+
+def test_a_stream_splits_its_own_pending_blocks_instead_of_growing():
+    """A framework frees on the stream it allocates on while the device lags: the stream must be
+    able to carve smaller requests out of what it released, not only reuse exact sizes."""
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=3 * MiB, max_backing=3 * MiB, thread_cache_bytes=0)
+    s, other = sim.stream(), sim.stream()
+    sim.enqueue(s, 1e6)  # the device is far behind
+    big = pool.allocate(3 * MiB, s)
+    pool.deallocate(big, s)
+    reserved = pool.stats()["reserved_bytes"]
+    parts = [pool.allocate(700 * KiB, s) for _ in range(4)]  # all carved from the pending 3 MiB
+    assert parts[0] == big and pool.stats()["reserved_bytes"] == reserved
+    assert all(big <= p < big + 3 * MiB for p in parts)
+    assert pool.allocate(700 * KiB, other) not in range(big, big + 3 * MiB)  # never another stream
+    pool.validate()
+
+
+def test_neighbours_released_on_one_stream_merge_for_that_stream():
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=2 * MiB, max_backing=2 * MiB, thread_cache_bytes=0)
+    s = sim.stream()
+    sim.enqueue(s, 1e6)
+    a, b = pool.allocate(1 * MiB, s), pool.allocate(1 * MiB, s)  # the whole backing
+    pool.deallocate(a, s)
+    pool.deallocate(b, s)
+    reserved = pool.stats()["reserved_bytes"]
+    assert pool.allocate(2 * MiB, s) == a  # the merged pending run, carved at once by s
+    assert pool.stats()["reserved_bytes"] == reserved
+    pool.validate()
+
+
+def test_a_split_remainder_keeps_its_release_position():
+    """Carving a stream's own pending block must not push the rest behind later releases: once the
+    fence covering the original release completes, the remainder is free for every stream."""
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=4 * MiB, max_backing=4 * MiB, thread_cache_bytes=0)
+    s, other = sim.stream(), sim.stream()
+    sim.enqueue(s, 100.0)
+    big = pool.allocate(4 * MiB, s)
+    pool.deallocate(big, s)
+    pool.process_pending()  # fence recorded now: completes at t=100
+    sim.enqueue(s, 1e6)  # then much more work on s
+    part = pool.allocate(1 * MiB, s)  # carved from the pending block; the rest stays pending
+    assert part == big
+    sim.advance(100.0)  # the first fence completes; the later work has not
+    pool.process_pending()
+    assert pool.stats()["pending_bytes"] == 0  # the remainder kept the early position
+    assert pool.allocate(3 * MiB, other) == big + 1 * MiB
+    pool.validate()

@@ -1,5 +1,6 @@
 // poolkeeper._core: the hot path of poolkeeper. Everything else is Python.
 #include "bindings.hpp"
+#include "torch_factory.hpp"
 
 NB_MODULE(_core, m) {
   using namespace poolkeeper::py;
@@ -9,5 +10,6 @@ NB_MODULE(_core, m) {
   bind_pools(m);
   bind_cuda(m);
   bind_capi(m);
+  bind_torch_factory(m);
   { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
 }

@@ -16,18 +16,29 @@ class OptionReader {
     if (!dict_.is_valid() || !dict_.contains(key)) return def;
     nb::handle v = dict_[key];
     if (v.is_none()) return def;
-    if (allow_zero && nb::isinstance<nb::int_>(v) && nb::cast<long long>(v) == 0) return 0;
+    if (allow_zero && nb::isinstance<nb::int_>(v) && !PyBool_Check(v.ptr()) && PyObject_Not(v.ptr()) == 1) return 0;
     return parse_size(v, key);
   }
   double real(const char* key, double def) {
     known_.insert(key);
     if (!dict_.is_valid() || !dict_.contains(key)) return def;
-    return nb::cast<double>(dict_[key]);
+    nb::handle v = dict_[key];
+    if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())))
+      throw InvalidArgument(pool_ + ": option '" + key + "' must be a number; got " + nb::cast<std::string>(nb::repr(v)));
+    const double d = PyFloat_AsDouble(v.ptr());
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      throw InvalidArgument(pool_ + ": option '" + key + "' is out of range");
+    }
+    return d;
   }
   bool flag(const char* key, bool def) {
     known_.insert(key);
     if (!dict_.is_valid() || !dict_.contains(key)) return def;
-    return nb::cast<bool>(dict_[key]);
+    nb::handle v = dict_[key];
+    if (!PyBool_Check(v.ptr()))
+      throw InvalidArgument(pool_ + ": option '" + key + "' must be True or False; got " + nb::cast<std::string>(nb::repr(v)));
+    return v.ptr() == Py_True;
   }
   void finish() {
     if (!dict_.is_valid()) return;

@@ -41,7 +41,7 @@ void bind_pools(nb::module_& m) {
             nb::gil_scoped_release nogil;
             p.record_stream(reinterpret_cast<void*>(a), s);
           },
-          "ptr"_a, "stream"_a)
+          "ptr"_a.none(), "stream"_a.none())
       .def("stats",
            [](Pool& p) {
              PoolStats st;
@@ -85,7 +85,7 @@ void bind_pools(nb::module_& m) {
              }
              return snapshot_to_dict(s);
            })
-      .def("owns", [](Pool& p, nb::handle ptr) { return p.owns_live(parse_ptr(ptr)); }, "ptr"_a)
+      .def("owns", [](Pool& p, nb::handle ptr) { return p.owns_live(parse_ptr(ptr)); }, "ptr"_a.none())
       .def_prop_ro("closed", &Pool::closed)
       .def_prop_ro("upstream", [](Pool& p) { return p.upstream(); })
       .def_prop_ro("id", &Pool::id)
@@ -93,9 +93,9 @@ void bind_pools(nb::module_& m) {
       .def_prop_ro("alignment", &Pool::alignment);
 
   install_fast_methods(pool_cls);
-  m.def("_slow_allocate", &py_allocate, "pool"_a, "nbytes"_a, "stream"_a = nb::none(),
+  m.def("_slow_allocate", &py_allocate, "pool"_a, "nbytes"_a.none(), "stream"_a.none() = nb::none(),
         "The nanobind-dispatched allocate, kept to measure what the raw descriptor saves.");
-  m.def("_slow_deallocate", &py_deallocate, "pool"_a, "ptr"_a, "stream"_a = nb::none());
+  m.def("_slow_deallocate", &py_deallocate, "pool"_a, "ptr"_a.none(), "stream"_a.none() = nb::none());
 
   nb::class_<DirectPool, Pool>(m, "DirectPool")
       .def("__init__", [](DirectPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
@@ -138,6 +138,7 @@ void bind_pools(nb::module_& m) {
         o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
         o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
         o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
+        o.oversize_threshold = r.size("oversize_threshold", o.oversize_threshold, false);
         r.finish();
         new (self) ArenaPool(std::move(up), o);
       }, "upstream"_a, "options"_a = nb::none())

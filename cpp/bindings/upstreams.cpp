@@ -16,7 +16,7 @@ void bind_upstreams(nb::module_& m) {
             nb::gil_scoped_release nogil;
             return reinterpret_cast<std::uintptr_t>(u.allocate(n));
           },
-          "nbytes"_a, "Allocate nbytes of backing memory directly (counted). Returns the address.")
+          "nbytes"_a.none(), "Allocate nbytes of backing memory directly (counted). Returns the address.")
       .def(
           "deallocate",
           [](Upstream& u, nb::handle ptr, nb::handle nbytes) {
@@ -26,7 +26,7 @@ void bind_upstreams(nb::module_& m) {
             nb::gil_scoped_release nogil;
             u.deallocate(reinterpret_cast<void*>(p), n);
           },
-          "ptr"_a, "nbytes"_a, "Return memory from allocate() with the same nbytes (counted).")
+          "ptr"_a.none(), "nbytes"_a.none(), "Return memory from allocate() with the same nbytes (counted).")
       .def("counters", [](const Upstream& u) { return upstream_counters_to_dict(u.counters()); },
            "Call counters: allocations, deallocations, bytes, outstanding, cumulative ns.")
       .def("reset_counters", &Upstream::reset_counters)
@@ -36,7 +36,7 @@ void bind_upstreams(nb::module_& m) {
       .def_prop_ro("alignment", &Upstream::alignment)
       .def_prop_ro("streams_supported", &Upstream::streams_supported)
       .def(
-          "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a)
+          "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", &Upstream::query_event, "event"_a)
       .def(
           "wait_event",
@@ -77,13 +77,13 @@ void bind_upstreams(nb::module_& m) {
           "latency"_a = nb::none(), "latency_us"_a = nb::none(), "capacity"_a = nb::none(), "alignment"_a = 256)
       .def("stream", &SimulatedUpstream::new_stream, "A new simulated stream (an int handle).")
       .def(
-          "enqueue", [](SimulatedUpstream& u, nb::handle s, double us) { u.enqueue(parse_stream(s), us); }, "stream"_a,
+          "enqueue", [](SimulatedUpstream& u, nb::handle s, double us) { u.enqueue(parse_stream(s), us); }, "stream"_a.none(),
           "work_us"_a, "Enqueue work_us of device work on stream.")
       .def("advance", &SimulatedUpstream::advance, "us"_a, "Move the virtual clock forward.")
       .def_prop_ro("now", &SimulatedUpstream::now, "The virtual clock, in microseconds.")
       .def(
           "busy_until", [](SimulatedUpstream& u, nb::handle s) { return u.stream_busy_until(parse_stream(s)); },
-          "stream"_a)
+          "stream"_a.none())
       .def_prop_ro("live_events", &SimulatedUpstream::live_events)
       .def_prop_ro("capacity", &SimulatedUpstream::capacity)
       .def_prop_ro("latency_model", [](const SimulatedUpstream& u) {

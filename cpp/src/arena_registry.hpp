@@ -12,6 +12,9 @@ class ThreadCache;
 ThreadCache* tls_find_cache(std::uint64_t id);
 // Record this thread's cache for pool `id` (called under the pool's lock, first use only).
 void tls_add_cache(std::uint64_t id, ThreadCache* tc);
+// Forget this thread's entries for pools that no longer exist, when there are many. Takes the
+// registry lock, so it must be called while holding no pool lock (lock order: registry, pool).
+void tls_prune();
 
 void arena_registry_add(std::uint64_t id, ArenaPool* pool);
 void arena_registry_remove(std::uint64_t id);

@@ -56,12 +56,14 @@ void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
   TlsCaches& t = t_caches;
   t.entries.push_back({id, tc});
   t_last = t.entries.back();
-  if (t.entries.size() > 64) {
-    // Prune entries of pools that no longer exist (ids are never reused).
-    std::lock_guard<std::mutex> g(g_arena_mu);
-    std::erase_if(t.entries, [](const TlsEntry& e) { return !arenas().count(e.id); });
-    t_last = t.entries.back();
-  }
+}
+
+void tls_prune() {
+  TlsCaches& t = t_caches;
+  if (t.entries.size() <= 64) return;
+  std::lock_guard<std::mutex> g(g_arena_mu);
+  std::erase_if(t.entries, [](const TlsEntry& e) { return !arenas().count(e.id); });
+  t_last = t.entries.empty() ? TlsEntry{} : t.entries.back();
 }
 
 void arena_registry_add(std::uint64_t id, ArenaPool* pool) {
@@ -110,6 +112,7 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   tc->bytes -= c->size;  // an emptied bin keeps its key: the next free of that size lands there
   // Peak estimate: exact while one thread uses the pool (the pool's own live bytes plus this
   // cache's delta); with several threads the locked paths and stats() keep the peak.
+  if (ncaches_.load(std::memory_order_relaxed) != 1) return reinterpret_cast<void*>(c->addr);
   const auto est = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed)) +
                    tc->live_delta.load(std::memory_order_relaxed);
   if (est > static_cast<std::int64_t>(tc->peak_live)) {
@@ -172,6 +175,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
 ThreadCache* ArenaPool::cache_locked() {
   if (ThreadCache* tc = detail::tls_find_cache(id_)) return tc;
   caches_.push_back(std::make_unique<ThreadCache>());
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
   ThreadCache* tc = caches_.back().get();
   detail::tls_add_cache(id_, tc);
   return tc;
@@ -188,6 +192,7 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
         freed += static_cast<std::int64_t>(c->size);
       } else {
         order_.defer(c, c->cache_tag);  // released on that stream: pending for the others
+        note_pending_locked(c);
         pending += static_cast<std::int64_t>(c->size);
       }
     }
@@ -228,6 +233,7 @@ void ArenaPool::on_thread_exit(ThreadCache* tc) {
   flush_cache_locked(tc);
   fold_cache_locked(tc);
   std::erase_if(caches_, [tc](const std::unique_ptr<ThreadCache>& p) { return p.get() == tc; });
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
 }
 
 void ArenaPool::flush_thread_cache() {

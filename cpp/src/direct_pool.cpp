@@ -10,6 +10,7 @@ DirectPool::DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt) : 
 }
 
 DirectPool::~DirectPool() {
+  unregister();
   // Live blocks at destruction stay with the user (never freed under them); the rest is gone.
   std::lock_guard<std::mutex> g(mu_);
   table_.for_each([&](std::uintptr_t, BlockRecord* b) { b->drop_used_on(); });
@@ -21,7 +22,7 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
   const std::size_t n = align_up(nbytes, opt_.alignment);
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (opt_.limit && reserved_ + n > opt_.limit) {
+    if (opt_.limit && reserved_ + claimed_ + n > opt_.limit) {
       OomFigures f;
       f.requested = nbytes;
       f.reserved = reserved_;
@@ -30,14 +31,14 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
       f.cause = "limit";
       throw_oom(std::move(f));
     }
-    reserved_ += n;  // claimed before the upstream call so concurrent callers respect the limit
+    claimed_ += n;  // before the upstream call, so concurrent callers respect the limit
   }
   void* p;
   try {
     p = upstream_alloc(n);
   } catch (const UpstreamOutOfMemory& e) {
     std::lock_guard<std::mutex> g(mu_);
-    reserved_ -= n;
+    claimed_ -= n;
     OomFigures f;
     f.requested = nbytes;
     f.reserved = reserved_;
@@ -48,10 +49,12 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
     throw_oom(std::move(f));
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
-    reserved_ -= n;
+    claimed_ -= n;
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
+  claimed_ -= n;
+  reserved_ += n;
   BlockRecord* b = nodes_.create();
   b->addr = reinterpret_cast<std::uintptr_t>(p);
   b->size = n;
@@ -78,7 +81,19 @@ void DirectPool::deallocate(void* p, Stream s) {
       n = b->size;
     }
   }
-  if (!b) throw_foreign_pointer(a, "is not a live block (never allocated here, or already freed)");
+  if (!b) {
+    std::string inside;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      table_.for_each([&](std::uintptr_t k, BlockRecord* x) {
+        if (inside.empty() && a > k && a < k + x->size)
+          inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " + std::to_string(a - k) +
+                   "): free the block's start address";
+      });
+    }
+    if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
+    throw_foreign_pointer(a, "is not a live block (never allocated here, or already freed)");
+  }
   try {
     upstream_free(p, n);
   } catch (...) {
@@ -96,6 +111,7 @@ void DirectPool::deallocate(void* p, Stream s) {
 
 void DirectPool::record_stream(void* p, Stream s) {
   std::lock_guard<std::mutex> g(mu_);
+  check_open();
   BlockRecord* b = nullptr;
   if (!table_.find(reinterpret_cast<std::uintptr_t>(p), b))
     throw InvalidPointer("record_stream: " + format_ptr(reinterpret_cast<std::uintptr_t>(p)) + " is not live",

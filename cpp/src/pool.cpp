@@ -32,7 +32,9 @@ Pool::Pool(std::shared_ptr<Upstream> upstream) : upstream_(std::move(upstream)),
   directory().push_back(this);
 }
 
-Pool::~Pool() {
+Pool::~Pool() { unregister(); }
+
+void Pool::unregister() {
   std::lock_guard<std::mutex> g(g_dir_mu);
   auto& d = directory();
   d.erase(std::remove(d.begin(), d.end(), this), d.end());

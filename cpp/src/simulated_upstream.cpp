@@ -1,6 +1,7 @@
 #include "poolkeeper/simulated_upstream.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 namespace poolkeeper {
@@ -15,12 +16,17 @@ void busy_wait_us(double us) {
 }
 
 namespace {
-constexpr std::uintptr_t kBase = std::uintptr_t{0x2000} << 32;  // 0x2000_0000_0000
-constexpr std::uintptr_t kRange = std::uintptr_t{64} << 40;     // 64 TiB
+constexpr std::uintptr_t kFirst = std::uintptr_t{0x2000} << 32;  // 0x2000_0000_0000
+constexpr std::uintptr_t kRange = std::uintptr_t{1} << 40;       // 1 TiB per instance
+std::atomic<std::uintptr_t> g_instances{0};
+// Each simulated device gets its own range, so two never hand out the same address (a pointer
+// freed into the wrong pool is then told apart, as on real devices). 4096 ranges keep every
+// address below 2^53, exact as a JavaScript number (the HTML memory map).
+std::uintptr_t next_base() { return kFirst + (g_instances.fetch_add(1) % 4096) * kRange; }
 }  // namespace
 
 SimulatedUpstream::SimulatedUpstream(LatencyModel model, std::size_t capacity, std::size_t alignment)
-    : model_(model), capacity_(capacity), alignment_(alignment), next_addr_(kBase) {
+    : model_(model), capacity_(capacity), alignment_(alignment), base_(next_base()), next_addr_(base_) {
   if (!is_pow2(alignment)) throw InvalidArgument("Simulated alignment must be a power of two");
   if (capacity == 0) throw InvalidArgument("Simulated capacity must be positive");
 }
@@ -34,11 +40,31 @@ void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
                                   format_bytes(capacity_ - std::min(capacity_, used_)) + " of " +
                                   format_bytes(capacity_) + " left",
                               "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
-  // Addresses are never reused while the range lasts, so a stale pointer can never alias a new
-  // block by accident; the range wraps only after 64 TiB of traffic.
-  if (next_addr_ + n > kBase + kRange) next_addr_ = kBase;
-  const std::uintptr_t a = next_addr_;
-  next_addr_ += align_up(n, 4096);
+  // Addresses are not reused while the range lasts, so a stale pointer cannot alias a new block
+  // by accident. After 1 TiB of traffic the cursor wraps and skips over blocks still live.
+  const std::size_t span = align_up(n, 4096);
+  std::uintptr_t a = next_addr_;
+  for (int lap = 0;; ++lap) {
+    if (a + span > base_ + kRange) {
+      if (lap > 1) throw UpstreamOutOfMemory("simulated device: no free range of " + format_bytes(n), "Simulated",
+                                             "CUDA_ERROR_OUT_OF_MEMORY", 2);
+      a = base_;
+    }
+    auto it = live_.lower_bound(a);
+    if (it != live_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + align_up(prev->second, 4096) > a) {
+        a = prev->first + align_up(prev->second, 4096);
+        continue;
+      }
+    }
+    if (it != live_.end() && it->first < a + span) {
+      a = it->first + align_up(it->second, 4096);
+      continue;
+    }
+    break;
+  }
+  next_addr_ = a + span;
   live_.emplace(a, nbytes);
   used_ += n;
   return reinterpret_cast<void*>(a);

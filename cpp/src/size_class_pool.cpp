@@ -40,6 +40,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
 }
 
 SizeClassPool::~SizeClassPool() {
+  unregister();
   if (closed()) return;
   // Free what the pool holds; live blocks stay with their owner (never freed under them).
   std::vector<std::pair<void*, std::size_t>> out;
@@ -149,7 +150,7 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       peak_live_ = std::max(peak_live_, live_);
       return reinterpret_cast<void*>(b->addr);
     }
-    if (opt_.limit && reserved_ + csize > opt_.limit) {
+    if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
       if (!retried && free_blocks_) {
         // Give cached blocks of other classes back, then retry once.
         for (std::size_t c = 0; c < free_.size(); ++c)
@@ -165,14 +166,14 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       throw_oom(std::move(f));
     }
     ++misses_;
-    reserved_ += csize;  // claimed before the upstream call so concurrent callers respect the limit
+    claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
     g.unlock();
     void* p = nullptr;
     try {
       p = upstream_alloc(csize);
     } catch (const UpstreamOutOfMemory& e) {
       std::unique_lock<std::mutex> g2(mu_);
-      reserved_ -= csize;
+      claimed_ -= csize;
       if (!retried) {
         order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
         for (std::size_t c = 0; c < free_.size(); ++c)
@@ -189,10 +190,12 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       throw_oom(std::move(f));
     } catch (...) {
       std::lock_guard<std::mutex> g2(mu_);
-      reserved_ -= csize;
+      claimed_ -= csize;
       throw;
     }
     std::lock_guard<std::mutex> g2(mu_);
+    claimed_ -= csize;
+    reserved_ += csize;
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
     nb->size = csize;
@@ -208,6 +211,42 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     peak_live_ = std::max(peak_live_, live_);
     return p;
   }
+}
+
+void* SizeClassPool::try_allocate_fast(std::size_t nbytes, Stream s) {
+  if (nbytes - 1 >= kMaxRequest || closed_.load(std::memory_order_relaxed)) return nullptr;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return nullptr;
+  const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
+  Block* b = nullptr;
+  if (s != kNoStream) b = static_cast<Block*>(order_.take_for_stream(s, csize));
+  if (!b) b = pop_free_locked(static_cast<std::uint32_t>(class_index(csize)));
+  if (!b) return nullptr;
+  ++hits_;
+  b->requested = nbytes;
+  b->alloc_stream = b->last_stream = s;
+  b->set(ChunkState::Live);
+  live_ += nbytes;
+  overhead_ += csize - nbytes;
+  ++live_blocks_;
+  peak_live_ = std::max(peak_live_, live_);
+  return reinterpret_cast<void*>(b->addr);
+}
+
+bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!a || closed_.load(std::memory_order_relaxed)) return false;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  Block* b = nullptr;
+  if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
+  if (s == kNoStream && opt_.max_cached_bytes && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
+  live_ -= b->requested;
+  overhead_ -= b->size - b->requested;
+  --live_blocks_;
+  if (s == kNoStream) make_free_locked(b);
+  else order_.defer(b, s);
+  return true;
 }
 
 void SizeClassPool::deallocate(void* p, Stream s) {
@@ -256,6 +295,7 @@ foreign:
 void SizeClassPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> g(mu_);
+  check_open();
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live)
     throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
@@ -279,6 +319,7 @@ std::size_t SizeClassPool::release_cached() {
   std::size_t bytes = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
+    check_open();
     for (std::size_t c = 0; c < free_.size(); ++c)
       while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) {
         bytes += b->size;

@@ -118,6 +118,104 @@ BlockRecord* StreamOrder::take_for_stream(Stream s, std::size_t size) {
   return nullptr;
 }
 
+void StreamOrder::defer_as(BlockRecord* b, Stream s, std::uint64_t seq) {
+  Lane& l = lane_for(s);
+  if (!l.tail || l.tail->pend_seq <= seq || seq == 0) {
+    defer(b, s);
+    if (seq && seq < b->pend_seq) b->pend_seq = seq;  // at the tail, order still holds
+    return;
+  }
+  b->set(ChunkState::Pending);
+  b->last_stream = s;
+  b->lane = static_cast<std::uint32_t>(&l - lanes_.data());
+  b->pend_seq = seq;
+  BlockRecord* after = l.tail;  // walk back to the last block released no later than seq
+  while (after && after->pend_seq > seq) after = after->pend_prev;
+  b->pend_prev = after;
+  b->pend_next = after ? after->pend_next : l.head;
+  if (b->pend_next) b->pend_next->pend_prev = b;
+  if (after) after->pend_next = b;
+  else l.head = b;
+  List& sl = l.by_size[b->size];
+  b->size_prev = sl.tail;
+  b->size_next = nullptr;
+  if (sl.tail) sl.tail->size_next = b;
+  else sl.head = b;
+  sl.tail = b;
+  l.bytes += b->size;
+  ++l.blocks;
+  bytes_ += b->size;
+  ++blocks_;
+}
+
+void StreamOrder::absorb(BlockRecord* keep, BlockRecord* gone) {
+  Lane& l = lanes_[keep->lane];
+  auto drop_size = [&](BlockRecord* b) {
+    List& sl = l.by_size[b->size];
+    if (b->size_prev) b->size_prev->size_next = b->size_next;
+    else sl.head = b->size_next;
+    if (b->size_next) b->size_next->size_prev = b->size_prev;
+    else sl.tail = b->size_prev;
+    b->size_prev = b->size_next = nullptr;
+  };
+  auto drop_fifo = [&](BlockRecord* b) {
+    if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
+    else l.head = b->pend_next;
+    if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
+    else l.tail = b->pend_prev;
+  };
+  drop_size(keep);
+  drop_size(gone);
+  if (gone->pend_seq > keep->pend_seq) {
+    // keep moves into gone's place in release order.
+    drop_fifo(keep);
+    keep->pend_prev = gone->pend_prev;
+    keep->pend_next = gone->pend_next;
+    if (keep->pend_prev) keep->pend_prev->pend_next = keep;
+    else l.head = keep;
+    if (keep->pend_next) keep->pend_next->pend_prev = keep;
+    else l.tail = keep;
+    keep->pend_seq = gone->pend_seq;
+  } else {
+    drop_fifo(gone);
+  }
+  gone->pend_prev = gone->pend_next = nullptr;
+  keep->size += gone->size;
+  List& sl = l.by_size[keep->size];
+  keep->size_prev = sl.tail;
+  keep->size_next = nullptr;
+  if (sl.tail) sl.tail->size_next = keep;
+  else sl.head = keep;
+  sl.tail = keep;
+  --l.blocks;
+  --blocks_;
+}
+
+void StreamOrder::remove(BlockRecord* b) {
+  if (b->lane == kMultiLane) {
+    release_multi_events(b);
+    unlink_multi(b);
+  } else {
+    unlink(lanes_[b->lane], b);
+  }
+}
+
+BlockRecord* StreamOrder::take_for_stream_fit(Stream s, std::size_t size) {
+  for (Lane& l : lanes_) {
+    if (l.stream != s) continue;
+    if (!l.blocks) return nullptr;
+    for (auto it = l.by_size.lower_bound(size); it != l.by_size.end(); ++it) {
+      if (!it->second.tail) continue;  // empty lists are kept while few
+      BlockRecord* b = it->second.tail;
+      unlink(l, b);
+      ++same_stream_reuses_;
+      return b;
+    }
+    return nullptr;
+  }
+  return nullptr;
+}
+
 std::vector<std::pair<Stream, std::size_t>> StreamOrder::by_stream() const {
   std::map<Stream, std::size_t> m;
   for (const Lane& l : lanes_)

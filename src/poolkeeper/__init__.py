@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Heavier or optional parts load on first use: importing poolkeeper stays cheap and never
     # imports torch, cupy or the CUDA driver.
-    if name in ("PinnedStagingPool", "CopyCompleted"):
+    if name in ("PinnedStagingPool", "CopyCompleted", "Uploader"):
         from poolkeeper import staging
 
         return getattr(staging, name)
@@ -60,4 +60,5 @@ __all__ = [
     "LiveBlocksError",
     "PinnedStagingPool",
     "CopyCompleted",
+    "Uploader",
 ]

@@ -41,6 +41,35 @@ class Chunk:
     waits_on: list = field(default_factory=list)
 
 
+def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {v!r}")
+    return v
+
+
+def _chunk(c: dict) -> "Chunk":
+    if not isinstance(c, dict):
+        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {c!r}")
+    state = c.get("state")
+    if not isinstance(state, str):
+        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {state!r}")
+    waits = c.get("waits_on") or []
+    if not isinstance(waits, list):
+        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {waits!r}")
+    return Chunk(
+        offset=_int(c.get("offset"), "chunk offset"),
+        size=_int(c.get("size"), "chunk size"),
+        state=state,
+        requested=_int(c.get("requested"), "chunk requested", optional=True),
+        alloc_stream=_int(c.get("alloc_stream"), "alloc_stream", optional=True),
+        last_stream=_int(c.get("last_stream"), "last_stream", optional=True),
+        event=_int(c.get("event"), "event", optional=True),
+        waits_on=[_int(w, "waits_on entry", optional=True) for w in waits],
+    )
+
+
 @dataclass
 class Backing:
     """One piece of upstream memory, tiled exactly by its chunks."""
@@ -68,11 +97,11 @@ class Snapshot:
         try:
             backings = [
                 Backing(
-                    address=int(b["address"]),
-                    size=int(b["size"]),
+                    address=_int(b["address"], "backing address"),
+                    size=_int(b["size"], "backing size"),
                     resident=bool(b.get("resident", False)),
                     oversize=bool(b.get("oversize", False)),
-                    chunks=[Chunk(**{k: c.get(k) for k in Chunk.__dataclass_fields__ if k in c}) for c in b["chunks"]],
+                    chunks=[_chunk(c) for c in b["chunks"]],
                 )
                 for b in d["backings"]
             ]

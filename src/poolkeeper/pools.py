@@ -66,6 +66,16 @@ class _PoolAPI:
         return f"<{type(self).__name__} #{self.id} over {self.upstream.name}{tail}>"
 
 
+def _check_upstream(upstream: Any) -> Any:
+    if not isinstance(upstream, _core.Upstream):
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"upstream must be a poolkeeper upstream (e.g. poolkeeper.upstream.Host()); got {type(upstream).__name__}"
+        )
+    return upstream
+
+
 def _opts(**kw: Any) -> dict:
     # Unknown keywords travel on to the core, which refuses them by name with an
     # InvalidArgumentError listing the valid options (a typo must not pass silently).
@@ -84,7 +94,7 @@ class Direct(_PoolAPI, _core.DirectPool):
     def __init__(
         self, upstream: _core.Upstream, *, alignment: int = 256, limit: Optional[int] = None, **unknown: Any
     ) -> None:
-        super().__init__(upstream, _opts(alignment=alignment, limit=limit, **unknown))
+        super().__init__(_check_upstream(upstream), _opts(alignment=alignment, limit=limit, **unknown))
 
 
 class SizeClassPool(_PoolAPI, _core.SizeClassPool):
@@ -116,7 +126,7 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         **unknown: Any,
     ) -> None:
         super().__init__(
-            upstream,
+            _check_upstream(upstream),
             _opts(
                 **unknown,
                 alignment=alignment,
@@ -140,14 +150,15 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       plus a (size, address) tree for best fit.
     - A per-thread cache of exact-size blocks sits in front (a hit takes no lock), bounded by
       ``thread_cache_bytes`` per thread and ``thread_cache_max_block`` per block.
-    - Shrink: every ``shrink_interval`` locked operations a scan runs; a wholly free non-resident
+    - Shrink: every ``shrink_interval`` locked releases a scan runs; a wholly free non-resident
       backing is returned after ``shrink_hysteresis`` consecutive scans (freeing device memory
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
-    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (256 MiB), ``growth_factor``
-    (2.0), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
+    Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (128 MiB), ``growth_factor``
+    (1.5), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
     ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
-    0 disables automatic scans), ``limit`` (None).
+    0 disables automatic scans), ``oversize_threshold`` (32 MiB, clamped to ``max_backing``;
+    requests above it get an oversize backing of their own), ``limit`` (None).
     """
 
     def __init__(
@@ -155,18 +166,19 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         upstream: _core.Upstream,
         *,
         initial_backing: int = 2 * MiB,
-        max_backing: int = 256 * MiB,
-        growth_factor: float = 2.0,
+        max_backing: int = 128 * MiB,
+        growth_factor: float = 1.5,
         alignment: int = 256,
         thread_cache_bytes: int = 8 * MiB,
         thread_cache_max_block: int = 1 * MiB,
         shrink_hysteresis: int = 2,
         shrink_interval: int = 4096,
+        oversize_threshold: int = 32 * MiB,
         limit: Optional[int] = None,
         **unknown: Any,
     ) -> None:
         super().__init__(
-            upstream,
+            _check_upstream(upstream),
             _opts(
                 **unknown,
                 initial_backing=initial_backing,
@@ -177,6 +189,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
                 thread_cache_max_block=thread_cache_max_block,
                 shrink_hysteresis=shrink_hysteresis,
                 shrink_interval=shrink_interval,
+                oversize_threshold=oversize_threshold,
                 limit=limit,
             ),
         )

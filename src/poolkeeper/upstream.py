@@ -35,7 +35,7 @@ class Host(_core.HostUpstream):
 class Simulated(_core.SimulatedUpstream):
     """A simulated device for testing device logic without a GPU.
 
-    Addresses come from a 64 TiB fake range and are never touched, so a GB-scale high-water mark
+    Addresses come from a 1 TiB fake range of its own and are never touched, so a GB-scale high-water mark
     costs nothing; ``capacity`` (default 140 GiB, an H200) is enforced.
 
     Latency: ``latency="h200"`` (default) busy-waits the H200-calibrated cost of cudaMalloc /

@@ -15,8 +15,10 @@
 // - Thread cache (thread_cache.hpp): exact-size blocks per thread in front of everything; a hit
 //   takes no lock. Blocks released on a stream are cached tagged with that stream and reused only
 //   by it (they are pending for everyone else).
-// - Shrink: every shrink_interval locked operations, a scan coalesces and counts, per backing,
-//   consecutive scans in which it was wholly free; at shrink_hysteresis it goes back upstream.
+// - Shrink: every shrink_interval locked releases, a scan counts, per backing, consecutive scans
+//   in which it was wholly free; at shrink_hysteresis it goes back upstream. Bytes on their way
+//   back still count against the limit until the upstream accepts them (a refused free is
+//   re-adopted, so the books never lose bytes and never pass the limit).
 // - Bookkeeping nodes (chunks, tree nodes) come from node arenas, never the heap on the hot path.
 //
 // Invariants (validate()):
@@ -44,13 +46,16 @@ namespace poolkeeper {
 struct ArenaOptions {
   std::size_t alignment = 256;
   std::size_t initial_backing = std::size_t{2} << 20;
-  std::size_t max_backing = std::size_t{256} << 20;
-  double growth_factor = 2.0;
+  std::size_t max_backing = std::size_t{128} << 20;
+  double growth_factor = 1.5;
   std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
   std::size_t thread_cache_max_block = std::size_t{1} << 20;
   std::size_t shrink_hysteresis = 2;
-  std::size_t shrink_interval = 4096;  // locked operations between automatic scans; 0: never
+  std::size_t shrink_interval = 4096;  // locked releases between automatic scans; 0: never
   std::size_t limit = 0;
+  // Requests above this get an oversize backing of their own (clamped to max_backing). Large
+  // blocks then do not fragment the ramp backings, and a freed one is a whole hole for the next.
+  std::size_t oversize_threshold = std::size_t{32} << 20;
 };
 
 class ArenaPool final : public Pool {
@@ -91,7 +96,10 @@ class ArenaPool final : public Pool {
   void file_free_locked(detail::ArenaChunk* c);
   void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
+  void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void coalesce_locked();
+  bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
+  void note_pending_locked(detail::ArenaChunk* c);
   detail::ArenaChunk* grow_locked(std::size_t rounded);
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);
   void release_backing_locked(detail::ArenaBacking* b, Detached& out);
@@ -115,9 +123,12 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   bool resident_assigned_ = false;
-  std::size_t ramp_backings_ = 0;
+  std::size_t ramp_backings_ = 0;  // non-oversize backings held
+  std::size_t ramp_steps_ = 0;     // non-oversize backings ever made: the ramp never restarts after a shrink
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
+  std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
+  std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
   std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0,

@@ -30,7 +30,10 @@ class DirectPool final : public Pool {
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void validate() override;
-  std::size_t trim() override { return 0; }
+  std::size_t trim() override {
+    check_open();
+    return 0;
+  }
   std::size_t process_pending() override { return 0; }
   void synchronize() override { upstream_->synchronize(); }
   void close() override;
@@ -44,6 +47,7 @@ class DirectPool final : public Pool {
   std::mutex mu_;
   detail::NodeArena<BlockRecord> nodes_;
   detail::PointerTable<BlockRecord*> table_;
+  std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
   std::size_t reserved_ = 0, live_ = 0, peak_reserved_ = 0, peak_live_ = 0;
 };
 

@@ -106,6 +106,9 @@ class Pool {
   void check_open() const {
     if (closed_.load(std::memory_order_relaxed)) throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
   }
+  // Leave the directory of open pools. Derived destructors call it first, so no other thread can
+  // ask a half-destroyed pool whether it owns a pointer. Idempotent.
+  void unregister();
   // Error for a pointer this pool does not hold live: names another pool when one owns it.
   [[noreturn]] void throw_foreign_pointer(std::uintptr_t p, const std::string& what_we_know);
   // Upstream calls made by this pool, counted per pool (an upstream may serve several pools).

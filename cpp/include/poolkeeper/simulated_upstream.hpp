@@ -1,6 +1,7 @@
 // Simulated: a device that does not exist, so CI can test device logic without a GPU.
 //
-// - Addresses are fake and never touched: they come from a 64 TiB virtual range, so a GB-scale
+// - Addresses are fake and never touched: they come from a 1 TiB virtual range of its own (one
+//   per instance, so two simulated devices never share an address), so a GB-scale
 //   high-water mark costs nothing. A capacity (default 140 GiB, an H200) is enforced, so upstream
 //   exhaustion is real.
 // - Latency: each call busy-waits a calibrated time. The "h200" model is fitted on
@@ -66,7 +67,7 @@ class SimulatedUpstream final : public Upstream {
   LatencyModel model_;
   std::size_t capacity_, alignment_;
   mutable std::mutex mu_;
-  std::uintptr_t next_addr_;
+  std::uintptr_t base_, next_addr_;
   std::size_t used_ = 0;
   std::map<std::uintptr_t, std::size_t> live_;  // validates every free the pools make
   double now_ = 0;

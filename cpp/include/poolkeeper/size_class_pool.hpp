@@ -37,6 +37,10 @@ class SizeClassPool final : public Pool {
 
   void* allocate(std::size_t nbytes, Stream s) override;
   void deallocate(void* p, Stream s) override;
+  // Hits only, and only when the lock is free right now (try_lock): the caller holds the GIL, so
+  // it must never wait here. Anything else (a miss, contention, an error) takes the full path.
+  void* try_allocate_fast(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_fast(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void validate() override;
@@ -77,6 +81,7 @@ class SizeClassPool final : public Pool {
   detail::PointerTable<Block*> table_;
   std::vector<FreeList> free_;  // by class index
   StreamOrder order_;
+  std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
   std::size_t reserved_ = 0, live_ = 0, overhead_ = 0, free_bytes_ = 0, free_blocks_ = 0;
   std::size_t peak_reserved_ = 0, peak_live_ = 0, live_blocks_ = 0;
   std::uint64_t hits_ = 0, misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;

@@ -22,7 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
-#include <unordered_map>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -73,9 +73,9 @@ class StreamOrder {
     BlockRecord* head = nullptr;  // FIFO in release order
     BlockRecord* tail = nullptr;
     std::size_t bytes = 0, blocks = 0;
-    std::uint64_t next_seq = 1, fenced_seq = 0;
+    std::uint64_t next_seq = 1, fenced_seq = 0, completed_seq = 0;  // releases up to completed_seq are safe
     std::deque<Fence> fences;
-    std::unordered_map<std::size_t, List> by_size;  // same-stream reuse by exact size
+    std::map<std::size_t, List> by_size;  // same-stream reuse: exact size, or best fit to split
   };
 
  public:
@@ -89,6 +89,9 @@ class StreamOrder {
   // A pending block released on s with exactly `size` bytes, reusable on s at once; nullptr if
   // none. The block is removed from pending (state left Pending: the caller makes it Live).
   BlockRecord* take_for_stream(Stream s, std::size_t size);
+  // The smallest pending block released on s with at least `size` bytes (best fit, for a pool
+  // that can split it: the caller returns the remainder with defer(rest, s)); nullptr if none.
+  BlockRecord* take_for_stream_fit(Stream s, std::size_t size);
 
   // Fence every lane with unfenced releases, then hand each block whose events have completed to
   // on_ready(BlockRecord*) (state still Pending). wait=true blocks on each event first, so nothing
@@ -99,6 +102,19 @@ class StreamOrder {
   // Forget everything (pool close): events released, on_each(b) called for every pending block.
   template <class F>
   void clear(F&& on_each);
+
+  // Take b out of pending (any lane, or the multi-stream list), releasing its own events; its
+  // state is left Pending for the caller to change. For a pool merging neighbours.
+  void remove(BlockRecord* b);
+  // defer() at an earlier release position `seq` (the remainder of a split pending block keeps its
+  // place: re-releasing it at the tail on every split could starve other streams of it).
+  void defer_as(BlockRecord* b, Stream s, std::uint64_t seq);
+  // Merge pending `gone` into its address neighbour `keep` (same lane): keep->size grows by
+  // gone's, and keep takes the later of the two release positions, so the merged block waits for
+  // exactly the fences either part waited for (no fresh position: repeated merges never starve).
+  void absorb(BlockRecord* keep, BlockRecord* gone);
+  // The stream whose lane holds b, or kNoStream when b waits on several streams.
+  Stream lane_stream(const BlockRecord* b) const { return b->lane == kMultiLane ? kNoStream : lanes_[b->lane].stream; }
 
   std::size_t pending_bytes() const { return bytes_; }
   std::size_t pending_blocks() const { return blocks_; }
@@ -134,16 +150,21 @@ std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
       l.fenced_seq = l.tail->pend_seq;
       ++fences_recorded_;
     }
-    while (!l.fences.empty()) {
-      Fence& f = l.fences.front();
-      if (wait) up_->wait_event(f.event);
-      if (!up_->query_event(f.event)) break;
-      while (l.head && l.head->pend_seq <= f.last_seq) {
+    auto settle_completed = [&] {
+      while (l.head && l.head->pend_seq <= l.completed_seq) {
         BlockRecord* b = l.head;
         unlink(l, b);
         moved += b->size;
         on_ready(b);
       }
+    };
+    settle_completed();  // a split remainder may carry a position whose fence already completed
+    while (!l.fences.empty()) {
+      Fence& f = l.fences.front();
+      if (wait) up_->wait_event(f.event);
+      if (!up_->query_event(f.event)) break;
+      l.completed_seq = f.last_seq;
+      settle_completed();
       up_->release_event(f.event);
       l.fences.pop_front();
     }

@@ -53,6 +53,7 @@ class PointerTable {
   // Lock-free. True and out set when key is present; may report a present key as absent while a
   // sweep runs (see above). Exact when called under the writer's lock.
   bool find(std::uintptr_t key, V& out) const {
+    if (key <= kTomb) return false;  // 0 and 1 mark empty slots and tombstones: never real keys
     const Array* a = cur_.load(std::memory_order_acquire);
     std::size_t i = hash(key) & a->mask;
     for (std::size_t probes = 0; probes < a->cap; ++probes) {
@@ -70,7 +71,7 @@ class PointerTable {
     return false;
   }
 
-  // Writer only. key must not be present.
+  // Writer only. key must not be present, and must be > 1 (addresses always are).
   void insert(std::uintptr_t key, V value) {
     if ((used_ + 1) * 2 > cur()->cap) rehash();
     place(cur(), key, value);
@@ -79,6 +80,7 @@ class PointerTable {
 
   // Writer only. Returns false when absent.
   bool erase(std::uintptr_t key) {
+    if (key <= kTomb) return false;
     Array* a = cur();
     std::size_t i = hash(key) & a->mask;
     for (;;) {

@@ -1,0 +1,120 @@
+"""Issue 2's hot-path figures, side by side in one run: the Python-level allocate+deallocate pair on
+a pool hit against an empty Python call, and the C-ABI pair in a native loop.
+
+    python benchmarks/hot_path.py [--json PATH] [--nbytes 4096] [--n 300000] [--reps 9]
+
+Each figure is the minimum over --reps repetitions of a loop of --n pairs (the minimum is the
+least disturbed repetition: every disturbance only adds time). Host upstream, so a hit touches no
+device; the pools are warmed first so every timed pair is a hit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import poolkeeper as pk
+from poolkeeper import _core
+
+
+def best_ns(fn, n: int, reps: int) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn(n)
+        out.append((time.perf_counter_ns() - t0) / n)
+    return min(out)
+
+
+def noop() -> None:
+    pass
+
+
+def loop_empty(n: int) -> None:
+    for _ in range(n):
+        noop()
+
+
+def loop_two_empty(n: int) -> None:
+    for _ in range(n):
+        noop()
+        noop()
+
+
+def loop_pair(pool, nbytes):
+    a, d = pool.allocate, pool.deallocate
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            d(a(nbytes))
+
+    return run
+
+
+def loop_pair_nanobind(pool, nbytes):
+    a, d = _core._slow_allocate, _core._slow_deallocate
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            d(pool, a(pool, nbytes))
+
+    return run
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    ap.add_argument("--nbytes", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=300_000)
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args(argv)
+    rows = []
+    empty = best_ns(loop_empty, args.n, args.reps)
+    two = best_ns(loop_two_empty, args.n, args.reps)
+    rows.append(("empty Python call", empty, None))
+    rows.append(("two empty Python calls", two, None))
+    for name, cls in (("arena", pk.ArenaPool), ("size_class", pk.SizeClassPool)):
+        pool = cls(pk.upstream.Host())
+        pool.deallocate(pool.allocate(args.nbytes))
+        pair = best_ns(loop_pair(pool, args.nbytes), args.n, args.reps)
+        rows.append((f"{name}: allocate+deallocate (Python)", pair, pair / two))
+        if name == "arena":
+            slow = best_ns(loop_pair_nanobind(pool, args.nbytes), args.n, args.reps)
+            rows.append((f"{name}: same through nanobind's dispatcher", slow, slow / two))
+        _core.registry_set(-1, pool)
+        try:
+            capi = min(_core.capi_bench_pair(-1, args.nbytes, args.n * 10) for _ in range(args.reps))
+        finally:
+            _core.registry_set(-1, None)
+        rows.append((f"{name}: poolkeeper_malloc+free (C ABI, native loop)", capi, None))
+        pool.validate()
+        pool.close()
+    print(f"hot path, {args.nbytes} B pool hits, min of {args.reps} x {args.n} ({machine()['cpu']})")
+    print(f"{'':52s} {'ns/op':>8s}  {'x two empty calls':>17s}")
+    for label, ns, ratio in rows:
+        print(f"{label:52s} {ns:8.1f}  {'' if ratio is None else f'{ratio:17.2f}'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "nbytes": args.nbytes, "n": args.n, "reps": args.reps,
+                       "rows": [{"what": l, "ns": ns, "ratio_two_empty": r} for l, ns, r in rows]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+// registry_set_factory: lets the C ABI create a device's pool on that device's first allocation.
+// PyTorch calls poolkeeper_torch_malloc(size, device, stream) from any thread, GIL or not, so the
+// factory must build pools without Python: options are read and validated here, once, into the
+// pool's option struct, and the factory captures only that struct.
+#include "torch_factory.hpp"
+
+#include <functional>
+
+#include "options.hpp"
+#include "poolkeeper/arena_pool.hpp"
+#include "poolkeeper/cuda_upstreams.hpp"
+#include "poolkeeper/direct_pool.hpp"
+#include "poolkeeper/registry.hpp"
+#include "poolkeeper/simulated_upstream.hpp"
+#include "poolkeeper/size_class_pool.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+
+using PoolMaker = std::function<std::shared_ptr<Pool>(std::shared_ptr<Upstream>)>;
+using UpstreamMaker = std::function<std::shared_ptr<Upstream>(int device)>;
+
+PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
+  if (kind == "arena") {
+    OptionReader r(opts, "ArenaPool");
+    ArenaOptions o;
+    o.alignment = r.size("alignment", o.alignment, false);
+    o.limit = r.size("limit", 0);
+    o.initial_backing = r.size("initial_backing", o.initial_backing, false);
+    o.max_backing = r.size("max_backing", o.max_backing, false);
+    o.growth_factor = r.real("growth_factor", o.growth_factor);
+    o.thread_cache_bytes = r.size("thread_cache_bytes", o.thread_cache_bytes);
+    o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
+    o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
+    o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
+    r.finish();
+    return [o](std::shared_ptr<Upstream> up) { return std::make_shared<ArenaPool>(std::move(up), o); };
+  }
+  if (kind == "size_class") {
+    OptionReader r(opts, "SizeClassPool");
+    SizeClassOptions o;
+    o.alignment = r.size("alignment", o.alignment, false);
+    o.limit = r.size("limit", 0);
+    o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
+    o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
+    r.finish();
+    return [o](std::shared_ptr<Upstream> up) { return std::make_shared<SizeClassPool>(std::move(up), o); };
+  }
+  if (kind == "direct") {
+    OptionReader r(opts, "Direct");
+    DirectOptions o;
+    o.alignment = r.size("alignment", o.alignment, false);
+    o.limit = r.size("limit", 0);
+    r.finish();
+    return [o](std::shared_ptr<Upstream> up) { return std::make_shared<DirectPool>(std::move(up), o); };
+  }
+  throw InvalidArgument("unknown pool kind '" + kind + "' (valid: arena, size_class, direct)");
+}
+
+UpstreamMaker upstream_maker(const std::string& upstream) {
+  if (upstream == "device") return [](int d) { return std::make_shared<CudaDeviceUpstream>(d); };
+  if (upstream == "async") return [](int d) { return std::make_shared<CudaAsyncUpstream>(d); };
+  // A simulated device per index: lets CPU tests drive the lazy per-device path through the C ABI.
+  if (upstream == "simulated")
+    return [](int) { return std::make_shared<SimulatedUpstream>(LatencyModel::none()); };
+  throw InvalidArgument("unknown factory upstream '" + upstream + "' (valid: device, async, simulated)");
+}
+
+}  // namespace
+
+void bind_torch_factory(nb::module_& m) {
+  m.def(
+      "registry_set_factory",
+      [](const std::string& kind, nb::handle options, const std::string& upstream) {
+        PoolMaker make_pool = pool_maker(kind, options);  // throws on a bad kind or option, changing nothing
+        UpstreamMaker make_up = upstream_maker(upstream);
+        registry::set_factory([make_pool, make_up](int device) -> std::shared_ptr<Pool> {
+          if (device < 0)
+            throw InvalidArgument("the pool factory makes device pools; no host pool for device " +
+                                  std::to_string(device));
+          return make_pool(make_up(device));
+        });
+      },
+      "kind"_a, "options"_a = nb::none(), "upstream"_a = "device",
+      "Create each device's pool lazily, on its first request through the C ABI: a pool of `kind` "
+      "('arena', 'size_class', 'direct') with `options` over a `upstream` ('device': CudaDevice, "
+      "'async': CudaAsync, 'simulated': a simulated device, for tests). Options are validated now.");
+  m.def("registry_clear_factory", []() { registry::set_factory(nullptr); },
+        "Remove the factory (pools it already made stay installed).");
+  m.def("registry_has_factory", &registry::has_factory);
+}
+
+}  // namespace poolkeeper::py

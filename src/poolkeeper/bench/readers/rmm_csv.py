@@ -1,0 +1,89 @@
+"""Reader for RMM's ``logging_resource_adaptor`` CSV logs.
+
+Format facts (from RMM's documentation and the adaptor's source): a header line
+``Thread,Time,Action,Pointer,Size,Stream``, then one line per event:
+thread id, wall-clock time ``HH:MM:SS.ffffff``, action ``allocate`` / ``free`` (documentation of
+some versions says ``deallocate``) / ``allocate failure`` (a failed upstream allocation, logged
+with a null pointer), the pointer in hex (``0x7f..`` from older versions, bare hex digits from
+newer ones), the size in bytes, and the stream in hex. Events are in log order, which RMM's own
+replay benchmark also takes as time order for multi-threaded logs.
+"""
+from __future__ import annotations
+
+from typing import Dict, TextIO
+
+from poolkeeper.bench.errors import ReplayError
+from poolkeeper.bench.readers.trace import ALLOC, ALLOC_FAILED, FREE, Event, Trace
+
+HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
+ACTIONS = {"allocate": ALLOC, "free": FREE, "deallocate": FREE, "allocate failure": ALLOC_FAILED}
+
+
+def looks_like(first_bytes: bytes) -> bool:
+    """True when a file starts like an RMM log (its header line, possibly after a BOM)."""
+    head = first_bytes.lstrip(b"\xef\xbb\xbf").lstrip()
+    return head.startswith(b"Thread,") or head.startswith(b"Thread ,")
+
+
+def _hex(text: str) -> int:
+    t = text.strip().lower()
+    if t in ("", "(nil)", "nullptr", "null"):
+        return 0
+    return int(t[2:] if t.startswith("0x") else t, 16)
+
+
+def read(f: TextIO, path: str = "") -> Trace:
+    """Parse an RMM CSV log. Raises :class:`ReplayError` naming the first bad line."""
+    trace = Trace(path=path, format="rmm_csv", location="line")
+    lineno = 0
+    cols: Dict[str, int] = {}
+    width = 0
+    for raw in f:
+        lineno += 1
+        line = raw.strip()
+        if lineno == 1:
+            line = line.lstrip("\ufeff")
+        if not line:
+            continue
+        fields = [x.strip() for x in line.split(",")]
+        if not cols:
+            names = fields
+            missing = [h for h in HEADER if h not in names]
+            if missing:
+                raise ReplayError(
+                    f"expected the RMM log header {','.join(HEADER)}; got {line[:80]!r}", path=path, line=lineno
+                )
+            cols = {h: names.index(h) for h in HEADER}
+            width = len(names)
+            continue
+        if len(fields) != width:
+            hint = " (the log looks truncated)" if len(fields) < width else ""
+            raise ReplayError(
+                f"expected {width} comma-separated fields ({','.join(HEADER)}), got {len(fields)}{hint}: {line[:80]!r}",
+                path=path, line=lineno,
+            )
+        action = fields[cols["Action"]]
+        kind = ACTIONS.get(action.lower())
+        if kind is None:
+            raise ReplayError(
+                f"unknown action {action!r} (expected one of: {', '.join(ACTIONS)})", path=path, line=lineno
+            )
+        try:
+            addr = _hex(fields[cols["Pointer"]])
+        except ValueError:
+            raise ReplayError(f"pointer {fields[cols['Pointer']]!r} is not hexadecimal", path=path, line=lineno) from None
+        size_text = fields[cols["Size"]]
+        if not size_text.isdigit():
+            raise ReplayError(f"size {size_text!r} is not a non-negative integer", path=path, line=lineno)
+        try:
+            stream = _hex(fields[cols["Stream"]])
+        except ValueError:
+            raise ReplayError(f"stream {fields[cols['Stream']]!r} is not hexadecimal", path=path, line=lineno) from None
+        trace.events.append(Event(kind, addr, int(size_text), stream, lineno))
+    if not cols:
+        raise ReplayError("empty log: no RMM header line", path=path, line=max(lineno, 1))
+    trace.find_pre_trace()
+    return trace
+
+
+__all__ = ["read", "looks_like", "HEADER", "ACTIONS"]

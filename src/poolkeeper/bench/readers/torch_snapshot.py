@@ -1,0 +1,169 @@
+"""Reader for PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot``).
+
+Format facts (from PyTorch's ``torch/cuda/memory.py`` ``_snapshot`` documentation): the file is a
+pickle of a dict with ``segments`` (the allocator's segments at snapshot time, each with
+``total_size``) and ``device_traces``: one list per device of trace entries, each a dict with
+``action`` (``alloc``, ``free_requested``, ``free_completed``, ``segment_alloc``,
+``segment_free``, ``segment_map``, ``segment_unmap``, ``snapshot``, ``oom``, ...), ``addr``
+(absent for ``oom``), ``size``, ``stream``, ``frames`` and, in newer versions, ``time_us``.
+A block becomes reusable at ``free_completed`` (``free_requested`` only marks the request while
+other streams may still use it), so the replay allocates at ``alloc`` and frees at
+``free_completed``; every other action is counted and skipped. The trace is a ring buffer
+(``max_entries``), so it may start mid-run.
+
+Loading is restricted to plain data: a snapshot holds only dicts, lists, tuples, numbers and
+strings, and this reader refuses any pickle that names a class or function (unpickling such a
+file could run code).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, BinaryIO, Dict, List, Optional
+
+from poolkeeper.bench.errors import ReplayError
+from poolkeeper.bench.readers.trace import ALLOC, FREE, Event, Trace
+
+REPLAYED = {"alloc": ALLOC, "free_completed": FREE}
+SEGMENT_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def looks_like(first_bytes: bytes) -> bool:
+    """True for a pickle (protocol 2+ starts with the PROTO opcode 0x80)."""
+    return first_bytes[:1] == b"\x80"
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"it refers to {module}.{name}; a memory snapshot holds only plain data, so it is not loaded"
+        )
+
+
+def _load(f: BinaryIO, path: str) -> Any:
+    data = f.read()
+    try:
+        return _DataOnly(io.BytesIO(data)).load()
+    except EOFError:
+        raise ReplayError(f"the pickle ends early after {len(data)} bytes (truncated snapshot)", path=path,
+                          where=f"byte {len(data)}") from None
+    except pickle.UnpicklingError as e:
+        raise ReplayError(f"not a loadable memory snapshot: {e}", path=path, where="pickle") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
+        raise ReplayError(f"corrupt pickle ({type(e).__name__}: {e})", path=path, where="pickle") from None
+
+
+def _int(entry: Dict[str, Any], key: str, path: str, where: str) -> int:
+    v = entry.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ReplayError(f"field {key!r} is {v!r}, expected an integer", path=path, where=where)
+    if v < 0:
+        raise ReplayError(f"field {key!r} is negative ({v})", path=path, where=where)
+    return v
+
+
+def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
+    """Parse a snapshot pickle; replay ``device``'s trace (default: the device with most allocs).
+
+    Raises :class:`ReplayError` naming the entry (``device_traces[d][i]``) that is malformed.
+    """
+    snap = _load(f, path)
+    if not isinstance(snap, dict) or "device_traces" not in snap:
+        raise ReplayError("not a PyTorch memory snapshot: no 'device_traces' (record history with "
+                          "torch.cuda.memory._record_memory_history() before _dump_snapshot)", path=path, where="top level")
+    traces = snap["device_traces"]
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise ReplayError("'device_traces' must be a list of lists (one per device)", path=path, where="device_traces")
+    if device is None:
+        counts = [sum(1 for e in t if isinstance(e, dict) and e.get("action") == "alloc") for t in traces]
+        device = max(range(len(traces)), key=lambda d: counts[d]) if traces else 0
+    if not 0 <= device < len(traces):
+        raise ReplayError(f"no trace for device {device} (the snapshot has {len(traces)})", path=path,
+                          where="device_traces")
+    trace = Trace(path=path, format="torch_snapshot", location="entry")
+    trace.info["device"] = device
+    trace.info["devices"] = len(traces)
+    segment_delta = 0
+    running = 0
+    peak_running = 0
+    saw_segments = False
+    for i, e in enumerate(traces[device]):
+        where = f"device_traces[{device}][{i}]"
+        if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+            raise ReplayError(f"trace entry is not a dict with a string 'action': {str(e)[:80]}", path=path, where=where)
+        action = e["action"]
+        kind = REPLAYED.get(action)
+        if kind is not None:
+            addr = _int(e, "addr", path, where)
+            size = _int(e, "size", path, where)
+            stream = e.get("stream", 0)
+            stream = stream if isinstance(stream, int) else 0
+            trace.events.append(Event(kind, addr, size, stream, i))
+            continue
+        trace.ignore(action)
+        if action in SEGMENT_DELTA:
+            saw_segments = True
+            d = SEGMENT_DELTA[action] * _int(e, "size", path, where)
+            running += d
+            segment_delta += d
+            peak_running = max(peak_running, running)
+    _source_peak(trace, snap, device, saw_segments, segment_delta, peak_running)
+    _source_live(trace, snap, device)
+    return trace
+
+
+def _source_live(trace: Trace, snap: Dict[str, Any], device: int) -> None:
+    """The logged process's own peak live bytes, counting blocks allocated before the trace began.
+
+    The replay skips those by default (their frees are "unknown"), so its peak live can be lower
+    than what the logged allocator held; the logged allocator's ratio uses this figure. Such blocks
+    are the ones the trace frees without having allocated, plus the ones the snapshot's segments
+    show as still allocated that the trace never allocated (``Trace.pre_trace``).
+    """
+    trace.find_pre_trace()
+    allocated = {ev.addr for ev in trace.events if ev.kind == ALLOC}
+    for seg in snap.get("segments") or []:
+        if not isinstance(seg, dict) or seg.get("device", device) != device:
+            continue
+        for b in seg.get("blocks") or []:
+            if not isinstance(b, dict) or b.get("state") not in ("active_allocated", "active_awaiting_free"):
+                continue
+            addr = b.get("address")
+            size = b.get("requested_size", b.get("size"))
+            if isinstance(addr, int) and isinstance(size, int) and size > 0 and addr not in allocated:
+                trace.pre_trace.append(Event(ALLOC, addr, size, 0, -1))
+    pre = sum(ev.size for ev in trace.pre_trace)
+    if pre == 0:
+        return
+    live = peak = pre
+    table: Dict[int, int] = {ev.addr: ev.size for ev in trace.pre_trace}
+    for ev in trace.events:
+        if ev.kind == ALLOC:
+            table[ev.addr] = ev.size
+            live += ev.size
+            peak = max(peak, live)
+        elif ev.addr in table:
+            live -= table.pop(ev.addr)
+    trace.info["source_live_before_trace"] = pre
+    trace.info["source_peak_live_bytes"] = peak
+
+
+def _source_peak(trace: Trace, snap: Dict[str, Any], device: int, saw: bool, delta: int, peak_running: int) -> None:
+    """The logged allocator's own peak reserved bytes during the trace, when it can be known: the
+    segments at snapshot time minus the trace's segment changes give the reserved bytes when the
+    trace started; the running sum from there peaks where the allocator held the most."""
+    segments: List[Any] = snap.get("segments") or []
+    if not saw or not isinstance(segments, list):
+        return
+    total = 0
+    for s in segments:
+        if isinstance(s, dict) and s.get("device", device) == device and isinstance(s.get("total_size"), int):
+            total += s["total_size"]
+    start = total - delta
+    if start < 0:
+        return
+    trace.info["source_reserved_at_start"] = start
+    trace.info["source_peak_reserved_bytes"] = start + peak_running
+
+
+__all__ = ["read", "looks_like", "REPLAYED"]

@@ -1,0 +1,200 @@
+"""``poolkeeper replay LOG``: replay a real allocation log against poolkeeper's pools.
+
+Reads RMM ``logging_resource_adaptor`` CSV logs and PyTorch memory snapshot pickles
+(``torch.cuda.memory._dump_snapshot``), replays them on each selected pool over a fresh
+upstream, and reports peak live, peak reserved, their ratio, upstream calls, fragmentation at the
+peak and per-op quantiles. ``--json`` writes the same as JSON (to stdout, or to a path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+POOLS = ("arena", "size_class", "direct")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("log", metavar="LOG", help="RMM logging_resource_adaptor CSV or PyTorch memory snapshot pickle")
+    p.add_argument("--pool", default=None,
+                   help="pool(s) to replay on, comma-separated: arena, size_class, direct (default: all available)")
+    p.add_argument("--backend", default="simulated", choices=("simulated", "host", "cuda"),
+                   help="upstream the pools draw from (default: simulated, the H200-calibrated device)")
+    p.add_argument("--format", dest="log_format", default="auto", choices=("auto", "rmm", "torch"),
+                   help="log format (default: detected from the file)")
+    p.add_argument("--device", type=int, default=None,
+                   help="PyTorch snapshot: which device's trace to replay (default: the one with most allocations)")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="pool option, e.g. max_backing=64MiB (given to every selected pool that accepts it)")
+    p.add_argument("--include-pre-trace", action="store_true",
+                   help="first allocate the blocks the logged process held from before the log began (frees of "
+                        "never-allocated addresses; for snapshots also blocks still allocated at the end), so peak live "
+                        "matches the logged allocator's")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH (or stdout when no PATH is given)")
+    p.add_argument("--sim-latency-us", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _pools(arg: Optional[str]) -> List[str]:
+    from poolkeeper.bench.arms import arena_available
+    from poolkeeper.bench.errors import UnknownNameError
+
+    if arg is None:
+        return [k for k in POOLS if k != "arena" or arena_available()]
+    names = [x.strip() for x in arg.split(",") if x.strip()]
+    bad = [n for n in names if n not in POOLS]
+    if bad or not names:
+        raise UnknownNameError(f"unknown pool {', '.join(bad) or arg!r} (valid: {', '.join(POOLS)})")
+    return names
+
+
+def replay_log(log: str, pools: List[str], backend: str = "simulated", log_format: str = "auto",
+               device: Optional[int] = None, options: Optional[Dict[str, Dict[str, Any]]] = None,
+               latency_us: Optional[float] = None, progress: Any = None,
+               include_pre_trace: bool = False) -> Dict[str, Any]:
+    """Parse ``log`` once and replay it on each pool kind; return the report document."""
+    import poolkeeper as pk
+    from poolkeeper.bench import backends
+    from poolkeeper.bench.machine import machine_info
+    from poolkeeper.bench.readers import read_log
+    from poolkeeper.bench.replay_engine import replay
+
+    trace = read_log(log, log_format, device)
+    factory = backends.upstream_factory(backends.resolve(backend), latency_us)
+    results: Dict[str, Any] = {}
+    for kind in pools:
+        upstream = factory()
+        pool = pk.make_pool(kind, upstream, **(options or {}).get(kind, {}))
+        cb = progress(kind) if progress else None
+        results[kind] = replay(trace, pool, upstream, cb, include_pre_trace)
+        pool.validate()
+        pool.close()
+    info = dict(trace.info)
+    source_peak = info.get("source_peak_reserved_bytes")
+    return {
+        "format": "poolkeeper-replay",
+        "schema": 1,
+        "log": log,
+        "log_format": trace.format,
+        "log_info": info,
+        "backend": backend,
+        "events": len(trace.events),
+        "pre_trace_blocks": len(trace.pre_trace),
+        "pre_trace_bytes": sum(ev.size for ev in trace.pre_trace),
+        "include_pre_trace": include_pre_trace,
+        "ignored_actions": dict(trace.ignored),
+        "source_peak_reserved_bytes": source_peak,
+        "source_peak_live_bytes": info.get("source_peak_live_bytes"),
+        "pools": results,
+        "machine": machine_info(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from poolkeeper.bench.options import parse_options, split_for
+
+    pools = _pools(args.pool)
+    options = split_for(pools, parse_options(args.option))
+    to_stdout = args.json == "-"
+    from poolkeeper.bench.console import make_console
+
+    console = make_console(stderr=to_stdout)
+    if not args.no_progress and console.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("replay on {task.description}"), BarColumn(), TimeElapsedColumn(),
+                       console=console, transient=True)
+
+        def per_pool(kind: str) -> Any:
+            task = bar.add_task(kind, total=1)
+
+            def cb(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=max(total, 1))
+
+            return cb
+
+        with bar:
+            doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options,
+                             args.sim_latency_us, per_pool, args.include_pre_trace)
+    else:
+        doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options, args.sim_latency_us,
+                         include_pre_trace=args.include_pre_trace)
+    if args.json is not None:
+        text = json.dumps(doc, indent=1)
+        if to_stdout:
+            sys.stdout.write(text + "\n")
+            return 0
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    render(doc, console)
+    return 0
+
+
+def render(doc: Dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    from poolkeeper.bench.format import fmt_bytes, fmt_ns, fmt_rate, fmt_ratio
+
+    first = next(iter(doc["pools"].values()), None)
+    c = first["counts"] if first else {}
+    head = (f"[bold]{doc['log']}[/] ({doc['log_format']}"
+            + (f", device {doc['log_info']['device']}" if "device" in doc["log_info"] else "")
+            + f"): {doc['events']} events replayed on the {doc['backend']} backend")
+    console.print(head, soft_wrap=True)
+    if first:
+        console.print(f"  allocations {c['allocations']}, frees {c['frees']}, unknown frees skipped "
+                      f"{c['unknown_frees']}, failed in log {c['failed_in_log']}, zero-size {c['zero_size']}, "
+                      f"still live at end {first['live_at_end_blocks']} ({fmt_bytes(first['live_at_end_bytes'])})")
+    if doc["ignored_actions"]:
+        console.print("  not replayed: " + ", ".join(f"{k} {v}" for k, v in sorted(doc["ignored_actions"].items())))
+    pools = list(doc["pools"].items())
+    src = doc.get("source_peak_reserved_bytes")
+    t = Table(title="replay: one column per pool")
+    t.add_column("", justify="left")
+    for kind, _ in pools:
+        t.add_column(kind, justify="right")
+    if src and first and first["peak_live_bytes"]:
+        t.add_column("logged allocator", justify="right", style="dim")
+
+    def frag(r: Dict[str, Any]) -> str:
+        f = r["fragmentation_at_peak"]
+        return "-" if f is None else f"{f:.3f}"
+
+    metrics = [
+        ("peak live", lambda r: fmt_bytes(r["peak_live_bytes"])),
+        ("peak reserved", lambda r: fmt_bytes(r["peak_reserved_bytes"])),
+        ("reserved / live", lambda r: fmt_ratio(r["reserved_over_live"])),
+        ("upstream allocations", lambda r: str(r["upstream_allocations"])),
+        ("upstream frees", lambda r: str(r["upstream_deallocations"])),
+        ("fragmentation at peak", frag),
+        ("allocate p50 / p99", lambda r: f"{fmt_ns(r['alloc']['p50_ns'])} / {fmt_ns(r['alloc']['p99_ns'])}"),
+        ("free p50 / p99", lambda r: f"{fmt_ns(r['free']['p50_ns'])} / {fmt_ns(r['free']['p99_ns'])}"),
+        ("max op", lambda r: fmt_ns(r["all"]["max_ns"])),
+        ("ops/s", lambda r: fmt_rate(r["ops_per_s"])),
+    ]
+    for name, get in metrics:
+        cells = [get(r) for _, r in pools]
+        if src and first and first["peak_live_bytes"]:
+            src_live = doc.get("source_peak_live_bytes") or first["peak_live_bytes"]
+            extra = {"peak live": fmt_bytes(src_live), "peak reserved": fmt_bytes(src),
+                     "reserved / live": fmt_ratio(src / src_live)}
+            cells.append(extra.get(name, ""))
+        t.add_row(name, *cells)
+    console.print(t)
+    if doc["pre_trace_bytes"]:
+        if doc["include_pre_trace"]:
+            note = (f"{doc['pre_trace_blocks']} blocks ({fmt_bytes(doc['pre_trace_bytes'])}) held from before the log "
+                    "began were allocated first (--include-pre-trace), so the pools hold what the logged process held")
+        else:
+            note = (f"the logged process also held {doc['pre_trace_blocks']} blocks ({fmt_bytes(doc['pre_trace_bytes'])}) "
+                    "allocated before the log began: the pools' peak live leaves them out"
+                    + (", the logged allocator's counts them" if doc.get("source_peak_live_bytes") else "")
+                    + " (--include-pre-trace replays them too)")
+        console.print(f"[dim]{note}[/]", highlight=False, soft_wrap=True)
+    console.print("[dim]reserved/live = peak reserved ÷ peak live (1.00× holds nothing beyond what was asked); "
+                  "fragmentation = 1 − largest free ÷ free, at the moment live bytes peaked[/]")
+
+
+__all__ = ["add_arguments", "run", "replay_log", "render"]

@@ -1,0 +1,282 @@
+"""Owning buffers over pool memory that other libraries consume without a copy.
+
+``pool.buffer(nbytes, stream=None)`` returns a :class:`PoolBuffer`: ``nbytes`` bytes from the
+pool, returned to it (on the buffer's stream, so stream-ordered) by ``release()``, by leaving a
+``with`` block, or when the buffer is garbage collected. A second ``release()`` does nothing.
+
+What it speaks depends on the pool's upstream kind:
+
+======================  =======================================  ==========================
+upstream kind           array protocol                           DLPack device
+======================  =======================================  ==========================
+``"device"``            ``__cuda_array_interface__`` (v3)        ``(kDLCUDA, device)``
+``"pinned"``            buffer protocol / ``__array__``          ``(kDLCUDAHost, 0)``
+``"host"``              buffer protocol / ``__array__``          ``(kDLCPU, 0)``
+======================  =======================================  ==========================
+
+All of them expose ``__dlpack__`` / ``__dlpack_device__`` (``torch.from_dlpack``,
+``cupy.from_dlpack``, ``np.from_dlpack``). The array is one-dimensional ``uint8`` of ``nbytes``.
+
+Lifetime. Every view handed out by DLPack, the buffer protocol (``memoryview(buf)`` on Python
+3.12+, ``buf.memoryview()`` everywhere) or ``np.asarray(buf)`` holds a claim on the memory: after
+``release()`` the memory goes back to the pool only once the last such view is gone. A
+``__cuda_array_interface__`` consumer (CuPy, Numba) keeps the buffer object itself alive, so the
+memory lives as long as that consumer -- unless you call ``release()`` while it still uses it,
+which, like ``pool.deallocate``, is your promise that it no longer does.
+
+Streams. ``stream=None`` means no stream: the buffer's memory is reusable by anyone once released
+(the caller guarantees its device work has finished). With a stream, the release is ordered on
+it. A DLPack consumer on another stream (``__dlpack__(stream=s)``) gets the data safely: the
+producer waits for the buffer's stream first, and the consumer's stream is recorded on the block
+(``record_stream``), so the memory is not reused until the consumer's work has finished too.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import weakref
+from typing import Any, Optional, Tuple
+
+from poolkeeper import _core, _dlpack
+from poolkeeper.errors import PoolkeeperError
+from poolkeeper.streams import as_handle
+
+# DLPack / CUDA-array-interface stream numbers (the CUDA driver's CU_STREAM_LEGACY and
+# CU_STREAM_PER_THREAD have the same values). poolkeeper, like PyTorch, names the legacy default
+# stream 0.
+_LEGACY = 1
+_PER_THREAD = 2
+_NO_SYNC = -1
+
+
+class BufferReleasedError(PoolkeeperError, ValueError):
+    """The buffer was released: its memory may already belong to someone else."""
+
+
+class BufferExportError(PoolkeeperError, BufferError):
+    """A view cannot be exported as asked (wrong protocol for the memory kind, a copy was
+    requested, a device the memory is not on, a stream number DLPack disallows)."""
+
+
+def _is_real_cuda(upstream: Any) -> bool:
+    base = getattr(_core, "CudaDeviceUpstreamBase", None)
+    return base is not None and isinstance(upstream, base)
+
+
+def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
+    """A DLPack/CAI stream number -> a poolkeeper stream handle (None: do not synchronize)."""
+    if s == _NO_SYNC:
+        return None
+    if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
+        raise BufferExportError(f"stream must be None, -1 or a stream handle; got {s!r}")
+    if s is None or s == _LEGACY or s == 0:
+        # DLPack disallows 0 as ambiguous; a consumer that sends it anyway means the null stream,
+        # which is the legacy default stream unless it was built for per-thread default streams.
+        return 0
+    return s
+
+
+class PoolBuffer:
+    """``nbytes`` bytes from ``pool``, owned by this object (see the module docstring).
+
+    Attributes: ``ptr`` (address), ``nbytes``, ``kind`` (``"device"``, ``"pinned"``, ``"host"``),
+    ``device`` (device index, -1 for host memory), ``stream`` (the handle it is ordered on, or
+    ``None``), ``pool``, ``released``.
+    """
+
+    __slots__ = ("pool", "ptr", "nbytes", "kind", "device", "stream", "_owned", "_exports", "_consumer_streams",
+                 "_freed", "_lock", "__weakref__")
+
+    def __init__(self, pool: Any, nbytes: int, stream: Any = None) -> None:
+        self._freed = True  # until the allocation below succeeds, there is nothing to free
+        self.stream = as_handle(stream)
+        up = pool.upstream
+        self.kind = up.kind
+        self.device = up.device
+        self.pool = pool
+        self.ptr = pool.allocate(nbytes, stream)
+        self.nbytes = int(nbytes)
+        self._owned = True
+        self._exports = 0
+        self._consumer_streams: list = []
+        self._lock = threading.Lock()
+        self._freed = False
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        """True once ``release()`` was called (the memory may still be held by live views)."""
+        return not self._owned
+
+    def release(self) -> None:
+        """Give the memory back to the pool (stream-ordered on the buffer's stream). Views still
+        alive from DLPack or the buffer protocol keep it until they go. Calling it again does
+        nothing."""
+        with self._lock:
+            if not self._owned:
+                return
+            self._owned = False
+            free_now = self._exports == 0
+        if free_now:
+            self._free()
+
+    def _claim(self) -> None:
+        with self._lock:
+            if not self._owned:
+                raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
+            self._exports += 1
+
+    def _unclaim(self) -> None:
+        with self._lock:
+            self._exports -= 1
+            free_now = self._exports == 0 and not self._owned
+        if free_now:
+            self._free()
+
+    def _free(self) -> None:
+        if self._freed:
+            return
+        self._freed = True
+        stream = self.stream
+        if stream is None and self._consumer_streams:
+            # No stream of our own, but a consumer used it on one: order the release there (the
+            # other consumer streams were recorded on the block).
+            stream = self._consumer_streams[0]
+        self.pool.deallocate(self.ptr, stream)
+
+    def __enter__(self) -> "PoolBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        # Views hold a reference to the buffer, so collection means nobody uses the memory.
+        if getattr(self, "_freed", True):
+            return
+        try:
+            self._free()
+        except Exception:  # the pool was closed or the interpreter is going away
+            pass
+
+    def _check_live(self) -> None:
+        if not self._owned:
+            raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
+
+    # -- CUDA array interface (device memory) -------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.kind != "device":
+            raise AttributeError(f"__cuda_array_interface__: {self.kind} memory is not device memory")
+        self._check_live()
+        if self.stream is None:
+            stream = None  # no stream: nothing to synchronize on
+        elif self.stream == 0:
+            stream = _LEGACY  # CAI v3 forbids 0; the legacy default stream is 1
+        else:
+            stream = self.stream
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
+
+    # -- host memory: buffer protocol and numpy --------------------------------------------------
+    def _host_view(self):
+        if self.kind == "device":
+            raise BufferExportError("device memory has no host view: use __cuda_array_interface__ or DLPack")
+        self._claim()
+        view = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
+        view._pk_owner = self  # the view (and every memoryview/array over it) keeps us alive
+        weakref.finalize(view, self._unclaim)
+        return view
+
+    def memoryview(self) -> memoryview:
+        """A writable ``memoryview`` (format ``'B'``) over host or pinned memory, holding a claim
+        on it while alive."""
+        return memoryview(self._host_view()).cast("B")
+
+    if sys.version_info >= (3, 12):
+
+        def __buffer__(self, flags: int) -> memoryview:
+            return self.memoryview()
+
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None):
+        """``np.asarray(buf)``: a uint8 array over the memory, without a copy (host/pinned)."""
+        import numpy as np
+
+        arr = np.frombuffer(self._host_view(), dtype=np.uint8)
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError("a dtype conversion needs a copy")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
+    # -- DLPack -----------------------------------------------------------------------------------
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        if self.kind == "device":
+            return (_dlpack.KDL_CUDA, max(self.device, 0))
+        if self.kind == "pinned":
+            return (_dlpack.KDL_CUDA_HOST, 0)
+        return (_dlpack.KDL_CPU, 0)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ):
+        """A DLPack capsule (versioned when the consumer's ``max_version`` allows DLPack 1.x).
+
+        ``stream`` (device memory): the consumer's stream (None or 1: legacy default, 2:
+        per-thread default, -1: no synchronization, else a handle). Work on the buffer's own
+        stream is waited for first, and the consumer's stream is recorded on the block so its
+        release also waits for the consumer's work.
+        """
+        self._check_live()
+        if copy:
+            raise BufferExportError("poolkeeper buffers export without copying (copy=True asked)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferExportError(f"memory is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        if self.kind == "device":
+            self._order_for_consumer(_stream_from_protocol(stream))
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        self._claim()
+        try:
+            return _dlpack.make_capsule(self.ptr, self.nbytes, self.__dlpack_device__(), self._unclaim, versioned)
+        except BaseException:
+            self._unclaim()
+            raise
+
+    def _order_for_consumer(self, consumer: Optional[int]) -> None:
+        if consumer is None or consumer == self.stream:
+            return
+        if self.stream is not None and _is_real_cuda(self.pool.upstream):
+            # Data made on our stream must be complete before the consumer's stream reads it.
+            from poolkeeper.cuda.driver import Event
+
+            ev = Event.record(self.stream)
+            try:
+                ev.synchronize()
+            finally:
+                ev.close()
+        self.pool.record_stream(self.ptr, consumer)
+        with self._lock:
+            if consumer not in self._consumer_streams:
+                self._consumer_streams.append(consumer)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        state = "released" if not self._owned else "live"
+        return f"<PoolBuffer {self.nbytes} bytes of {self.kind} memory at {self.ptr:#x} ({state})>"
+
+
+__all__ = ["PoolBuffer", "BufferReleasedError", "BufferExportError"]

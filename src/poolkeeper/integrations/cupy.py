@@ -1,0 +1,297 @@
+"""poolkeeper inside CuPy.
+
+:func:`install` makes poolkeeper CuPy's device allocator (``cupy.cuda.set_allocator``) and, by
+default, its pinned-memory allocator (``cupy.cuda.set_pinned_memory_allocator``);
+:func:`uninstall` puts the previous ones back.
+
+Device memory. CuPy calls the allocator with a size on the current device; poolkeeper answers
+``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner returns the block to
+the pool when CuPy drops the memory (the array and its views are collected), ordered on the
+stream that was current when CuPy asked for it -- the same rule CuPy's own pool follows: reusable
+at once on that stream, by other streams once that stream's work is done.
+
+Pinned memory. CuPy's pinned allocator is called for staging buffers (``ndarray.get``/``set``
+with a stream, ``cupyx.empty_pinned``...). CuPy itself keeps such a buffer alive until the
+asynchronous copies that use it have completed (its event watcher), so a plain pool over
+page-locked memory fits: the default is an :class:`~poolkeeper.ArenaPool` over
+:class:`~poolkeeper.upstream.CudaPinned` (any size reuses any free range; ``cuMemHostAlloc``
+costs milliseconds, so it is called rarely). :class:`poolkeeper.PinnedStagingPool` is not used
+here on purpose: it only recycles a buffer after a copy-completion witness, which CuPy's generic
+allocator interface cannot supply, so every CuPy buffer would be freed, never reused.
+
+An out-of-memory from poolkeeper reaches CuPy code as ``cupy.cuda.memory.OutOfMemoryError``
+(what CuPy users catch), chained from poolkeeper's :class:`~poolkeeper.errors.OutOfMemoryError`
+whose message explains the cause; the diagnosis is also its ``poolkeeper_diagnosis`` attribute.
+
+Importing this module does not import cupy; the functions do.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+from poolkeeper.errors import OutOfMemoryError
+from poolkeeper.integrations._common import IntegrationError, import_optional
+
+MiB = 1 << 20
+
+
+def _cupy():
+    return import_optional("cupy", "poolkeeper.integrations.cupy", "cupy")
+
+
+class _Block:
+    """Owner of one device block: frees it, stream-ordered, when CuPy lets go of the memory."""
+
+    __slots__ = ("pool", "ptr", "stream", "__weakref__")
+
+    def __init__(self, pool: Any, ptr: int, stream: int) -> None:
+        self.pool, self.ptr, self.stream = pool, ptr, stream
+
+    def __del__(self) -> None:
+        try:
+            self.pool.deallocate(self.ptr, self.stream)
+        except Exception:  # pool closed or interpreter shutting down: nothing safe to do
+            pass
+
+
+class _PinnedBlock:
+    """What ``cupy.cuda.PinnedMemoryPointer`` needs of its memory (``ptr``, ``size``); frees the
+    block on collection."""
+
+    __slots__ = ("pool", "ptr", "size", "__weakref__")
+
+    def __init__(self, pool: Any, ptr: int, size: int) -> None:
+        self.pool, self.ptr, self.size = pool, ptr, size
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def __del__(self) -> None:
+        try:
+            self.pool.deallocate(self.ptr)
+        except Exception:
+            pass
+
+
+class _DevicePools:
+    """Device index -> pool, made on first use (or one given pool for its own device)."""
+
+    def __init__(self, pool: Any, upstream: str, options: Dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._pools: Dict[int, Any] = {}
+        self._any: Any = None  # a pool without a device (simulated/host) serves every device
+        if isinstance(pool, str):
+            from poolkeeper.pools import POOL_KINDS
+            from poolkeeper.errors import InvalidArgumentError
+
+            if pool not in POOL_KINDS:
+                raise InvalidArgumentError(f"unknown pool kind {pool!r} (valid: {', '.join(POOL_KINDS)})")
+            self._kind, self._upstream, self._options = pool, upstream, dict(options)
+        else:
+            if options:
+                raise IntegrationError("options apply to a pool kind, not to an existing pool")
+            self._kind = None
+            d = pool.upstream.device
+            if d < 0:
+                self._any = pool
+            else:
+                self._pools[d] = pool
+
+    def get(self, device: int) -> Any:
+        p = self._pools.get(device)
+        if p is not None:
+            return p
+        if self._any is not None:
+            return self._any
+        if self._kind is None:
+            raise IntegrationError(
+                f"the pool given to install() serves device {next(iter(self._pools))}, not device {device}"
+            )
+        with self._lock:
+            p = self._pools.get(device)
+            if p is None:
+                p = self._make(device)
+                self._pools[device] = p
+            return p
+
+    def _make(self, device: int) -> Any:
+        from poolkeeper.cuda.upstreams import CudaAsync, CudaDevice
+        from poolkeeper.pools import make_pool
+
+        up = {"device": CudaDevice, "async": CudaAsync}[self._upstream](device)
+        return make_pool(self._kind, up, **self._options)
+
+    def all(self) -> Dict[int, Any]:
+        with self._lock:
+            out = dict(self._pools)
+        if self._any is not None:
+            out[-1] = self._any
+        return out
+
+
+class _DeviceAllocator:
+    """The function CuPy calls: ``allocator(size) -> MemoryPointer``."""
+
+    def __init__(self, cupy: Any, pools: _DevicePools) -> None:
+        cuda = cupy.cuda
+        self._get_device = cuda.runtime.getDevice
+        self._current_stream = cuda.get_current_stream
+        self._MemoryPointer = cuda.MemoryPointer
+        self._UnownedMemory = cuda.UnownedMemory
+        self._Memory = cuda.memory.Memory
+        self._OOM = cuda.memory.OutOfMemoryError
+        self.pools = pools
+        self.calls = 0
+
+    def __call__(self, size: int):
+        device = self._get_device()
+        if size == 0:
+            return self._MemoryPointer(self._Memory(0), 0)  # what CuPy's own pool returns
+        pool = self.pools.get(device)
+        stream = self._current_stream().ptr
+        try:
+            ptr = pool.allocate(size, stream)
+        except OutOfMemoryError as e:
+            err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
+            err.poolkeeper_diagnosis = str(e)
+            raise err from e
+        self.calls += 1
+        return self._MemoryPointer(self._UnownedMemory(ptr, size, _Block(pool, ptr, stream), device), 0)
+
+
+class _PinnedAllocator:
+    """The function CuPy calls for pinned memory: ``allocator(size) -> PinnedMemoryPointer``."""
+
+    def __init__(self, cupy: Any, pool: Any) -> None:
+        self._PinnedMemoryPointer = cupy.cuda.PinnedMemoryPointer
+        self._PinnedMemory = cupy.cuda.PinnedMemory
+        self.pool = pool
+        self.calls = 0
+
+    def __call__(self, size: int):
+        if size == 0:
+            return self._PinnedMemoryPointer(self._PinnedMemory(0), 0)
+        ptr = self.pool.allocate(size)
+        self.calls += 1
+        return self._PinnedMemoryPointer(_PinnedBlock(self.pool, ptr, size), 0)
+
+
+@dataclass
+class CupyInstallation:
+    """What :func:`install` set up, and what :func:`uninstall` restores."""
+
+    allocator: _DeviceAllocator
+    pinned_allocator: Optional[_PinnedAllocator]
+    previous_allocator: Optional[Callable]
+    previous_pinned_allocator: Optional[Callable]
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    def pools(self) -> Dict[int, Any]:
+        """``{device: pool}`` for device memory (-1 for a pool that serves every device)."""
+        return self.allocator.pools.all()
+
+    @property
+    def pinned_pool(self) -> Any:
+        return self.pinned_allocator.pool if self.pinned_allocator else None
+
+
+_LOCK = threading.Lock()
+_INSTALLED: Optional[CupyInstallation] = None
+
+
+def installation() -> Optional[CupyInstallation]:
+    """The current :class:`CupyInstallation`, or None."""
+    return _INSTALLED
+
+
+def default_pinned_pool(device: int = 0) -> Any:
+    """The pinned pool :func:`install` makes when none is given: an ArenaPool over CudaPinned."""
+    from poolkeeper.cuda.upstreams import CudaPinned
+    from poolkeeper.pools import ArenaPool
+
+    return ArenaPool(CudaPinned(device), initial_backing=2 * MiB, max_backing=256 * MiB)
+
+
+def install(
+    pool: Any = "arena",
+    *,
+    pinned: Any = True,
+    upstream: str = "device",
+    **options: Any,
+) -> CupyInstallation:
+    """Make poolkeeper CuPy's allocator.
+
+    Args:
+        pool: a pool kind (``"arena"``, ``"size_class"``, ``"direct"``): one pool per device,
+            made on first use over ``upstream`` (``"device"``: CudaDevice, ``"async"``:
+            CudaAsync) with ``options``; or an existing pool, serving its own device.
+        pinned: True (default): also CuPy's pinned allocator, over :func:`default_pinned_pool`;
+            a pool: use that one (its upstream should be CudaPinned); False: leave pinned
+            memory to CuPy.
+
+    Raises :class:`MissingDependencyError` without cupy, :class:`IntegrationError` when already
+    installed (call :func:`uninstall` first).
+    """
+    global _INSTALLED
+    cupy = _cupy()
+    with _LOCK:
+        if _INSTALLED is not None:
+            raise IntegrationError("poolkeeper is already CuPy's allocator: call uninstall() first")
+        pools = _DevicePools(pool, upstream, options)
+        cuda = cupy.cuda
+        notes: Dict[str, str] = {}
+        prev = cuda.get_allocator() if hasattr(cuda, "get_allocator") else None
+        getter = getattr(cuda, "get_pinned_memory_allocator", None)
+        if getter is not None:
+            prev_pinned = getter()
+        else:
+            # CuPy has no getter for the pinned allocator: restore CuPy's own default on uninstall.
+            prev_pinned = cupy.get_default_pinned_memory_pool().malloc
+            notes["pinned_restore"] = "CuPy's default pinned memory pool (CuPy offers no getter)"
+        alloc = _DeviceAllocator(cupy, pools)
+        pinned_alloc = None
+        if pinned is not False and pinned is not None:
+            ppool = default_pinned_pool(_first_device(cupy)) if pinned is True else pinned
+            pinned_alloc = _PinnedAllocator(cupy, ppool)
+        cuda.set_allocator(alloc)
+        if pinned_alloc is not None:
+            cuda.set_pinned_memory_allocator(pinned_alloc)
+        _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes)
+        return _INSTALLED
+
+
+def _first_device(cupy: Any) -> int:
+    try:
+        return int(cupy.cuda.runtime.getDevice())
+    except Exception:
+        return 0
+
+
+def uninstall() -> None:
+    """Put back the allocators that were current before :func:`install`. Blocks CuPy still holds
+    keep their pools alive and return to them when collected. Does nothing when not installed."""
+    global _INSTALLED
+    cupy = _cupy()
+    with _LOCK:
+        inst = _INSTALLED
+        if inst is None:
+            return
+        cupy.cuda.set_allocator(inst.previous_allocator)
+        if inst.pinned_allocator is not None:
+            cupy.cuda.set_pinned_memory_allocator(inst.previous_pinned_allocator)
+        _INSTALLED = None
+
+
+def stats(device: Optional[int] = None) -> Dict[str, Any]:
+    """Stats of the device pool serving ``device`` (default: CuPy's current device)."""
+    inst = _INSTALLED
+    if inst is None:
+        raise IntegrationError("poolkeeper is not CuPy's allocator (install() first)")
+    if device is None:
+        device = _first_device(_cupy())
+    return inst.allocator.pools.get(device).stats()
+
+
+__all__ = ["install", "uninstall", "installation", "stats", "default_pinned_pool", "CupyInstallation"]

@@ -1,0 +1,357 @@
+"""poolkeeper inside PyTorch.
+
+Two ways in:
+
+- :func:`install` replaces PyTorch's CUDA caching allocator for the whole process, through
+  ``torch.cuda.memory.CUDAPluggableAllocator`` over the C functions the core exports
+  (``poolkeeper_torch_malloc_raising`` / ``poolkeeper_torch_free`` in ``poolkeeper/_core*.so``;
+  the raising variant because PyTorch does not check malloc's result for NULL: an allocation the
+  pool cannot serve raises ``RuntimeError`` with the pool's diagnosis). Every
+  CUDA tensor then comes from a poolkeeper pool, one per device, created in the core on that
+  device's first allocation. It must run before CUDA is initialized in the process.
+- :func:`mempool` / :func:`use_mempool` keep PyTorch's own allocator and route only the
+  allocations made inside a ``with`` block to a ``torch.cuda.MemPool`` whose segments come from
+  poolkeeper. This works at any time.
+
+While installed, :func:`stats`, :func:`snapshot` and :func:`pools` read poolkeeper's own pools
+(PyTorch's ``memory_stats``/``memory_snapshot`` are not available for a pluggable allocator).
+
+Hooks: PyTorch's pluggable allocator (2.x, checked against 2.11) lets an allocator take
+``record_stream`` (``set_record_stream_fn``) and ``empty_cache`` (``set_reset_fn``); both are
+wired when the running PyTorch offers them (:func:`installation` says which were).
+``set_memory_fraction_fn`` exists too but is not wired: a pool's cap is its ``limit`` option,
+fixed when the pool is made -- pass ``limit=`` to :func:`install`. ``memory_stats``,
+``memory_snapshot``, ``getMemoryFraction``, IPC handles and CUDA-graph private pools are not
+offered to pluggable allocators by PyTorch at all.
+
+Importing this module does not import torch; the functions do.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+from poolkeeper import _core
+from poolkeeper.integrations._common import AllocatorInitializedError, IntegrationError, import_optional
+
+MALLOC_SYMBOL = "poolkeeper_torch_malloc_raising"  # install(): a failure raises instead of NULL
+MEMPOOL_MALLOC_SYMBOL = "poolkeeper_torch_malloc"  # mempool(): NULL, which PyTorch's pool checks
+FREE_SYMBOL = "poolkeeper_torch_free"
+RECORD_STREAM_SYMBOL = "poolkeeper_torch_record_stream_hook"
+EMPTY_CACHE_SYMBOL = "poolkeeper_torch_empty_cache_hook"
+HOOK_COUNTERS_SYMBOL = "poolkeeper_torch_hook_counters"
+
+# hook name -> (setter on PyTorch's _CUDAPluggableAllocator, our exported symbol)
+HOOKS = {
+    "record_stream": ("set_record_stream_fn", RECORD_STREAM_SYMBOL),
+    "empty_cache": ("set_reset_fn", EMPTY_CACHE_SYMBOL),
+}
+
+_TOO_LATE = (
+    "poolkeeper.integrations.torch.install() must run before CUDA is initialized in this process: "
+    "PyTorch fixes its CUDA allocator at initialization and cannot swap it afterwards. Call install() "
+    "first thing, right after `import torch` and before any CUDA tensor, torch.cuda call that initializes "
+    "CUDA, or library that does (or run in a fresh process). To use poolkeeper inside an already running "
+    "process, route a scope instead: `with poolkeeper.integrations.torch.use_mempool(): ...`."
+)
+
+
+@dataclass
+class Installation:
+    """What :func:`install` set up."""
+
+    kind: str
+    options: Dict[str, Any]
+    upstream: str
+    library: str
+    allocator: Any  # torch.cuda.memory.CUDAPluggableAllocator
+    hooks: Dict[str, bool] = field(default_factory=dict)  # hook -> wired?
+    devices: List[int] = field(default_factory=list)  # pools made eagerly at install
+
+
+_LOCK = threading.Lock()
+_INSTALLED: Optional[Installation] = None
+_MEMPOOL_ALLOCATOR: Any = None  # one pluggable allocator shared by every mempool()
+
+
+def library_path() -> str:
+    """The shared object that exports poolkeeper's C functions (the core module itself)."""
+    return _core.__file__
+
+
+def _symbol_address(name: str) -> int:
+    addr = ctypes.cast(getattr(ctypes.CDLL(library_path()), name), ctypes.c_void_p).value
+    if not addr:
+        raise IntegrationError(f"{library_path()} does not export {name}")
+    return int(addr)
+
+
+def _torch():
+    return import_optional("torch", "poolkeeper.integrations.torch", "torch")
+
+
+def _devices(device: Union[None, int, Sequence[int]]) -> List[int]:
+    if device is None:
+        return []
+    if isinstance(device, int):
+        return [device]
+    return [int(d) for d in device]
+
+
+def installation() -> Optional[Installation]:
+    """The current :class:`Installation`, or None when :func:`install` has not run."""
+    return _INSTALLED
+
+
+def install(
+    pool: Any = "arena",
+    device: Union[None, int, Sequence[int]] = None,
+    *,
+    upstream: str = "device",
+    **options: Any,
+) -> Installation:
+    """Make poolkeeper PyTorch's CUDA allocator for this process.
+
+    Args:
+        pool: the pool kind made for each device (``"arena"``, ``"size_class"``, ``"direct"``),
+            or an existing device pool to serve its own device.
+        device: devices whose pools are made now rather than on first use (None: all lazily).
+        upstream: where each device pool gets memory: ``"device"`` (``cuMemAlloc``, default) or
+            ``"async"`` (``cuMemAllocAsync``).
+        **options: the pool's options (see :class:`poolkeeper.ArenaPool` etc.), e.g.
+            ``max_backing=1 << 30`` or ``limit=64 << 30``. Checked now: an unknown option raises
+            :class:`~poolkeeper.errors.InvalidArgumentError` and installs nothing.
+
+    Returns the :class:`Installation`. Calling it again with the same arguments returns the same
+    installation; with different ones it raises :class:`IntegrationError` (PyTorch cannot swap a
+    used allocator).
+
+    Raises:
+        MissingDependencyError: torch is not installed.
+        AllocatorInitializedError: CUDA is already initialized (see the message for what to do).
+    """
+    global _INSTALLED
+    torch = _torch()
+    with _LOCK:
+        if _INSTALLED is not None:
+            same = (
+                isinstance(pool, str)
+                and pool == _INSTALLED.kind
+                and options == _INSTALLED.options
+                and upstream == _INSTALLED.upstream
+            )
+            if same:
+                return _INSTALLED
+            raise IntegrationError(
+                f"poolkeeper is already PyTorch's allocator ({_INSTALLED.kind} over {_INSTALLED.upstream}, "
+                f"options {_INSTALLED.options}); PyTorch cannot swap an allocator once it is in use"
+            )
+        if _MEMPOOL_ALLOCATOR is not None:
+            raise IntegrationError(
+                "mempool() already routes scopes through PyTorch's native allocator in this process; "
+                "install() must come first, before any mempool() and before CUDA is initialized"
+            )
+        if torch.cuda.is_initialized():
+            raise AllocatorInitializedError(_TOO_LATE)
+
+        if isinstance(pool, str):
+            kind = pool
+            _core.registry_set_factory(kind, options, upstream)  # validates; raises before any change
+        else:
+            if options:
+                raise IntegrationError("options apply to a pool kind, not to an existing pool")
+            kind = type(pool).__name__
+            _core.registry_set(pool.upstream.device, pool)
+        made: List[int] = []
+        try:
+            if isinstance(pool, str):
+                for d in _devices(device):
+                    _core.registry_set(d, _make_device_pool(kind, d, upstream, options))
+                    made.append(d)
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
+            hooks = _wire_hooks(allocator)
+            torch.cuda.memory.change_current_allocator(allocator)
+        except RuntimeError as e:
+            _core.registry_clear()
+            if "initialized" in str(e):
+                raise AllocatorInitializedError(_TOO_LATE + f" (PyTorch said: {e})") from e
+            raise
+        except BaseException:
+            _core.registry_clear()
+            raise
+        _INSTALLED = Installation(
+            kind=kind,
+            options=dict(options),
+            upstream=upstream,
+            library=library_path(),
+            allocator=allocator,
+            hooks=hooks,
+            devices=made,
+        )
+        return _INSTALLED
+
+
+def _make_device_pool(kind: str, device: int, upstream: str, options: Dict[str, Any]):
+    from poolkeeper.cuda.upstreams import CudaAsync, CudaDevice
+    from poolkeeper.pools import make_pool
+
+    up = {"device": CudaDevice, "async": CudaAsync}[upstream](device)
+    return make_pool(kind, up, **options)
+
+
+def _wire_hooks(allocator: Any) -> Dict[str, bool]:
+    native = allocator.allocator()
+    wired: Dict[str, bool] = {}
+    for hook, (setter, symbol) in HOOKS.items():
+        fn = getattr(native, setter, None)
+        if fn is None:
+            wired[hook] = False
+            continue
+        fn(_symbol_address(symbol))
+        wired[hook] = True
+    return wired
+
+
+# -- reading our pools while installed ------------------------------------------------------------
+
+
+def pools() -> Dict[int, Any]:
+    """Every device pool behind the C ABI: ``{device: pool}`` (those made so far)."""
+    out = {}
+    for d in _core.registry_devices():
+        if d >= 0:
+            p = _core.registry_get(d)
+            if p is not None:
+                out[d] = p
+    return out
+
+
+def _pool_for(device: Optional[int]):
+    ps = pools()
+    if device is None:
+        if not ps:
+            raise IntegrationError("no poolkeeper device pool yet: nothing has been allocated through it")
+        device = _current_device(ps)
+    if device not in ps:
+        raise IntegrationError(f"no poolkeeper pool for device {device} yet (devices with pools: {sorted(ps)})")
+    return ps[device]
+
+
+def _current_device(ps: Dict[int, Any]) -> int:
+    if len(ps) == 1:
+        return next(iter(ps))
+    try:
+        import torch
+
+        if torch.cuda.is_initialized() and torch.cuda.current_device() in ps:
+            return torch.cuda.current_device()
+    except Exception:
+        pass
+    return min(ps)
+
+
+def stats(device: Optional[int] = None) -> Dict[str, Any]:
+    """The pool stats of ``device`` (default: the current device): reserved, live, free,
+    pending, peaks, upstream calls... (see :mod:`poolkeeper.pools`)."""
+    return _pool_for(device).stats()
+
+
+def snapshot(device: Optional[int] = None):
+    """A :class:`poolkeeper.accounting.Snapshot` of ``device``'s pool (default: current)."""
+    from poolkeeper.accounting import Snapshot
+
+    return Snapshot.from_dict(_pool_for(device)._snapshot_dict())
+
+
+def empty_cache() -> int:
+    """Wait for pending releases and return every wholly free backing of every device pool to the
+    driver (what ``torch.cuda.empty_cache()`` does through the hook). Returns bytes released."""
+    total = 0
+    for p in pools().values():
+        p.synchronize()
+        total += p.trim()
+    return total
+
+
+def hook_counters() -> Dict[str, int]:
+    """How often PyTorch reached the hooks: ``record_stream`` calls served, ``record_stream``
+    calls on pointers no pool owned, ``empty_cache`` calls."""
+    fn = getattr(ctypes.CDLL(library_path()), HOOK_COUNTERS_SYMBOL)
+    out = (ctypes.c_uint64 * 3)()
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+    fn.restype = None
+    fn(out)
+    return {"record_stream": out[0], "record_stream_unowned": out[1], "empty_cache": out[2]}
+
+
+# -- scoped use through torch.cuda.MemPool --------------------------------------------------------
+
+
+def mempool(pool: str = "arena", *, upstream: str = "device", use_on_oom: bool = False, **options: Any):
+    """A ``torch.cuda.MemPool`` whose segments come from poolkeeper (PyTorch's own allocator
+    stays in charge of everything else, and of splitting those segments).
+
+    Use it with ``torch.cuda.use_mem_pool(mp)`` or :func:`use_mempool`. The first call sets the
+    per-device pool kind and options for every mempool of the process; a later call asking for
+    another kind raises :class:`IntegrationError`.
+    """
+    global _MEMPOOL_ALLOCATOR
+    torch = _torch()
+    with _LOCK:
+        if _INSTALLED is not None:
+            raise IntegrationError(
+                "install() made poolkeeper PyTorch's allocator; torch.cuda.MemPool routing needs PyTorch's "
+                "native allocator, and every CUDA allocation already comes from poolkeeper"
+            )
+        if _MEMPOOL_ALLOCATOR is None:
+            _core.registry_set_factory(pool, options, upstream)
+            _MEMPOOL_ALLOCATOR = (
+                torch.cuda.memory.CUDAPluggableAllocator(library_path(), MEMPOOL_MALLOC_SYMBOL, FREE_SYMBOL),
+                (pool, dict(options), upstream),
+            )
+        elif _MEMPOOL_ALLOCATOR[1] != (pool, dict(options), upstream):
+            raise IntegrationError(
+                f"mempool() pools are already {_MEMPOOL_ALLOCATOR[1][0]} over {_MEMPOOL_ALLOCATOR[1][2]} with "
+                f"options {_MEMPOOL_ALLOCATOR[1][1]} in this process"
+            )
+        allocator = _MEMPOOL_ALLOCATOR[0]
+    return torch.cuda.MemPool(allocator.allocator(), use_on_oom=use_on_oom)
+
+
+@contextlib.contextmanager
+def use_mempool(mem_pool: Any = None, device: Any = None, **kwargs: Any) -> Iterator[Any]:
+    """Route the CUDA allocations of this thread inside the block to ``mem_pool`` (default: a new
+    :func:`mempool` made with ``kwargs``). Yields the ``torch.cuda.MemPool``."""
+    torch = _torch()
+    mp = mem_pool if mem_pool is not None else mempool(**kwargs)
+    with torch.cuda.use_mem_pool(mp, device=device):
+        yield mp
+
+
+def _forget_for_tests() -> None:
+    """Drop this module's record of what it installed and the core registry (tests only: the
+    framework side cannot be undone)."""
+    global _INSTALLED, _MEMPOOL_ALLOCATOR
+    with _LOCK:
+        _INSTALLED = None
+        _MEMPOOL_ALLOCATOR = None
+        _core.registry_clear()
+
+
+__all__ = [
+    "install",
+    "installation",
+    "Installation",
+    "library_path",
+    "pools",
+    "stats",
+    "snapshot",
+    "empty_cache",
+    "hook_counters",
+    "mempool",
+    "use_mempool",
+    "HOOKS",
+]

@@ -1,0 +1,282 @@
+"""``PinnedStagingPool``: a small, bounded cache of page-locked host buffers.
+
+Page-locking is one of the most expensive calls in CUDA (on the H200 host a 32 MiB
+``cudaHostAlloc`` + ``cudaFreeHost`` pair costs 23.5 ms, ``shared/anchors/native.txt``), so a path
+that pins a fresh staging buffer per transfer spends its time in the driver. This pool keeps up to
+``max_buffers`` buffers / ``max_bytes`` bytes and hands out the smallest retained one that fits.
+
+Rules:
+
+- ``acquire(n)``: the smallest retained buffer whose capacity is >= ``n`` (rounded up to
+  ``granularity``); if none fits, a new one from the upstream.
+- A buffer comes back only through ``StagingBuffer.retire(witness)``. If retaining it would exceed
+  either bound, it is freed instead (never an unbounded trade of host RAM for speed).
+- A buffer closed or garbage-collected without retire is freed, never recycled.
+- Upstream calls (``allocate``/``deallocate``, milliseconds for pinned memory) run outside the
+  pool's lock, so a slow pin does not stall other threads' reuses.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+import weakref
+from typing import Any, Optional
+
+from poolkeeper.errors import InvalidArgumentError, PoolClosedError
+from poolkeeper.staging.buffer import StagingBuffer
+
+MiB = 1 << 20
+_COUNTERS = (
+    "pinned_alloc_calls",  # upstream.allocate calls that succeeded
+    "failed_allocs",  # upstream.allocate calls that raised
+    "reuses",  # acquires served from a retained buffer
+    "frees",  # upstream.deallocate calls, for any reason
+    "acquires",
+    "retires",
+    "freed_over_bounds",  # retired but freed: retaining would breach max_buffers / max_bytes
+    "freed_after_close",  # retired after pool.close()
+    "freed_by_trim",  # retained buffers freed by trim() / close() / OOM recovery
+    "dropped_without_retire",  # garbage-collected while live: freed, not recycled
+    "closed_without_retire",  # buf.close() while live: freed, not recycled
+    "leaked_unconfirmed",  # ended while a device copy's completion could not be tracked: not freed
+)
+
+
+def _default_upstream() -> Any:
+    from poolkeeper import _core
+
+    if _core.cuda_is_available():
+        from poolkeeper.upstream import CudaPinned
+
+        return CudaPinned()
+    from poolkeeper.upstream import Host
+
+    return Host()
+
+
+def _free_all(upstream: Any, blocks: list) -> None:
+    # Finalizer of a pool collected without close(): its retained buffers go back to the upstream.
+    while blocks:
+        cap, ptr = blocks.pop()
+        upstream.deallocate(ptr, cap)
+
+
+class PinnedStagingPool:
+    """A bounded, thread-safe pool of staging buffers.
+
+    Args:
+        upstream: where buffers come from: ``CudaPinned()`` (page-locked, default when CUDA is
+            available) or ``Host()`` (default otherwise; copies are memmoves, for tests and CPU
+            paths). Must be of kind ``"pinned"`` or ``"host"``: the pool writes into its memory.
+        max_buffers: most buffers retained at once (default 8).
+        max_bytes: most bytes retained at once (default 512 MiB).
+        granularity: capacities are rounded up to a multiple of this (default 4096: page-locking
+            works in whole pages, and rounding lets slightly different sizes share buffers).
+    """
+
+    def __init__(
+        self,
+        upstream: Any = None,
+        max_buffers: int = 8,
+        max_bytes: int = 512 * MiB,
+        granularity: int = 4096,
+    ) -> None:
+        for name, v in (("max_buffers", max_buffers), ("max_bytes", max_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{name} must be a non-negative int; got {v!r}")
+        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0 or granularity & (granularity - 1):
+            raise InvalidArgumentError(f"granularity must be a positive power of two; got {granularity!r}")
+        if upstream is None:
+            upstream = _default_upstream()
+        kind = getattr(upstream, "kind", None)
+        if kind not in ("pinned", "host"):
+            raise InvalidArgumentError(
+                f"a staging pool needs host-accessible memory (an upstream of kind 'pinned' or 'host'); "
+                f"{getattr(upstream, 'name', type(upstream).__name__)} is of kind {kind!r}"
+            )
+        self._upstream = upstream
+        self._max_buffers = max_buffers
+        self._max_bytes = max_bytes
+        self._gran = granularity
+        self._lock = threading.Lock()
+        self._retained: list[tuple[int, int]] = []  # (capacity, ptr), sorted: smallest fit by bisect
+        self._retained_bytes = 0
+        self._peak_retained_bytes = 0
+        self._live_buffers = 0
+        self._live_bytes = 0
+        self._closed = False
+        self._c = dict.fromkeys(_COUNTERS, 0)
+        # Finalizers of dropped buffers may run inside a GC triggered anywhere, even while this
+        # thread holds self._lock; they free at once (the upstream is thread-safe) and leave their
+        # bookkeeping here (deque appends are atomic), folded in under the lock by _drain().
+        self._events: collections.deque = collections.deque()
+        self._finalizer = weakref.finalize(self, _free_all, upstream, self._retained)
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def upstream(self) -> Any:
+        return self._upstream
+
+    @property
+    def max_buffers(self) -> int:
+        return self._max_buffers
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def capacity_for(self, nbytes: int) -> int:
+        """The capacity a request of ``nbytes`` is served with (``nbytes`` rounded up)."""
+        g = self._gran
+        return max(g, (nbytes + g - 1) // g * g)
+
+    def acquire(self, nbytes: int) -> StagingBuffer:
+        """A staging buffer of at least ``nbytes`` bytes: the smallest retained one that fits, or a
+        new one from the upstream (counted in ``pinned_alloc_calls``)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be a positive int; got {nbytes!r}")
+        cap = self.capacity_for(nbytes)
+        with self._lock:
+            self._drain()
+            if self._closed:
+                raise PoolClosedError("this PinnedStagingPool was closed")
+            i = bisect.bisect_left(self._retained, (cap, 0))
+            if i < len(self._retained):
+                cap, ptr = self._retained.pop(i)
+                self._retained_bytes -= cap
+                self._c["reuses"] += 1
+                self._lease_out(cap)
+                return StagingBuffer._new(self, ptr, cap, nbytes)
+        ptr = self._allocate(cap)
+        with self._lock:
+            self._c["pinned_alloc_calls"] += 1
+            self._lease_out(cap)
+        return StagingBuffer._new(self, ptr, cap, nbytes)
+
+    def stats(self) -> dict:
+        """Counters and current state (one consistent observation)."""
+        with self._lock:
+            self._drain()
+            s: dict[str, Any] = dict(self._c)
+            s.update(
+                retained_buffers=len(self._retained),
+                retained_bytes=self._retained_bytes,
+                retained_capacities=[c for c, _ in self._retained],
+                peak_retained_bytes=self._peak_retained_bytes,
+                live_buffers=self._live_buffers,
+                live_bytes=self._live_bytes,
+                max_buffers=self._max_buffers,
+                max_bytes=self._max_bytes,
+                upstream=getattr(self._upstream, "name", type(self._upstream).__name__),
+                upstream_kind=self._upstream.kind,
+                closed=self._closed,
+            )
+            return s
+
+    def trim(self) -> int:
+        """Free every retained buffer; returns the bytes freed."""
+        with self._lock:
+            self._drain()
+            blocks, self._retained[:] = list(self._retained), []
+            self._retained_bytes = 0
+        for cap, ptr in blocks:
+            self._upstream.deallocate(ptr, cap)
+        with self._lock:
+            self._c["frees"] += len(blocks)
+            self._c["freed_by_trim"] += len(blocks)
+        return sum(cap for cap, _ in blocks)
+
+    def close(self) -> None:
+        """Free retained buffers and refuse new acquires. Live buffers stay valid; retiring them
+        afterwards frees them. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self.trim()
+
+    def __enter__(self) -> "PinnedStagingPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<PinnedStagingPool on {s['upstream']}: {s['retained_buffers']}/{self._max_buffers} retained "
+            f"({s['retained_bytes']} / {self._max_bytes} bytes), {s['live_buffers']} live>"
+        )
+
+    # -- internals -------------------------------------------------------------------------------
+    def _lease_out(self, cap: int) -> None:
+        self._c["acquires"] += 1
+        self._live_buffers += 1
+        self._live_bytes += cap
+
+    def _allocate(self, cap: int) -> int:
+        try:
+            return self._upstream.allocate(cap)
+        except MemoryError:
+            # Retained buffers are pinned memory too: give them back and try once more.
+            with self._lock:
+                self._c["failed_allocs"] += 1
+            if not self.trim():
+                raise
+        try:
+            return self._upstream.allocate(cap)
+        except Exception:
+            with self._lock:
+                self._c["failed_allocs"] += 1
+            raise
+
+    def _take_back(self, ptr: int, cap: int) -> None:
+        """A retire (witness already checked and consumed): retain within bounds, else free."""
+        with self._lock:
+            self._drain()
+            self._live_buffers -= 1
+            self._live_bytes -= cap
+            self._c["retires"] += 1
+            if self._closed:
+                reason = "freed_after_close"
+            elif len(self._retained) + 1 > self._max_buffers or self._retained_bytes + cap > self._max_bytes:
+                reason = "freed_over_bounds"
+            else:
+                bisect.insort(self._retained, (cap, ptr))
+                self._retained_bytes += cap
+                self._peak_retained_bytes = max(self._peak_retained_bytes, self._retained_bytes)
+                return
+            self._c[reason] += 1
+        self._upstream.deallocate(ptr, cap)
+        with self._lock:
+            self._c["frees"] += 1
+
+    def _free_unretired(self, ptr: int, cap: int, how: str) -> None:
+        """A lease ended without retire (``how``: "dropped" or "closed"). May run in a finalizer:
+        takes no lock."""
+        self._upstream.deallocate(ptr, cap)
+        self._events.append((how, cap))
+
+    def _leak_unconfirmed(self, cap: int) -> None:
+        """A lease ended while a copy's completion could not be confirmed: never free under a
+        possible DMA; count it instead."""
+        self._events.append(("leaked", cap))
+
+    def _drain(self) -> None:
+        # Under self._lock: fold in what finalizers recorded.
+        ev = self._events
+        while ev:
+            how, cap = ev.popleft()
+            self._live_buffers -= 1
+            self._live_bytes -= cap
+            if how == "leaked":
+                self._c["leaked_unconfirmed"] += 1
+                continue
+            self._c["frees"] += 1
+            self._c["dropped_without_retire" if how == "dropped" else "closed_without_retire"] += 1
+
+
+__all__ = ["PinnedStagingPool"]

@@ -1,0 +1,293 @@
+/* A fake CUDA driver (libcuda.so.1 stand-in) for CPU-only tests of poolkeeper's driver layer.
+ *
+ * It implements the driver functions poolkeeper resolves, with host memory as "device" memory,
+ * per-thread current contexts, one primary context and one default memory pool per device. The
+ * pool models only what the warm-pool policy observes: a release threshold, reserved and used
+ * bytes, frees returned at a synchronize while reserved exceeds the threshold, and TrimTo.
+ * It models no real concurrency: every operation completes at once, except that an event can be
+ * told to answer CUDA_ERROR_NOT_READY for its first N queries after each record.
+ *
+ * Environment (read at cuInit):
+ *   FAKE_CUDA_INIT_RESULT   cuInit's return code (default 0)
+ *   FAKE_CUDA_DEVICES       device count (default 1, at most 8)
+ *   FAKE_CUDA_NO_POOLS      1: devices report no memory-pool support
+ *   FAKE_CUDA_EVENT_NOT_READY  N: each recorded event is "not ready" for its first N queries
+ *   FAKE_CUDA_CAPACITY      bytes of memory per device (default 80 GiB)
+ *   FAKE_CUDA_LOG           path: append one line per pool/context-sensitive call, naming the
+ *                           device of the context current at the call ("cur=-1": none)
+ * Compile with -DFAKE_NO_POOL_API for a driver without the stream-ordered allocator.
+ * Not thread-safe beyond what the tests need (one mutex around the shared state).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+#define OK 0
+#define E_INVALID_VALUE 1
+#define E_OOM 2
+#define E_NOT_INITIALIZED 3
+#define E_INVALID_CONTEXT 201
+#define E_INVALID_HANDLE 400
+#define E_NOT_READY 600
+#define MAXDEV 8
+
+struct ctx { int dev; int refs; };
+struct pool { int dev; uint64_t threshold, reserved, used; };
+struct stream { struct ctx* ctx; };
+struct event { struct ctx* ctx; int not_ready_left; };
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int inited = 0, ndev = 1, no_pools = 0, event_not_ready = 0;
+static uint64_t capacity = 80ull << 30;
+static uint64_t direct_used[MAXDEV];
+static struct ctx ctxs[MAXDEV];
+static struct pool pools[MAXDEV];
+static __thread struct ctx* current = NULL;
+
+static void logf_(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+#include <stdarg.h>
+static void logf_(const char* fmt, ...) {
+  const char* path = getenv("FAKE_CUDA_LOG");
+  if (!path || !*path) return;
+  FILE* f = fopen(path, "a");
+  if (!f) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(f, fmt, ap);
+  va_end(ap);
+  fprintf(f, " cur=%d\n", current ? current->dev : -1);
+  fclose(f);
+}
+
+static int env_int(const char* n, int d) { const char* v = getenv(n); return v && *v ? atoi(v) : d; }
+
+CUresult cuInit(unsigned flags) {
+  (void)flags;
+  int r = env_int("FAKE_CUDA_INIT_RESULT", 0);
+  if (r) return r;
+  pthread_mutex_lock(&mu);
+  if (!inited) {
+    ndev = env_int("FAKE_CUDA_DEVICES", 1);
+    if (ndev < 0) ndev = 0;
+    if (ndev > MAXDEV) ndev = MAXDEV;
+    no_pools = env_int("FAKE_CUDA_NO_POOLS", 0);
+    event_not_ready = env_int("FAKE_CUDA_EVENT_NOT_READY", 0);
+    const char* c = getenv("FAKE_CUDA_CAPACITY");
+    if (c && *c) capacity = strtoull(c, NULL, 10);
+    for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
+    inited = 1;
+  }
+  pthread_mutex_unlock(&mu);
+  return OK;
+}
+
+static const char* names[][2] = {
+  {"0", "CUDA_SUCCESS"}, {"1", "CUDA_ERROR_INVALID_VALUE"}, {"2", "CUDA_ERROR_OUT_OF_MEMORY"},
+  {"3", "CUDA_ERROR_NOT_INITIALIZED"}, {"34", "CUDA_ERROR_STUB_LIBRARY"}, {"100", "CUDA_ERROR_NO_DEVICE"},
+  {"101", "CUDA_ERROR_INVALID_DEVICE"}, {"201", "CUDA_ERROR_INVALID_CONTEXT"}, {"400", "CUDA_ERROR_INVALID_HANDLE"},
+  {"600", "CUDA_ERROR_NOT_READY"},
+};
+CUresult cuGetErrorName(CUresult r, const char** out) {
+  char buf[16];
+  snprintf(buf, sizeof buf, "%d", r);
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (!strcmp(names[i][0], buf)) { *out = names[i][1]; return OK; }
+  *out = NULL;
+  return E_INVALID_VALUE;
+}
+CUresult cuGetErrorString(CUresult r, const char** out) {
+  *out = r == E_OOM ? "out of memory" : "fake driver error";
+  return OK;
+}
+
+#define NEED_INIT() do { if (!inited) return E_NOT_INITIALIZED; } while (0)
+#define NEED_DEV(d) do { if ((d) < 0 || (d) >= ndev) return 101; } while (0)
+#define NEED_CTX() do { if (!current) return E_INVALID_CONTEXT; } while (0)
+
+CUresult cuDriverGetVersion(int* v) { *v = 13000; return OK; }
+CUresult cuDeviceGetCount(int* n) { NEED_INIT(); *n = ndev; return OK; }
+CUresult cuDeviceGet(int* d, int i) { NEED_INIT(); NEED_DEV(i); *d = i; return OK; }
+CUresult cuDeviceGetName(char* b, int len, int d) { NEED_DEV(d); snprintf(b, (size_t)len, "Fake GPU %d", d); return OK; }
+CUresult cuDeviceGetPCIBusId(char* b, int len, int d) { NEED_DEV(d); snprintf(b, (size_t)len, "0000:%02x:00.0", d + 1); return OK; }
+CUresult cuDeviceTotalMem_v2(size_t* t, int d) { NEED_DEV(d); *t = capacity; return OK; }
+CUresult cuDeviceGetAttribute(int* v, int attr, int d) {
+  NEED_DEV(d);
+  switch (attr) {
+    case 16: *v = 132; break;
+    case 75: *v = 9; break;
+    case 76: *v = 0; break;
+    case 115: *v = no_pools ? 0 : 1; break;
+    default: *v = 0;
+  }
+  return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(struct ctx** c, int d) {
+  NEED_INIT(); NEED_DEV(d);
+  pthread_mutex_lock(&mu); ctxs[d].refs++; pthread_mutex_unlock(&mu);
+  *c = &ctxs[d];
+  logf_("retain dev=%d", d);
+  return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int d) { NEED_DEV(d); pthread_mutex_lock(&mu); ctxs[d].refs--; pthread_mutex_unlock(&mu); return OK; }
+CUresult cuCtxGetCurrent(struct ctx** c) { NEED_INIT(); *c = current; return OK; }
+CUresult cuCtxSetCurrent(struct ctx* c) { NEED_INIT(); current = c; return OK; }
+CUresult cuCtxGetDevice(int* d) { NEED_CTX(); *d = current->dev; return OK; }
+
+static uint64_t used_on(int d) { return direct_used[d] + pools[d].reserved; }
+
+/* A synchronize observes pending frees: the pool gives back what exceeds its threshold. */
+static void pool_sync(int d) {
+  struct pool* p = &pools[d];
+  if (p->reserved > p->threshold) {
+    uint64_t cached = p->reserved - p->used;
+    uint64_t excess = p->reserved - p->threshold;
+    p->reserved -= cached < excess ? cached : excess;
+  }
+}
+CUresult cuCtxSynchronize(void) {
+  NEED_CTX();
+  logf_("cuCtxSynchronize dev=%d", current->dev);
+  pthread_mutex_lock(&mu); pool_sync(current->dev); pthread_mutex_unlock(&mu);
+  return OK;
+}
+CUresult cuMemGetInfo_v2(size_t* f, size_t* t) { NEED_CTX(); *t = capacity; *f = capacity - used_on(current->dev); return OK; }
+
+/* Allocations carry a 16-byte header holding their size and device (host memory stands in). */
+static void* fake_alloc(size_t n, int dev) {
+  char* p = aligned_alloc(256, 256 + ((n + 255) & ~(size_t)255));
+  if (!p) return NULL;
+  ((uint64_t*)p)[0] = n;
+  ((uint64_t*)p)[1] = (uint64_t)dev;
+  return p + 256;
+}
+static uint64_t hdr_size(void* p) { return ((uint64_t*)((char*)p - 256))[0]; }
+static void fake_free(void* p) { free((char*)p - 256); }
+
+CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) {
+  NEED_CTX();
+  int d = current->dev;
+  pthread_mutex_lock(&mu);
+  if (n == 0 || used_on(d) + n > capacity) { pthread_mutex_unlock(&mu); return E_OOM; }
+  direct_used[d] += n;
+  pthread_mutex_unlock(&mu);
+  *out = (CUdeviceptr)(uintptr_t)fake_alloc(n, d);
+  return OK;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+  NEED_CTX();
+  if (!p) return E_INVALID_VALUE;
+  int d = (int)((uint64_t*)((char*)(uintptr_t)p - 256))[1];
+  pthread_mutex_lock(&mu); direct_used[d] -= hdr_size((void*)(uintptr_t)p); pthread_mutex_unlock(&mu);
+  fake_free((void*)(uintptr_t)p);
+  return OK;
+}
+CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) { (void)flags; NEED_CTX(); *p = fake_alloc(n, -1); return *p ? OK : E_OOM; }
+CUresult cuMemFreeHost(void* p) { NEED_CTX(); fake_free(p); return OK; }
+
+static struct ctx* stream_ctx(struct stream* s) { return (uintptr_t)s <= 2 ? current : s->ctx; }
+
+#ifndef FAKE_NO_POOL_API  /* build with -DFAKE_NO_POOL_API to mimic a pre-11.2 driver */
+/* As documented: an explicit stream names its context; only the default stream needs a current one. */
+CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
+  struct ctx* c = stream_ctx(s);
+  if (!c) return E_INVALID_CONTEXT;
+  struct pool* p = &pools[c->dev];
+  pthread_mutex_lock(&mu);
+  uint64_t cached = p->reserved - p->used;
+  if (cached < n) {
+    if (used_on(c->dev) + (n - cached) > capacity) { pthread_mutex_unlock(&mu); return E_OOM; }
+    p->reserved += n - cached;
+  }
+  p->used += n;
+  pthread_mutex_unlock(&mu);
+  *out = (CUdeviceptr)(uintptr_t)fake_alloc(n, c->dev);
+  return OK;
+}
+CUresult cuMemFreeAsync(CUdeviceptr ptr, struct stream* s) {
+  if (!stream_ctx(s)) return E_INVALID_CONTEXT;
+  void* h = (void*)(uintptr_t)ptr;
+  int d = (int)((uint64_t*)((char*)h - 256))[1];
+  pthread_mutex_lock(&mu); pools[d].used -= hdr_size(h); pthread_mutex_unlock(&mu);
+  fake_free(h);
+  return OK;
+}
+CUresult cuDeviceGetDefaultMemPool(struct pool** p, int d) { NEED_DEV(d); if (no_pools) return 801; *p = &pools[d]; return OK; }
+CUresult cuMemPoolGetAttribute(struct pool* p, int attr, void* v) {
+  logf_("cuMemPoolGetAttribute dev=%d attr=%d", p->dev, attr);
+  uint64_t* o = v;
+  switch (attr) {
+    case 4: *o = p->threshold; break;
+    case 5: case 6: *o = p->reserved; break;
+    case 7: case 8: *o = p->used; break;
+    default: return E_INVALID_VALUE;
+  }
+  return OK;
+}
+CUresult cuMemPoolSetAttribute(struct pool* p, int attr, void* v) {
+  if (attr != 4) return E_INVALID_VALUE;
+  p->threshold = *(uint64_t*)v;
+  logf_("cuMemPoolSetAttribute dev=%d threshold=%llu", p->dev, (unsigned long long)p->threshold);
+  return OK;
+}
+CUresult cuMemPoolTrimTo(struct pool* p, size_t keep) {
+  logf_("cuMemPoolTrimTo dev=%d keep=%zu", p->dev, keep);
+  pthread_mutex_lock(&mu);
+  if (p->reserved > keep) {
+    uint64_t floor = keep > p->used ? keep : p->used;
+    p->reserved = floor;
+  }
+  pthread_mutex_unlock(&mu);
+  return OK;
+}
+#endif
+
+CUresult cuStreamCreate(struct stream** s, unsigned flags) {
+  (void)flags; NEED_CTX();
+  *s = malloc(sizeof **s);
+  (*s)->ctx = current;
+  return OK;
+}
+CUresult cuStreamDestroy_v2(struct stream* s) { if ((uintptr_t)s > 2) free(s); return OK; }
+CUresult cuStreamGetCtx(struct stream* s, struct ctx** c) {
+  if ((uintptr_t)s <= 2) { if (!current) return E_INVALID_CONTEXT; *c = current; return OK; }
+  *c = s->ctx;
+  return OK;
+}
+CUresult cuStreamSynchronize(struct stream* s) {
+  struct ctx* c = stream_ctx(s);
+  if (!c) return E_INVALID_CONTEXT;
+  pthread_mutex_lock(&mu); pool_sync(c->dev); pthread_mutex_unlock(&mu);
+  return OK;
+}
+
+CUresult cuEventCreate(struct event** e, unsigned flags) {
+  (void)flags; NEED_CTX();
+  *e = calloc(1, sizeof **e);
+  (*e)->ctx = current;
+  return OK;
+}
+CUresult cuEventDestroy_v2(struct event* e) { free(e); return OK; }
+CUresult cuEventRecord(struct event* e, struct stream* s) {
+  struct ctx* c = stream_ctx(s);
+  if (!c) return E_INVALID_CONTEXT;
+  if (c != e->ctx) return E_INVALID_HANDLE;  /* event and stream must share a context */
+  e->not_ready_left = event_not_ready;
+  return OK;
+}
+CUresult cuEventQuery(struct event* e) {
+  if (e->not_ready_left > 0) { e->not_ready_left--; return E_NOT_READY; }
+  return OK;
+}
+CUresult cuEventSynchronize(struct event* e) { e->not_ready_left = 0; return OK; }
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { NEED_CTX(); memcpy((void*)(uintptr_t)d, s, n); return OK; }
+CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { NEED_CTX(); memcpy(d, (void*)(uintptr_t)s, n); return OK; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct stream* st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
+CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, struct stream* st) { (void)st; return cuMemcpyDtoH_v2(d, s, n); }
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { NEED_CTX(); memset((void*)(uintptr_t)d, v, n); return OK; }
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, struct stream* st) { (void)st; return cuMemsetD8_v2(d, v, n); }

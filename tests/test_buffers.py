@@ -1,0 +1,277 @@
+"""pool.buffer(): owning buffers over pool memory, consumed through numpy, the buffer protocol,
+DLPack and the CUDA array interface, freed (stream-ordered) on release or collection."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+
+import numpy as np
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _dlpack
+from poolkeeper.buffers import BufferExportError, BufferReleasedError, PoolBuffer
+
+
+@pytest.fixture
+def host_pool():
+    return pk.ArenaPool(pk.upstream.Host(), initial_backing=1 << 20)
+
+
+@pytest.fixture
+def sim():
+    return pk.upstream.Simulated(latency_us=0)
+
+
+@pytest.fixture
+def dev_pool(sim):
+    return pk.ArenaPool(sim, initial_backing=1 << 20)
+
+
+def plain_stream(sim):
+    """A simulated stream whose number is not one DLPack/CAI reserve (1: legacy, 2: per-thread)."""
+    s = sim.stream()
+    while s <= 2:
+        s = sim.stream()
+    return s
+
+
+def live(pool):
+    return pool.stats()["live_bytes"]
+
+
+def capsule_name_is(cap, name: bytes) -> bool:
+    f = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_IsValid", ctypes.pythonapi))
+    return bool(f(cap, name))
+
+
+# -- host memory: numpy and the buffer protocol -------------------------------------------------
+
+
+def test_numpy_round_trip_shares_memory(host_pool):
+    b = host_pool.buffer(4096)
+    assert isinstance(b, PoolBuffer) and b.kind == "host" and len(b) == 4096
+    a = np.asarray(b)
+    assert a.dtype == np.uint8 and a.shape == (4096,)
+    assert a.ctypes.data == b.ptr  # no copy
+    a[:] = np.arange(4096) % 251
+    raw = (ctypes.c_ubyte * 4096).from_address(b.ptr)
+    assert bytes(raw) == a.tobytes()
+    mv = b.memoryview()
+    assert mv.format == "B" and mv.nbytes == 4096 and mv[10] == 10
+    mv[0] = 99
+    assert a[0] == 99
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python classes speak the buffer protocol from 3.12 (PEP 688)")
+def test_memoryview_of_buffer_directly(host_pool):
+    b = host_pool.buffer(64)
+    m = memoryview(b)
+    m[:] = bytes(range(64))
+    assert np.asarray(b)[63] == 63
+
+
+def test_numpy_from_dlpack_host(host_pool):
+    b = host_pool.buffer(1000)
+    np.asarray(b)[:] = 5
+    assert b.__dlpack_device__() == (_dlpack.KDL_CPU, 0)
+    x = np.from_dlpack(b)
+    assert x.shape == (1000,) and x.dtype == np.uint8 and x.ctypes.data == b.ptr
+    assert (x == 5).all()
+    x[3] = 42
+    assert np.asarray(b)[3] == 42
+
+
+def test_asarray_copy_and_dtype_requests(host_pool):
+    b = host_pool.buffer(16)
+    np.asarray(b)[:] = 1
+    c = np.array(b, copy=True)
+    assert c.ctypes.data != b.ptr
+    f = np.asarray(b, dtype=np.float32)
+    assert f.dtype == np.float32 and (f == 1.0).all()
+
+
+# -- lifetime ------------------------------------------------------------------------------------
+
+
+def test_release_returns_memory_and_twice_is_a_no_op(host_pool):
+    b = host_pool.buffer(8192)
+    assert live(host_pool) == 8192
+    b.release()
+    assert b.released and live(host_pool) == 0
+    b.release()
+    assert live(host_pool) == 0
+    host_pool.validate()
+
+
+def test_context_manager_releases(host_pool):
+    with host_pool.buffer(512) as b:
+        assert live(host_pool) == 512
+    assert b.released and live(host_pool) == 0
+
+
+def test_garbage_collection_frees(host_pool):
+    b = host_pool.buffer(3000)
+    assert live(host_pool) == 3000
+    del b
+    gc.collect()
+    assert live(host_pool) == 0
+    assert host_pool.stats()["live_blocks"] == 0
+
+
+def test_view_keeps_memory_after_release_until_it_goes(host_pool):
+    b = host_pool.buffer(2048)
+    a = np.asarray(b)
+    b.release()
+    assert live(host_pool) == 2048  # the numpy array still uses it
+    a[:] = 3  # still valid memory
+    del a
+    gc.collect()
+    assert live(host_pool) == 0
+
+
+def test_dlpack_consumer_keeps_buffer_alive(host_pool):
+    b = host_pool.buffer(1024)
+    x = np.from_dlpack(b)
+    del b
+    gc.collect()
+    assert live(host_pool) == 1024
+    assert (x == x).all()
+    del x
+    gc.collect()
+    assert live(host_pool) == 0
+    assert _dlpack.live_exports() == 0
+
+
+def test_unconsumed_capsule_runs_its_deleter(host_pool):
+    before = _dlpack.live_exports()
+    b = host_pool.buffer(256)
+    cap = b.__dlpack__()
+    assert capsule_name_is(cap, b"dltensor")
+    assert _dlpack.live_exports() == before + 1
+    b.release()
+    assert live(host_pool) == 256  # the capsule holds a claim
+    del cap
+    gc.collect()
+    assert _dlpack.live_exports() == before
+    assert live(host_pool) == 0
+
+
+def test_versioned_capsule_when_consumer_allows_it(host_pool):
+    b = host_pool.buffer(128)
+    cap = b.__dlpack__(max_version=(1, 0))
+    assert capsule_name_is(cap, b"dltensor_versioned")
+    legacy = b.__dlpack__(max_version=(0, 8))
+    assert capsule_name_is(legacy, b"dltensor")
+    del cap, legacy
+    gc.collect()
+
+
+def test_released_buffer_refuses_new_views(host_pool):
+    b = host_pool.buffer(64)
+    b.release()
+    with pytest.raises(BufferReleasedError):
+        b.__dlpack__()
+    with pytest.raises(BufferReleasedError):
+        np.asarray(b)
+    with pytest.raises(BufferReleasedError):
+        b.memoryview()
+
+
+def test_bad_request_leaks_nothing(host_pool):
+    with pytest.raises(pk.InvalidArgumentError):
+        host_pool.buffer(0)
+    with pytest.raises(pk.InvalidStreamError):
+        host_pool.buffer(64, stream="not a stream")
+    gc.collect()
+    assert live(host_pool) == 0 and host_pool.stats()["live_blocks"] == 0
+    host_pool.validate()
+
+
+# -- device memory (simulated device): interfaces reported -----------------------------------------
+
+
+def test_device_buffer_reports_cuda_array_interface(dev_pool):
+    b = dev_pool.buffer(4096)
+    assert b.kind == "device"
+    cai = b.__cuda_array_interface__
+    assert cai == {
+        "shape": (4096,),
+        "typestr": "|u1",
+        "data": (b.ptr, False),
+        "version": 3,
+        "strides": None,
+        "stream": None,  # allocated without a stream: nothing to synchronize on
+    }
+    assert b.__dlpack_device__() == (_dlpack.KDL_CUDA, 0)
+
+
+def test_cai_stream_numbers(dev_pool, sim):
+    legacy = dev_pool.buffer(256, stream=0)
+    assert legacy.__cuda_array_interface__["stream"] == 1  # CAI v3: 0 is disallowed, legacy is 1
+    s = plain_stream(sim)
+    other = dev_pool.buffer(256, stream=s)
+    assert other.__cuda_array_interface__["stream"] == s
+
+
+def test_device_buffer_has_no_host_views(dev_pool):
+    b = dev_pool.buffer(64)
+    with pytest.raises(BufferExportError):
+        np.asarray(b)
+    with pytest.raises(BufferExportError):
+        b.memoryview()
+
+
+def test_host_buffer_has_no_cuda_array_interface(host_pool):
+    assert not hasattr(host_pool.buffer(64), "__cuda_array_interface__")
+
+
+def test_device_dlpack_capsule_and_argument_checks(dev_pool):
+    b = dev_pool.buffer(512)
+    cap = b.__dlpack__(stream=None)
+    assert capsule_name_is(cap, b"dltensor")
+    with pytest.raises(BufferExportError):
+        b.__dlpack__(copy=True)
+    with pytest.raises(BufferExportError):
+        b.__dlpack__(dl_device=(_dlpack.KDL_CPU, 0))
+    with pytest.raises(BufferExportError):
+        b.__dlpack__(stream="default")
+    del cap
+    gc.collect()
+
+
+def test_release_is_stream_ordered_on_the_buffer_stream(dev_pool, sim):
+    s = sim.stream()
+    b = dev_pool.buffer(4096, stream=s)
+    sim.enqueue(s, 100.0)
+    del b
+    gc.collect()
+    st = dev_pool.stats()
+    assert st["live_bytes"] == 0
+    assert st["pending_bytes"] == 4096  # other streams wait for s's work
+    sim.advance(1000.0)
+    dev_pool.process_pending()
+    assert dev_pool.stats()["pending_bytes"] == 0
+
+
+def test_release_without_stream_is_free_at_once(dev_pool):
+    b = dev_pool.buffer(4096)
+    b.release()
+    st = dev_pool.stats()
+    assert st["live_bytes"] == 0 and st["pending_bytes"] == 0
+
+
+def test_dlpack_consumer_stream_is_waited_for(dev_pool, sim):
+    consumer = plain_stream(sim)
+    b = dev_pool.buffer(4096)
+    cap = b.__dlpack__(stream=consumer)
+    sim.enqueue(consumer, 100.0)  # the consumer works on the memory
+    del cap
+    gc.collect()
+    b.release()
+    assert dev_pool.stats()["pending_bytes"] == 4096  # not reusable elsewhere before that work ends
+    sim.advance(1000.0)
+    dev_pool.process_pending()
+    assert dev_pool.stats()["pending_bytes"] == 0
+    dev_pool.validate()

@@ -1,0 +1,287 @@
+"""poolkeeper's CUDA code paths against a fake driver (tests/fake_cuda/fake_libcuda.c), so CI
+without a GPU exercises the loader, error mapping, context handling, the event-driven stream
+order and the warm-pool manager through the real CudaDevice / CudaAsync / CudaPinned classes.
+
+The fake stands in for the driver's *interface*; what CUDA itself does with memory is checked by
+the GPU tests (tests/gpu). Each scenario runs in a subprocess: the driver is loaded once per process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).parent / "fake_cuda" / "fake_libcuda.c"
+CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to build the fake driver")
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fakecuda")
+    libs = {}
+    for name, extra in (("full", []), ("nopool", ["-DFAKE_NO_POOL_API"])):
+        out = d / name / "libcuda.so.1"
+        out.parent.mkdir()
+        subprocess.run([CC, "-shared", "-fPIC", "-O1", *extra, "-o", str(out), str(SRC), "-lpthread"], check=True)
+        libs[name] = str(out)
+    libs["dir"] = d
+    return libs
+
+
+def run(lib: str, code: str, **env) -> dict:
+    e = dict(os.environ)
+    e["POOLKEEPER_LIBCUDA"] = lib
+    e.update({k: str(v) for k, v in env.items()})
+    pre = "import json, threading\nimport poolkeeper as pk\nfrom poolkeeper import cuda, _core\nfrom poolkeeper.cuda import driver, warm\n"
+    r = subprocess.run([sys.executable, "-c", pre + textwrap.dedent(code)], env=e, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ---- loading and availability ----
+
+@pytest.mark.parametrize("code,expect", [(100, "CUDA_ERROR_NO_DEVICE"), (34, "stub library"), (3, "cuInit failed")])
+def test_cuinit_failure_makes_cuda_unavailable_with_the_reason(fakes, code, expect):
+    out = run(fakes["full"], """
+        try:
+            pk.upstream.CudaDevice()
+            err = None
+        except pk.CudaUnavailableError as e:
+            err = str(e)
+        print(json.dumps({"avail": cuda.is_available(), "reason": cuda.unavailable_reason(), "err": err}))
+    """, FAKE_CUDA_INIT_RESULT=code)
+    assert out["avail"] is False
+    assert expect in out["reason"]
+    assert out["err"] and expect in out["err"]
+
+
+def test_zero_devices_is_unavailable(fakes):
+    out = run(fakes["full"], 'print(json.dumps({"avail": cuda.is_available(), "reason": cuda.unavailable_reason()}))',
+              FAKE_CUDA_DEVICES=0)
+    assert out == {"avail": False, "reason": "no CUDA device: the driver reports 0 devices"}
+
+
+def test_devices_report_what_the_driver_says(fakes):
+    out = run(fakes["full"], """
+        print(json.dumps({"n": cuda.device_count(), "v": cuda.driver_version(),
+                          "devs": [d.__dict__ for d in cuda.devices()]}))
+    """, FAKE_CUDA_DEVICES=2)
+    assert out["n"] == 2 and out["v"] == 13000
+    assert [d["name"] for d in out["devs"]] == ["Fake GPU 0", "Fake GPU 1"]
+    assert out["devs"][1]["pci_bus_id"] == "0000:02:00.0"
+    assert out["devs"][0]["compute_capability"] == [9, 0]
+    assert all(d["memory_pools_supported"] for d in out["devs"])
+
+
+def test_driver_without_pool_api_still_serves_cuda_device(fakes):
+    out = run(fakes["nopool"], """
+        up = pk.upstream.CudaDevice()
+        p = up.allocate(4096); up.deallocate(p, 4096)
+        try:
+            pk.upstream.CudaAsync(); err = None
+        except pk.CudaUnavailableError as e:
+            err = str(e)
+        print(json.dumps({"pools": cuda.devices()[0].memory_pools_supported, "err": err,
+                          "allocs": up.counters()["allocations"]}))
+    """)
+    assert out["pools"] is False and out["allocs"] == 1
+    assert "stream-ordered allocator" in out["err"]
+
+
+def test_bad_device_index_is_an_invalid_argument(fakes):
+    out = run(fakes["full"], """
+        try:
+            pk.upstream.CudaDevice(3); err = None
+        except pk.InvalidArgumentError as e:
+            err = str(e)
+        print(json.dumps({"err": err, "warm": warm.state().total_handles}))
+    """, FAKE_CUDA_DEVICES=2)
+    assert "CUDA device 3 does not exist (2 devices visible)" in out["err"]
+
+
+# ---- upstreams, errors, contexts ----
+
+def test_out_of_memory_carries_the_cuda_error_name(fakes):
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaDevice()
+        try:
+            up.allocate(2 << 20); r = None
+        except pk.UpstreamError as e:
+            r = {"type": type(e).__name__, "name": e.error_name, "code": e.code, "msg": str(e)}
+        pool = pk.SizeClassPool(up)
+        try:
+            pool.allocate(2 << 20); oom = None
+        except pk.OutOfMemoryError as e:
+            oom = {"cause": e.cause, "upstream_error": e.upstream_error}
+        c = up.counters()
+        print(json.dumps({"err": r, "oom": oom, "failed": c["failed_allocations"], "out": c["outstanding_bytes"]}))
+    """, FAKE_CUDA_CAPACITY=1 << 20)
+    assert out["err"]["name"] == "CUDA_ERROR_OUT_OF_MEMORY" and out["err"]["code"] == 2
+    assert "cuMemAlloc(2.00 MiB) on device 0 failed: CUDA_ERROR_OUT_OF_MEMORY" in out["err"]["msg"]
+    assert out["oom"]["cause"] == "upstream"
+    assert out["failed"] >= 2 and out["out"] == 0
+
+
+def test_calls_leave_the_threads_current_context_as_it_was(fakes):
+    out = run(fakes["full"], """
+        res = {}
+        def fresh_thread():
+            # a thread with no current context keeps none
+            up = pk.upstream.CudaDevice(1)
+            p = up.allocate(256); up.deallocate(p, 256); up.synchronize()
+            res["fresh"] = _core.cuda_current_device()
+        t = threading.Thread(target=fresh_thread); t.start(); t.join()
+        driver.set_device(0)
+        up1 = pk.upstream.CudaDevice(1)
+        p = up1.allocate(256)
+        res["after_dev1_alloc"] = _core.cuda_current_device()
+        up1.deallocate(p, 256)
+        a = pk.upstream.CudaAsync(1)
+        q = a.allocate(256); a.deallocate(q, 256)
+        res["after_async"] = _core.cuda_current_device()
+        del a
+        res["after_warm_release"] = _core.cuda_current_device()
+        print(json.dumps(res))
+    """, FAKE_CUDA_DEVICES=2)
+    assert out == {"fresh": -1, "after_dev1_alloc": 0, "after_async": 0, "after_warm_release": 0}
+
+
+def test_pinned_upstream(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        up = pk.upstream.CudaPinned()
+        p = up.allocate(1 << 16)
+        ctypes.memset(p, 7, 1 << 16)  # host-addressable
+        up.deallocate(p, 1 << 16)
+        print(json.dumps({"kind": up.kind, "name": up.name, "c": up.counters()["deallocations"]}))
+    """)
+    assert out == {"kind": "pinned", "name": "CudaPinned", "c": 1}
+
+
+# ---- stream order on CUDA events ----
+
+def test_pool_over_cuda_device_waits_for_the_event_before_cross_stream_reuse(fakes):
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaDevice()
+        pool = pk.SizeClassPool(up)
+        a, b = driver.Stream(), driver.Stream()
+        p = pool.allocate(4096, stream=a)
+        pool.deallocate(p, stream=a)
+        same = pool.allocate(4096, stream=a)   # same stream: reusable at once
+        pool.deallocate(same, stream=a)
+        q = pool.allocate(4096, stream=b)      # other stream: event not ready yet
+        pend = [pool.stats()["pending_bytes"]]
+        for _ in range(4):
+            pool.process_pending(); pend.append(pool.stats()["pending_bytes"])
+        r = pool.allocate(4096, stream=b)
+        pool.deallocate(q, stream=b); pool.deallocate(r, stream=b)
+        pool.synchronize()
+        pool.validate()
+        print(json.dumps({"same": same == p, "q_is_p": q == p, "pend": pend, "r_is_p": r == p,
+                          "events_created": up.events_created, "events_in_use": up.events_in_use,
+                          "final_pending": pool.stats()["pending_bytes"]}))
+        pool.close()
+    """, FAKE_CUDA_EVENT_NOT_READY=2)
+    assert out["same"] is True
+    assert out["q_is_p"] is False, "a block pending on stream A was handed to stream B"
+    assert out["pend"][0] > 0 and out["pend"][-1] == 0
+    assert out["r_is_p"] is True, "once the event completed, the block is reusable anywhere"
+    assert out["events_in_use"] == 0 and 1 <= out["events_created"] <= 3
+    assert out["final_pending"] == 0
+
+
+def test_driver_helpers_round_trip(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        up = pk.upstream.CudaDevice()
+        d = up.allocate(64)
+        src = ctypes.create_string_buffer(b"poolkeeper", 64)
+        dst = ctypes.create_string_buffer(64)
+        s = driver.Stream()
+        driver.memcpy_htod_async(d, ctypes.addressof(src), 64, s.handle)
+        ev = driver.Event.record(s.handle)
+        q = [ev.query(), ev.query(), ev.query()]
+        ev.synchronize()
+        driver.memcpy_dtoh(ctypes.addressof(dst), d, 64)
+        driver.memset_d8(d, 0x41, 4)
+        driver.memcpy_dtoh(ctypes.addressof(dst), d, 64)
+        proto = s.__cuda_stream__()
+        s.close(); s.close()
+        print(json.dumps({"q": q, "val": dst.value.decode(), "proto": proto[1] != 0}))
+    """, FAKE_CUDA_EVENT_NOT_READY=2)
+    assert out["q"] == [False, False, True]
+    assert out["val"] == "AAAAkeeper"
+    assert out["proto"] is True
+
+
+# ---- the warm pool through CudaAsync ----
+
+def test_cuda_async_keeps_the_default_pool_warm_and_gives_it_back(fakes):
+    out = run(fakes["full"], """
+        MiB = 1 << 20
+        a = pk.upstream.CudaAsync()
+        s = {"during": warm.release_threshold(0)}
+        p = a.allocate(64 * MiB); a.deallocate(p, 64 * MiB); a.synchronize()
+        s["retained"] = warm.reserved_bytes(0)
+        live = a.allocate(8 * MiB)
+        s["handles"] = warm.state().total_handles
+        b = pk.upstream.CudaAsync(warm=False)
+        del a
+        s["after"] = warm.release_threshold(0)
+        s["reserved_after"] = warm.reserved_bytes(0)
+        s["used_after"] = warm.used_bytes(0)
+        b.deallocate(live, 8 * MiB)
+        print(json.dumps(s))
+    """)
+    assert out["during"] == 2**64 - 1
+    assert out["retained"] >= 64 << 20
+    assert out["handles"] == 1
+    assert out["after"] == 0
+    assert out["used_after"] == 8 << 20
+    assert 8 << 20 <= out["reserved_after"] < 64 << 20
+
+
+def test_release_trims_every_raised_device_in_its_own_context(fakes):
+    log = fakes["dir"] / "two_dev.log"
+    out = run(fakes["full"], """
+        a0 = pk.upstream.CudaAsync(0); a1 = pk.upstream.CudaAsync(1)
+        def teardown():
+            driver.set_device(1)   # the destroying thread is current on the other device
+            global a0, a1
+            del a1
+            del a0
+        t = threading.Thread(target=teardown); t.start(); t.join()
+        print(json.dumps({"t0": warm.release_threshold(0), "t1": warm.release_threshold(1)}))
+    """, FAKE_CUDA_DEVICES=2, FAKE_CUDA_LOG=log)
+    assert out == {"t0": 0, "t1": 0}
+    lines = log.read_text().splitlines()
+    trims = [l for l in lines if l.startswith("cuMemPoolTrimTo")]
+    assert trims == ["cuMemPoolTrimTo dev=0 keep=0 cur=0", "cuMemPoolTrimTo dev=1 keep=0 cur=1"]
+    syncs = [l for l in lines if l.startswith("cuCtxSynchronize")]
+    assert "cuCtxSynchronize dev=0 cur=0" in syncs and "cuCtxSynchronize dev=1 cur=1" in syncs
+    # order per device: synchronize, restore, trim
+    i_sync = lines.index("cuCtxSynchronize dev=0 cur=0")
+    i_set = lines.index("cuMemPoolSetAttribute dev=0 threshold=0 cur=0")
+    i_trim = lines.index("cuMemPoolTrimTo dev=0 keep=0 cur=0")
+    assert i_sync < i_set < i_trim
+
+
+def test_release_from_a_thread_current_on_another_device_trims_the_recorded_one(fakes):
+    log = fakes["dir"] / "seed_bug.log"
+    run(fakes["full"], """
+        a0 = pk.upstream.CudaAsync(0)
+        driver.set_device(1)
+        del a0
+        print(json.dumps({}))
+    """, FAKE_CUDA_DEVICES=2, FAKE_CUDA_LOG=log)
+    lines = log.read_text().splitlines()
+    assert [l for l in lines if l.startswith("cuMemPoolTrimTo")] == ["cuMemPoolTrimTo dev=0 keep=0 cur=0"]
+    assert not any("dev=1" in l for l in lines if l.startswith("cuMemPool"))

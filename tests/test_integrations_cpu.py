@@ -1,0 +1,448 @@
+"""The PyTorch and CuPy integrations without a GPU (and without torch or cupy installed).
+
+PyTorch's side is played by a stand-in module that does what torch.cuda.memory does with the
+names it is given (ctypes-loads the library, resolves the symbols, hands hook addresses to the
+allocator object); the allocator calls PyTorch would make are then made through those very
+function pointers with PyTorch's signatures, over a simulated device. CuPy's side is a stand-in
+with CuPy's allocator interface. The real frameworks are exercised in tests/gpu/.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+import sys
+import types
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.integrations import _common
+from poolkeeper.integrations import cupy as pk_cupy
+from poolkeeper.integrations import torch as pk_torch
+
+# PyTorch's pluggable-allocator signatures.
+MALLOC_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+RECORD_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+RESET_T = ctypes.CFUNCTYPE(None)
+
+EXPORTED = [
+    "poolkeeper_torch_malloc",
+    "poolkeeper_torch_free",
+    "poolkeeper_torch_record_stream",
+    "poolkeeper_empty_cache",
+    "poolkeeper_malloc",
+    "poolkeeper_free",
+    "poolkeeper_last_error",
+    "poolkeeper_torch_malloc_raising",
+    "poolkeeper_torch_record_stream_hook",
+    "poolkeeper_torch_empty_cache_hook",
+    "poolkeeper_torch_hook_counters",
+]
+
+
+def address(name):
+    return ctypes.cast(getattr(ctypes.CDLL(_core.__file__), name), ctypes.c_void_p).value
+
+
+# -- a stand-in for torch -------------------------------------------------------------------------
+
+
+class FakeNativeAllocator:
+    def __init__(self, with_hooks=True):
+        self.set = {}
+        if with_hooks:
+            self.set_record_stream_fn = lambda p: self.set.__setitem__("record_stream", p)
+            self.set_reset_fn = lambda p: self.set.__setitem__("reset", p)
+
+
+class FakePluggableAllocator:
+    with_hooks = True
+
+    def __init__(self, path, alloc_fn_name, free_fn_name):
+        lib = ctypes.CDLL(path)  # what torch does: fails if the names are not exported
+        self.alloc = ctypes.cast(getattr(lib, alloc_fn_name), ctypes.c_void_p).value
+        self.free = ctypes.cast(getattr(lib, free_fn_name), ctypes.c_void_p).value
+        self._native = FakeNativeAllocator(self.with_hooks)
+
+    def allocator(self):
+        self._native._pluggable_alloc = self.alloc
+        return self._native
+
+    # What PyTorch does with the pointers it was given.
+    def malloc(self, size, device, stream):
+        return MALLOC_T(self.alloc)(size, device, stream)
+
+    def free_(self, ptr, size, device, stream):
+        FREE_T(self.free)(ptr, size, device, stream)
+
+    def record_stream(self, ptr, stream):
+        RECORD_T(self._native.set["record_stream"])(ptr, stream)
+
+    def empty_cache(self):
+        RESET_T(self._native.set["reset"])()
+
+
+class FakeMemPool:
+    def __init__(self, allocator=None, use_on_oom=False):
+        self.allocator = allocator
+
+
+def make_fake_torch(initialized=False, swap_error=None, with_hooks=True):
+    torch = types.ModuleType("torch")
+    cuda = types.ModuleType("torch.cuda")
+    memory = types.ModuleType("torch.cuda.memory")
+    torch.cuda, cuda.memory = cuda, memory
+    cuda.is_initialized = lambda: initialized
+    cuda.current_device = lambda: 0
+    cuda.MemPool = FakeMemPool
+    swaps = []
+
+    class Pluggable(FakePluggableAllocator):
+        pass
+
+    Pluggable.with_hooks = with_hooks
+    memory.CUDAPluggableAllocator = Pluggable
+
+    def change_current_allocator(a):
+        if swap_error:
+            raise RuntimeError(swap_error)
+        swaps.append(a)
+
+    memory.change_current_allocator = change_current_allocator
+    torch.swaps = swaps
+    return torch
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    def use(**kw):
+        t = make_fake_torch(**kw)
+        monkeypatch.setitem(sys.modules, "torch", t)
+        monkeypatch.setitem(sys.modules, "torch.cuda", t.cuda)
+        monkeypatch.setitem(sys.modules, "torch.cuda.memory", t.cuda.memory)
+        return t
+
+    pk_torch._forget_for_tests()
+    yield use
+    pk_torch._forget_for_tests()
+
+
+# -- the C symbols ------------------------------------------------------------------------------
+
+
+def test_c_symbols_are_exported_from_the_core_module():
+    lib = ctypes.CDLL(pk_torch.library_path())
+    for name in EXPORTED:
+        assert getattr(lib, name), name
+    assert pk_torch.library_path() == _core.__file__
+
+
+def test_importing_poolkeeper_imports_no_framework():
+    code = (
+        "import sys, poolkeeper, poolkeeper.buffers, poolkeeper.integrations.torch, poolkeeper.integrations.cupy\n"
+        "bad = [m for m in ('torch', 'cupy', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# -- install(): wiring and refusals ----------------------------------------------------------------
+
+
+def test_install_without_torch_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    with pytest.raises(_common.MissingDependencyError, match=r"poolkeeper\[torch\]") as e:
+        pk_torch.install()
+    assert isinstance(e.value, ImportError) and isinstance(e.value, pk.PoolkeeperError)
+    assert not _core.registry_has_factory()
+
+
+def test_install_wires_our_symbols_and_hooks(fake_torch):
+    t = fake_torch()
+    inst = pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
+    (alloc,) = t.swaps
+    assert alloc.alloc == address("poolkeeper_torch_malloc_raising")
+    assert alloc.free == address("poolkeeper_torch_free")
+    assert alloc.allocator().set == {
+        "record_stream": address("poolkeeper_torch_record_stream_hook"),
+        "reset": address("poolkeeper_torch_empty_cache_hook"),
+    }
+    assert inst.hooks == {"record_stream": True, "empty_cache": True}
+    assert pk_torch.installation() is inst and _core.registry_has_factory()
+
+
+def test_hooks_missing_from_torch_are_reported_not_faked(fake_torch):
+    fake_torch(with_hooks=False)
+    inst = pk_torch.install("arena", upstream="simulated")
+    assert inst.hooks == {"record_stream": False, "empty_cache": False}
+
+
+def test_install_after_cuda_initialized_is_refused_and_explained(fake_torch):
+    t = fake_torch(initialized=True)
+    with pytest.raises(_common.AllocatorInitializedError, match="before CUDA is initialized") as e:
+        pk_torch.install()
+    assert "use_mempool" in str(e.value)
+    assert t.swaps == [] and not _core.registry_has_factory() and pk_torch.installation() is None
+
+
+def test_torch_refusing_the_swap_becomes_our_error(fake_torch):
+    fake_torch(swap_error="Can't swap an already initialized allocator")
+    with pytest.raises(_common.AllocatorInitializedError, match="PyTorch said"):
+        pk_torch.install("arena", upstream="simulated")
+    assert not _core.registry_has_factory() and pk_torch.installation() is None
+
+
+def test_bad_option_installs_nothing(fake_torch):
+    t = fake_torch()
+    with pytest.raises(pk.InvalidArgumentError, match="max_bakcing"):
+        pk_torch.install("arena", upstream="simulated", max_bakcing=1 << 30)
+    assert t.swaps == [] and not _core.registry_has_factory()
+
+
+def test_second_install_same_is_idempotent_different_is_refused(fake_torch):
+    t = fake_torch()
+    a = pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
+    assert pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20) is a
+    with pytest.raises(_common.IntegrationError, match="already PyTorch's allocator"):
+        pk_torch.install("size_class", upstream="simulated")
+    assert len(t.swaps) == 1
+
+
+# -- what PyTorch's calls do once installed -------------------------------------------------------
+
+
+def test_pytorch_calls_reach_lazily_made_per_device_pools(fake_torch):
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
+    (alloc,) = t.swaps
+    assert pk_torch.pools() == {}
+    with pytest.raises(_common.IntegrationError, match="nothing has been allocated"):
+        pk_torch.stats()
+    p = alloc.malloc(1 << 16, 1, None)
+    assert p and set(pk_torch.pools()) == {1}
+    assert pk_torch.stats(1)["live_bytes"] == 1 << 16
+    assert pk_torch.stats()["live_bytes"] == 1 << 16  # the only device is the default
+    q = alloc.malloc(4096, 3, None)
+    assert set(pk_torch.pools()) == {1, 3}
+    assert alloc.malloc(0, 1, None) is None  # PyTorch's convention for empty tensors
+    alloc.free_(p, 1 << 16, 1, None)
+    alloc.free_(q, 4096, 3, None)
+    assert pk_torch.stats(1)["live_bytes"] == 0 and pk_torch.stats(3)["live_bytes"] == 0
+    snap = pk_torch.snapshot(1)
+    assert snap.to_dict()["backings"]
+    for pool in pk_torch.pools().values():
+        pool.validate()
+
+
+def test_record_stream_hook_delays_reuse_until_that_stream_is_done(fake_torch):
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
+    (alloc,) = t.swaps
+    before = pk_torch.hook_counters()
+    alloc_stream, side = 5, 9
+    p = alloc.malloc(8192, 0, alloc_stream)
+    sim = pk_torch.pools()[0].upstream
+    alloc.record_stream(p, side)  # tensor.record_stream(side_stream)
+    sim.enqueue(side, 100.0)  # the side stream still works on the tensor
+    alloc.free_(p, 8192, 0, alloc_stream)
+    assert pk_torch.stats(0)["pending_bytes"] == 8192
+    sim.advance(1000.0)
+    pk_torch.pools()[0].process_pending()
+    assert pk_torch.stats(0)["pending_bytes"] == 0
+    alloc.record_stream(0xDEAD0000, side)  # not ours: ignored and counted
+    after = pk_torch.hook_counters()
+    assert after["record_stream"] == before["record_stream"] + 1
+    assert after["record_stream_unowned"] == before["record_stream_unowned"] + 1
+
+
+def test_empty_cache_hook_returns_free_backings(fake_torch):
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20, max_backing=1 << 22)
+    (alloc,) = t.swaps
+    before = pk_torch.hook_counters()["empty_cache"]
+    keep = alloc.malloc(4096, 0, None)
+    big = alloc.malloc(64 << 20, 0, None)  # oversize: its own backing
+    alloc.free_(big, 64 << 20, 0, None)
+    reserved = pk_torch.stats(0)["reserved_bytes"]
+    assert reserved >= 64 << 20
+    alloc.empty_cache()  # torch.cuda.empty_cache()
+    assert pk_torch.stats(0)["reserved_bytes"] <= reserved - (64 << 20)
+    assert pk_torch.hook_counters()["empty_cache"] == before + 1
+    alloc.free_(keep, 4096, 0, None)
+
+
+def test_install_with_an_existing_pool_serves_its_device(fake_torch):
+    t = fake_torch()
+    pool = pk.SizeClassPool(pk.upstream.Simulated(latency_us=0))
+    pk_torch.install(pool)  # a simulated upstream has device -1
+    (alloc,) = t.swaps
+    assert _core.registry_get(-1) is not None
+    assert not _core.registry_has_factory()
+
+
+# -- mempool() ------------------------------------------------------------------------------------
+
+
+def test_mempool_gets_a_pluggable_allocator_over_our_symbols(fake_torch):
+    fake_torch()
+    mp = pk_torch.mempool("arena", upstream="simulated")
+    assert isinstance(mp, FakeMemPool)
+    # MemPool segments come through PyTorch's native allocator, which checks for NULL itself
+    assert mp.allocator._pluggable_alloc == address("poolkeeper_torch_malloc")
+    assert _core.registry_has_factory()
+    mp2 = pk_torch.mempool("arena", upstream="simulated")
+    assert mp2.allocator is mp.allocator  # one allocator per process
+    with pytest.raises(_common.IntegrationError, match="already"):
+        pk_torch.mempool("size_class", upstream="simulated")
+    with pytest.raises(_common.IntegrationError, match="mempool"):
+        pk_torch.install("arena", upstream="simulated")
+
+
+def test_mempool_after_install_is_refused(fake_torch):
+    fake_torch()
+    pk_torch.install("arena", upstream="simulated")
+    with pytest.raises(_common.IntegrationError, match="native allocator"):
+        pk_torch.mempool()
+
+
+# -- a stand-in for cupy --------------------------------------------------------------------------
+
+
+def make_fake_cupy(device=0):
+    cupy = types.ModuleType("cupy")
+    cuda = types.SimpleNamespace()
+    cupy.cuda = cuda
+    state = {"allocator": "cupy-default", "pinned": "cupy-default-pinned", "stream": 0}
+
+    class Memory:
+        def __init__(self, size):
+            self.ptr, self.size = 0, size
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id=None):
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    class PinnedMemory(Memory):
+        pass
+
+    class PinnedMemoryPointer(MemoryPointer):
+        pass
+
+    class OutOfMemoryError(MemoryError):
+        def __init__(self, size, total, limit=0):
+            super().__init__(f"Out of memory allocating {size} bytes (allocated so far: {total} bytes)")
+
+    cuda.memory = types.SimpleNamespace(Memory=Memory, OutOfMemoryError=OutOfMemoryError)
+    cuda.MemoryPointer, cuda.UnownedMemory = MemoryPointer, UnownedMemory
+    cuda.PinnedMemory, cuda.PinnedMemoryPointer = PinnedMemory, PinnedMemoryPointer
+    cuda.runtime = types.SimpleNamespace(getDevice=lambda: device)
+    cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=state["stream"])
+    cuda.get_allocator = lambda: state["allocator"]
+    cuda.set_allocator = lambda a=None: state.__setitem__("allocator", a)
+    cuda.set_pinned_memory_allocator = lambda a=None: state.__setitem__("pinned", a)
+    cupy.get_default_pinned_memory_pool = lambda: types.SimpleNamespace(malloc="cupy-default-pinned")
+    cupy.state = state
+    return cupy
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    c = make_fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", c)
+    yield c
+    if pk_cupy.installation() is not None:
+        pk_cupy.uninstall()
+
+
+def test_cupy_install_without_cupy_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(_common.MissingDependencyError, match=r"poolkeeper\[cupy\]"):
+        pk_cupy.install(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)), pinned=False)
+
+
+def test_cupy_allocations_come_from_our_pool_and_free_on_collection(fake_cupy):
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0), initial_backing=1 << 20)
+    pinned = pk.ArenaPool(pk.upstream.Host(), initial_backing=1 << 20)
+    inst = pk_cupy.install(pool, pinned=pinned)
+    alloc, palloc = fake_cupy.state["allocator"], fake_cupy.state["pinned"]
+    assert alloc is inst.allocator and palloc is inst.pinned_allocator
+    mp = alloc(1024)
+    assert mp.ptr == mp.mem.ptr and mp.mem.size == 1024 and mp.mem.device_id == 0
+    assert pool.stats()["live_bytes"] == 1024
+    del mp
+    gc.collect()
+    assert pool.stats()["live_bytes"] == 0
+    z = alloc(0)
+    assert z.mem.size == 0 and pool.stats()["live_blocks"] == 0
+    pp = palloc(3000)
+    assert pinned.stats()["live_bytes"] == 3000 and int(pp.mem) == pp.ptr
+    del pp
+    gc.collect()
+    assert pinned.stats()["live_bytes"] == 0
+
+
+def test_cupy_free_is_ordered_on_the_allocating_stream(fake_cupy):
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=1 << 20)
+    pk_cupy.install(pool, pinned=False)
+    s = sim.stream()
+    fake_cupy.state["stream"] = s  # with cupy.cuda.Stream(): ...
+    mp = fake_cupy.state["allocator"](4096)
+    sim.enqueue(s, 50.0)
+    fake_cupy.state["stream"] = 0
+    del mp
+    gc.collect()
+    assert pool.stats()["pending_bytes"] == 4096
+    sim.advance(100.0)
+    pool.process_pending()
+    assert pool.stats()["pending_bytes"] == 0
+
+
+def test_cupy_oom_is_cupys_error_with_our_diagnosis(fake_cupy):
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0), initial_backing=1 << 20, limit=1 << 20)
+    pk_cupy.install(pool, pinned=False)
+    with pytest.raises(MemoryError) as e:
+        fake_cupy.state["allocator"](4 << 20)
+    assert type(e.value) is fake_cupy.cuda.memory.OutOfMemoryError
+    assert isinstance(e.value.__cause__, pk.OutOfMemoryError)
+    assert "limit" in e.value.poolkeeper_diagnosis
+
+
+def test_cupy_uninstall_restores_previous_allocators(fake_cupy):
+    pk_cupy.install(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)), pinned=pk.ArenaPool(pk.upstream.Host()))
+    with pytest.raises(_common.IntegrationError, match="uninstall"):
+        pk_cupy.install(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)))
+    pk_cupy.uninstall()
+    assert fake_cupy.state["allocator"] == "cupy-default"
+    assert fake_cupy.state["pinned"] == "cupy-default-pinned"
+    assert pk_cupy.installation() is None
+    pk_cupy.uninstall()  # not installed: nothing happens
+
+
+def test_cupy_block_outliving_uninstall_still_returns_to_its_pool(fake_cupy):
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+    pk_cupy.install(pool, pinned=False)
+    mp = fake_cupy.state["allocator"](2048)
+    pk_cupy.uninstall()
+    assert pool.stats()["live_bytes"] == 2048
+    del mp
+    gc.collect()
+    assert pool.stats()["live_bytes"] == 0
+
+
+def test_cupy_pool_for_one_device_refuses_another(fake_cupy, monkeypatch):
+    class DevicePool:  # a pool whose upstream is device 0
+        upstream = types.SimpleNamespace(device=0)
+
+    monkeypatch.setattr(fake_cupy.cuda.runtime, "getDevice", lambda: 1)
+    pk_cupy.install(DevicePool(), pinned=False)
+    with pytest.raises(_common.IntegrationError, match="device 0, not device 1"):
+        fake_cupy.state["allocator"](64)

@@ -1,0 +1,341 @@
+"""The Uploader on the Host upstream: bytes arrive intact, buffers are reused, fill overlaps copy."""
+from __future__ import annotations
+
+import ctypes
+import io
+import threading
+
+import numpy as np
+import pytest
+
+import poolkeeper as pk
+from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.staging import PinnedStagingPool, Uploader, _engine
+from poolkeeper.staging.sources import MemorySource, Source
+
+CHUNK = 64 * 1024
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def host():
+    return pk.upstream.Host()
+
+
+@pytest.fixture
+def uploader(host):
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=3, depth=2)
+    yield up
+    up.close()
+
+
+def chunk_schedule(n: int, chunk: int, ramp: bool = True) -> list:
+    """(offset, size) of each chunk: with the ramp, chunk/8, /4, /2, then whole chunks."""
+    out, off = [], 0
+    size = max(min(chunk, 256 * 1024), chunk // 8) if ramp else chunk
+    while off < n:
+        out.append((off, min(size, n - off)))
+        off += out[-1][1]
+        size = min(2 * size, chunk)
+    return out
+
+
+class RecordingSource(Source):
+    """A memory source whose fills can be held and observed."""
+
+    def __init__(self, data: bytes, before_fill=None) -> None:
+        self._inner = MemorySource(data)
+        self.data = data
+        self.nbytes = self._inner.nbytes
+        self.before_fill = before_fill
+        self.filled: list = []
+
+    def fill(self, buf, offset, n):
+        if self.before_fill is not None:
+            self.before_fill(offset)
+        self._inner.fill(buf, offset, n)
+        self.filled.append(offset)
+
+    def close(self):
+        self._inner.close()
+
+
+SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 123, 40 * CHUNK + 4097]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "numpy"])
+def test_memory_sources_arrive_intact(uploader, n, kind):
+    data = payload(n, seed=n)
+    src = {
+        "bytes": lambda: data,
+        "bytearray": lambda: bytearray(data),
+        "memoryview": lambda: memoryview(data),
+        "numpy": lambda: np.frombuffer(data, dtype=np.uint8).copy(),
+    }[kind]()
+    dst = bytearray(n)
+    report = uploader.upload(src, dst)
+    assert dst == data
+    assert report.nbytes == n and report.chunks == len(chunk_schedule(n, CHUNK))
+
+
+def test_multi_dimensional_numpy_source_and_pointer_destination(uploader):
+    src = np.arange(3 * 1000 * 77, dtype=np.uint32).reshape(3, 1000, 77)
+    dst = np.zeros_like(src)
+    uploader.upload(src, dst.ctypes.data)
+    assert np.array_equal(src, dst)
+
+
+def test_large_chunks_many_workers_arrive_intact(host):
+    data = payload(5 * (4 << 20) + 12345, seed=7)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, workers=4, depth=2) as up:
+        report = up.upload(data, dst)
+    assert dst == data and report.workers == 4
+
+
+def test_path_source(uploader, tmp_path):
+    data = payload(7 * CHUNK + 99, seed=3)
+    p = tmp_path / "weights.bin"
+    p.write_bytes(data)
+    dst = bytearray(len(data))
+    uploader.upload(p, dst)
+    assert dst == data
+    dst2 = bytearray(len(data))
+    uploader.upload(str(p), dst2)
+    assert dst2 == data
+
+
+def test_large_path_source_read_in_parallel(host, tmp_path):
+    data = payload(2 * (4 << 20) + 777, seed=4)
+    p = tmp_path / "big.bin"
+    p.write_bytes(data)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=4 << 20, workers=3, depth=1) as up:
+        up.upload(p, dst)
+    assert dst == data
+
+
+def test_file_object_source_from_its_current_position(uploader, tmp_path):
+    data = payload(6 * CHUNK + 5, seed=5)
+    p = tmp_path / "w.bin"
+    p.write_bytes(b"HEADER" + data)
+    with open(p, "rb") as f:
+        f.read(6)
+        dst = bytearray(len(data))
+        uploader.upload(f, dst)
+    assert dst == data
+
+
+def test_unseekable_file_object_needs_nbytes(uploader):
+    data = payload(3 * CHUNK + 1, seed=6)
+
+    class Pipe:
+        def __init__(self):
+            self._b = io.BytesIO(data)
+
+        def readinto(self, mv):
+            return self._b.readinto(mv)
+
+    with pytest.raises(InvalidArgumentError, match="nbytes is required"):
+        uploader.upload(Pipe(), bytearray(len(data)))
+    dst = bytearray(len(data))
+    uploader.upload(Pipe(), dst, nbytes=len(data))
+    assert dst == data
+
+
+def test_partial_source(uploader):
+    data = payload(4 * CHUNK, seed=8)
+    dst = bytearray(len(data))
+    report = uploader.upload(data, dst, nbytes=2 * CHUNK + 3)
+    assert dst[: 2 * CHUNK + 3] == data[: 2 * CHUNK + 3] and not any(dst[2 * CHUNK + 3 :])
+    assert report.nbytes == 2 * CHUNK + 3
+
+
+def test_progress_reports_every_chunk_up_to_the_total(uploader):
+    n = 10 * CHUNK + 17
+    calls: list = []
+    report = uploader.upload(payload(n), bytearray(n), progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == report.chunks == len(chunk_schedule(n, CHUNK))
+    assert all(t == n for _, t in calls)
+    dones = [d for d, _ in calls]
+    assert dones == sorted(dones) and dones[-1] == n and len(set(dones)) == len(dones)
+
+
+@pytest.mark.parametrize("ramp", [True, False])
+def test_chunk_schedule_ramps_up_then_stays_at_chunk_bytes(host, ramp):
+    big = 4 << 20  # the ramp never goes below 256 KiB, so use chunks it can divide by 8
+    n = 6 * big + 5
+    src = RecordingSource(payload(n))
+    dst = bytearray(n)
+    with Uploader(PinnedStagingPool(host), chunk_bytes=big, workers=1, depth=2, ramp=ramp) as up:
+        report = up.upload(src, dst)
+    sched = chunk_schedule(n, big, ramp)
+    assert src.filled == [o for o, _ in sched] and report.chunks == len(sched)
+    if ramp:
+        assert [m for _, m in sched[:4]] == [big // 8, big // 4, big // 2, big]
+    else:
+        assert all(m == big for _, m in sched[:-1])
+    assert bytes(dst) == src.data
+    src.close()
+
+
+def test_steady_state_makes_no_pinned_allocations(host):
+    n = 20 * CHUNK + 1
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=1, depth=3) as up:
+        first = up.upload(payload(n), bytearray(n))
+        assert first.pinned_alloc_calls == 3  # one per staging buffer, then only reuse
+        assert first.reuses == first.chunks
+        for seed in range(3):
+            data = payload(n, seed)
+            dst = bytearray(n)
+            again = up.upload(data, dst)
+            assert dst == data
+            assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+        s = up.pool.stats()
+    assert host.counters()["allocations"] == 3
+    assert s["live_buffers"] == 0 and s["retained_buffers"] == 3 and s["frees"] == 0
+
+
+def test_steady_state_with_several_workers(uploader, host):
+    # Warm-up pins workers * depth buffers up front, so the count is exact despite the threads.
+    n = 30 * CHUNK + 5
+    first = uploader.upload(payload(n), bytearray(n))
+    assert first.pinned_alloc_calls == 6 and first.reuses == first.chunks
+    for seed in range(3):
+        again = uploader.upload(payload(n, seed), bytearray(n))
+        assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+    assert host.counters()["allocations"] == 6
+
+
+def test_warm_up_pins_once(host):
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, depth=2) as up:
+        assert up.warm_up() == 4
+        assert up.warm_up() == 0
+        report = up.upload(payload(9 * CHUNK), bytearray(9 * CHUNK))
+        assert report.pinned_alloc_calls == 0
+
+
+def test_fill_of_next_chunk_happens_while_previous_copy_is_in_flight(host, monkeypatch):
+    """The copy of chunk 0 is held on the copy thread until the fill of chunk 1 has begun. An
+    uploader that waited for each copy before filling the next chunk would never start that fill,
+    the gate would time out, and this test would fail (no timing is measured)."""
+    n = 4 * CHUNK
+    data = payload(n, seed=9)
+    next_fill_began = threading.Event()
+
+    class Source(io.BytesIO):
+        def readinto(self, mv):
+            if self.tell() >= CHUNK:
+                next_fill_began.set()
+            return super().readinto(mv)
+
+    observed: list = []
+
+    def held_copy(dst, src, nbytes):
+        if threading.current_thread().name == "poolkeeper-staging-copy" and not observed:
+            observed.append(next_fill_began.wait(20))
+        return ctypes.memmove(dst, src, nbytes)
+
+    monkeypatch.setattr(_engine, "_memmove", held_copy)
+    dst = bytearray(n)
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=1, depth=2) as up:
+        report = up.upload(Source(data), dst)
+    assert observed == [True]
+    assert report.overlapped_fills >= 1
+    assert dst == data
+
+
+def test_start_returns_a_handle(uploader):
+    n = 9 * CHUNK + 3
+    data = payload(n, seed=10)
+    dst = bytearray(n)
+    handle = uploader.start(data, dst)
+    report = handle.wait(timeout=60)
+    assert handle.done() and dst == data and report.nbytes == n
+
+
+def test_start_reports_errors_on_wait(uploader):
+    handle = uploader.start(b"x" * 100, bytearray(10))
+    with pytest.raises(InvalidArgumentError):
+        handle.wait(timeout=60)
+
+
+def test_short_file_fails_cleanly_without_leaking_buffers(uploader, host):
+    data = payload(3 * CHUNK, seed=11)
+    with pytest.raises(InvalidArgumentError, match="ended"):
+        uploader.upload(io.BytesIO(data), bytearray(5 * CHUNK), nbytes=5 * CHUNK)
+    s = uploader.pool.stats()
+    assert s["live_buffers"] == 0
+    assert host.counters()["outstanding_bytes"] == s["retained_bytes"]
+    dst = bytearray(len(data))  # the uploader still works afterwards
+    uploader.upload(data, dst)
+    assert dst == data
+
+
+def test_workers_fill_different_chunks_at_once(host):
+    """The first two fills wait for each other at a barrier, so they must be running at the same
+    moment: workers that filled one chunk at a time would break the barrier (timeout)."""
+    barrier = threading.Barrier(2, timeout=20)
+    first_two: list = []
+
+    def hold(offset):
+        if len(first_two) < 2:
+            first_two.append(offset)
+            barrier.wait()
+
+    data = payload(8 * CHUNK, seed=12)
+    src = RecordingSource(data, hold)
+    dst = bytearray(len(data))
+    with Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, depth=2) as up:
+        report = up.upload(src, dst)
+    assert dst == data and not barrier.broken
+    assert sorted(first_two) == [0, CHUNK] and sorted(src.filled) == [i * CHUNK for i in range(8)]
+    assert report.workers == 2
+    src.close()
+
+
+def test_failing_fill_in_one_worker_fails_the_upload_cleanly(uploader, host):
+    def boom(offset):
+        if offset == 5 * CHUNK:
+            raise OSError("disk on fire")
+
+    src = RecordingSource(payload(12 * CHUNK), boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        uploader.upload(src, bytearray(12 * CHUNK))
+    s = uploader.pool.stats()
+    assert s["live_buffers"] == 0 and s["closed_without_retire"] == 1
+    assert host.counters()["outstanding_bytes"] == s["retained_bytes"]
+    src.close()
+
+
+def test_bad_arguments(host):
+    for kw in ({"workers": 0}, {"depth": 0}, {"workers": 1, "depth": 1}, {"chunk_bytes": 0}, {"workers": True}):
+        with pytest.raises(InvalidArgumentError):
+            Uploader(PinnedStagingPool(host), **kw)
+    with pytest.raises(InvalidArgumentError, match="steady state"):
+        Uploader(PinnedStagingPool(host, max_buffers=2), workers=3, depth=1)
+    with pytest.raises(InvalidArgumentError, match="steady state"):
+        Uploader(PinnedStagingPool(host, max_bytes=CHUNK), chunk_bytes=CHUNK, workers=2, depth=1)
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2)
+    with pytest.raises(InvalidArgumentError):
+        up.upload(b"x" * 100, bytearray(99))
+    with pytest.raises(InvalidArgumentError):
+        up.upload(np.arange(100)[::2], bytearray(800))
+    with pytest.raises(InvalidArgumentError):
+        up.upload(b"x" * 100, bytearray(100), nbytes=101)
+    assert up.pool.stats()["acquires"] == 0
+    up.close()
+
+
+def test_default_uploader_pool_fits_its_buffers():
+    with Uploader(chunk_bytes=CHUNK, workers=5, depth=1) as up:
+        assert up.pool.max_buffers >= 5 and up.buffers == 5
+        if up.pool.upstream.kind == "host":
+            data = payload(12 * CHUNK)
+            dst = bytearray(len(data))
+            up.upload(data, dst)
+            assert dst == data and up.pool.stats()["pinned_alloc_calls"] == 5
