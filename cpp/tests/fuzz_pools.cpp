@@ -70,27 +70,9 @@ struct Reader {
   std::uint64_t u64() { return u32() | (std::uint64_t{u32()} << 32); }
 };
 
-// Known core issues the target can be told to step around (FUZZ_ALLOW=a,b in the environment),
-// so a long run keeps looking for new ones; each stays a finding without the switch.
-//   sentinel-keys: pointers 0x0 and 0x1 are the pointer table's empty and tombstone keys, and
-//                  PointerTable::find() matches them against empty/erased slots (a stale record):
-//                  with the switch, 0x1 is never used as a bad pointer and 0x0 never reaches the
-//                  lock-free free path.
-//   limit-readopt: ArenaPool's shrink tick can release a backing into the allocation that then
-//                  grows into the freed budget; when that release is refused, re-adopting the
-//                  backing leaves reserved above the limit (the reserved <= limit check is skipped
-//                  once a free has been refused).
 struct Allow {
-  bool sentinel_keys = false;
-  bool limit_readopt = false;
   bool trace = false;  // FUZZ_TRACE=1: print each operation and the books (for reproducers)
-  Allow() {
-    const char* e = std::getenv("FUZZ_ALLOW");
-    const std::string v = e ? e : "";
-    sentinel_keys = v.find("sentinel-keys") != std::string::npos;
-    limit_readopt = v.find("limit-readopt") != std::string::npos;
-    trace = std::getenv("FUZZ_TRACE") != nullptr;
-  }
+  Allow() { trace = std::getenv("FUZZ_TRACE") != nullptr; }
 };
 const Allow& allow() {
   static const Allow a;
@@ -287,7 +269,7 @@ class Session {
     CHECK(st.reserved == st.live + st.free + st.pending + st.overhead, "accounting equation broken");
     CHECK(st.live_blocks == live_.size(), "live_blocks " + std::to_string(st.live_blocks) + " vs model " + std::to_string(live_.size()));
     CHECK(st.live == live_bytes_, "live bytes differ from the model");
-    if (st.limit && !(allow().limit_readopt && faulty_ && faulty_->injected_deallocations()))
+    if (st.limit)
       CHECK(st.reserved <= st.limit, "reserved " + std::to_string(st.reserved) + " above the limit " + std::to_string(st.limit));
   }
 
@@ -380,13 +362,12 @@ class Session {
       p = other_block_;
     } else {
       p = reinterpret_cast<void*>(r_.u64() | 1);  // odd: never a block start
-      if (reinterpret_cast<std::uintptr_t>(p) == 1 && allow().sentinel_keys) p = reinterpret_cast<void*>(3);
     }
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     if (live_.count(a)) return;
     const Books before = books();
     ++g_tot.bad_inputs;
-    const bool fast = (r_.u8() & 1) && !(a == 0 && allow().sentinel_keys);
+    const bool fast = r_.u8() & 1;
     try {
       if (!(fast && pool_->try_deallocate_fast(p, kNoStream))) pool_->deallocate(p, kNoStream);
       finding("a bad free was accepted", format_ptr(a) + " kind " + std::to_string(int(kind_)));
@@ -409,8 +390,7 @@ class Session {
     }
     const Books before = books();
     ++g_tot.bad_inputs;
-    std::uintptr_t bad = r_.u64() | 1;
-    if (bad == 1 && allow().sentinel_keys) bad = 3;
+    const std::uintptr_t bad = r_.u64() | 1;
     try {
       pool_->record_stream(reinterpret_cast<void*>(bad), s);
       finding("record_stream on a non-block was accepted", format_ptr(bad));
