@@ -58,4 +58,16 @@ class OptionReader {
   std::set<std::string> known_;
 };
 
+// Each pool's options from a Python dict (one reader per pool kind, shared by the pool classes and
+// the per-device factory behind the C ABI).
+}  // namespace poolkeeper::py
+
+#include "poolkeeper/arena_pool.hpp"
+#include "poolkeeper/direct_pool.hpp"
+#include "poolkeeper/size_class_pool.hpp"
+
+namespace poolkeeper::py {
+ArenaOptions arena_options(nb::handle opts);
+SizeClassOptions size_class_options(nb::handle opts);
+DirectOptions direct_options(nb::handle opts);
 }  // namespace poolkeeper::py

@@ -99,24 +99,12 @@ void bind_pools(nb::module_& m) {
 
   nb::class_<DirectPool, Pool>(m, "DirectPool")
       .def("__init__", [](DirectPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
-        OptionReader r(opts, "Direct");
-        DirectOptions o;
-        o.alignment = r.size("alignment", o.alignment, false);
-        o.limit = r.size("limit", 0);
-        r.finish();
-        new (self) DirectPool(std::move(up), o);
+        new (self) DirectPool(std::move(up), direct_options(opts));
       }, "upstream"_a, "options"_a = nb::none());
 
   nb::class_<SizeClassPool, Pool>(m, "SizeClassPool")
       .def("__init__", [](SizeClassPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
-        OptionReader r(opts, "SizeClassPool");
-        SizeClassOptions o;
-        o.alignment = r.size("alignment", o.alignment, false);
-        o.limit = r.size("limit", 0);
-        o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
-        o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
-        r.finish();
-        new (self) SizeClassPool(std::move(up), o);
+        new (self) SizeClassPool(std::move(up), size_class_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("release_cached", [](SizeClassPool& p) {
         nb::gil_scoped_release nogil;
@@ -127,20 +115,7 @@ void bind_pools(nb::module_& m) {
 
   nb::class_<ArenaPool, Pool>(m, "ArenaPool")
       .def("__init__", [](ArenaPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
-        OptionReader r(opts, "ArenaPool");
-        ArenaOptions o;
-        o.alignment = r.size("alignment", o.alignment, false);
-        o.limit = r.size("limit", 0);
-        o.initial_backing = r.size("initial_backing", o.initial_backing, false);
-        o.max_backing = r.size("max_backing", o.max_backing, false);
-        o.growth_factor = r.real("growth_factor", o.growth_factor);
-        o.thread_cache_bytes = r.size("thread_cache_bytes", o.thread_cache_bytes);
-        o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
-        o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
-        o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
-        o.oversize_threshold = r.size("oversize_threshold", o.oversize_threshold, false);
-        r.finish();
-        new (self) ArenaPool(std::move(up), o);
+        new (self) ArenaPool(std::move(up), arena_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("shrink_scan", [](ArenaPool& p) {
         nb::gil_scoped_release nogil;

@@ -23,36 +23,15 @@ using UpstreamMaker = std::function<std::shared_ptr<Upstream>(int device)>;
 
 PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
   if (kind == "arena") {
-    OptionReader r(opts, "ArenaPool");
-    ArenaOptions o;
-    o.alignment = r.size("alignment", o.alignment, false);
-    o.limit = r.size("limit", 0);
-    o.initial_backing = r.size("initial_backing", o.initial_backing, false);
-    o.max_backing = r.size("max_backing", o.max_backing, false);
-    o.growth_factor = r.real("growth_factor", o.growth_factor);
-    o.thread_cache_bytes = r.size("thread_cache_bytes", o.thread_cache_bytes);
-    o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
-    o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
-    o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
-    r.finish();
+    const ArenaOptions o = arena_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<ArenaPool>(std::move(up), o); };
   }
   if (kind == "size_class") {
-    OptionReader r(opts, "SizeClassPool");
-    SizeClassOptions o;
-    o.alignment = r.size("alignment", o.alignment, false);
-    o.limit = r.size("limit", 0);
-    o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
-    o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
-    r.finish();
+    const SizeClassOptions o = size_class_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<SizeClassPool>(std::move(up), o); };
   }
   if (kind == "direct") {
-    OptionReader r(opts, "Direct");
-    DirectOptions o;
-    o.alignment = r.size("alignment", o.alignment, false);
-    o.limit = r.size("limit", 0);
-    r.finish();
+    const DirectOptions o = direct_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<DirectPool>(std::move(up), o); };
   }
   throw InvalidArgument("unknown pool kind '" + kind + "' (valid: arena, size_class, direct)");

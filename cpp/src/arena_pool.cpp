@@ -96,19 +96,24 @@ void* ArenaPool::make_live_locked(ArenaChunk* c, std::size_t nbytes, Stream s) {
   return reinterpret_cast<void*>(c->addr);
 }
 
+// Cut c down to `rounded` bytes; the rest becomes a new chunk right after it (not yet filed).
+ArenaChunk* ArenaPool::split_locked(ArenaChunk* c, std::size_t rounded) {
+  ArenaChunk* rest = chunk_nodes_.create();
+  rest->addr = c->addr + rounded;
+  rest->size = c->size - rounded;
+  rest->backing = c->backing;
+  rest->prev_addr = c;
+  rest->next_addr = c->next_addr;
+  if (c->next_addr) c->next_addr->prev_addr = rest;
+  c->next_addr = rest;
+  c->size = rounded;
+  return rest;
+}
+
 void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
     c->set(ChunkState::Live);  // before filing the remainder: c is not a merge partner
-    ArenaChunk* rest = chunk_nodes_.create();
-    rest->addr = c->addr + rounded;
-    rest->size = c->size - rounded;
-    rest->backing = c->backing;
-    rest->prev_addr = c;
-    rest->next_addr = c->next_addr;
-    if (c->next_addr) c->next_addr->prev_addr = rest;
-    c->next_addr = rest;
-    c->size = rounded;
-    file_free_locked(rest);
+    file_free_locked(split_locked(c, rounded));
   }
   return make_live_locked(c, nbytes, s);
 }
@@ -117,15 +122,7 @@ void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nb
 // back in s's lane at the block's own place in release order.
 void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
-    ArenaChunk* rest = chunk_nodes_.create();
-    rest->addr = c->addr + rounded;
-    rest->size = c->size - rounded;
-    rest->backing = c->backing;
-    rest->prev_addr = c;
-    rest->next_addr = c->next_addr;
-    if (c->next_addr) c->next_addr->prev_addr = rest;
-    c->next_addr = rest;
-    c->size = rounded;
+    ArenaChunk* rest = split_locked(c, rounded);
     rest->alloc_stream = kNoStream;  // no other user to wait for: only s's release
     order_.defer_as(rest, s, c->pend_seq);  // keeps the block's place in release order
     note_pending_locked(rest);

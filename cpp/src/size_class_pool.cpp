@@ -139,17 +139,7 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
       b = pop_free_locked(cls);
     }
-    if (b) {
-      ++hits_;
-      b->requested = nbytes;
-      b->alloc_stream = b->last_stream = s;
-      b->set(ChunkState::Live);
-      live_ += nbytes;
-      overhead_ += csize - nbytes;
-      ++live_blocks_;
-      peak_live_ = std::max(peak_live_, live_);
-      return reinterpret_cast<void*>(b->addr);
-    }
+    if (b) return serve_hit_locked(b, nbytes, s);
     if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
       if (!retried && free_blocks_) {
         // Give cached blocks of other classes back, then retry once.
@@ -222,12 +212,16 @@ void* SizeClassPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (s != kNoStream) b = static_cast<Block*>(order_.take_for_stream(s, csize));
   if (!b) b = pop_free_locked(static_cast<std::uint32_t>(class_index(csize)));
   if (!b) return nullptr;
+  return serve_hit_locked(b, nbytes, s);
+}
+
+void* SizeClassPool::serve_hit_locked(Block* b, std::size_t nbytes, Stream s) {
   ++hits_;
   b->requested = nbytes;
   b->alloc_stream = b->last_stream = s;
   b->set(ChunkState::Live);
   live_ += nbytes;
-  overhead_ += csize - nbytes;
+  overhead_ += b->size - nbytes;
   ++live_blocks_;
   peak_live_ = std::max(peak_live_, live_);
   return reinterpret_cast<void*>(b->addr);

@@ -94,6 +94,7 @@ class ArenaPool final : public Pool {
   void flush_cache_locked(detail::ThreadCache* tc);
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
+  detail::ArenaChunk* split_locked(detail::ArenaChunk* c, std::size_t rounded);
   void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
   void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);

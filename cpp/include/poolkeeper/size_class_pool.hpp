@@ -71,6 +71,7 @@ class SizeClassPool final : public Pool {
   void make_free_locked(Block* b);
   void retire_locked(Block* b, std::vector<std::pair<void*, std::size_t>>& out);
   Block* pop_free_locked(std::uint32_t cls);
+  void* serve_hit_locked(Block* b, std::size_t nbytes, Stream s);
   void free_detached(std::vector<std::pair<void*, std::size_t>>& v);
   OomFigures figures_locked(std::size_t requested, const char* cause) const;
 

@@ -1,0 +1,44 @@
+// Pool options from Python dicts: one reader per pool kind, so every entry point (the pool
+// classes, the per-device factory behind the C ABI) accepts exactly the same options.
+#include "options.hpp"
+
+namespace poolkeeper::py {
+
+ArenaOptions arena_options(nb::handle opts) {
+  OptionReader r(opts, "ArenaPool");
+  ArenaOptions o;
+  o.alignment = r.size("alignment", o.alignment, false);
+  o.limit = r.size("limit", 0);
+  o.initial_backing = r.size("initial_backing", o.initial_backing, false);
+  o.max_backing = r.size("max_backing", o.max_backing, false);
+  o.growth_factor = r.real("growth_factor", o.growth_factor);
+  o.thread_cache_bytes = r.size("thread_cache_bytes", o.thread_cache_bytes);
+  o.thread_cache_max_block = r.size("thread_cache_max_block", o.thread_cache_max_block);
+  o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
+  o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
+  o.oversize_threshold = r.size("oversize_threshold", o.oversize_threshold, false);
+  r.finish();
+  return o;
+}
+
+SizeClassOptions size_class_options(nb::handle opts) {
+  OptionReader r(opts, "SizeClassPool");
+  SizeClassOptions o;
+  o.alignment = r.size("alignment", o.alignment, false);
+  o.limit = r.size("limit", 0);
+  o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
+  o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
+  r.finish();
+  return o;
+}
+
+DirectOptions direct_options(nb::handle opts) {
+  OptionReader r(opts, "Direct");
+  DirectOptions o;
+  o.alignment = r.size("alignment", o.alignment, false);
+  o.limit = r.size("limit", 0);
+  r.finish();
+  return o;
+}
+
+}  // namespace poolkeeper::py
