@@ -18,7 +18,7 @@ cxx=${FUZZ_CXX:-clang++}
 if ! command -v "$cxx" >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "fuzz: installing clang (libFuzzer ships with it)"
-    apt-get install -y -q clang >/dev/null
+    apt-get install -y -q clang >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -q clang >/dev/null; }
   else
     echo "fuzz: $cxx not found; install clang (it ships libFuzzer)" >&2
     exit 1

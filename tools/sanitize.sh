@@ -25,6 +25,11 @@ known_stress=(--allow snapshot-race)  # ArenaPool::snapshot() races the lock-fre
 known_scenarios=(registry)            # pools join the open-pool directory before they are built
 [ $strict = 1 ] && known_stress=()
 
+install_clang() {  # libFuzzer ships with clang
+  command -v apt-get >/dev/null 2>&1 || return 1
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang >/dev/null 2>&1 ||
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang >/dev/null 2>&1; }
+}
 stage() { printf '\n== %s\n' "$*"; }
 build() {  # dir sanitizers extra-cxx-flags
   cmake -S . -B "$root/$1" "${gen[@]}" -DPOOLKEEPER_PYTHON=OFF -DPOOLKEEPER_NATIVE_TESTS=ON \
@@ -64,7 +69,7 @@ fi
 
 if [ "${SKIP_FUZZ:-0}" = 1 ]; then
   stage "libFuzzer: skipped (SKIP_FUZZ=1)"
-elif command -v clang++ >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && apt-get install -y -q clang >/dev/null 2>&1; }; then
+elif command -v clang++ >/dev/null 2>&1 || { [ "$(id -u)" = 0 ] && install_clang; }; then
   stage "libFuzzer: ${FUZZ_SECONDS:-30} s"
   mkdir -p "$root"
   if ! FUZZ_BUILD="$root/fuzz" tools/fuzz.sh "${FUZZ_SECONDS:-30}" >"$root/fuzz.log" 2>&1; then
