@@ -18,6 +18,7 @@
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
 //          [--scenario pools|registry|thread-exit|all] [--no-snapshot] [--list]
+//          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
 #include <atomic>
