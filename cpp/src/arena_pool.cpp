@@ -33,6 +33,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
   detail::arena_registry_add(id_, this);
+  join_directory();  // last: the pool is whole now
 }
 
 ArenaPool::~ArenaPool() {

@@ -7,6 +7,7 @@ namespace poolkeeper {
 DirectPool::DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt) : Pool(std::move(upstream)), opt_(opt) {
   if (!is_pow2(opt_.alignment))
     throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  join_directory();  // last: the pool is whole now
 }
 
 DirectPool::~DirectPool() {

@@ -28,6 +28,9 @@ std::atomic<std::uint64_t> g_next_id{1};
 
 Pool::Pool(std::shared_ptr<Upstream> upstream) : upstream_(std::move(upstream)), id_(g_next_id++) {
   if (!upstream_) throw InvalidArgument("a pool needs an upstream");
+}
+
+void Pool::join_directory() {
   std::lock_guard<std::mutex> g(g_dir_mu);
   directory().push_back(this);
 }

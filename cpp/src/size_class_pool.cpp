@@ -37,6 +37,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
     throw InvalidArgument("classes_per_doubling must be 1, 2, 4 or 8; got " + std::to_string(k));
   shift_ = log2_exact(k);
   free_.resize(class_index(class_size_for(kMaxRequest, opt_.alignment, k)) + 1);
+  join_directory();  // last: the pool is whole now
 }
 
 SizeClassPool::~SizeClassPool() {
@@ -90,14 +91,23 @@ void SizeClassPool::retire_locked(Block* b, std::vector<std::pair<void*, std::si
 }
 
 void SizeClassPool::free_detached(std::vector<std::pair<void*, std::size_t>>& v) {
-  // Outside the lock. A failing upstream free is counted; that block's bytes are already off our
-  // books (the pool no longer owns it), so the upstream's own counters show the leak.
+  // Outside the lock. A free the upstream refuses is counted and the block comes back as a cached
+  // free block of its class (retried at the next release_cached), so the books never lose bytes.
   for (auto& [p, n] : v) {
     try {
       upstream_free(p, n);
     } catch (...) {
       std::lock_guard<std::mutex> g(mu_);
       ++upstream_free_failures_;
+      --released_blocks_;
+      if (closed()) continue;  // nothing left to hold it: the upstream's counters show it
+      Block* b = nodes_.create();
+      b->addr = reinterpret_cast<std::uintptr_t>(p);
+      b->size = n;
+      b->cls = static_cast<std::uint32_t>(class_index(n));
+      table_.insert(b->addr, b);
+      reserved_ += n;
+      make_free_locked(b);
     }
   }
   v.clear();

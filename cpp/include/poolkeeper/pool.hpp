@@ -13,8 +13,10 @@
 // - Accounting at one observation point: reserved == live + free + pending + overhead
 //   (see accounting.hpp). validate() checks it with every structural invariant and throws
 //   InvariantViolation; call it at a quiescent point (no concurrent allocate/deallocate).
-// - Thread safety: all members may be called concurrently, except close() and validate(),
-//   which need no concurrent allocate/deallocate on the same pool.
+// - Thread safety: all members may be called concurrently, except close(), validate() and
+//   snapshot(), which need no concurrent allocate/deallocate on the same pool (ArenaPool's
+//   lock-free thread-cache paths change chunk records without the pool lock; stats() stays exact
+//   at any time through its seqlocked counters).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -106,6 +108,9 @@ class Pool {
   void check_open() const {
     if (closed_.load(std::memory_order_relaxed)) throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
   }
+  // Join the directory of open pools. Each most-derived constructor calls it last: a pool in the
+  // directory may be asked owns_live() by another thread at any moment, so it must be whole.
+  void join_directory();
   // Leave the directory of open pools. Derived destructors call it first, so no other thread can
   // ask a half-destroyed pool whether it owns a pointer. Idempotent.
   void unregister();
