@@ -10,6 +10,28 @@ StreamOrder::~StreamOrder() {
     for (auto& f : l.fences) up_->release_event(f.event);
 }
 
+// The by-size index of a lane (same-stream reuse): append b to its size's list / take it out.
+void StreamOrder::size_push(Lane& l, BlockRecord* b) {
+  List& sl = l.by_size[b->size];
+  b->size_prev = sl.tail;
+  b->size_next = nullptr;
+  if (sl.tail) sl.tail->size_next = b;
+  else sl.head = b;
+  sl.tail = b;
+}
+
+void StreamOrder::size_drop(Lane& l, BlockRecord* b) {
+  auto it = l.by_size.find(b->size);
+  List& sl = it->second;
+  if (b->size_prev) b->size_prev->size_next = b->size_next;
+  else sl.head = b->size_next;
+  if (b->size_next) b->size_next->size_prev = b->size_prev;
+  else sl.tail = b->size_prev;
+  b->size_prev = b->size_next = nullptr;
+  // Keep empty size lists while few, so a steady workload never touches the heap here.
+  if (!sl.head && l.by_size.size() > 256) l.by_size.erase(it);
+}
+
 StreamOrder::Lane& StreamOrder::lane_for(Stream s) {
   for (Lane& l : lanes_)
     if (l.stream == s) return l;
@@ -52,11 +74,7 @@ void StreamOrder::defer(BlockRecord* b, Stream s) {
   if (l.tail) l.tail->pend_next = b;
   else l.head = b;
   l.tail = b;
-  List& sl = l.by_size[b->size];
-  b->size_prev = sl.tail;
-  if (sl.tail) sl.tail->size_next = b;
-  else sl.head = b;
-  sl.tail = b;
+  size_push(l, b);
   l.bytes += b->size;
   ++l.blocks;
 }
@@ -66,15 +84,8 @@ void StreamOrder::unlink(Lane& l, BlockRecord* b) {
   else l.head = b->pend_next;
   if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
   else l.tail = b->pend_prev;
-  auto it = l.by_size.find(b->size);
-  List& sl = it->second;
-  if (b->size_prev) b->size_prev->size_next = b->size_next;
-  else sl.head = b->size_next;
-  if (b->size_next) b->size_next->size_prev = b->size_prev;
-  else sl.tail = b->size_prev;
-  // Keep empty size lists while few, so a steady workload never touches the heap here.
-  if (!sl.head && l.by_size.size() > 256) l.by_size.erase(it);
-  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+  size_drop(l, b);
+  b->pend_prev = b->pend_next = nullptr;
   l.bytes -= b->size;
   --l.blocks;
   bytes_ -= b->size;
@@ -136,12 +147,7 @@ void StreamOrder::defer_as(BlockRecord* b, Stream s, std::uint64_t seq) {
   if (b->pend_next) b->pend_next->pend_prev = b;
   if (after) after->pend_next = b;
   else l.head = b;
-  List& sl = l.by_size[b->size];
-  b->size_prev = sl.tail;
-  b->size_next = nullptr;
-  if (sl.tail) sl.tail->size_next = b;
-  else sl.head = b;
-  sl.tail = b;
+  size_push(l, b);
   l.bytes += b->size;
   ++l.blocks;
   bytes_ += b->size;
@@ -150,22 +156,15 @@ void StreamOrder::defer_as(BlockRecord* b, Stream s, std::uint64_t seq) {
 
 void StreamOrder::absorb(BlockRecord* keep, BlockRecord* gone) {
   Lane& l = lanes_[keep->lane];
-  auto drop_size = [&](BlockRecord* b) {
-    List& sl = l.by_size[b->size];
-    if (b->size_prev) b->size_prev->size_next = b->size_next;
-    else sl.head = b->size_next;
-    if (b->size_next) b->size_next->size_prev = b->size_prev;
-    else sl.tail = b->size_prev;
-    b->size_prev = b->size_next = nullptr;
-  };
+
   auto drop_fifo = [&](BlockRecord* b) {
     if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
     else l.head = b->pend_next;
     if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
     else l.tail = b->pend_prev;
   };
-  drop_size(keep);
-  drop_size(gone);
+  size_drop(l, keep);
+  size_drop(l, gone);
   if (gone->pend_seq > keep->pend_seq) {
     // keep moves into gone's place in release order.
     drop_fifo(keep);
@@ -181,12 +180,7 @@ void StreamOrder::absorb(BlockRecord* keep, BlockRecord* gone) {
   }
   gone->pend_prev = gone->pend_next = nullptr;
   keep->size += gone->size;
-  List& sl = l.by_size[keep->size];
-  keep->size_prev = sl.tail;
-  keep->size_next = nullptr;
-  if (sl.tail) sl.tail->size_next = keep;
-  else sl.head = keep;
-  sl.tail = keep;
+  size_push(l, keep);
   --l.blocks;
   --blocks_;
 }

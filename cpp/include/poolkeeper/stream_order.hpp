@@ -130,6 +130,8 @@ class StreamOrder {
  private:
   Lane& lane_for(Stream s);
   void unlink(Lane& l, BlockRecord* b);
+  void size_push(Lane& l, BlockRecord* b);
+  void size_drop(Lane& l, BlockRecord* b);
   void unlink_multi(BlockRecord* b);
   bool multi_ready(BlockRecord* b, bool wait);
   void release_multi_events(BlockRecord* b);
