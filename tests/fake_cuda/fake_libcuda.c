@@ -15,6 +15,14 @@
  *   FAKE_CUDA_CAPACITY      bytes of memory per device (default 80 GiB)
  *   FAKE_CUDA_LOG           path: append one line per pool/context-sensitive call, naming the
  *                           device of the context current at the call ("cur=-1": none)
+ *   FAKE_CUDA_DEFER_COPIES  1: cuMemcpyHtoDAsync only queues the copy (one FIFO for all streams);
+ *                           queued copies run, in order, when an event recorded after them is
+ *                           synchronized or answers a query with success, or at a stream/context
+ *                           synchronize. A staging buffer overwritten before its copy was waited
+ *                           for then corrupts the destination, as with a real DMA.
+ *   FAKE_CUDA_FAIL_HTOD_ASYNC_AT   N: the N-th cuMemcpyHtoDAsync call (from 1) fails, copying nothing
+ *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
+ * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Compile with -DFAKE_NO_POOL_API for a driver without the stream-ordered allocator.
  * Not thread-safe beyond what the tests need (one mutex around the shared state).
  */
@@ -39,11 +47,15 @@ typedef unsigned long long CUdeviceptr;
 struct ctx { int dev; int refs; };
 struct pool { int dev; uint64_t threshold, reserved, used; };
 struct stream { struct ctx* ctx; };
-struct event { struct ctx* ctx; int not_ready_left; };
+struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int inited = 0, ndev = 1, no_pools = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
+static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
+struct qcopy { void* dst; const void* src; size_t n; };
+static struct qcopy* cq = NULL;
+static uint64_t cq_len = 0, cq_cap = 0, cq_done = 0;  /* copies queued ever, capacity, executed */
 static uint64_t direct_used[MAXDEV];
 static struct ctx ctxs[MAXDEV];
 static struct pool pools[MAXDEV];
@@ -77,6 +89,9 @@ CUresult cuInit(unsigned flags) {
     if (ndev > MAXDEV) ndev = MAXDEV;
     no_pools = env_int("FAKE_CUDA_NO_POOLS", 0);
     event_not_ready = env_int("FAKE_CUDA_EVENT_NOT_READY", 0);
+    defer_copies = env_int("FAKE_CUDA_DEFER_COPIES", 0);
+    fail_htod_async_at = env_int("FAKE_CUDA_FAIL_HTOD_ASYNC_AT", 0);
+    fail_event_record_at = env_int("FAKE_CUDA_FAIL_EVENT_RECORD_AT", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -149,10 +164,20 @@ static void pool_sync(int d) {
     p->reserved -= cached < excess ? cached : excess;
   }
 }
+/* Run queued copies up to number `upto` (under mu). */
+static void run_copies(uint64_t upto) {
+  while (cq_done < upto && cq_done < cq_len) {
+    struct qcopy* c = &cq[cq_done % cq_cap];
+    memcpy(c->dst, c->src, c->n);
+    cq_done++;
+  }
+}
+int fake_cuda_pending(void) { pthread_mutex_lock(&mu); int n = (int)(cq_len - cq_done); pthread_mutex_unlock(&mu); return n; }
+
 CUresult cuCtxSynchronize(void) {
   NEED_CTX();
   logf_("cuCtxSynchronize dev=%d", current->dev);
-  pthread_mutex_lock(&mu); pool_sync(current->dev); pthread_mutex_unlock(&mu);
+  pthread_mutex_lock(&mu); pool_sync(current->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
   return OK;
 }
 CUresult cuMemGetInfo_v2(size_t* f, size_t* t) { NEED_CTX(); *t = capacity; *f = capacity - used_on(current->dev); return OK; }
@@ -261,7 +286,7 @@ CUresult cuStreamGetCtx(struct stream* s, struct ctx** c) {
 CUresult cuStreamSynchronize(struct stream* s) {
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
-  pthread_mutex_lock(&mu); pool_sync(c->dev); pthread_mutex_unlock(&mu);
+  pthread_mutex_lock(&mu); pool_sync(c->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
   return OK;
 }
 
@@ -276,18 +301,44 @@ CUresult cuEventRecord(struct event* e, struct stream* s) {
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   if (c != e->ctx) return E_INVALID_HANDLE;  /* event and stream must share a context */
-  e->not_ready_left = event_not_ready;
-  return OK;
+  pthread_mutex_lock(&mu);
+  int fail = ++event_record_calls == fail_event_record_at;
+  if (!fail) { e->not_ready_left = event_not_ready; e->upto = cq_len; }
+  pthread_mutex_unlock(&mu);
+  return fail ? E_INVALID_VALUE : OK;
 }
 CUresult cuEventQuery(struct event* e) {
-  if (e->not_ready_left > 0) { e->not_ready_left--; return E_NOT_READY; }
+  pthread_mutex_lock(&mu);
+  CUresult r = OK;
+  if (e->not_ready_left > 0) { e->not_ready_left--; r = E_NOT_READY; }
+  else run_copies(e->upto);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+CUresult cuEventSynchronize(struct event* e) {
+  pthread_mutex_lock(&mu); e->not_ready_left = 0; run_copies(e->upto); pthread_mutex_unlock(&mu);
   return OK;
 }
-CUresult cuEventSynchronize(struct event* e) { e->not_ready_left = 0; return OK; }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { NEED_CTX(); memcpy((void*)(uintptr_t)d, s, n); return OK; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { NEED_CTX(); memcpy(d, (void*)(uintptr_t)s, n); return OK; }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct stream* st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct stream* st) {
+  (void)st;
+  NEED_CTX();
+  pthread_mutex_lock(&mu);
+  if (++htod_async_calls == fail_htod_async_at) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
+  if (!defer_copies) { pthread_mutex_unlock(&mu); return cuMemcpyHtoD_v2(d, s, n); }
+  if (cq_len - cq_done == cq_cap) {  /* grow the ring, keeping the unexecuted copies in order */
+    uint64_t ncap = cq_cap ? 2 * cq_cap : 64;
+    struct qcopy* nq = malloc(ncap * sizeof *nq);
+    for (uint64_t i = cq_done; i < cq_len; i++) nq[i % ncap] = cq[i % cq_cap];
+    free(cq); cq = nq; cq_cap = ncap;
+  }
+  cq[cq_len % cq_cap] = (struct qcopy){(void*)(uintptr_t)d, s, n};
+  cq_len++;
+  pthread_mutex_unlock(&mu);
+  return OK;
+}
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, struct stream* st) { (void)st; return cuMemcpyDtoH_v2(d, s, n); }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { NEED_CTX(); memset((void*)(uintptr_t)d, v, n); return OK; }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, struct stream* st) { (void)st; return cuMemsetD8_v2(d, v, n); }
