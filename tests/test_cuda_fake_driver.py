@@ -285,3 +285,112 @@ def test_release_from_a_thread_current_on_another_device_trims_the_recorded_one(
     lines = log.read_text().splitlines()
     assert [l for l in lines if l.startswith("cuMemPoolTrimTo")] == ["cuMemPoolTrimTo dev=0 keep=0 cur=0"]
     assert not any("dev=1" in l for l in lines if l.startswith("cuMemPool"))
+
+
+# ---- the native upload engine's CUDA backend ----
+# The fake defers each async copy until an event recorded after it is waited for (or queried
+# complete), so an engine that refilled a staging buffer before waiting for its copy would
+# corrupt the destination here, as on a real GPU.
+
+UPLOAD_PRE = """
+    import ctypes, os
+    import numpy as np
+    from poolkeeper.staging import PinnedStagingPool, Uploader
+    fake = ctypes.CDLL(os.environ["POOLKEEPER_LIBCUDA"])
+    MiB = 1 << 20
+    def payload(n, seed):
+        return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    def read(dev, n):
+        out = np.empty(n, np.uint8); driver.memcpy_dtoh(out.ctypes.data, dev, n); return out
+"""
+
+
+def urun(lib: str, body: str, **env) -> dict:
+    return run(lib, textwrap.dedent(UPLOAD_PRE) + textwrap.dedent(body), **env)
+
+
+def test_fake_defers_copies_so_reuse_before_wait_is_caught(fakes):
+    out = urun(fakes["full"], """
+        hp = pk.upstream.CudaPinned().allocate(4096)
+        dev = pk.upstream.CudaDevice().allocate(4096)
+        s = driver.Stream()
+        ctypes.memset(hp, 1, 4096)
+        driver.memcpy_htod_async(dev, hp, 4096, s.handle)
+        ev = driver.Event.record(s.handle)
+        pending = fake.fake_cuda_pending()
+        ctypes.memset(hp, 2, 4096)  # a refill before the wait: the copy has not read the buffer yet
+        ev.synchronize()
+        print(json.dumps({"pending": pending, "after": int(read(dev, 4096)[0]), "left": fake.fake_cuda_pending()}))
+    """, FAKE_CUDA_DEFER_COPIES=1)
+    assert out == {"pending": 1, "after": 2, "left": 0}
+
+
+@pytest.mark.parametrize("nt", [False, True])
+def test_native_upload_through_the_cuda_backend(fakes, nt):
+    out = urun(fakes["full"], f"""
+        driver.set_device(1)  # the uploader's stream, and so its events and workers, on device 1
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(1), max_buffers=16)
+        n = 9 * MiB + 4321
+        dev = pk.upstream.CudaDevice(1).allocate(n)
+        oks, pins = [], []
+        with Uploader(pool, chunk_bytes=MiB, workers=3, depth=2, engine="native", nt_fill={nt}) as up:
+            for seed in range(4):
+                data = payload(n, seed)
+                r = up.upload(data, dev)
+                oks.append(bool(np.array_equal(read(dev, n), data)))
+                pins.append(r.pinned_alloc_calls)
+            eng = up._native
+            threads = eng.threads_created
+        s = pool.stats()
+        print(json.dumps({{"oks": oks, "pins": pins, "engine": r.engine, "pending": fake.fake_cuda_pending(),
+                          "live": s["live_buffers"], "leaked": s["leaked_unconfirmed"], "threads": threads,
+                          "overlap": r.overlapped_fills, "chunks": r.chunks}}))
+    """, FAKE_CUDA_DEVICES=2, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_EVENT_NOT_READY=1)
+    assert out["oks"] == [True] * 4 and out["pins"] == [6, 0, 0, 0] and out["engine"] == "native"
+    assert out["pending"] == 0 and out["live"] == 0 and out["leaked"] == 0
+    assert out["threads"] == 3  # workers only: the CUDA backend has no copy thread
+    assert out["chunks"] == 11 and out["overlap"] >= 1  # an event answers "not ready" once
+
+
+def test_native_upload_failed_async_copy_raises_with_its_cuda_error(fakes):
+    out = urun(fakes["full"], """
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(), max_buffers=16)
+        n = 8 * MiB
+        dev = pk.upstream.CudaDevice().allocate(n)
+        with Uploader(pool, chunk_bytes=MiB, workers=2, depth=2, engine="native") as up:
+            try:
+                up.upload(payload(n, 1), dev)
+                err = None
+            except pk.errors.UpstreamError as e:
+                err = [type(e).__name__, e.error_name, "cuMemcpyHtoDAsync" in str(e)]
+            res = up._native.result()
+            pending = fake.fake_cuda_pending()
+            data = payload(n, 2)
+            again = up.upload(data, dev)
+            ok = bool(np.array_equal(read(dev, n), data))
+        s = pool.stats()
+        print(json.dumps({"err": err, "lost": res["lost"], "pending": pending, "live": s["live_buffers"],
+                          "retained": s["retained_buffers"], "ok": ok, "pins": again.pinned_alloc_calls}))
+    """, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_FAIL_HTOD_ASYNC_AT=5)
+    assert out["err"] == ["UpstreamError", "CUDA_ERROR_INVALID_VALUE", True]
+    assert out["lost"] == [] and out["pending"] == 0  # every enqueued copy was waited for
+    assert out["live"] == 0 and out["retained"] == 4 and out["ok"] and out["pins"] == 0
+
+
+def test_native_upload_failed_event_record_leaks_that_buffer(fakes):
+    out = urun(fakes["full"], """
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(), max_buffers=16)
+        n = 8 * MiB
+        dev = pk.upstream.CudaDevice().allocate(n)
+        with Uploader(pool, chunk_bytes=MiB, workers=2, depth=2, engine="native") as up:
+            try:
+                up.upload(payload(n, 1), dev)
+                err = None
+            except pk.errors.UpstreamError as e:
+                err = [e.error_name, "cuEventRecord" in str(e)]
+            lost = up._native.result()["lost"]
+        s = pool.stats()
+        print(json.dumps({"err": err, "lost": len(lost), "leaked": s["leaked_unconfirmed"],
+                          "live": s["live_buffers"], "retained": s["retained_buffers"]}))
+    """, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_FAIL_EVENT_RECORD_AT=3)
+    assert out == {"err": ["CUDA_ERROR_INVALID_VALUE", True], "lost": 1, "leaked": 1, "live": 0, "retained": 3}
