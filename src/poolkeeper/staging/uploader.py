@@ -52,9 +52,10 @@ class UploadReport:
     """What one upload did.
 
     ``pinned_alloc_calls`` / ``reuses``: the pool's counter deltas over the upload, warm-up
-    included (they include other users of a shared pool). ``overlapped_fills``: chunks whose fill
-    started while an earlier copy of the same worker was still in flight. ``workers``: workers
-    that ran (1 for sequential sources)."""
+    included (they include other users of a shared pool); the python engine acquires once per
+    chunk, the native engine once per staging buffer per upload. ``overlapped_fills``: chunks
+    whose fill started while an earlier copy of the same worker was still in flight. ``workers``:
+    workers that ran (1 for sequential sources). ``engine``: ``"python"`` or ``"native"``."""
 
     nbytes: int
     chunks: int
