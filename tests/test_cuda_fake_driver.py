@@ -287,6 +287,57 @@ def test_release_from_a_thread_current_on_another_device_trims_the_recorded_one(
     assert not any("dev=1" in l for l in lines if l.startswith("cuMemPool"))
 
 
+# ---- the benchmark's cuda backend ----
+
+def test_bench_cuda_backend_reports_cuda_pools_own_footprint_for_cuda_async(fakes, tmp_path):
+    """``poolkeeper bench --backend cuda`` runs end to end over the driver, and the cuda_async
+    row's peak reserved is what CUDA's default pool held (its RESERVED_MEM_HIGH over that row
+    alone), not the Direct pool's view of live bytes."""
+    out = tmp_path / "rows.json"
+    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"], FAKE_CUDA_LOG=str(tmp_path / "log"))
+    r = subprocess.run([sys.executable, "-m", "poolkeeper.cli", "bench", "--backend", "cuda", "--quick",
+                        "--arms", "cuda_async,arena", "--workloads", "random_lifetime,large_recycle",
+                        "--no-progress", "--json", str(out)], env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["arm"], x["workload"]) for x in rows} == {
+        (a, w) for a in ("cuda_async", "arena") for w in ("random_lifetime", "large_recycle")}
+    for x in rows:
+        assert x["backend"] == "cuda"
+        if x["arm"] != "cuda_async":
+            assert "footprint" not in x["extras"]
+            continue
+        fp = x["extras"]["footprint"]
+        assert fp["source"].startswith("CUDA default pool")
+        assert x["peak_reserved_bytes"] == fp["peak_reserved_bytes"]
+        # Freed blocks stay in CUDA's warm pool, so it holds at least the peak of live bytes; the
+        # pool above it saw the live bytes (rounded to the upstream's 256-byte alignment).
+        view = x["extras"]["pool_view_peak_reserved_bytes"]
+        assert x["peak_live_bytes"] <= view <= x["peak_live_bytes"] * 1.01
+        assert fp["peak_reserved_bytes"] >= x["peak_live_bytes"]
+        # Each row starts from a trimmed pool: nothing of the previous row is counted.
+        assert fp["start_reserved_bytes"] == 0
+    log = (tmp_path / "log").read_text()
+    assert log.count("reset attr=6") >= 2 and "cuMemPoolTrimTo" in log
+
+
+def test_mempool_high_watermark_resets_to_the_current_value(fakes):
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaAsync()
+        p = up.allocate(8 << 20); up.deallocate(p, 8 << 20); up.synchronize()
+        before = warm.mempool_attribute(0, "reserved_mem_high")
+        warm.trim_to(0, 0)
+        warm.reset_high_watermarks(0)
+        after = warm.mempool_attribute(0, "reserved_mem_high")
+        try:
+            _core.cuda_mempool_reset_high(0, "release_threshold"); bad = None
+        except pk.errors.InvalidArgumentError as e:
+            bad = str(e)
+        print(json.dumps({"before": before, "after": after, "bad": bad}))
+    """)
+    assert out["before"] >= 8 << 20 and out["after"] == 0
+    assert "high watermarks" in out["bad"]
+
 # ---- the native upload engine's CUDA backend ----
 # The fake defers each async copy until an event recorded after it is waited for (or queried
 # complete), so an engine that refilled a staging buffer before waiting for its copy would

@@ -45,7 +45,7 @@ typedef unsigned long long CUdeviceptr;
 #define MAXDEV 8
 
 struct ctx { int dev; int refs; };
-struct pool { int dev; uint64_t threshold, reserved, used; };
+struct pool { int dev; uint64_t threshold, reserved, used, reserved_high, used_high; };
 struct stream { struct ctx* ctx; };
 struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
@@ -227,8 +227,10 @@ CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
   if (cached < n) {
     if (used_on(c->dev) + (n - cached) > capacity) { pthread_mutex_unlock(&mu); return E_OOM; }
     p->reserved += n - cached;
+    if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
   }
   p->used += n;
+  if (p->used > p->used_high) p->used_high = p->used;
   pthread_mutex_unlock(&mu);
   *out = (CUdeviceptr)(uintptr_t)fake_alloc(n, c->dev);
   return OK;
@@ -247,13 +249,22 @@ CUresult cuMemPoolGetAttribute(struct pool* p, int attr, void* v) {
   uint64_t* o = v;
   switch (attr) {
     case 4: *o = p->threshold; break;
-    case 5: case 6: *o = p->reserved; break;
-    case 7: case 8: *o = p->used; break;
+    case 5: *o = p->reserved; break;
+    case 6: *o = p->reserved_high; break;
+    case 7: *o = p->used; break;
+    case 8: *o = p->used_high; break;
     default: return E_INVALID_VALUE;
   }
   return OK;
 }
 CUresult cuMemPoolSetAttribute(struct pool* p, int attr, void* v) {
+  /* The high watermarks accept only 0, which resets them to the current value (as the driver does). */
+  if (attr == 6 || attr == 8) {
+    if (*(uint64_t*)v != 0) return E_INVALID_VALUE;
+    if (attr == 6) p->reserved_high = p->reserved; else p->used_high = p->used;
+    logf_("cuMemPoolSetAttribute dev=%d reset attr=%d", p->dev, attr);
+    return OK;
+  }
   if (attr != 4) return E_INVALID_VALUE;
   p->threshold = *(uint64_t*)v;
   logf_("cuMemPoolSetAttribute dev=%d threshold=%llu", p->dev, (unsigned long long)p->threshold);
