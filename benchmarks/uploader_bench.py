@@ -90,6 +90,8 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--nt", default="off,on", help="native engine: non-temporal fill settings to measure (on,off)")
     ap.add_argument("--depth", type=int, default=2, help="staging buffers per worker (default 2)")
     ap.add_argument("--ramp", choices=("on", "off", "both"), default="on", help="uploader chunk ramp (default on)")
+    ap.add_argument("--tail", choices=("on", "off", "both"), default="on",
+                    help="native engine: pieces halving toward the end (default on)")
     ap.add_argument("--nt-threshold", type=parse_size, default=None, help="re-run with this glibc non-temporal threshold")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     ap.add_argument("--device", type=int, default=0)
@@ -107,6 +109,7 @@ def main(argv: list | None = None) -> int:
     chunks = [parse_size(s) for s in args.chunks.split(",")]
     workers = [int(t) for t in args.workers.split(",")]
     ramps = {"on": [True], "off": [False], "both": [True, False]}[args.ramp]
+    tails = {"on": [True], "off": [False], "both": [True, False]}[args.tail]
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
     nts = [{"on": True, "off": False}[v.strip()] for v in args.nt.split(",") if v.strip()]
     from poolkeeper import _core
@@ -163,17 +166,19 @@ def main(argv: list | None = None) -> int:
 
         # Uploader: pageable source through reused pinned staging buffers.
         configs = [
-            (e, c, th, ramp, nt)
+            (e, c, th, ramp, nt, tail)
             for e in engines
             for c in chunks
             for th in workers
             for ramp in ramps
             for nt in (nts if e == "native" else [False])
+            for tail in (tails if e == "native" else [False])
         ]
-        for eng, c, th, ramp, nt in configs:
+        for eng, c, th, ramp, nt, tail in configs:
             nbuf = th * args.depth
             pool = PinnedStagingPool(pinned_up, max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * c))
-            with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth, ramp=ramp, engine=eng, nt_fill=nt) as up:
+            with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth, ramp=ramp, engine=eng, nt_fill=nt,
+                          tail_ramp=tail) as up:
                 warm = up.upload(sp, dev)
                 reports = [up.upload(sp, dev) for _ in range(args.reps)]
                 ok = verify(n)
@@ -190,6 +195,7 @@ def main(argv: list | None = None) -> int:
                     workers=th,
                     depth=args.depth,
                     ramp=ramp,
+                    tail_ramp=tail,
                     verified=ok,
                     warmup_pinned_allocs=warm.pinned_alloc_calls,
                     steady_pinned_allocs=sum(rp.pinned_alloc_calls for rp in reports),
@@ -203,7 +209,7 @@ def main(argv: list | None = None) -> int:
             )
             print(
                 f"  {fmt_size(n):>8} {eng:<6} chunk {fmt_size(c):>7} workers {th:>2} ramp {'on ' if ramp else 'off'}"
-                f"{(' nt ' + ('on ' if nt else 'off')) if eng == 'native' else '       '}: "
+                f"{(' nt ' + ('on ' if nt else 'off') + ' tail ' + ('on ' if tail else 'off')) if eng == 'native' else '                '}: "
                 f"{rows[-1]['gbps_median']:6.1f} GB/s median, {rows[-1]['gbps_best']:6.1f} best, "
                 f"steady pinned allocs {rows[-1]['steady_pinned_allocs']}, verified {ok}",
                 flush=True,
@@ -216,7 +222,8 @@ def main(argv: list | None = None) -> int:
         name = r["method"]
         if name == "uploader":
             name = f"{r['engine']} ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']}"
-            name += f"{'' if r['ramp'] else ', no ramp'}{', nt' if r['nt_fill'] else ''})"
+            name += f"{'' if r['ramp'] else ', no ramp'}{', nt' if r['nt_fill'] else ''}"
+            name += f"{', no tail' if r['engine'] == 'native' and not r.get('tail_ramp', True) else ''})"
         return name
 
     print()

@@ -23,13 +23,33 @@ def payload(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def schedule(n: int, chunk: int, ramp: bool) -> list:
+def schedule(n: int, chunk: int, ramp: bool, tail_workers: int = 0) -> list:
+    """The engine's chunk sizes: a head ramp (chunk/8, /4, /2), full chunks, and with
+    ``tail_workers`` a tail of pieces halving toward the end (chunk/2 x workers, ..., 256 KiB x
+    workers) where the upload is long enough for it."""
+    head, total = [], 0
+    if ramp:
+        size = max(min(chunk, RAMP_MIN), chunk // 8)
+        while size < chunk and total < n:
+            head.append(size)
+            total += size
+            size = min(2 * size, chunk)
+    tail: list = []
+    if tail_workers and chunk // 2 >= RAMP_MIN:
+        t, size = [], RAMP_MIN
+        while size <= chunk // 2:
+            t += [size] * tail_workers
+            size *= 2
+        if total + sum(t) + chunk <= n:
+            tail = t[::-1]
+    body = n - min(n, total + sum(tail))
+    sizes = head + [chunk] * (body // chunk) + ([body % chunk] if body % chunk else []) + tail
     out, off = [], 0
-    size = max(min(chunk, RAMP_MIN), chunk // 8) if ramp else chunk
-    while off < n:
-        out.append(min(size, n - off))
+    for sz in sizes:  # the head may run past a short upload: clipped, as the engine clips
+        if off >= n:
+            break
+        out.append(min(sz, n - off))
         off += out[-1]
-        size = min(2 * size, chunk)
     return out
 
 
@@ -59,16 +79,17 @@ def assert_pool_consistent(up: Uploader, host) -> dict:
 SIZES = [0, 1, 4095, CHUNK // 8 - 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 12345, 9 * CHUNK + 7]
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES + [40 * CHUNK + 7])
 @pytest.mark.parametrize("ramp", [True, False])
-def test_bytes_arrive_intact_with_the_planned_chunks(host, n, ramp):
+@pytest.mark.parametrize("tail", [True, False])
+def test_bytes_arrive_intact_with_the_planned_chunks(host, n, ramp, tail):
     data = payload(n, seed=n)
     dst = bytearray(n)
-    with native(host, workers=3, depth=2, ramp=ramp) as up:
+    with native(host, workers=3, depth=2, ramp=ramp, tail_ramp=tail) as up:
         report = up.upload(data, dst)
     assert dst == data
     assert report.engine == "native" and report.nbytes == n
-    assert report.chunks == len(schedule(n, CHUNK, ramp))
+    assert report.chunks == len(schedule(n, CHUNK, ramp, 3 if tail else 0))
 
 
 @pytest.mark.parametrize("workers,depth", [(1, 2), (2, 1), (1, 5), (3, 3), (7, 1), (16, 2)])
@@ -423,7 +444,8 @@ def test_engine_counters_add_up(host):
     dst = np.zeros_like(src)
     bufs = [np.zeros(CHUNK, np.uint8) for _ in range(6)]
     eng = _core.UploadEngine(3)
-    eng.start(src.ctypes.data, n, dst.ctypes.data, [(b.ctypes.data, b.nbytes) for b in bufs], CHUNK, ramp=False)
+    eng.start(src.ctypes.data, n, dst.ctypes.data, [(b.ctypes.data, b.nbytes) for b in bufs], CHUNK, ramp=False,
+                  tail_ramp=False)
     assert eng.wait(-1) == n
     r = eng.result()
     eng.close()
@@ -449,3 +471,11 @@ def test_close_while_running_cancels_and_waits(host):
 
 def test_errors_are_poolkeeper_errors():
     assert issubclass(UpstreamError, PoolkeeperError)
+
+
+def test_the_tail_ends_in_pieces_that_halve_down_to_the_floor():
+    n = 40 * CHUNK + 7
+    with_tail, without = schedule(n, CHUNK, True, 4), schedule(n, CHUNK, True, 0)
+    assert sum(with_tail) == sum(without) == n
+    assert with_tail[-8:] == [RAMP_MIN * 2] * 4 + [RAMP_MIN] * 4  # CHUNK/2 x 4 workers, then 256 KiB x 4
+    assert len(with_tail) == len(without) + 5  # 3 MiB of full chunks became 8 pieces

@@ -57,7 +57,7 @@ void bind_upload_engine(nb::module_& m) {
            [](UploadEngine& e, std::uintptr_t src, std::size_t nbytes, std::uintptr_t dst,
               const std::vector<std::pair<std::uintptr_t, std::size_t>>& buffers, std::size_t chunk, bool ramp,
               const std::string& backend, nb::handle stream, bool nt, long long fail_fill_at, long long fail_copy_at,
-              long long fail_record_at) {
+              long long fail_record_at, bool tail_ramp) {
              UploadRequest r;
              r.src = reinterpret_cast<const void*>(src);
              r.total = nbytes;
@@ -65,6 +65,7 @@ void bind_upload_engine(nb::module_& m) {
              for (auto& [p, cap] : buffers) r.buffers.push_back({reinterpret_cast<void*>(p), cap});
              r.chunk = chunk;
              r.ramp = ramp;
+             r.tail_ramp = tail_ramp;
              r.nt_fill = nt;
              r.backend = parse_backend(backend);
              const Stream s = parse_stream(stream);
@@ -77,7 +78,7 @@ void bind_upload_engine(nb::module_& m) {
            },
            "src"_a, "nbytes"_a, "dst"_a, "buffers"_a, "chunk"_a, "ramp"_a = true, "backend"_a = "host",
            "stream"_a = nb::none(), "nt"_a = false, "fail_fill_at"_a = -1, "fail_copy_at"_a = -1,
-           "fail_record_at"_a = -1,
+           "fail_record_at"_a = -1, "tail_ramp"_a = true,
            "Start an upload and return at once. buffers: [(ptr, capacity)], at least 2.")
       .def("wait", [](UploadEngine& e, double timeout_s) {
         nb::gil_scoped_release nogil;

@@ -112,6 +112,9 @@ struct UploadEngine::Job {
   unsigned active = 0;
   std::vector<std::size_t> ramp;  // the first chunks' sizes
   std::size_t ramp_total = 0;
+  std::vector<std::size_t> tail;  // the last chunks' sizes, in offset order
+  std::size_t tail_total = 0, body_len = 0;
+  std::uint64_t body_chunks = 0;
   std::atomic<std::uint64_t> next{0};
   std::atomic<bool> stop{false};
   cuda::drv::CUcontext ctx = nullptr;
@@ -125,15 +128,32 @@ struct UploadEngine::Job {
   std::exception_ptr error;
   std::vector<std::size_t> lost;
 
+  // The schedule: head (ramp-up sizes from offset 0), body (full chunks), tail (ramp-down sizes
+  // ending at total). Head and tail are short lists; the body is arithmetic, so a schedule of any
+  // length costs nothing to plan.
   void plan_ramp() {
     const std::size_t chunk = req.chunk;
-    if (!req.ramp) return;
-    std::size_t size = std::max(std::min(chunk, kRampMin), chunk / 8);
-    while (size < chunk) {
-      ramp.push_back(size);
-      ramp_total += size;
-      size = std::min(size * 2, chunk);
+    if (req.ramp) {
+      std::size_t size = std::max(std::min(chunk, kRampMin), chunk / 8);
+      while (size < chunk && ramp_total < req.total) {
+        ramp.push_back(size);
+        ramp_total += size;
+        size = std::min(size * 2, chunk);
+      }
     }
+    if (req.tail_ramp && chunk / 2 >= kRampMin) {
+      std::vector<std::size_t> t;  // from the end backwards: smallest first
+      std::size_t sum = 0;
+      for (std::size_t size = kRampMin; size <= chunk / 2; size *= 2)
+        for (unsigned w = 0; w < std::max(1u, active); ++w) t.push_back(size), sum += size;
+      // Only where the body is long enough that the tail replaces full chunks.
+      if (ramp_total + sum + chunk <= req.total) {
+        tail.assign(t.rbegin(), t.rend());
+        tail_total = sum;
+      }
+    }
+    body_len = req.total - std::min(req.total, ramp_total + tail_total);
+    body_chunks = chunk ? (body_len + chunk - 1) / chunk : 0;
   }
   // Chunk k of the schedule; false past the end.
   bool chunk_at(std::uint64_t k, std::size_t& off, std::size_t& n) const {
@@ -141,11 +161,17 @@ struct UploadEngine::Job {
       off = 0;
       for (std::uint64_t i = 0; i < k; ++i) off += ramp[i];
       n = ramp[k];
+    } else if (k - ramp.size() < body_chunks) {
+      const std::uint64_t i = k - ramp.size();
+      off = ramp_total + static_cast<std::size_t>(i) * req.chunk;
+      n = std::min(req.chunk, ramp_total + body_len - off);
+    } else if (k - ramp.size() - body_chunks < tail.size()) {
+      const std::uint64_t i = k - ramp.size() - body_chunks;
+      off = req.total - tail_total;
+      for (std::uint64_t x = 0; x < i; ++x) off += tail[x];
+      n = tail[i];
     } else {
-      const std::uint64_t full = k - ramp.size();
-      if (full > (req.total - std::min(req.total, ramp_total)) / req.chunk + 1) return false;  // no overflow
-      off = ramp_total + static_cast<std::size_t>(full) * req.chunk;
-      n = req.chunk;
+      return false;
     }
     if (off >= req.total) return false;
     n = std::min(n, req.total - off);

@@ -178,6 +178,9 @@ class Uploader:
             raise), ``"python"`` (Python worker threads; every source), or ``"auto"`` (default:
             native where the source has an address, python otherwise). One native upload runs at
             a time per uploader (concurrent calls wait their turn).
+        tail_ramp: native engine only: end with pieces that halve toward the end (chunk/2 per
+            worker, then chunk/4, ... down to 256 KiB), so the copies still queued when the last
+            fill completes are a few small ones rather than one full chunk per worker (default True).
         nt_fill: native engine only: fill staging buffers with non-temporal stores (they bypass
             the cache: no read-for-ownership traffic competing with the DMA). Default False;
             whether it helps depends on the machine (``benchmarks/uploader_bench.py --nt on,off``).
@@ -194,6 +197,7 @@ class Uploader:
         ramp: bool = True,
         engine: str = "auto",
         nt_fill: bool = False,
+        tail_ramp: bool = True,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
@@ -228,6 +232,7 @@ class Uploader:
         self._lock = threading.Lock()
         self._engine_kind = engine
         self._nt_fill = bool(nt_fill)
+        self._tail_ramp = bool(tail_ramp)
         self._native: Any = None  # poolkeeper._core.UploadEngine, made at the first native upload
         self._native_pid = 0
         self._native_lock = threading.Lock()
@@ -462,7 +467,7 @@ class Uploader:
             jobs.append(b._begin_copy(lambda seq, i=i: _engine._EngineJob(seq, run, i, jobs)))
         try:
             eng.start(source.address, total, base, [(b.ptr, b.capacity) for b in bufs], self._chunk,
-                      self._ramp, backend, stream, self._nt_fill, **self._faults)
+                      self._ramp, backend, stream, self._nt_fill, tail_ramp=self._tail_ramp, **self._faults)
         except BaseException:
             run.unstarted()
             self._settle(bufs, jobs, run)
