@@ -11,12 +11,38 @@ import random
 
 import pytest
 
+import conftest
 import poolkeeper as pk
 from poolkeeper.errors import LiveBlocksError, PoolClosedError
 from pool_oracle import Oracle, pick, state
 
 KiB, MiB = 1 << 10, 1 << 20
 ALIGN = 256
+
+# Every conftest pool, plus the arena over an expandable (virtual-memory) backing. Only upstreams
+# with virtual memory can hold it: with the host upstream its cases are skipped. Small steps (one
+# 2 MiB granule at most) and frequent shrink scans, so growth and unmapping happen in every run.
+POOL_CONFIGS = dict(conftest.POOLS)
+POOL_CONFIGS["arena_expandable"] = lambda up: pk.ArenaPool(up, expandable=True, max_step=2 * MiB, shrink_interval=64)
+_CLASSES = {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}
+
+
+@pytest.fixture(params=sorted(POOL_CONFIGS))
+def pool_kind(request):
+    return request.param
+
+
+@pytest.fixture
+def make_pool(pool_kind):
+    def make(up=None, **kw):
+        up = up if up is not None else pk.upstream.Simulated(latency_us=0)
+        if pool_kind == "arena_expandable":
+            if not up.supports_virtual:
+                pytest.skip(f"{up.name} has no virtual memory (expandable arena)")
+            return pk.ArenaPool(up, expandable=True, **kw) if kw else POOL_CONFIGS[pool_kind](up)
+        return _CLASSES[pool_kind](up, **kw) if kw else POOL_CONFIGS[pool_kind](up)
+
+    return make
 
 
 def _class_edges() -> list[int]:
