@@ -111,9 +111,34 @@ def cases(scale: str) -> List[Tuple[str, Callable[[Any, Any], Tuple[int, int]]]]
     return out
 
 
+VARIANTS = [
+    ("fraction 0 (need only)", {"step_fraction": 0.0}),
+    ("fraction 1/32, max 64 MiB", {"step_fraction": 1 / 32}),
+    ("fraction 1/16, max 64 MiB", {"step_fraction": 1 / 16}),
+    ("fraction 1/8, max 64 MiB", {"step_fraction": 1 / 8}),
+    ("fraction 1/16, max 16 MiB", {"step_fraction": 1 / 16, "max_step": 16 * MiB}),
+]
+
+
+def sweep(scale: str) -> None:
+    """ArenaPool(expandable=True) itself, per growth-step policy: ratio and map calls."""
+    print(f"\nArenaPool(expandable=True) on the same runs: peak reserved / peak live, and map calls (upstream allocations)")
+    print(f"{'case':36s} " + " ".join(f"{label:>26s}" for label, _ in VARIANTS))
+    for label, fn in cases(scale):
+        cells = []
+        for _, opts in VARIANTS:
+            up = pk.upstream.Simulated(latency_us=0)
+            pool = pk.ArenaPool(up, expandable=True, **opts)
+            live, res = fn(pool, up)
+            cells.append(f"{res / live:.3f}× {up.counters()['maps']:4d} maps")
+            pool.close()
+        print(f"{label:36s} " + " ".join(f"{c:>26s}" for c in cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=("quick", "full"), default="quick")
+    ap.add_argument("--sweep", action="store_true", help="also run the expandable arena per step policy")
     ap.add_argument("--va", type=int, default=64, help="GiB of fake address range for the floor run")
     args = ap.parse_args()
     va = args.va * GiB
@@ -136,6 +161,8 @@ def main() -> None:
         floor = hw.mapped_floor()
         print(f"{label:36s} {live / MiB:13.1f} {res / MiB:10.1f} {res / live:8.3f} {floor / MiB:10.1f} "
               f"{floor / live2:8.3f} {allocs:12d}")
+    if args.sweep:
+        sweep(args.scale)
 
 
 if __name__ == "__main__":
