@@ -7,11 +7,12 @@ lifecycle (trim, close, context manager, use after close, close with live blocks
 """
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 
-import conftest
 import poolkeeper as pk
 from poolkeeper.errors import LiveBlocksError, PoolClosedError
 from pool_oracle import Oracle, pick, state
@@ -22,7 +23,16 @@ ALIGN = 256
 # Every conftest pool, plus the arena over an expandable (virtual-memory) backing. Only upstreams
 # with virtual memory can hold it: with the host upstream its cases are skipped. Small steps (one
 # 2 MiB granule at most) and frequent shrink scans, so growth and unmapping happen in every run.
-POOL_CONFIGS = dict(conftest.POOLS)
+def _conftest_pools() -> dict:
+    # The pool configurations of tests/conftest.py, read from the file itself ("import conftest"
+    # may find tests/gpu/conftest.py first when the whole suite is collected).
+    spec = importlib.util.spec_from_file_location("_pk_conftest_pools", Path(__file__).with_name("conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return dict(mod.POOLS)
+
+
+POOL_CONFIGS = _conftest_pools()
 POOL_CONFIGS["arena_expandable"] = lambda up: pk.ArenaPool(up, expandable=True, max_step=2 * MiB, shrink_interval=64)
 _CLASSES = {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}
 
