@@ -10,9 +10,12 @@ For each size (default 256 MiB and 2 GiB) it reports GB/s (1e9 B/s; median and b
 - ``pageable``: ``memcpy_htod(dev, numpy_buffer)`` (the driver stages pageable memory itself);
 - ``pinned``: ``memcpy_htod(dev, pinned_buffer)`` with the data already in page-locked memory
   (the pin and the fill are not timed: this is the ceiling, not a way to move pageable data);
-- ``uploader``: ``Uploader.upload(numpy_buffer, dev)`` for each chunk size x worker count,
-  after one warm-up upload; ``steady_pinned_allocs`` is the pool's pinned allocation count over
-  the timed uploads (must be 0).
+- ``uploader``: ``Uploader.upload(numpy_buffer, dev)`` for each engine (``--engine native,python``)
+  x chunk size x worker count (``--threads``) x, for the native engine, non-temporal fill on/off
+  (``--nt on,off``), after one warm-up upload; ``steady_pinned_allocs`` is the pool's pinned
+  allocation count over the timed uploads (must be 0). For the best native configuration of each
+  size the engine's phase counters are printed (fill, wait, enqueue time summed over workers, time
+  to the first copy), which say where the time goes when the target is missed.
 
 ``--nt-threshold BYTES`` re-runs the script with glibc's non-temporal store threshold lowered
 (``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold``), so the workers' large memcpys bypass
@@ -82,7 +85,9 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("json_out", help="where to write the JSON results")
     ap.add_argument("--sizes", default="256M,2G", help="comma-separated transfer sizes (default 256M,2G)")
     ap.add_argument("--chunks", default="4M,8M,16M", help="uploader chunk sizes to measure")
-    ap.add_argument("--workers", default="8,12,16", help="uploader worker counts to measure")
+    ap.add_argument("--workers", "--threads", dest="workers", default="8,12,16", help="uploader worker (thread) counts")
+    ap.add_argument("--engine", default="native,python", help="uploader engines to measure (native,python)")
+    ap.add_argument("--nt", default="off,on", help="native engine: non-temporal fill settings to measure (on,off)")
     ap.add_argument("--depth", type=int, default=2, help="staging buffers per worker (default 2)")
     ap.add_argument("--ramp", choices=("on", "off", "both"), default="on", help="uploader chunk ramp (default on)")
     ap.add_argument("--nt-threshold", type=parse_size, default=None, help="re-run with this glibc non-temporal threshold")
@@ -102,6 +107,11 @@ def main(argv: list | None = None) -> int:
     chunks = [parse_size(s) for s in args.chunks.split(",")]
     workers = [int(t) for t in args.workers.split(",")]
     ramps = {"on": [True], "off": [False], "both": [True, False]}[args.ramp]
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    nts = [{"on": True, "off": False}[v.strip()] for v in args.nt.split(",") if v.strip()]
+    from poolkeeper import _core
+
+    print(f"NT fill ISA: {_core.stream_copy_isa() or 'none (memcpy)'}", flush=True)
     top = max(sizes)
     driver.set_device(args.device)
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')}", flush=True)
@@ -152,57 +162,88 @@ def main(argv: list | None = None) -> int:
         rows.append(dict(method="pinned memcpy_htod", size=n, verified=ok, pin_alloc_s=pin_s, pin_free_s=free_s, **r))
 
         # Uploader: pageable source through reused pinned staging buffers.
-        for c in chunks:
-            for th, ramp in [(w, r) for w in workers for r in ramps]:
-                nbuf = th * args.depth
-                pool = PinnedStagingPool(pinned_up, max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * c))
-                with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth, ramp=ramp) as up:
-                    warm = up.upload(sp, dev)
-                    reports = [up.upload(sp, dev) for _ in range(args.reps)]
-                    ok = verify(n)
-                    st = pool.stats()
-                pool.close()
-                rows.append(
-                    dict(
-                        method="uploader",
-                        size=n,
-                        chunk_bytes=c,
-                        workers=th,
-                        depth=args.depth,
-                        ramp=ramp,
-                        verified=ok,
-                        warmup_pinned_allocs=warm.pinned_alloc_calls,
-                        steady_pinned_allocs=sum(rp.pinned_alloc_calls for rp in reports),
-                        steady_reuses=sum(rp.reuses for rp in reports),
-                        chunks_per_upload=warm.chunks,
-                        overlapped_fills=[rp.overlapped_fills for rp in reports],
-                        pool_pinned_alloc_calls=st["pinned_alloc_calls"],
-                        **gbps_summary(n, [rp.seconds for rp in reports]),
-                    )
+        configs = [
+            (e, c, th, ramp, nt)
+            for e in engines
+            for c in chunks
+            for th in workers
+            for ramp in ramps
+            for nt in (nts if e == "native" else [False])
+        ]
+        for eng, c, th, ramp, nt in configs:
+            nbuf = th * args.depth
+            pool = PinnedStagingPool(pinned_up, max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * c))
+            with Uploader(pool, chunk_bytes=c, workers=th, depth=args.depth, ramp=ramp, engine=eng, nt_fill=nt) as up:
+                warm = up.upload(sp, dev)
+                reports = [up.upload(sp, dev) for _ in range(args.reps)]
+                ok = verify(n)
+                st = pool.stats()
+            pool.close()
+            best_rep = min(reports, key=lambda rp: rp.seconds)
+            rows.append(
+                dict(
+                    method="uploader",
+                    engine=eng,
+                    nt_fill=bool(best_rep.phases and best_rep.phases["nt_fill"]),
+                    size=n,
+                    chunk_bytes=c,
+                    workers=th,
+                    depth=args.depth,
+                    ramp=ramp,
+                    verified=ok,
+                    warmup_pinned_allocs=warm.pinned_alloc_calls,
+                    steady_pinned_allocs=sum(rp.pinned_alloc_calls for rp in reports),
+                    steady_reuses=sum(rp.reuses for rp in reports),
+                    chunks_per_upload=warm.chunks,
+                    overlapped_fills=[rp.overlapped_fills for rp in reports],
+                    phases_best=best_rep.phases,
+                    pool_pinned_alloc_calls=st["pinned_alloc_calls"],
+                    **gbps_summary(n, [rp.seconds for rp in reports]),
                 )
-                print(
-                    f"  {fmt_size(n):>8} chunk {fmt_size(c):>7} workers {th:>2} ramp {'on ' if ramp else 'off'}: "
-                    f"{rows[-1]['gbps_median']:6.1f} GB/s median, {rows[-1]['gbps_best']:6.1f} best, "
-                    f"steady pinned allocs {rows[-1]['steady_pinned_allocs']}, verified {ok}",
-                    flush=True,
-                )
+            )
+            print(
+                f"  {fmt_size(n):>8} {eng:<6} chunk {fmt_size(c):>7} workers {th:>2} ramp {'on ' if ramp else 'off'}"
+                f"{(' nt ' + ('on ' if nt else 'off')) if eng == 'native' else '       '}: "
+                f"{rows[-1]['gbps_median']:6.1f} GB/s median, {rows[-1]['gbps_best']:6.1f} best, "
+                f"steady pinned allocs {rows[-1]['steady_pinned_allocs']}, verified {ok}",
+                flush=True,
+            )
 
     dev_up.deallocate(dev, top)
 
-    # Summary table: per size, pageable, pinned, and the best uploader configuration.
+    # Summary table: per size, pageable, pinned, and the best configuration of each engine.
+    def label(r: dict) -> str:
+        name = r["method"]
+        if name == "uploader":
+            name = f"{r['engine']} ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']}"
+            name += f"{'' if r['ramp'] else ', no ramp'}{', nt' if r['nt_fill'] else ''})"
+        return name
+
     print()
     print(f"{'size':>8}  {'method':<34} {'GB/s median':>11} {'GB/s best':>9} {'steady pins':>11} {'verified':>8}")
     summary = []
     for n in sizes:
         sel = [r for r in rows if r["size"] == n]
-        best = max((r for r in sel if r["method"] == "uploader"), key=lambda r: r["gbps_median"])
-        for r in [x for x in sel if x["method"] != "uploader"] + [best]:
-            name = r["method"]
-            if name == "uploader":
-                name += f" ({fmt_size(r['chunk_bytes'])}, {r['workers']}x{r['depth']}{'' if r['ramp'] else ', no ramp'})"
+        bests = [
+            max((r for r in sel if r["method"] == "uploader" and r["engine"] == e), key=lambda r: r["gbps_median"])
+            for e in engines
+        ]
+        for r in [x for x in sel if x["method"] != "uploader"] + bests:
             pins = str(r.get("steady_pinned_allocs", "-"))
-            print(f"{fmt_size(n):>8}  {name:<34} {r['gbps_median']:>11.1f} {r['gbps_best']:>9.1f} {pins:>11} {str(r['verified']):>8}")
+            print(f"{fmt_size(n):>8}  {label(r):<34} {r['gbps_median']:>11.1f} {r['gbps_best']:>9.1f} {pins:>11} {str(r['verified']):>8}")
             summary.append({k: v for k, v in r.items() if k != "seconds"})
+    print("\nphase counters of the best native configuration (fastest rep; fill/wait/enqueue summed over workers):")
+    for n in sizes:
+        nat = [r for r in rows if r["size"] == n and r.get("engine") == "native"]
+        if not nat:
+            continue
+        r = max(nat, key=lambda r: r["gbps_median"])
+        ph, w = r["phases_best"], r["workers"]
+        print(
+            f"{fmt_size(n):>8}  {label(r)}: wall {ph['wall_s'] * 1e3:.2f} ms, first copy at {ph['first_copy_s'] * 1e3:.2f} ms; "
+            f"per worker: fill {ph['fill_s'] / w * 1e3:.2f} ms, wait {ph['wait_s'] / w * 1e3:.2f} ms, "
+            f"enqueue {ph['enqueue_s'] / w * 1e3:.2f} ms"
+        )
     results["summary"] = summary
     with open(args.json_out, "w") as f:
         json.dump(results, f, indent=1)

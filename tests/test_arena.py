@@ -293,3 +293,61 @@ def test_the_ramp_does_not_restart_after_a_shrink():
     grown = [b.size for b in pool.snapshot().backings if not b.resident]
     assert grown and all(s == 1 * MiB for s in grown)  # straight back to full-size backings
     pool.validate()
+
+
+# ---- the non-blocking locked path (the bindings keep the GIL through it) ----
+
+def test_locked_reuse_is_served_without_blocking_but_growth_is_not():
+    up = sim()
+    pool = pk.ArenaPool(up, shrink_interval=0)
+    p = pool.allocate(4 * MiB)  # above the thread cache's block limit: the locked path
+    st = pool.stats()
+    assert st["nowait_allocations"] == 0 and up.counters()["allocations"] == 1  # growth blocks
+    pool.deallocate(p)
+    q = pool.allocate(4 * MiB - 512)
+    pool.deallocate(q)
+    st = pool.stats()
+    assert st["nowait_allocations"] == 1 and st["nowait_deallocations"] == 2
+    assert st["slow_allocations"] == 2 and st["slow_deallocations"] == 2  # each counted once
+    assert up.counters()["allocations"] == 1
+    pool.validate()
+
+
+def test_a_release_that_would_scan_takes_the_blocking_path():
+    pool = pk.ArenaPool(sim(), shrink_interval=4, thread_cache_bytes=0)
+    for _ in range(8):
+        pool.deallocate(pool.allocate(2 * MiB))
+    st = pool.stats()
+    assert st["shrink_scans"] == 2
+    assert st["nowait_deallocations"] == 6 and st["slow_deallocations"] == 8
+    pool.validate()
+
+
+def test_the_non_blocking_path_leaves_bad_pointers_to_the_blocking_path():
+    pool = pk.ArenaPool(sim())
+    p = pool.allocate(4 * MiB)
+    pool.deallocate(p)
+    with pytest.raises(pk.errors.InvalidPointerError, match="double free|already freed"):
+        pool.deallocate(p)
+    with pytest.raises(pk.errors.InvalidPointerError):
+        pool.deallocate(p + 256)
+    assert pool.stats()["nowait_deallocations"] == 1
+    pool.validate()
+
+
+def test_same_stream_reuse_through_the_non_blocking_path():
+    up = sim()
+    s = up.stream()
+    pool = pk.ArenaPool(up, shrink_interval=0)
+    p = pool.allocate(4 * MiB, stream=s)
+    up.enqueue(s, 1000)  # device work still running on s
+    pool.deallocate(p, stream=s)
+    assert pool.stats()["pending_bytes"] >= 4 * MiB
+    q = pool.allocate(4 * MiB, stream=s)  # same stream: reusable at once, no wait
+    assert q == p
+    st = pool.stats()
+    assert st["nowait_allocations"] == 1 and st["same_stream_reuses"] >= 1
+    pool.deallocate(q, stream=s)
+    up.synchronize()
+    pool.synchronize()
+    pool.validate()

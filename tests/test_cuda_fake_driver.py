@@ -375,3 +375,163 @@ def test_expandable_bench_arm_draws_from_cuda_virtual_on_the_cuda_backend(fakes)
         print(json.dumps({"arms": [a.name for a in arms], "up": up.name, "maps": st["map_calls"]}))
     """)
     assert out == {"arms": ["arena", "arena_expandable"], "up": "CudaVirtual(0)", "maps": 1}
+
+
+# ---- the benchmark's cuda backend ----
+
+def test_bench_cuda_backend_reports_cuda_pools_own_footprint_for_cuda_async(fakes, tmp_path):
+    """``poolkeeper bench --backend cuda`` runs end to end over the driver, and the cuda_async
+    row's peak reserved is what CUDA's default pool held (its RESERVED_MEM_HIGH over that row
+    alone), not the Direct pool's view of live bytes."""
+    out = tmp_path / "rows.json"
+    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"], FAKE_CUDA_LOG=str(tmp_path / "log"))
+    r = subprocess.run([sys.executable, "-m", "poolkeeper.cli", "bench", "--backend", "cuda", "--quick",
+                        "--arms", "cuda_async,arena", "--workloads", "random_lifetime,large_recycle",
+                        "--no-progress", "--json", str(out)], env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["arm"], x["workload"]) for x in rows} == {
+        (a, w) for a in ("cuda_async", "arena") for w in ("random_lifetime", "large_recycle")}
+    for x in rows:
+        assert x["backend"] == "cuda"
+        if x["arm"] != "cuda_async":
+            assert "footprint" not in x["extras"]
+            continue
+        fp = x["extras"]["footprint"]
+        assert fp["source"].startswith("CUDA default pool")
+        assert x["peak_reserved_bytes"] == fp["peak_reserved_bytes"]
+        # Freed blocks stay in CUDA's warm pool, so it holds at least the peak of live bytes; the
+        # pool above it saw the live bytes (rounded to the upstream's 256-byte alignment).
+        view = x["extras"]["pool_view_peak_reserved_bytes"]
+        assert x["peak_live_bytes"] <= view <= x["peak_live_bytes"] * 1.01
+        assert fp["peak_reserved_bytes"] >= x["peak_live_bytes"]
+        # Each row starts from a trimmed pool: nothing of the previous row is counted.
+        assert fp["start_reserved_bytes"] == 0
+    log = (tmp_path / "log").read_text()
+    assert log.count("reset attr=6") >= 2 and "cuMemPoolTrimTo" in log
+
+
+def test_mempool_high_watermark_resets_to_the_current_value(fakes):
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaAsync()
+        p = up.allocate(8 << 20); up.deallocate(p, 8 << 20); up.synchronize()
+        before = warm.mempool_attribute(0, "reserved_mem_high")
+        warm.trim_to(0, 0)
+        warm.reset_high_watermarks(0)
+        after = warm.mempool_attribute(0, "reserved_mem_high")
+        try:
+            _core.cuda_mempool_reset_high(0, "release_threshold"); bad = None
+        except pk.errors.InvalidArgumentError as e:
+            bad = str(e)
+        print(json.dumps({"before": before, "after": after, "bad": bad}))
+    """)
+    assert out["before"] >= 8 << 20 and out["after"] == 0
+    assert "high watermarks" in out["bad"]
+
+# ---- the native upload engine's CUDA backend ----
+# The fake defers each async copy until an event recorded after it is waited for (or queried
+# complete), so an engine that refilled a staging buffer before waiting for its copy would
+# corrupt the destination here, as on a real GPU.
+
+UPLOAD_PRE = """
+    import ctypes, os
+    import numpy as np
+    from poolkeeper.staging import PinnedStagingPool, Uploader
+    fake = ctypes.CDLL(os.environ["POOLKEEPER_LIBCUDA"])
+    MiB = 1 << 20
+    def payload(n, seed):
+        return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    def read(dev, n):
+        out = np.empty(n, np.uint8); driver.memcpy_dtoh(out.ctypes.data, dev, n); return out
+"""
+
+
+def urun(lib: str, body: str, **env) -> dict:
+    return run(lib, textwrap.dedent(UPLOAD_PRE) + textwrap.dedent(body), **env)
+
+
+def test_fake_defers_copies_so_reuse_before_wait_is_caught(fakes):
+    out = urun(fakes["full"], """
+        hp = pk.upstream.CudaPinned().allocate(4096)
+        dev = pk.upstream.CudaDevice().allocate(4096)
+        s = driver.Stream()
+        ctypes.memset(hp, 1, 4096)
+        driver.memcpy_htod_async(dev, hp, 4096, s.handle)
+        ev = driver.Event.record(s.handle)
+        pending = fake.fake_cuda_pending()
+        ctypes.memset(hp, 2, 4096)  # a refill before the wait: the copy has not read the buffer yet
+        ev.synchronize()
+        print(json.dumps({"pending": pending, "after": int(read(dev, 4096)[0]), "left": fake.fake_cuda_pending()}))
+    """, FAKE_CUDA_DEFER_COPIES=1)
+    assert out == {"pending": 1, "after": 2, "left": 0}
+
+
+@pytest.mark.parametrize("nt", [False, True])
+def test_native_upload_through_the_cuda_backend(fakes, nt):
+    out = urun(fakes["full"], f"""
+        driver.set_device(1)  # the uploader's stream, and so its events and workers, on device 1
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(1), max_buffers=16)
+        n = 9 * MiB + 4321
+        dev = pk.upstream.CudaDevice(1).allocate(n)
+        oks, pins = [], []
+        with Uploader(pool, chunk_bytes=MiB, workers=3, depth=2, engine="native", nt_fill={nt}) as up:
+            for seed in range(4):
+                data = payload(n, seed)
+                r = up.upload(data, dev)
+                oks.append(bool(np.array_equal(read(dev, n), data)))
+                pins.append(r.pinned_alloc_calls)
+            eng = up._native
+            threads = eng.threads_created
+        s = pool.stats()
+        print(json.dumps({{"oks": oks, "pins": pins, "engine": r.engine, "pending": fake.fake_cuda_pending(),
+                          "live": s["live_buffers"], "leaked": s["leaked_unconfirmed"], "threads": threads,
+                          "overlap": r.overlapped_fills, "chunks": r.chunks}}))
+    """, FAKE_CUDA_DEVICES=2, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_EVENT_NOT_READY=1)
+    assert out["oks"] == [True] * 4 and out["pins"] == [6, 0, 0, 0] and out["engine"] == "native"
+    assert out["pending"] == 0 and out["live"] == 0 and out["leaked"] == 0
+    assert out["threads"] == 3  # workers only: the CUDA backend has no copy thread
+    assert out["chunks"] == 11 and out["overlap"] >= 1  # an event answers "not ready" once
+
+
+def test_native_upload_failed_async_copy_raises_with_its_cuda_error(fakes):
+    out = urun(fakes["full"], """
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(), max_buffers=16)
+        n = 8 * MiB
+        dev = pk.upstream.CudaDevice().allocate(n)
+        with Uploader(pool, chunk_bytes=MiB, workers=2, depth=2, engine="native") as up:
+            try:
+                up.upload(payload(n, 1), dev)
+                err = None
+            except pk.errors.UpstreamError as e:
+                err = [type(e).__name__, e.error_name, "cuMemcpyHtoDAsync" in str(e)]
+            res = up._native.result()
+            pending = fake.fake_cuda_pending()
+            data = payload(n, 2)
+            again = up.upload(data, dev)
+            ok = bool(np.array_equal(read(dev, n), data))
+        s = pool.stats()
+        print(json.dumps({"err": err, "lost": res["lost"], "pending": pending, "live": s["live_buffers"],
+                          "retained": s["retained_buffers"], "ok": ok, "pins": again.pinned_alloc_calls}))
+    """, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_FAIL_HTOD_ASYNC_AT=5)
+    assert out["err"] == ["UpstreamError", "CUDA_ERROR_INVALID_VALUE", True]
+    assert out["lost"] == [] and out["pending"] == 0  # every enqueued copy was waited for
+    assert out["live"] == 0 and out["retained"] == 4 and out["ok"] and out["pins"] == 0
+
+
+def test_native_upload_failed_event_record_leaks_that_buffer(fakes):
+    out = urun(fakes["full"], """
+        pool = PinnedStagingPool(pk.upstream.CudaPinned(), max_buffers=16)
+        n = 8 * MiB
+        dev = pk.upstream.CudaDevice().allocate(n)
+        with Uploader(pool, chunk_bytes=MiB, workers=2, depth=2, engine="native") as up:
+            try:
+                up.upload(payload(n, 1), dev)
+                err = None
+            except pk.errors.UpstreamError as e:
+                err = [e.error_name, "cuEventRecord" in str(e)]
+            lost = up._native.result()["lost"]
+        s = pool.stats()
+        print(json.dumps({"err": err, "lost": len(lost), "leaked": s["leaked_unconfirmed"],
+                          "live": s["live_buffers"], "retained": s["retained_buffers"]}))
+    """, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_FAIL_EVENT_RECORD_AT=3)
+    assert out == {"err": ["CUDA_ERROR_INVALID_VALUE", True], "lost": 1, "leaked": 1, "live": 0, "retained": 3}

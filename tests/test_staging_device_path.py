@@ -227,7 +227,7 @@ def test_uploader_on_the_device_path(pool, drv):
     n = 5 * (1 << 20) + 77
     data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
     dev = np.zeros(n, np.uint8)
-    with Uploader(pool, chunk_bytes=1 << 20, workers=2, depth=2) as up:
+    with Uploader(pool, chunk_bytes=1 << 20, workers=2, depth=2, engine="python") as up:
         first = up.upload(data, dev.ctypes.data)
         again = up.upload(data[::-1].copy(), dev.ctypes.data)
     assert np.array_equal(dev, data[::-1])

@@ -47,6 +47,8 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --threads 32 --ops 2000 --seed 2 "${known_stress[@]}"
 "$root/asan/stress" --scenario thread-exit --ops 4000
 "$root/asan/stress" --scenario registry --ops 40000  # pools built while others trace foreign pointers
+stage "ASan+UBSan: native upload engine (three engines at once, faults, close during an upload)"
+"$root/asan/upload_engine_stress" --rounds 100 --seed 1
 stage "ASan+UBSan: fuzz target on past findings, the seed corpus and random inputs"
 # (ASan warns on each absurd-but-legal host request it refuses; the upstream turns that into OOM.)
 "$root/asan/fuzz_pools" cpp/tests/fuzz_regressions cpp/tests/fuzz_corpus --random 10000 --seed 1 2>&1 |
@@ -64,6 +66,8 @@ stage "TSan: stress"
 "$root/tsan/stress" --threads 32 --ops 1000 --seed 4 "${known_stress[@]}"
 "$root/tsan/stress" --scenario thread-exit --ops 2000
 "$root/tsan/stress" --scenario registry --ops 4000
+stage "TSan: native upload engine"
+"$root/tsan/upload_engine_stress" --rounds 60 --seed 1
 if [ $strict = 1 ]; then
   stage "TSan: known open issues (--strict)"
   for s in "${known_scenarios[@]+"${known_scenarios[@]}"}"; do "$root/tsan/stress" --scenario "$s" --ops 4000; done

@@ -198,6 +198,9 @@ void bind_warm_pool(nb::module_& m) {
     return cuda_mempool_attribute(device, mempool_attr_id(name));
   }, "device"_a, "name"_a);
   m.def("cuda_mempool_set_release_threshold", &cuda_mempool_set_release_threshold, "device"_a, "value"_a);
+  m.def("cuda_mempool_reset_high", [](int device, const std::string& name) {
+    cuda_mempool_reset_high(device, mempool_attr_id(name));
+  }, "device"_a, "name"_a);
   m.def("cuda_mempool_trim_to", [](int device, std::uint64_t keep) {
     nb::gil_scoped_release nogil;
     cuda_mempool_trim_to(device, keep);

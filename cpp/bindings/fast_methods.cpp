@@ -52,7 +52,7 @@ PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     Pool* pool = nb::inst_ptr<Pool>(self);
     const std::size_t n = parse_size(a0);
     const Stream s = parse_stream(a1);
-    void* r = pool->try_allocate_fast(n, s);
+    void* r = pool->try_allocate_nowait(n, s);
     if (!r) {
       nb::gil_scoped_release nogil;
       r = pool->allocate(n, s);
@@ -71,7 +71,7 @@ PyObject* fast_deallocate(PyObject* self, PyObject* const* args, Py_ssize_t narg
     Pool* pool = nb::inst_ptr<Pool>(self);
     void* p = reinterpret_cast<void*>(parse_ptr(a0));
     const Stream s = parse_stream(a1);
-    if (!pool->try_deallocate_fast(p, s)) {
+    if (!pool->try_deallocate_nowait(p, s)) {
       nb::gil_scoped_release nogil;
       pool->deallocate(p, s);
     }

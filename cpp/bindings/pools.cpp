@@ -1,6 +1,7 @@
-// Pool bindings. allocate/deallocate first try the pool's lock-free path while holding the GIL
-// (no thread switch: a hit costs tens of nanoseconds); only a miss releases the GIL, because the
-// full path may wait on the pool lock or on an upstream call that takes hundreds of microseconds.
+// Pool bindings. allocate/deallocate first try the pool's non-blocking path while holding the GIL
+// (no thread switch: a hit costs tens of nanoseconds, a locked reuse about a microsecond); only a
+// request that would wait -- the pool lock held elsewhere, an upstream call of hundreds of
+// microseconds, the device -- releases the GIL, since taking it back behind busy threads is slow.
 #include <nanobind/stl/shared_ptr.h>
 
 #include "bindings.hpp"
@@ -15,7 +16,7 @@ namespace {
 std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
   const std::size_t n = parse_size(nbytes);
   const Stream s = parse_stream(stream);
-  if (void* r = p.try_allocate_fast(n, s)) return reinterpret_cast<std::uintptr_t>(r);
+  if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
   nb::gil_scoped_release nogil;
   return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
 }
@@ -23,7 +24,7 @@ std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
 void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
   const std::uintptr_t a = parse_ptr(ptr);
   const Stream s = parse_stream(stream);
-  if (p.try_deallocate_fast(reinterpret_cast<void*>(a), s)) return;
+  if (p.try_deallocate_nowait(reinterpret_cast<void*>(a), s)) return;
   nb::gil_scoped_release nogil;
   p.deallocate(reinterpret_cast<void*>(a), s);
 }

@@ -70,6 +70,8 @@ PoolStats ArenaPool::stats_locked() {
   st.extra.emplace_back("cache_flushes", cache_flushes_);
   st.extra.emplace_back("slow_allocations", slow_allocs_);
   st.extra.emplace_back("slow_deallocations", slow_frees_);
+  st.extra.emplace_back("nowait_allocations", nowait_allocs_);
+  st.extra.emplace_back("nowait_deallocations", nowait_frees_);
   st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
   st.extra.emplace_back("fences_recorded", order_.fences_recorded());
   st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);

@@ -523,33 +523,12 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   // No shrink tick here: a scan inside an allocation could return the very backing that would
   // have served it (then grow again). Scans run on locked releases, when backings become free.
 
-  if (s != kNoStream)
-    if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
+  if (void* r = reuse_locked(rounded, nbytes, s)) return r;
+  ++pressure_passes_;
+  settle_locked();  // drains completed releases and merges owed runs, pending ones included
   ArenaChunk* c = index_.take_best_fit(rounded);
-  if (c && dirty_backings_ && c->size > rounded) {
-    // The best indexed fit would split a chunk while merges are owed: a merged hole may fit
-    // exactly. Without this a large free tail keeps absorbing requests while freed neighbours
-    // never merge, and the address range spreads (measured on the anchor's random-lifetime
-    // workload, 20k steps, 3 seeds: peak reserved / peak live 1.27-1.37 without, 1.21-1.23 with,
-    // and no slower: fewer unmerged chunks in the tree). Exact fits -- a steady cycle of sizes --
-    // never come here, so such a loop still never merges.
-    index_.insert(c);
-    coalesce_locked();
-    c = index_.take_best_fit(rounded);
-  }
-  if (!c && s != kNoStream) {
-    // Blocks this stream released are pending only for other streams: split one for this request
-    // rather than grow while the device catches up (a framework frees on the stream it allocates
-    // on; without this its memory ran ~3x ahead of PyTorch's own allocator on a real model).
+  if (!c && s != kNoStream)
     if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
-  }
-  if (!c) {
-    ++pressure_passes_;
-    settle_locked();  // drains completed releases and merges owed runs, pending ones included
-    c = index_.take_best_fit(rounded);
-    if (!c && s != kNoStream)
-      if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
-  }
   if (c) return carve_locked(c, rounded, nbytes, s);
 
   // Grow; on failure recover what can be recovered (ask other threads to flush, return wholly
@@ -585,6 +564,47 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   throw_oom(std::move(f));
 }
 
+// The reuse steps of an allocation, none of which waits or calls the upstream: a block this
+// stream released, the best indexed fit (after owed merges when it would split), a pending block
+// of this stream to split. nullptr: only settling, growth or recovery can serve the request.
+void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s) {
+  if (s != kNoStream)
+    if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
+  ArenaChunk* c = index_.take_best_fit(rounded);
+  if (c && dirty_backings_ && c->size > rounded) {
+    // The best indexed fit would split a chunk while merges are owed: a merged hole may fit
+    // exactly. Without this a large free tail keeps absorbing requests while freed neighbours
+    // never merge, and the address range spreads (measured on the anchor's random-lifetime
+    // workload, 20k steps, 3 seeds: peak reserved / peak live 1.27-1.37 without, 1.21-1.23 with,
+    // and no slower: fewer unmerged chunks in the tree). Exact fits -- a steady cycle of sizes --
+    // never come here, so such a loop still never merges.
+    index_.insert(c);
+    coalesce_locked();
+    c = index_.take_best_fit(rounded);
+  }
+  if (c) return carve_locked(c, rounded, nbytes, s);
+  if (s != kNoStream) {
+    // Blocks this stream released are pending only for other streams: split one for this request
+    // rather than grow while the device catches up (a framework frees on the stream it allocates
+    // on; without this its memory ran ~3x ahead of PyTorch's own allocator on a real model).
+    if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
+  }
+  return nullptr;
+}
+
+void* ArenaPool::try_allocate_nowait(std::size_t nbytes, Stream s) {
+  if (void* r = try_allocate_fast(nbytes, s)) return r;
+  if (nbytes == 0 || nbytes > kMaxRequest) return nullptr;  // the blocking path explains
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock() || closed()) return nullptr;
+  if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
+  ThreadCache* tc = cache_enabled_ ? cache_locked() : nullptr;
+  if (tc && tc->flush_requested.load(std::memory_order_relaxed)) flush_cache_locked(tc);
+  void* r = reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s);
+  if (r) ++slow_allocs_, ++nowait_allocs_;  // a refusal is counted by the blocking path, once
+  return r;
+}
+
 void ArenaPool::deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
@@ -600,21 +620,7 @@ void ArenaPool::deallocate(void* p, Stream s) {
       err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
       reason = "double_free";
     } else {
-      ++slow_frees_;
-      if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr;
-          tc && tc->flush_requested.load(std::memory_order_relaxed))
-        flush_cache_locked(tc);
-      live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
-      overhead_ -= c->size - c->requested;
-      --live_blocks_;
-      table_.erase(a);
-      if (s == kNoStream) {
-        file_free_locked(c);
-      } else {
-        order_.defer(c, s);
-        note_pending_locked(c);
-      }
-      tick_locked(detached);
+      release_live_locked(c, a, s, detached);
     }
   }
   if (!err.empty()) {
@@ -622,6 +628,40 @@ void ArenaPool::deallocate(void* p, Stream s) {
     throw InvalidPointer(err, a, reason);
   }
   free_detached(detached);
+}
+
+void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
+  ++slow_frees_;
+  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr;
+      tc && tc->flush_requested.load(std::memory_order_relaxed))
+    flush_cache_locked(tc);
+  live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
+  overhead_ -= c->size - c->requested;
+  --live_blocks_;
+  table_.erase(a);
+  if (s == kNoStream) {
+    file_free_locked(c);
+  } else {
+    order_.defer(c, s);
+    note_pending_locked(c);
+  }
+  tick_locked(out);
+}
+
+bool ArenaPool::try_deallocate_nowait(void* p, Stream s) {
+  if (try_deallocate_fast(p, s)) return true;
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!a) return false;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock() || closed()) return false;
+  ArenaChunk* c = nullptr;
+  if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
+  // This release would run a shrink scan, which may hand backings to the upstream: not here.
+  if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
+  Detached none;
+  release_live_locked(c, a, s, none);
+  ++nowait_frees_;
+  return true;
 }
 
 std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {

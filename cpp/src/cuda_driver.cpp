@@ -299,6 +299,17 @@ ScopedContext ScopedContext::for_stream(std::uintptr_t s) {
   return g;
 }
 
+CUcontext context_for_stream(std::uintptr_t s) {
+  const DriverApi& a = api();
+  CUcontext c = nullptr;
+  if (s > CU_STREAM_PER_THREAD) {
+    check(a.cuStreamGetCtx(reinterpret_cast<CUstream>(s), &c), "cuStreamGetCtx");
+    return c;
+  }
+  check(a.cuCtxGetCurrent(&c), "cuCtxGetCurrent");
+  return c ? c : primary_context(0);
+}
+
 ScopedContext::~ScopedContext() {
   if (switched_) st().api.cuCtxSetCurrent(prev_);  // nothing useful to do with a failure here
 }

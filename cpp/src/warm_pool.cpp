@@ -84,6 +84,17 @@ void cuda_mempool_trim_to(int device, std::uint64_t keep_bytes) {
               ("cuMemPoolTrimTo(device " + std::to_string(device) + ")").c_str());
 }
 
+void cuda_mempool_reset_high(int device, int attribute) {
+  if (attribute != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && attribute != CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+    throw InvalidArgument("only the high watermarks (reserved_mem_high, used_mem_high) can be reset");
+  cuda::ScopedContext ctx(device);
+  CUmemoryPool pool = default_pool(device);
+  std::uint64_t zero = 0;
+  cuda::check(cuda::api().cuMemPoolSetAttribute(pool, attribute, &zero),
+              ("cuMemPoolSetAttribute(device " + std::to_string(device) + ", reset attr " + std::to_string(attribute) + ")")
+                  .c_str());
+}
+
 // ---- the policy ----
 
 WarmPoolManager::WarmPoolManager(std::shared_ptr<PoolControl> control, bool log_to_stderr)

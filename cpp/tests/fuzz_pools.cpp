@@ -298,7 +298,7 @@ class Session {
     const Stream s = stream_arg();
     const bool fast = r_.u8() & 1;
     try {
-      void* p = fast ? pool_->try_allocate_fast(n, s) : nullptr;
+      void* p = fast ? pool_->try_allocate_nowait(n, s) : nullptr;
       if (!p) p = pool_->allocate(n, s);
       CHECK(n != 0 && n <= kMaxRequest, "a zero or absurd size was accepted");
       add_live(p, n, s);
@@ -329,7 +329,7 @@ class Session {
     const bool fast = r_.u8() & 1;
     check_cookie(a, l.n);
     try {
-      if (!(fast && pool_->try_deallocate_fast(p, s))) pool_->deallocate(p, s);
+      if (!(fast && pool_->try_deallocate_nowait(p, s))) pool_->deallocate(p, s);
     } catch (const UpstreamFailure& e) {
       // Only Direct frees upstream inside deallocate(); its policy: the block stays live.
       CHECK(kind_ == Kind::Direct && faults_possible(), std::string("free raised ") + e.what());

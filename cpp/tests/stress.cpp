@@ -213,13 +213,15 @@ struct Options {
 };
 std::atomic<std::uint64_t> g_known{0};
 
+// As the Python bindings do: the non-blocking attempt (fast path, then try_lock reuse), then the
+// blocking path.
 void* pool_alloc(Pool& pool, std::size_t n, Stream s) {
-  if (void* p = pool.try_allocate_fast(n, s)) return p;
+  if (void* p = pool.try_allocate_nowait(n, s)) return p;
   return pool.allocate(n, s);
 }
 
 void pool_free(Pool& pool, void* p, Stream s) {
-  if (!pool.try_deallocate_fast(p, s)) pool.deallocate(p, s);
+  if (!pool.try_deallocate_nowait(p, s)) pool.deallocate(p, s);
 }
 
 std::size_t random_size(std::mt19937_64& rng) {

@@ -16,6 +16,14 @@
  *   FAKE_CUDA_LOG           path: append one line per pool/context-sensitive call, naming the
  *                           device of the context current at the call ("cur=-1": none)
  *   FAKE_CUDA_NO_VMM        1: devices report no virtual memory management support
+ *   FAKE_CUDA_DEFER_COPIES  1: cuMemcpyHtoDAsync only queues the copy (one FIFO for all streams);
+ *                           queued copies run, in order, when an event recorded after them is
+ *                           synchronized or answers a query with success, or at a stream/context
+ *                           synchronize. A staging buffer overwritten before its copy was waited
+ *                           for then corrupts the destination, as with a real DMA.
+ *   FAKE_CUDA_FAIL_HTOD_ASYNC_AT   N: the N-th cuMemcpyHtoDAsync call (from 1) fails, copying nothing
+ *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
+ * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
  * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
  * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
@@ -44,13 +52,17 @@ typedef unsigned long long CUdeviceptr;
 #define MAXDEV 8
 
 struct ctx { int dev; int refs; };
-struct pool { int dev; uint64_t threshold, reserved, used; };
+struct pool { int dev; uint64_t threshold, reserved, used, reserved_high, used_high; };
 struct stream { struct ctx* ctx; };
-struct event { struct ctx* ctx; int not_ready_left; };
+struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
+static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
+struct qcopy { void* dst; const void* src; size_t n; };
+static struct qcopy* cq = NULL;
+static uint64_t cq_len = 0, cq_cap = 0, cq_done = 0;  /* copies queued ever, capacity, executed */
 static uint64_t direct_used[MAXDEV];
 static struct ctx ctxs[MAXDEV];
 static struct pool pools[MAXDEV];
@@ -85,6 +97,9 @@ CUresult cuInit(unsigned flags) {
     no_pools = env_int("FAKE_CUDA_NO_POOLS", 0);
     no_vmm = env_int("FAKE_CUDA_NO_VMM", 0);
     event_not_ready = env_int("FAKE_CUDA_EVENT_NOT_READY", 0);
+    defer_copies = env_int("FAKE_CUDA_DEFER_COPIES", 0);
+    fail_htod_async_at = env_int("FAKE_CUDA_FAIL_HTOD_ASYNC_AT", 0);
+    fail_event_record_at = env_int("FAKE_CUDA_FAIL_EVENT_RECORD_AT", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -158,10 +173,20 @@ static void pool_sync(int d) {
     p->reserved -= cached < excess ? cached : excess;
   }
 }
+/* Run queued copies up to number `upto` (under mu). */
+static void run_copies(uint64_t upto) {
+  while (cq_done < upto && cq_done < cq_len) {
+    struct qcopy* c = &cq[cq_done % cq_cap];
+    memcpy(c->dst, c->src, c->n);
+    cq_done++;
+  }
+}
+int fake_cuda_pending(void) { pthread_mutex_lock(&mu); int n = (int)(cq_len - cq_done); pthread_mutex_unlock(&mu); return n; }
+
 CUresult cuCtxSynchronize(void) {
   NEED_CTX();
   logf_("cuCtxSynchronize dev=%d", current->dev);
-  pthread_mutex_lock(&mu); pool_sync(current->dev); pthread_mutex_unlock(&mu);
+  pthread_mutex_lock(&mu); pool_sync(current->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
   return OK;
 }
 CUresult cuMemGetInfo_v2(size_t* f, size_t* t) { NEED_CTX(); *t = capacity; *f = capacity - used_on(current->dev); return OK; }
@@ -211,8 +236,10 @@ CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
   if (cached < n) {
     if (used_on(c->dev) + (n - cached) > capacity) { pthread_mutex_unlock(&mu); return E_OOM; }
     p->reserved += n - cached;
+    if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
   }
   p->used += n;
+  if (p->used > p->used_high) p->used_high = p->used;
   pthread_mutex_unlock(&mu);
   *out = (CUdeviceptr)(uintptr_t)fake_alloc(n, c->dev);
   return OK;
@@ -231,13 +258,22 @@ CUresult cuMemPoolGetAttribute(struct pool* p, int attr, void* v) {
   uint64_t* o = v;
   switch (attr) {
     case 4: *o = p->threshold; break;
-    case 5: case 6: *o = p->reserved; break;
-    case 7: case 8: *o = p->used; break;
+    case 5: *o = p->reserved; break;
+    case 6: *o = p->reserved_high; break;
+    case 7: *o = p->used; break;
+    case 8: *o = p->used_high; break;
     default: return E_INVALID_VALUE;
   }
   return OK;
 }
 CUresult cuMemPoolSetAttribute(struct pool* p, int attr, void* v) {
+  /* The high watermarks accept only 0, which resets them to the current value (as the driver does). */
+  if (attr == 6 || attr == 8) {
+    if (*(uint64_t*)v != 0) return E_INVALID_VALUE;
+    if (attr == 6) p->reserved_high = p->reserved; else p->used_high = p->used;
+    logf_("cuMemPoolSetAttribute dev=%d reset attr=%d", p->dev, attr);
+    return OK;
+  }
   if (attr != 4) return E_INVALID_VALUE;
   p->threshold = *(uint64_t*)v;
   logf_("cuMemPoolSetAttribute dev=%d threshold=%llu", p->dev, (unsigned long long)p->threshold);
@@ -270,7 +306,7 @@ CUresult cuStreamGetCtx(struct stream* s, struct ctx** c) {
 CUresult cuStreamSynchronize(struct stream* s) {
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
-  pthread_mutex_lock(&mu); pool_sync(c->dev); pthread_mutex_unlock(&mu);
+  pthread_mutex_lock(&mu); pool_sync(c->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
   return OK;
 }
 
@@ -285,18 +321,44 @@ CUresult cuEventRecord(struct event* e, struct stream* s) {
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   if (c != e->ctx) return E_INVALID_HANDLE;  /* event and stream must share a context */
-  e->not_ready_left = event_not_ready;
-  return OK;
+  pthread_mutex_lock(&mu);
+  int fail = ++event_record_calls == fail_event_record_at;
+  if (!fail) { e->not_ready_left = event_not_ready; e->upto = cq_len; }
+  pthread_mutex_unlock(&mu);
+  return fail ? E_INVALID_VALUE : OK;
 }
 CUresult cuEventQuery(struct event* e) {
-  if (e->not_ready_left > 0) { e->not_ready_left--; return E_NOT_READY; }
+  pthread_mutex_lock(&mu);
+  CUresult r = OK;
+  if (e->not_ready_left > 0) { e->not_ready_left--; r = E_NOT_READY; }
+  else run_copies(e->upto);
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+CUresult cuEventSynchronize(struct event* e) {
+  pthread_mutex_lock(&mu); e->not_ready_left = 0; run_copies(e->upto); pthread_mutex_unlock(&mu);
   return OK;
 }
-CUresult cuEventSynchronize(struct event* e) { e->not_ready_left = 0; return OK; }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { NEED_CTX(); memcpy((void*)(uintptr_t)d, s, n); return OK; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { NEED_CTX(); memcpy(d, (void*)(uintptr_t)s, n); return OK; }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct stream* st) { (void)st; return cuMemcpyHtoD_v2(d, s, n); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct stream* st) {
+  (void)st;
+  NEED_CTX();
+  pthread_mutex_lock(&mu);
+  if (++htod_async_calls == fail_htod_async_at) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
+  if (!defer_copies) { pthread_mutex_unlock(&mu); return cuMemcpyHtoD_v2(d, s, n); }
+  if (cq_len - cq_done == cq_cap) {  /* grow the ring, keeping the unexecuted copies in order */
+    uint64_t ncap = cq_cap ? 2 * cq_cap : 64;
+    struct qcopy* nq = malloc(ncap * sizeof *nq);
+    for (uint64_t i = cq_done; i < cq_len; i++) nq[i % ncap] = cq[i % cq_cap];
+    free(cq); cq = nq; cq_cap = ncap;
+  }
+  cq[cq_len % cq_cap] = (struct qcopy){(void*)(uintptr_t)d, s, n};
+  cq_len++;
+  pthread_mutex_unlock(&mu);
+  return OK;
+}
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, struct stream* st) { (void)st; return cuMemcpyDtoH_v2(d, s, n); }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { NEED_CTX(); memset((void*)(uintptr_t)d, v, n); return OK; }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, struct stream* st) { (void)st; return cuMemsetD8_v2(d, v, n); }

@@ -101,18 +101,61 @@ def test_witness_cannot_cross_buffers_on_device(pinned, device_alloc):
     pool.close()
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
 @pytest.mark.parametrize("n", [64 * MiB + 12345, 3 * MiB])
-def test_uploader_numpy_to_device(pinned, device_alloc, driver, n):
+def test_uploader_numpy_to_device(pinned, device_alloc, driver, n, engine):
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
     dev = device_alloc(n)
-    with Uploader(PinnedStagingPool(pinned), chunk_bytes=4 * MiB, workers=4, depth=2) as up:
+    with Uploader(PinnedStagingPool(pinned), chunk_bytes=4 * MiB, workers=4, depth=2, engine=engine) as up:
         first = up.upload(data, dev)
         assert np.array_equal(read_back(driver, dev, n), data)
         data2 = data[::-1].copy()
         again = up.upload(data2, dev)
         assert np.array_equal(read_back(driver, dev, n), data2)
+    assert first.engine == engine
     assert first.pinned_alloc_calls == 8  # warm-up pins workers * depth buffers once
-    assert again.pinned_alloc_calls == 0 and again.reuses == again.chunks
+    # python: one acquire per chunk; native: each of the 8 buffers once per upload
+    assert again.pinned_alloc_calls == 0 and again.reuses == (again.chunks if engine == "python" else 8)
+
+
+@pytest.mark.parametrize("nt", [False, True])
+def test_native_upload_64mib_verified_on_a_user_stream(pinned, device_alloc, driver, nt):
+    n = 64 * MiB
+    dev = device_alloc(n)
+    s = driver.Stream()
+    pool = PinnedStagingPool(pinned, max_buffers=16)
+    with Uploader(pool, chunk_bytes=8 * MiB, workers=6, depth=2, engine="native", nt_fill=nt, stream=s) as up:
+        for seed in range(3):
+            data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+            calls: list = []
+            r = up.upload(data, dev, progress=lambda d, t: calls.append(d))
+            assert np.array_equal(read_back(driver, dev, n), data)
+            assert calls[-1] == n and calls == sorted(calls)
+            assert r.engine == "native" and r.phases["fill_s"] > 0
+            if seed:
+                assert r.pinned_alloc_calls == 0
+    st = pool.stats()
+    assert st["live_buffers"] == 0 and st["leaked_unconfirmed"] == 0 and st["pinned_alloc_calls"] == 12
+    pool.close()
+
+
+def test_native_upload_fault_mid_upload_leaves_the_pool_consistent(pinned, device_alloc, driver):
+    from poolkeeper.errors import UpstreamError
+
+    n = 32 * MiB
+    dev = device_alloc(n)
+    pool = PinnedStagingPool(pinned, max_buffers=16)
+    with Uploader(pool, chunk_bytes=4 * MiB, workers=4, depth=2, engine="native") as up:
+        up._faults = {"fail_copy_at": 5}
+        with pytest.raises(UpstreamError, match="injected"):
+            up.upload(np.zeros(n, np.uint8), dev)
+        up._faults = {}
+        data = np.random.default_rng(9).integers(0, 256, n, dtype=np.uint8)
+        again = up.upload(data, dev)
+        assert np.array_equal(read_back(driver, dev, n), data) and again.pinned_alloc_calls == 0
+    st = pool.stats()
+    assert st["live_buffers"] == 0 and st["retained_buffers"] == 8 and st["leaked_unconfirmed"] == 0
+    pool.close()
 
 
 def test_uploader_file_to_device(pinned, device_alloc, driver, tmp_path):

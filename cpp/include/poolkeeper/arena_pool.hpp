@@ -85,6 +85,10 @@ class ArenaPool final : public Pool {
   // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
+  // The fast path, then the locked reuse path if the pool lock is free at once (no growth, no
+  // settling of pending releases, no shrink scan: those may call the upstream or wait).
+  void* try_allocate_nowait(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_nowait(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void validate() override;
@@ -115,6 +119,8 @@ class ArenaPool final : public Pool {
   void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
   void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
+  void release_live_locked(detail::ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out);
   void coalesce_locked();
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
   void note_pending_locked(detail::ArenaChunk* c);
@@ -162,6 +168,8 @@ class ArenaPool final : public Pool {
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
                 slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
+  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted slow.
+  std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
 };
 
 }  // namespace poolkeeper

@@ -225,6 +225,11 @@ class ScopedContext {
 template <class F>
 drv::CUresult on_stream_call(std::uintptr_t stream, int device, F&& call);
 
+// The context that owns stream s; for the special handles 0, 1 and 2, the calling thread's current
+// context, or device 0's primary context when it has none. For threads that must later work in
+// the same context as a stream named on another thread (the upload engine's workers).
+drv::CUcontext context_for_stream(std::uintptr_t s);
+
 // Device index of the calling thread's current context; -1 when none is current.
 int current_device();
 // Make device's primary context current on the calling thread (like cudaSetDevice).

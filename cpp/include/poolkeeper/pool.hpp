@@ -81,6 +81,14 @@ class Pool {
   // full path" (which may block on the pool lock or the upstream, so it runs without the GIL).
   virtual void* try_allocate_fast(std::size_t nbytes, Stream s) { return nullptr; }
   virtual bool try_deallocate_fast(void* p, Stream s) { return false; }
+  // Non-blocking attempts for callers that hold a lock of their own (the bindings keep the GIL
+  // through them): the fast path, then whatever the pool can do without waiting -- its lock only
+  // if it is free at once, never an upstream call, never a wait for the device. nullptr/false:
+  // take the blocking path, which also reports errors (these never throw for bad input).
+  // Why: a blocking call releases the GIL, and taking it back behind busy Python threads costs
+  // tens of microseconds to milliseconds; most misses of a pool with free memory need neither.
+  virtual void* try_allocate_nowait(std::size_t nbytes, Stream s) { return try_allocate_fast(nbytes, s); }
+  virtual bool try_deallocate_nowait(void* p, Stream s) { return try_deallocate_fast(p, s); }
   // Mark live block p as used on stream s too: its release then also waits for s.
   virtual void record_stream(void* p, Stream s) = 0;
 

@@ -67,6 +67,11 @@ class CudaPoolControl final : public PoolControl {
 std::uint64_t cuda_mempool_attribute(int device, int attribute);
 void cuda_mempool_set_release_threshold(int device, std::uint64_t value);
 void cuda_mempool_trim_to(int device, std::uint64_t keep_bytes);
+// Reset one of the default pool's high watermarks (CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH or
+// CU_MEMPOOL_ATTR_USED_MEM_HIGH; the driver accepts only 0, which restarts it from the current
+// value). Lets a caller measure the pool's footprint over one interval. Any thread; throws
+// InvalidArgument for another attribute, UpstreamFailure if the driver refuses.
+void cuda_mempool_reset_high(int device, int attribute);
 
 struct WarmDeviceState {
   int device = 0;

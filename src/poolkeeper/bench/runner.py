@@ -18,7 +18,7 @@ from statistics import median
 from time import perf_counter_ns
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from poolkeeper.bench import backends
+from poolkeeper.bench import backends, footprint
 from poolkeeper.bench.arms import Arm, select_arms
 from poolkeeper.bench.machine import machine_info
 from poolkeeper.bench.quantiles import summarize
@@ -83,6 +83,7 @@ def run_one(workload: Workload, params: Dict[str, Any], arm: Arm, backend: str, 
             upstream_factory: Callable[[], Any], seed: int = 0, floor_ns: Optional[float] = None) -> Dict[str, Any]:
     """Run one workload parameter set on one arm; return its row."""
     pool, upstream = arm.build(upstream_factory)
+    probe = footprint.probe_for(arm.name, upstream)
     ctx = RunContext(arm=arm.name, backend=backend, scale=scale, upstream=upstream, seed=seed)
     gc.collect()
     gc_was_enabled = gc.isenabled()
@@ -94,12 +95,19 @@ def run_one(workload: Workload, params: Dict[str, Any], arm: Arm, backend: str, 
             gc.enable()
     stats = pool.stats()
     counters = upstream.counters()
+    below = probe.finish() if probe is not None else None
     pool.validate()
     pool.close()
 
     q = summarize(meas.samples)
     peak_live = meas.peak_live_bytes if meas.peak_live_bytes is not None else stats["peak_live_bytes"]
     peak_reserved = meas.peak_reserved_bytes if meas.peak_reserved_bytes is not None else stats["peak_reserved_bytes"]
+    extras = dict(meas.extras)
+    if below is not None:
+        # The memory really held sits below the pool (CUDA's pool): report that, keep the pool's view.
+        extras["pool_view_peak_reserved_bytes"] = peak_reserved
+        extras["footprint"] = below
+        peak_reserved = below["peak_reserved_bytes"]
     wall_s = meas.wall_ns / 1e9
     return {
         "schema": SCHEMA,
@@ -129,7 +137,7 @@ def run_one(workload: Workload, params: Dict[str, Any], arm: Arm, backend: str, 
         "peak_live_bytes": peak_live,
         "reserved_over_live": (peak_reserved / peak_live) if peak_live else None,
         "timer_floor_ns": floor_ns,
-        "extras": meas.extras,
+        "extras": extras,
         "machine": machine_info(),
     }
 

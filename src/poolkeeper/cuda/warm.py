@@ -91,6 +91,14 @@ def set_release_threshold(device: int, value: int) -> None:
     _core.cuda_mempool_set_release_threshold(device, value)
 
 
+def reset_high_watermarks(device: int = 0) -> None:
+    """Restart the default pool's ``reserved_mem_high`` and ``used_mem_high`` from their current
+    values, so a later read gives the high-water mark of the interval since (the benchmark reads
+    the cuda_async arm's real footprint this way)."""
+    _core.cuda_mempool_reset_high(device, "reserved_mem_high")
+    _core.cuda_mempool_reset_high(device, "used_mem_high")
+
+
 def trim_to(device: int, keep_bytes: int = 0) -> None:
     """``cuMemPoolTrimTo`` on the default pool: release memory down to ``keep_bytes`` where the
     driver can (never memory backing live allocations)."""
@@ -108,5 +116,6 @@ __all__ = [
     "reserved_bytes",
     "used_bytes",
     "set_release_threshold",
+    "reset_high_watermarks",
     "trim_to",
 ]

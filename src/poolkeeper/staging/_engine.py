@@ -103,6 +103,72 @@ class _DeviceJob(_Job):
         return True
 
 
+class _EngineRun:
+    """One upload of the native engine (``poolkeeper._core.UploadEngine``) as its staging buffers
+    see it: complete once the engine reports every copy complete, except for buffers the engine
+    reports "lost" (a copy enqueued whose completion could not be tracked: never complete).
+
+    The outcome is read once, right after the upload finishes and before the engine starts another
+    one, and cached: a finalizer that asks later never sees a different upload's outcome."""
+
+    __slots__ = ("_engine", "_lock", "finished", "lost", "result")
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self.finished = False
+        self.lost: frozenset = frozenset()
+        self.result: Optional[dict] = None
+
+    def observe(self, jobs: list) -> dict:
+        """Block until the engine's upload finished (GIL released); record its outcome."""
+        with self._lock:
+            if self.result is None:
+                self._engine.wait(-1.0)
+                res = self._engine.result()
+                for job, n in zip(jobs, res["buffer_bytes"]):
+                    job.nbytes = n
+                self.lost = frozenset(res["lost"])
+                self.result = res
+                self.finished = True
+            return self.result
+
+    def unstarted(self) -> None:
+        """The engine refused to start: nothing was enqueued, nothing reads any buffer."""
+        with self._lock:
+            self.result = {"lost": [], "failed": True}
+            self.finished = True
+
+
+class _EngineJob(_Job):
+    """All copies out of one staging buffer during one native upload."""
+
+    __slots__ = ("_run", "_index", "_jobs")
+
+    def __init__(self, seq: int, run: _EngineRun, index: int, jobs: list) -> None:
+        self.seq, self.nbytes, self.error = seq, 0, None
+        self._run, self._index, self._jobs = run, index, jobs
+
+    def query(self) -> bool:
+        run = self._run
+        return run.finished and self._index not in run.lost
+
+    def wait_complete(self) -> bool:
+        self._run.observe(self._jobs)
+        return self._index not in self._run.lost
+
+
+def _mint_engine_observed(buffer: StagingBuffer, job: _EngineJob) -> "_witness.CopyCompleted":
+    """The witness for a buffer whose copies the native engine has reported complete.
+
+    Same guarantees as every other witness (``_witness._mint`` re-checks completion, binds the
+    witness to this buffer's lease and registers its single-use token); only the job type differs.
+    """
+    if type(job) is not _EngineJob or job not in buffer._lease.jobs:
+        raise UpstreamError("internal error: an engine witness was requested for a copy the engine did not run")
+    return _witness._mint(buffer, job)
+
+
 # -- the host worker ---------------------------------------------------------------------------------
 class _HostWorker:
     """One daemon thread running asynchronous host copies in submission order."""

@@ -25,6 +25,7 @@ class Source:
 
     nbytes: int
     parallel: bool = True  # may different chunks be filled concurrently, in any order?
+    address: Optional[int] = None  # raw address of the bytes, if any: the native engine reads it
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
         """Put source bytes ``[offset, offset + n)`` at the start of ``buf``."""
@@ -38,6 +39,11 @@ class MemorySource(Source):
     def __init__(self, obj: Any) -> None:
         self._held = BorrowedBuffer(obj, what="source")
         self.nbytes = self._held.nbytes
+
+    @property
+    def address(self) -> int:
+        """Where the bytes are (valid until :meth:`close`): what the native engine reads."""
+        return self._held.address
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
         ctypes.memmove(buf.ptr, self._held.address + offset, n)

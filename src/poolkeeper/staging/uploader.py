@@ -16,6 +16,14 @@ A buffer goes back to the pool only with the witness of its own completed copy. 
 upload the uploader pins its ``workers * depth`` buffers once (:meth:`Uploader.warm_up`); from then
 on every chunk reuses one: the steady state makes no pinned allocation at all.
 
+Two engines run that pipeline. ``"python"``: the workers above are Python threads (every source
+kind). ``"native"``: for sources with a raw address (bytes, bytearray, memoryview, numpy), the
+whole upload runs on the core's persistent native threads (``poolkeeper._core.UploadEngine``)
+behind one GIL release; the calling thread only polls for progress. The uploader acquires its
+staging buffers from the pool before the upload and retires each afterwards with a witness minted
+once the engine has reported all its copies complete. ``engine="auto"`` (default) picks native
+where it can.
+
     >>> up = Uploader(chunk_bytes=8 << 20, workers=12)
     >>> report = up.upload(numpy_array, device_ptr, progress=lambda done, total: ...)
     >>> handle = up.start("weights.bin", device_ptr); ...; handle.wait()
@@ -44,9 +52,10 @@ class UploadReport:
     """What one upload did.
 
     ``pinned_alloc_calls`` / ``reuses``: the pool's counter deltas over the upload, warm-up
-    included (they include other users of a shared pool). ``overlapped_fills``: chunks whose fill
-    started while an earlier copy of the same worker was still in flight. ``workers``: workers
-    that ran (1 for sequential sources)."""
+    included (they include other users of a shared pool); the python engine acquires once per
+    chunk, the native engine once per staging buffer per upload. ``overlapped_fills``: chunks
+    whose fill started while an earlier copy of the same worker was still in flight. ``workers``:
+    workers that ran (1 for sequential sources). ``engine``: ``"python"`` or ``"native"``."""
 
     nbytes: int
     chunks: int
@@ -57,6 +66,10 @@ class UploadReport:
     pinned_alloc_calls: int
     reuses: int
     overlapped_fills: int
+    engine: str = "python"
+    #: Native engine only: ``fill_s``, ``wait_s``, ``enqueue_s`` (summed over workers),
+    #: ``first_copy_s`` (start to the first copy enqueued), ``wall_s``, ``nt_fill``.
+    phases: Optional[dict] = None
 
     @property
     def gbps(self) -> float:
@@ -161,6 +174,13 @@ class Uploader:
             the calling thread's current device at its first upload).
         ramp: start with smaller chunks (chunk/8, /4, /2) so the first copy starts sooner
             (default True).
+        engine: ``"native"`` (the core's upload engine; sources with a raw address only, others
+            raise), ``"python"`` (Python worker threads; every source), or ``"auto"`` (default:
+            native where the source has an address, python otherwise). One native upload runs at
+            a time per uploader (concurrent calls wait their turn).
+        nt_fill: native engine only: fill staging buffers with non-temporal stores (they bypass
+            the cache: no read-for-ownership traffic competing with the DMA). Default False;
+            whether it helps depends on the machine (``benchmarks/uploader_bench.py --nt on,off``).
     """
 
     def __init__(
@@ -172,6 +192,8 @@ class Uploader:
         depth: int = 2,
         stream: Any = None,
         ramp: bool = True,
+        engine: str = "auto",
+        nt_fill: bool = False,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
@@ -182,6 +204,8 @@ class Uploader:
                 raise InvalidArgumentError(f"{name} must be a positive int; got {v!r}")
         if workers * depth < 2:
             raise InvalidArgumentError("workers * depth must be at least 2 so a fill can overlap a copy")
+        if engine not in ("auto", "native", "python"):
+            raise InvalidArgumentError(f"engine must be 'auto', 'native' or 'python'; got {engine!r}")
         nbuf = workers * depth
         self._own_pool = pool is None
         if pool is None:
@@ -202,6 +226,12 @@ class Uploader:
         self._executor: Optional[cf.ThreadPoolExecutor] = None
         self._warm = False
         self._lock = threading.Lock()
+        self._engine_kind = engine
+        self._nt_fill = bool(nt_fill)
+        self._native: Any = None  # poolkeeper._core.UploadEngine, made at the first native upload
+        self._native_pid = 0
+        self._native_lock = threading.Lock()
+        self._faults: dict = {}  # tests: fail_fill_at / fail_copy_at / fail_record_at (chunk index)
 
     @property
     def pool(self) -> PinnedStagingPool:
@@ -218,6 +248,11 @@ class Uploader:
     @property
     def depth(self) -> int:
         return self._depth
+
+    @property
+    def engine(self) -> str:
+        """The engine setting: ``"auto"``, ``"native"`` or ``"python"``."""
+        return self._engine_kind
 
     @property
     def buffers(self) -> int:
@@ -268,11 +303,15 @@ class Uploader:
         return UploadHandle(run)
 
     def close(self) -> None:
-        """Stop the worker threads; close the pool if the uploader created it."""
+        """Stop the worker threads (Python and native); close the pool if the uploader created it."""
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
+        with self._native_lock:
+            native, self._native = self._native, None
+        if native is not None:
+            native.close()
         if self._own_pool:
             self._pool.close()
 
@@ -298,7 +337,18 @@ class Uploader:
                 self._own_stream = drv.Stream(drv.current_device())
             return self._own_stream
 
+    def _uses_native(self, source: Source) -> bool:
+        has_address = source.parallel and getattr(source, "address", None) is not None
+        if self._engine_kind == "native" and not has_address:
+            raise InvalidArgumentError(
+                "engine='native' needs a source with a raw address (bytes, bytearray, memoryview, numpy); "
+                f"use engine='auto' or 'python' for {type(source).__name__}"
+            )
+        return has_address and self._engine_kind != "python"
+
     def _run(self, source: Source, dst: Any, progress: Optional[Progress]) -> UploadReport:
+        if self._uses_native(source):
+            return self._run_native(source, dst, progress)
         total = source.nbytes
         hold = None
         if self._pool.upstream.kind == "pinned":
@@ -339,6 +389,113 @@ class Uploader:
             reuses=after["reuses"] - before["reuses"],
             overlapped_fills=run.overlapped,
         )
+
+    def _native_engine(self) -> Any:
+        # Under _native_lock. A forked child inherits the object but not its threads: make a new one.
+        if self._native is None or self._native_pid != os.getpid():
+            from poolkeeper import _core
+
+            self._native = _core.UploadEngine(self._workers)
+            self._native_pid = os.getpid()
+        return self._native
+
+    def _run_native(self, source: Source, dst: Any, progress: Optional[Progress]) -> UploadReport:
+        total = source.nbytes
+        hold = None
+        stream: Optional[int] = None
+        if self._pool.upstream.kind == "pinned":
+            base, backend = _device_dst(dst, total), "cuda"
+            stream = _engine._stream_handle(self._copy_stream()) if total else None
+        else:
+            (base, hold), backend = _host_dst(dst, total), "host"
+        try:
+            with self._native_lock:
+                before = self._pool.stats()
+                t0 = time.perf_counter()
+                if not self._warm:
+                    self.warm_up()
+                eng = self._native_engine()
+                res = self._native_upload(eng, source, base, backend, stream, progress)
+                seconds = time.perf_counter() - t0
+        finally:
+            if hold is not None:
+                hold.release()
+        after = self._pool.stats()
+        return UploadReport(
+            nbytes=total,
+            chunks=res["chunks"],
+            chunk_bytes=self._chunk,
+            workers=res["workers"],
+            depth=self._depth,
+            seconds=seconds,
+            pinned_alloc_calls=after["pinned_alloc_calls"] - before["pinned_alloc_calls"],
+            reuses=after["reuses"] - before["reuses"],
+            overlapped_fills=res["overlapped_fills"],
+            engine="native",
+            phases={
+                "fill_s": res["fill_ns"] / 1e9,
+                "wait_s": res["wait_ns"] / 1e9,
+                "enqueue_s": res["enqueue_ns"] / 1e9,
+                "first_copy_s": res["first_enqueue_ns"] / 1e9,
+                "wall_s": res["wall_ns"] / 1e9,
+                "nt_fill": res["nt_fill"],
+            },
+        )
+
+    def _native_upload(
+        self, eng: Any, source: Source, base: int, backend: str, stream: Optional[int], progress: Optional[Progress]
+    ) -> dict:
+        total = source.nbytes
+        bufs: list = []
+        try:
+            for _ in range(self.buffers):
+                bufs.append(self._pool.acquire(self._chunk))
+        except BaseException:
+            for b in bufs:  # nothing copied out of them yet: an empty copy's witness retires them
+                b.retire(copy(0, b, 0))
+            raise
+        # Each buffer carries one job for the whole upload: while it runs, view/fill/retire refuse,
+        # and a drop or close waits for the engine before freeing.
+        run = _engine._EngineRun(eng)
+        jobs: list = []
+        for i, b in enumerate(bufs):
+            jobs.append(b._begin_copy(lambda seq, i=i: _engine._EngineJob(seq, run, i, jobs)))
+        try:
+            eng.start(source.address, total, base, [(b.ptr, b.capacity) for b in bufs], self._chunk,
+                      self._ramp, backend, stream, self._nt_fill, **self._faults)
+        except BaseException:
+            run.unstarted()
+            self._settle(bufs, jobs, run)
+            raise
+        try:
+            last = 0
+            while not eng.finished:  # short waits keep the caller responsive to signals
+                done = eng.wait(0.002 if progress is not None else 0.1)
+                if progress is not None and done > last:
+                    last = done
+                    progress(done, total)
+        except BaseException:  # a progress callback raised, or KeyboardInterrupt: stop, then settle
+            eng.cancel()
+            run.observe(jobs)
+            self._settle(bufs, jobs, run)
+            raise
+        res = run.observe(jobs)
+        self._settle(bufs, jobs, run)
+        if res["failed"]:
+            eng.rethrow()
+        if progress is not None and res["bytes"] > last:
+            progress(res["bytes"], total)
+        return res
+
+    @staticmethod
+    def _settle(bufs: list, jobs: list, run: "_engine._EngineRun") -> None:
+        # After the engine finished: completed buffers go back with their witness; lost ones are
+        # closed, which leaks them (their copy's completion is unknowable), counted by the pool.
+        for i, (b, job) in enumerate(zip(bufs, jobs)):
+            if i in run.lost:
+                b.close()
+            else:
+                b.retire(_engine._mint_engine_observed(b, job))
 
     def _work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
         inflight: collections.deque = collections.deque()

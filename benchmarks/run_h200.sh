@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything the committed H200 results need, in one command on the device machine (the device
+# tool runs it from the repository root with $OUT as the folder that comes back):
+#
+#   bash benchmarks/run_h200.sh [step ...]     steps: build gpu_tests uploader matrix replay (default: all)
+#
+# Each step writes its output under $OUT and goes on after a failure (the summary says which).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build gpu_tests uploader matrix replay)
+export COLUMNS=220 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+status=()
+step() {  # name command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  status+=("$name rc=$rc $((SECONDS - t0))s")
+  echo "== $name rc=$rc $((SECONDS - t0))s"; tail -4 "$OUT/$name.txt"
+}
+for s in "${steps[@]}"; do
+  case $s in
+    build) step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site . ;;
+    gpu_tests) step pytest_gpu timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
+    uploader) step uploader timeout 420 python3 benchmarks/uploader_bench.py "$OUT/uploader_h200.json" --sizes 256M,2G \
+                --engine native,python --nt off,on --chunks 4M,8M,16M --threads 8,12,16 --reps 5 ;;
+    matrix)
+      step h200 timeout 300 python3 -m poolkeeper.cli bench --backend cuda --no-progress --json "$OUT/h200.json"
+      step h200_compare python3 -m poolkeeper.cli compare "$OUT/h200.json" --plot "$OUT/h200_compare.png" \
+        --json "$OUT/h200_compare.json" ;;
+    replay)
+      for t in torch_gpt2_generate torch_bert_serve; do
+        step "replay_cuda_$t" timeout 120 python3 -m poolkeeper.cli replay "benchmarks/traces/$t.pickle.gz" \
+          --backend cuda --include-pre-trace --no-progress --json "$OUT/replay_cuda_$t.json"
+      done ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+printf '%s\n' "${status[@]}" | tee "$OUT/steps.txt"
