@@ -120,3 +120,17 @@ def test_compare_cli_refuses_mixed_scales(tmp_path, capsys):
 
 def test_jsonable():
     assert jsonable({"a": [math.inf, 1.0]}) == {"a": ["inf", 1.0]}
+
+
+def test_arena_expandable_is_a_fourth_comparison_against_the_arena():
+    from poolkeeper.bench.pivot import pivot as _pivot
+
+    def row(arm, reserved, calls):
+        return {"workload": "kv_cache", "params": {}, "backend": "simulated", "scale": "quick", "arm": arm,
+                "p50_ns": 100, "p99_ns": 200, "ops_per_s": 1e6, "upstream_allocations": calls,
+                "upstream_deallocations": 0, "peak_reserved_bytes": reserved}
+
+    piv = _pivot([row("arena", 150, 9), row("arena_expandable", 120, 30)])
+    (e,) = piv["comparisons"]["arena_expandable_vs_arena"]
+    assert e["peak_reserved"]["advantage"] == 120 / 150  # < 1: the expandable arm holds less
+    assert e["upstream_calls"]["advantage"] == 30 / 9

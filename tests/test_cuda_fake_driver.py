@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to build the f
 def fakes(tmp_path_factory):
     d = tmp_path_factory.mktemp("fakecuda")
     libs = {}
-    for name, extra in (("full", []), ("nopool", ["-DFAKE_NO_POOL_API"])):
+    for name, extra in (("full", []), ("nopool", ["-DFAKE_NO_POOL_API"]), ("novmm", ["-DFAKE_NO_VMM_API"])):
         out = d / name / "libcuda.so.1"
         out.parent.mkdir()
         subprocess.run([CC, "-shared", "-fPIC", "-O1", *extra, "-o", str(out), str(SRC), "-lpthread"], check=True)
@@ -285,6 +285,96 @@ def test_release_from_a_thread_current_on_another_device_trims_the_recorded_one(
     lines = log.read_text().splitlines()
     assert [l for l in lines if l.startswith("cuMemPoolTrimTo")] == ["cuMemPoolTrimTo dev=0 keep=0 cur=0"]
     assert not any("dev=1" in l for l in lines if l.startswith("cuMemPool"))
+
+
+# ---- virtual memory (CudaVirtual) and the expandable arena over it ----
+
+def test_expandable_arena_over_cuda_virtual_maps_writes_trims_and_closes(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, max_step=4 << 20, thread_cache_bytes=0)
+        sizes = (1000, 3 << 20, 5 << 20, 100)
+        ps = [pool.allocate(n) for n in sizes]
+        for i, (p, n) in enumerate(zip(ps, sizes)):
+            ctypes.memset(p, i + 1, n)  # host memory stands in: a missing map would fault here
+        ok = all(ctypes.string_at(p + n - 1, 1)[0] == i + 1 for i, (p, n) in enumerate(zip(ps, sizes)))
+        pool.validate()
+        grown = dict(maps=up.counters()["maps"], pieces=up.mapped_pieces, reserved=pool.stats()["reserved_bytes"])
+        for p in ps[1:]:
+            pool.deallocate(p)
+        trimmed = pool.trim()
+        after_trim = dict(pieces=up.mapped_pieces, reserved=pool.stats()["reserved_bytes"], unmaps=up.counters()["unmaps"])
+        pool.deallocate(ps[0])
+        pool.close()
+        c = up.counters()
+        print(json.dumps({"ok": ok, "grown": grown, "trimmed": trimmed, "after_trim": after_trim,
+                          "end": [c["maps"], c["unmaps"], c["reserves"], c["unreserves"], c["outstanding_bytes"], up.mapped_pieces],
+                          "gran": up.vm_granularity, "cap": up.memory_capacity}))
+    """)
+    MiB = 1 << 20
+    assert out["ok"] and out["gran"] == 2 * MiB and out["cap"] == 80 << 30
+    # 2 MiB first piece, then +2 MiB (tail extended for 3 MiB), then +4 MiB pieces as needed.
+    assert out["grown"]["maps"] == out["grown"]["pieces"] >= 3
+    assert out["after_trim"]["pieces"] == 1 and out["after_trim"]["reserved"] == 2 * MiB
+    assert out["trimmed"] == out["grown"]["reserved"] - 2 * MiB
+    maps = out["grown"]["maps"]
+    assert out["end"] == [maps, maps, 1, 1, 0, 0]
+
+
+def test_cuda_virtual_refused_map_undoes_itself_and_the_pool_stays_consistent(fakes):
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, va_bytes=64 << 20, thread_cache_bytes=0)
+        a = pool.allocate(6 << 20)
+        try:
+            pool.allocate(8 << 20)  # the device has 10 MiB: cuMemCreate fails
+            err = None
+        except pk.errors.OutOfMemoryError as e:
+            err = [e.cause, "CUDA_ERROR_OUT_OF_MEMORY" in str(e)]
+        pool.validate()
+        mid = [pool.stats()["reserved_bytes"], up.mapped_pieces, up.counters()["outstanding_bytes"]]
+        b = pool.allocate(2 << 20)
+        pool.deallocate(a)
+        pool.deallocate(b)
+        pool.close()
+        print(json.dumps({"err": err, "mid": mid, "end": [up.counters()["outstanding_bytes"], up.mapped_pieces]}))
+    """, FAKE_CUDA_CAPACITY=10 << 20)
+    assert out["err"] == ["upstream", True]
+    MiB = 1 << 20
+    assert out["mid"][0] == out["mid"][2] and out["mid"][0] >= 6 * MiB
+    assert out["end"] == [0, 0]
+
+
+@pytest.mark.parametrize("lib,env,expect", [("novmm", {}, "virtual memory management"),
+                                            ("full", {"FAKE_CUDA_NO_VMM": 1}, "does not support virtual memory")])
+def test_cuda_virtual_without_vmm_is_unavailable_with_the_reason(fakes, lib, env, expect):
+    out = run(fakes[lib], """
+        try:
+            pk.upstream.CudaVirtual()
+            err = None
+        except pk.CudaUnavailableError as e:
+            err = str(e)
+        dev_ok = pk.upstream.CudaDevice().name
+        print(json.dumps({"err": err, "dev": dev_ok}))
+    """, **env)
+    assert out["err"] and expect in out["err"]
+    assert out["dev"] == "CudaDevice(0)"
+
+
+def test_expandable_bench_arm_draws_from_cuda_virtual_on_the_cuda_backend(fakes):
+    out = run(fakes["full"], """
+        from poolkeeper.bench.arms import make_arm, select_arms
+        from poolkeeper.bench import backends
+        arms, skipped = select_arms(["arena", "arena_expandable"], "cuda")
+        pool, up = make_arm("arena_expandable").build(backends.upstream_factory("cuda"))
+        p = pool.allocate(1 << 20)
+        pool.deallocate(p)
+        st = pool.stats()
+        pool.close()
+        print(json.dumps({"arms": [a.name for a in arms], "up": up.name, "maps": st["map_calls"]}))
+    """)
+    assert out == {"arms": ["arena", "arena_expandable"], "up": "CudaVirtual(0)", "maps": 1}
 
 
 # ---- the benchmark's cuda backend ----

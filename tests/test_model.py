@@ -47,6 +47,9 @@ def make(kind: str, up):
     if kind == "arena":
         # Small backings: growth, oversize backings and shrink scans happen within 50 steps.
         return pk.ArenaPool(up, initial_backing=64 * KiB, max_backing=1 * MiB, shrink_interval=16)
+    if kind == "arena_expandable":
+        # One granule per growth step and frequent scans: maps and tail unmaps within 50 steps.
+        return pk.ArenaPool(up, expandable=True, max_step=2 * MiB, shrink_interval=16, shrink_hysteresis=1)
     if kind == "arena_nocache":
         return pk.ArenaPool(up, initial_backing=64 * KiB, max_backing=1 * MiB, thread_cache_bytes=0)
     return pk.make_pool(kind, up)
@@ -188,3 +191,4 @@ TestDirectModel = _machine("direct")
 TestSizeClassModel = _machine("size_class")
 TestArenaModel = _machine("arena")
 TestArenaNoCacheModel = _machine("arena_nocache")
+TestArenaExpandableModel = _machine("arena_expandable")

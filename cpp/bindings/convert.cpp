@@ -163,6 +163,10 @@ nb::dict upstream_counters_to_dict(const UpstreamCounters& c) {
   d["dealloc_ns"] = c.dealloc_ns;
   d["failed_allocations"] = c.failed_allocations;
   d["failed_deallocations"] = c.failed_deallocations;
+  d["maps"] = c.maps;
+  d["unmaps"] = c.unmaps;
+  d["reserves"] = c.reserves;
+  d["unreserves"] = c.unreserves;
   return d;
 }
 

@@ -180,6 +180,12 @@ void bind_cuda_upstreams(nb::module_& m) {
       .def_prop_ro("stream", [](const CudaAsyncUpstream& u) { return static_cast<std::uint64_t>(u.stream()); })
       .def_prop_ro("warm", &CudaAsyncUpstream::warm);
 
+  nb::class_<CudaVirtualUpstream, CudaDeviceUpstreamBase>(m, "CudaVirtualUpstream")
+      .def("__init__", [](CudaVirtualUpstream* self, int device) { new (self) CudaVirtualUpstream(device); },
+           "device"_a = 0)
+      .def_prop_ro("mapped_pieces", &CudaVirtualUpstream::mapped_pieces,
+                   "Physical pieces mapped now (each holds its own cuMemCreate handle).");
+
   nb::class_<CudaPinnedUpstream, Upstream>(m, "CudaPinnedUpstream")
       .def("__init__", [](CudaPinnedUpstream* self, int device) { new (self) CudaPinnedUpstream(device); },
            "device"_a = 0);

@@ -17,6 +17,10 @@ ArenaOptions arena_options(nb::handle opts) {
   o.shrink_hysteresis = r.size("shrink_hysteresis", o.shrink_hysteresis);
   o.shrink_interval = r.size("shrink_interval", o.shrink_interval);
   o.oversize_threshold = r.size("oversize_threshold", o.oversize_threshold, false);
+  o.expandable = r.flag("expandable", o.expandable);
+  o.va_bytes = r.size("va_bytes", o.va_bytes);
+  o.step_fraction = r.real("step_fraction", o.step_fraction);
+  o.max_step = r.size("max_step", o.max_step, false);
   r.finish();
   return o;
 }

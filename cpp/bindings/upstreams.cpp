@@ -35,6 +35,42 @@ void bind_upstreams(nb::module_& m) {
       .def_prop_ro("device", &Upstream::device)
       .def_prop_ro("alignment", &Upstream::alignment)
       .def_prop_ro("streams_supported", &Upstream::streams_supported)
+      .def_prop_ro("supports_virtual", &Upstream::supports_virtual,
+                   "Whether reserve/map/unmap/unreserve (virtual memory) are available.")
+      .def_prop_ro("vm_granularity", &Upstream::vm_granularity)
+      .def_prop_ro("memory_capacity", &Upstream::memory_capacity, "Physical memory in all (0: unknown).")
+      .def(
+          "reserve",
+          [](Upstream& u, nb::handle nbytes) {
+            const std::size_t n = parse_size(nbytes, "nbytes");
+            nb::gil_scoped_release nogil;
+            return u.reserve(n);
+          },
+          "nbytes"_a.none(), "Reserve a virtual range (granule multiple). Returns its base.")
+      .def(
+          "map",
+          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
+            const std::size_t n = parse_size(nbytes, "nbytes");
+            nb::gil_scoped_release nogil;
+            u.map(addr, n);
+          },
+          "addr"_a, "nbytes"_a.none(), "Map physical memory onto [addr, addr+nbytes) of a reserved range (counted as an allocation).")
+      .def(
+          "unmap",
+          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
+            const std::size_t n = parse_size(nbytes, "nbytes");
+            nb::gil_scoped_release nogil;
+            u.unmap(addr, n);
+          },
+          "addr"_a, "nbytes"_a.none(), "Unmap exactly one earlier map's range (counted as a deallocation).")
+      .def(
+          "unreserve",
+          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
+            const std::size_t n = parse_size(nbytes, "nbytes");
+            nb::gil_scoped_release nogil;
+            u.unreserve(addr, n);
+          },
+          "addr"_a, "nbytes"_a.none(), "Give back a reserved range with nothing mapped in it.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", &Upstream::query_event, "event"_a)

@@ -135,6 +135,14 @@ void load(State& s) {
       {"cuMemPoolGetAttribute", "cuMemPoolGetAttribute", slot(a.cuMemPoolGetAttribute), true},
       {"cuMemPoolSetAttribute", "cuMemPoolSetAttribute", slot(a.cuMemPoolSetAttribute), true},
       {"cuMemPoolTrimTo", "cuMemPoolTrimTo", slot(a.cuMemPoolTrimTo), true},
+      {"cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", slot(a.cuMemGetAllocationGranularity), true},
+      {"cuMemAddressReserve", "cuMemAddressReserve", slot(a.cuMemAddressReserve), true},
+      {"cuMemAddressFree", "cuMemAddressFree", slot(a.cuMemAddressFree), true},
+      {"cuMemCreate", "cuMemCreate", slot(a.cuMemCreate), true},
+      {"cuMemRelease", "cuMemRelease", slot(a.cuMemRelease), true},
+      {"cuMemMap", "cuMemMap", slot(a.cuMemMap), true},
+      {"cuMemUnmap", "cuMemUnmap", slot(a.cuMemUnmap), true},
+      {"cuMemSetAccess", "cuMemSetAccess", slot(a.cuMemSetAccess), true},
   };
   for (const Sym& y : syms) {
     void* p = nullptr;
@@ -161,6 +169,10 @@ void load(State& s) {
     a.cuMemPoolSetAttribute = nullptr;
     a.cuMemPoolTrimTo = nullptr;
   }
+
+  if (!a.cuMemGetAllocationGranularity || !a.cuMemAddressReserve || !a.cuMemAddressFree || !a.cuMemCreate ||
+      !a.cuMemRelease || !a.cuMemMap || !a.cuMemUnmap || !a.cuMemSetAccess)
+    a.cuMemCreate = nullptr;  // has_virtual_memory() is all-or-nothing too
 
   a.cuDriverGetVersion(&a.driver_version);
   int n = 0;

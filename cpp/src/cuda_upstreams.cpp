@@ -165,6 +165,154 @@ void CudaAsyncUpstream::do_deallocate(void* p, std::size_t nbytes) {
   if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemFreeAsync", nbytes, device_), name());
 }
 
+// ---- virtual memory ----
+
+namespace {
+CUmemAllocationProp device_prop(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+std::string at_ptr(const char* call, std::uintptr_t a, std::size_t n, int device) {
+  return std::string(call) + "(" + format_ptr(a) + ", " + format_bytes(n) + ") on device " + std::to_string(device);
+}
+}  // namespace
+
+CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
+  const cuda::DriverApi& a = cuda::api();
+  if (!a.has_virtual_memory())
+    throw CudaUnavailable("CudaVirtual needs the driver's virtual memory management (cuMemCreate, cuMemMap, ...); " +
+                          a.library + " lacks it");
+  int vmm = 0;
+  cuda::check(a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device),
+              "cuDeviceGetAttribute", name());
+  if (!vmm)
+    throw CudaUnavailable("CudaVirtual: device " + std::to_string(device) + " does not support virtual memory management");
+  const CUmemAllocationProp prop = device_prop(device);
+  cuda::ScopedContext ctx(device_);
+  cuda::check(a.cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+              "cuMemGetAllocationGranularity", name());
+  if (!granularity_ || (granularity_ & (granularity_ - 1)))
+    throw UpstreamFailure("CudaVirtual: the driver's granularity " + std::to_string(granularity_) + " is not a power of two",
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+  capacity_ = cuda::device_info(device).total_memory;
+}
+
+CudaVirtualUpstream::~CudaVirtualUpstream() {
+  // Pools unmap what they mapped; whatever is left (a pool destroyed with live blocks) dies with
+  // the context.
+}
+
+std::string CudaVirtualUpstream::name() const { return "CudaVirtual(" + std::to_string(device_) + ")"; }
+
+std::size_t CudaVirtualUpstream::mapped_pieces() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return pieces_.size();
+}
+
+std::uintptr_t CudaVirtualUpstream::do_reserve(std::size_t bytes) {
+  if (!bytes || bytes % granularity_)
+    throw InvalidArgument("CudaVirtual: reserve of " + format_bytes(bytes) + " is not a multiple of the granularity " +
+                          format_bytes(granularity_));
+  cuda::ScopedContext ctx(device_);
+  CUdeviceptr p = 0;
+  const CUresult r = cuda::api().cuMemAddressReserve(&p, bytes, granularity_, 0, 0);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemAddressReserve", bytes, device_), name());
+  return static_cast<std::uintptr_t>(p);
+}
+
+void CudaVirtualUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
+  if (cuda::shutting_down()) return;
+  cuda::ScopedContext ctx(device_);
+  const CUresult r = cuda::api().cuMemAddressFree(static_cast<CUdeviceptr>(addr), bytes);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemAddressFree", addr, bytes, device_), name());
+}
+
+void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
+  if (!bytes || bytes % granularity_ || addr % granularity_)
+    throw InvalidArgument("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) +
+                          " is not granule-aligned (" + format_bytes(granularity_) + ")");
+  const cuda::DriverApi& a = cuda::api();
+  const CUmemAllocationProp prop = device_prop(device_);
+  cuda::ScopedContext ctx(device_);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = a.cuMemCreate(&h, bytes, &prop, 0);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemCreate", bytes, device_), name());
+  const auto dp = static_cast<CUdeviceptr>(addr);
+  r = a.cuMemMap(dp, bytes, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemRelease(h);
+    cuda::throw_error(r, at_ptr("cuMemMap", addr, bytes, device_), name());
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  r = a.cuMemSetAccess(dp, bytes, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemUnmap(dp, bytes);
+    a.cuMemRelease(h);
+    cuda::throw_error(r, at_ptr("cuMemSetAccess", addr, bytes, device_), name());
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  pieces_[addr] = Piece{bytes, h};
+}
+
+void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
+  Piece piece;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pieces_.find(addr);
+    if (it == pieces_.end() || it->second.size != bytes)
+      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " (" + format_bytes(bytes) +
+                                ") is not one mapped piece",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    piece = it->second;
+  }
+  if (cuda::shutting_down()) return;
+  const cuda::DriverApi& a = cuda::api();
+  cuda::ScopedContext ctx(device_);
+  CUresult r = a.cuMemUnmap(static_cast<CUdeviceptr>(addr), bytes);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", addr, bytes, device_), name());  // still mapped
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    pieces_.erase(addr);
+  }
+  // Unmapped: the address range is free again even if the release below fails (then the
+  // physical memory leaks, and the error says so).
+  r = a.cuMemRelease(piece.handle);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemRelease", addr, bytes, device_), name());
+}
+
+void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) { map_piece(addr, bytes); }
+
+void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) { unmap_piece(addr, bytes); }
+
+void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
+  const std::size_t n = align_up(nbytes, granularity_);
+  const std::uintptr_t a = do_reserve(n);
+  try {
+    map_piece(a, n);
+  } catch (...) {
+    try {
+      do_unreserve(a, n);
+    } catch (...) {
+    }
+    throw;
+  }
+  return reinterpret_cast<void*>(a);
+}
+
+void CudaVirtualUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const std::size_t n = align_up(nbytes, granularity_);
+  unmap_piece(a, n);
+  do_unreserve(a, n);
+}
+
 // ---- pinned host memory ----
 
 CudaPinnedUpstream::CudaPinnedUpstream(int device) : device_(device) {

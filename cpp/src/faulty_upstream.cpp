@@ -18,31 +18,44 @@ bool FaultyUpstream::should_fail(std::uint64_t index, std::size_t nbytes) const 
   return std::binary_search(plan_.fail_at.begin(), plan_.fail_at.end(), index);
 }
 
-void* FaultyUpstream::do_allocate(std::size_t nbytes) {
+void FaultyUpstream::maybe_refuse_alloc(const char* what, std::size_t nbytes) {
   const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
-  if (should_fail(i, nbytes)) {
-    injected_allocs_.fetch_add(1, std::memory_order_relaxed);
-    const std::string what = "injected fault: allocation #" + std::to_string(i) + " of " + format_bytes(nbytes) +
-                             " refused by " + name();
-    if (plan_.error == FaultPlan::Error::Oom)
-      throw UpstreamOutOfMemory(what, name(), "POOLKEEPER_INJECTED_OOM", kInjectedCode);
-    throw UpstreamFailure(what, name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
-  }
+  if (!should_fail(i, nbytes)) return;
+  injected_allocs_.fetch_add(1, std::memory_order_relaxed);
+  const std::string msg = std::string("injected fault: ") + what + " #" + std::to_string(i) + " of " +
+                          format_bytes(nbytes) + " refused by " + name();
+  if (plan_.error == FaultPlan::Error::Oom) throw UpstreamOutOfMemory(msg, name(), "POOLKEEPER_INJECTED_OOM", kInjectedCode);
+  throw UpstreamFailure(msg, name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
+}
+
+void FaultyUpstream::maybe_refuse_free(const char* what, std::uintptr_t p, std::size_t nbytes) {
+  if (!plan_.fail_frees) return;
+  const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
+  if (!should_fail(i, nbytes)) return;
+  injected_frees_.fetch_add(1, std::memory_order_relaxed);
+  throw UpstreamFailure(std::string("injected fault: ") + what + " #" + std::to_string(i) + " of " + format_ptr(p) +
+                            " (" + format_bytes(nbytes) + ") refused by " + name(),
+                        name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
+}
+
+void* FaultyUpstream::do_allocate(std::size_t nbytes) {
+  maybe_refuse_alloc("allocation", nbytes);
   return inner_->allocate(nbytes);
 }
 
 void FaultyUpstream::do_deallocate(void* p, std::size_t nbytes) {
-  if (plan_.fail_frees) {
-    const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
-    if (should_fail(i, nbytes)) {
-      injected_frees_.fetch_add(1, std::memory_order_relaxed);
-      throw UpstreamFailure("injected fault: free #" + std::to_string(i) + " of " +
-                                format_ptr(reinterpret_cast<std::uintptr_t>(p)) + " (" + format_bytes(nbytes) +
-                                ") refused by " + name(),
-                            name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);
-    }
-  }
+  maybe_refuse_free("free", reinterpret_cast<std::uintptr_t>(p), nbytes);
   inner_->deallocate(p, nbytes);
+}
+
+void FaultyUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
+  maybe_refuse_alloc("map", bytes);
+  inner_->map(addr, bytes);
+}
+
+void FaultyUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
+  maybe_refuse_free("unmap", addr, bytes);
+  inner_->unmap(addr, bytes);
 }
 
 }  // namespace poolkeeper

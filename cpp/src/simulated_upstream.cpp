@@ -40,13 +40,19 @@ void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
                                   format_bytes(capacity_ - std::min(capacity_, used_)) + " of " +
                                   format_bytes(capacity_) + " left",
                               "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
+  const std::uintptr_t a = place_locked(align_up(n, 4096), 4096);
+  live_.emplace(a, nbytes);
+  used_ += n;
+  return reinterpret_cast<void*>(a);
+}
+
+std::uintptr_t SimulatedUpstream::place_locked(std::size_t span, std::size_t align) {
   // Addresses are not reused while the range lasts, so a stale pointer cannot alias a new block
   // by accident. After 1 TiB of traffic the cursor wraps and skips over blocks still live.
-  const std::size_t span = align_up(n, 4096);
-  std::uintptr_t a = next_addr_;
+  std::uintptr_t a = align_up(next_addr_, align);
   for (int lap = 0;; ++lap) {
-    if (a + span > base_ + kRange) {
-      if (lap > 1) throw UpstreamOutOfMemory("simulated device: no free range of " + format_bytes(n), "Simulated",
+    if (a + span > base_ + kRange || a + span < a) {
+      if (lap > 1) throw UpstreamOutOfMemory("simulated device: no free address range of " + format_bytes(span), "Simulated",
                                              "CUDA_ERROR_OUT_OF_MEMORY", 2);
       a = base_;
     }
@@ -54,27 +60,97 @@ void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
     if (it != live_.begin()) {
       auto prev = std::prev(it);
       if (prev->first + align_up(prev->second, 4096) > a) {
-        a = prev->first + align_up(prev->second, 4096);
+        a = align_up(prev->first + align_up(prev->second, 4096), align);
         continue;
       }
     }
     if (it != live_.end() && it->first < a + span) {
-      a = it->first + align_up(it->second, 4096);
+      a = align_up(it->first + align_up(it->second, 4096), align);
       continue;
     }
     break;
   }
   next_addr_ = a + span;
-  live_.emplace(a, nbytes);
-  used_ += n;
-  return reinterpret_cast<void*>(a);
+  return a;
+}
+
+std::size_t SimulatedUpstream::mapped_bytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::size_t n = 0;
+  for (auto& [a, r] : ranges_)
+    for (auto& [pa, pn] : r.pieces) n += pn;
+  return n;
+}
+
+static void vm_fail(const std::string& what) {
+  throw UpstreamFailure("simulated device: " + what, "Simulated", "CUDA_ERROR_INVALID_VALUE", 1);
+}
+
+std::uintptr_t SimulatedUpstream::do_reserve(std::size_t bytes) {
+  if (bytes == 0 || bytes % kGranule) vm_fail("reserve of " + format_bytes(bytes) + " is not a positive multiple of 2 MiB");
+  std::lock_guard<std::mutex> g(mu_);
+  const std::uintptr_t a = place_locked(bytes, kGranule);
+  live_.emplace(a, bytes);
+  ranges_[a].size = bytes;
+  return a;
+}
+
+SimulatedUpstream::Range* SimulatedUpstream::range_of_locked(std::uintptr_t addr, std::size_t bytes) {
+  auto it = ranges_.upper_bound(addr);
+  if (it == ranges_.begin()) return nullptr;
+  --it;
+  if (addr + bytes > it->first + it->second.size || addr + bytes < addr) return nullptr;
+  return &it->second;
+}
+
+void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
+  busy_wait_us(model_.alloc_us(bytes));
+  std::lock_guard<std::mutex> g(mu_);
+  if (bytes == 0 || bytes % kGranule || addr % kGranule)
+    vm_fail("map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " is not 2 MiB-aligned");
+  Range* r = range_of_locked(addr, bytes);
+  if (!r) vm_fail("map at " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is outside every reserved range");
+  auto it = r->pieces.lower_bound(addr);
+  if ((it != r->pieces.end() && it->first < addr + bytes) ||
+      (it != r->pieces.begin() && std::prev(it)->first + std::prev(it)->second > addr))
+    vm_fail("map at " + format_ptr(addr) + " overlaps a mapped piece");
+  if (used_ + bytes > capacity_)
+    throw UpstreamOutOfMemory("simulated device out of memory: map of " + format_bytes(bytes) + ", " +
+                                  format_bytes(capacity_ - std::min(capacity_, used_)) + " of " +
+                                  format_bytes(capacity_) + " left",
+                              "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
+  r->pieces.emplace(addr, bytes);
+  used_ += bytes;
+}
+
+void SimulatedUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
+  busy_wait_us(model_.free_us(bytes));
+  std::lock_guard<std::mutex> g(mu_);
+  Range* r = range_of_locked(addr, bytes);
+  auto it = r ? r->pieces.find(addr) : decltype(r->pieces.end()){};
+  if (!r || it == r->pieces.end() || it->second != bytes)
+    vm_fail("unmap at " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is not one mapped piece");
+  r->pieces.erase(it);
+  used_ -= bytes;
+}
+
+void SimulatedUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = ranges_.find(addr);
+  if (it == ranges_.end() || it->second.size != bytes)
+    vm_fail("unreserve of " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is not a reserved range");
+  if (!it->second.pieces.empty())
+    vm_fail("unreserve of " + format_ptr(addr) + " while " + std::to_string(it->second.pieces.size()) +
+            " piece(s) are still mapped");
+  ranges_.erase(it);
+  live_.erase(addr);
 }
 
 void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {
   busy_wait_us(model_.free_us(nbytes));
   std::lock_guard<std::mutex> g(mu_);
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-  if (it == live_.end() || it->second != nbytes)
+  if (it == live_.end() || it->second != nbytes || ranges_.count(it->first))
     throw UpstreamFailure("simulated device: invalid free of " + format_ptr(reinterpret_cast<std::uintptr_t>(p)) +
                               " (" + format_bytes(nbytes) + ")",
                           "Simulated", "CUDA_ERROR_INVALID_VALUE", 1);

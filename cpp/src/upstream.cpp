@@ -23,6 +23,11 @@ void* Upstream::allocate(std::size_t nbytes) {
     alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     throw;
   }
+  count_alloc(nbytes, t0);
+  return p;
+}
+
+void Upstream::count_alloc(std::size_t nbytes, std::uint64_t t0) {
   alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
   allocations_.fetch_add(1, std::memory_order_relaxed);
   bytes_allocated_.fetch_add(nbytes, std::memory_order_relaxed);
@@ -30,8 +35,59 @@ void* Upstream::allocate(std::size_t nbytes) {
   auto peak = peak_outstanding_.load(std::memory_order_relaxed);
   while (out > peak && !peak_outstanding_.compare_exchange_weak(peak, out, std::memory_order_relaxed)) {
   }
-  return p;
 }
+
+void Upstream::count_dealloc(std::size_t nbytes, std::uint64_t t0) {
+  dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  deallocations_.fetch_add(1, std::memory_order_relaxed);
+  bytes_deallocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  outstanding_.fetch_sub(nbytes, std::memory_order_relaxed);
+}
+
+std::uintptr_t Upstream::reserve(std::size_t bytes) {
+  const std::uintptr_t a = do_reserve(bytes);
+  reserves_.fetch_add(1, std::memory_order_relaxed);
+  return a;
+}
+
+void Upstream::unreserve(std::uintptr_t addr, std::size_t bytes) {
+  do_unreserve(addr, bytes);
+  unreserves_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
+  const auto t0 = now_ns();
+  try {
+    do_map(addr, bytes);
+  } catch (...) {
+    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
+    alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  maps_.fetch_add(1, std::memory_order_relaxed);
+  count_alloc(bytes, t0);
+}
+
+void Upstream::unmap(std::uintptr_t addr, std::size_t bytes) {
+  const auto t0 = now_ns();
+  try {
+    do_unmap(addr, bytes);
+  } catch (...) {
+    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
+    dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  unmaps_.fetch_add(1, std::memory_order_relaxed);
+  count_dealloc(bytes, t0);
+}
+
+static std::string no_vm(const std::string& who) {
+  return who + " has no virtual memory interface (supports_virtual() is false)";
+}
+std::uintptr_t Upstream::do_reserve(std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_map(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_unmap(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_unreserve(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
 
 void Upstream::deallocate(void* p, std::size_t nbytes) {
   const auto t0 = now_ns();
@@ -42,10 +98,7 @@ void Upstream::deallocate(void* p, std::size_t nbytes) {
     dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     throw;
   }
-  dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-  deallocations_.fetch_add(1, std::memory_order_relaxed);
-  bytes_deallocated_.fetch_add(nbytes, std::memory_order_relaxed);
-  outstanding_.fetch_sub(nbytes, std::memory_order_relaxed);
+  count_dealloc(nbytes, t0);
 }
 
 UpstreamCounters Upstream::counters() const {
@@ -60,6 +113,10 @@ UpstreamCounters Upstream::counters() const {
   c.dealloc_ns = dealloc_ns_.load(std::memory_order_relaxed);
   c.failed_allocations = failed_allocations_.load(std::memory_order_relaxed);
   c.failed_deallocations = failed_deallocations_.load(std::memory_order_relaxed);
+  c.maps = maps_.load(std::memory_order_relaxed);
+  c.unmaps = unmaps_.load(std::memory_order_relaxed);
+  c.reserves = reserves_.load(std::memory_order_relaxed);
+  c.unreserves = unreserves_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -74,6 +131,10 @@ void Upstream::reset_counters() {
   dealloc_ns_ = 0;
   failed_allocations_ = 0;
   failed_deallocations_ = 0;
+  maps_ = 0;
+  unmaps_ = 0;
+  reserves_ = 0;
+  unreserves_ = 0;
 }
 
 std::string format_bytes(std::size_t n) {

@@ -161,6 +161,19 @@ std::vector<Case> all_cases() {
       return std::make_shared<ArenaPool>(std::move(up), o);
     };
   };
+  // One reserved range grown by 2 MiB pieces; frequent scans unmap the free tail under traffic.
+  auto expandable = [](std::size_t cache) {
+    return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
+      ArenaOptions o;
+      o.expandable = true;
+      o.max_step = 2 << 20;
+      o.thread_cache_bytes = cache;
+      o.thread_cache_max_block = 64 << 10;
+      o.shrink_interval = 128;
+      o.shrink_hysteresis = 1;
+      return std::make_shared<ArenaPool>(std::move(up), o);
+    };
+  };
   auto direct = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> { return std::make_shared<DirectPool>(std::move(up)); };
   auto size_class = [](std::size_t cap) {
     return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
@@ -179,6 +192,8 @@ std::vector<Case> all_cases() {
       {"size_class-sim", false, size_class(0)},
       {"arena-sim", false, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)},
       {"arena_nocache-sim", false, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},
+      {"arena_expandable-sim", false, expandable(256 << 10)},
+      {"arena_expandable_nocache-sim", false, expandable(0)},
   };
 }
 

@@ -6,7 +6,7 @@ bytes, cumulative ns). On a device the call count *is* the cost, and it carries 
 - :class:`Host`: aligned host memory.
 - :class:`Simulated`: a fake device (never-touched addresses, calibrated latency, virtual streams
   and events), so CI tests device logic without a GPU.
-- ``CudaDevice``, ``CudaAsync``, ``CudaPinned``: the CUDA driver API, loaded at run time
+- ``CudaDevice``, ``CudaAsync``, ``CudaPinned``, ``CudaVirtual``: the CUDA driver API, loaded at run time
   (see :mod:`poolkeeper.cuda`). Importing this module never needs CUDA.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Simulated(_core.SimulatedUpstream):
 def __getattr__(name: str):
     # CUDA upstreams live in poolkeeper.cuda; resolved lazily so importing this module never
     # touches the driver.
-    if name in ("CudaDevice", "CudaAsync", "CudaPinned"):
+    if name in ("CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual"):
         from poolkeeper.cuda import upstreams as _cu
 
         return getattr(_cu, name)
@@ -79,4 +79,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'poolkeeper.upstream' has no attribute {name!r}")
 
 
-__all__ = ["Upstream", "Host", "Simulated", "CudaDevice", "CudaAsync", "CudaPinned", "Faulty"]
+__all__ = ["Upstream", "Host", "Simulated", "CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual", "Faulty"]

@@ -15,6 +15,7 @@
  *   FAKE_CUDA_CAPACITY      bytes of memory per device (default 80 GiB)
  *   FAKE_CUDA_LOG           path: append one line per pool/context-sensitive call, naming the
  *                           device of the context current at the call ("cur=-1": none)
+ *   FAKE_CUDA_NO_VMM        1: devices report no virtual memory management support
  *   FAKE_CUDA_DEFER_COPIES  1: cuMemcpyHtoDAsync only queues the copy (one FIFO for all streams);
  *                           queued copies run, in order, when an event recorded after them is
  *                           synchronized or answers a query with success, or at a stream/context
@@ -23,7 +24,13 @@
  *   FAKE_CUDA_FAIL_HTOD_ASYNC_AT   N: the N-th cuMemcpyHtoDAsync call (from 1) fails, copying nothing
  *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
- * Compile with -DFAKE_NO_POOL_API for a driver without the stream-ordered allocator.
+ * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
+ * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
+ * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
+ * mapping and drops its pages, cuMemRelease frees the handle, cuMemAddressFree refuses a range
+ * with mappings left. Granularity 2 MiB.
+ * Compile with -DFAKE_NO_POOL_API for a driver without the stream-ordered allocator, and
+ * -DFAKE_NO_VMM_API for one without the virtual memory management entry points.
  * Not thread-safe beyond what the tests need (one mutex around the shared state).
  */
 #include <pthread.h>
@@ -50,7 +57,7 @@ struct stream { struct ctx* ctx; };
 struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static int inited = 0, ndev = 1, no_pools = 0, event_not_ready = 0;
+static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
 static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
 struct qcopy { void* dst; const void* src; size_t n; };
@@ -88,6 +95,7 @@ CUresult cuInit(unsigned flags) {
     if (ndev < 0) ndev = 0;
     if (ndev > MAXDEV) ndev = MAXDEV;
     no_pools = env_int("FAKE_CUDA_NO_POOLS", 0);
+    no_vmm = env_int("FAKE_CUDA_NO_VMM", 0);
     event_not_ready = env_int("FAKE_CUDA_EVENT_NOT_READY", 0);
     defer_copies = env_int("FAKE_CUDA_DEFER_COPIES", 0);
     fail_htod_async_at = env_int("FAKE_CUDA_FAIL_HTOD_ASYNC_AT", 0);
@@ -137,6 +145,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, int d) {
     case 75: *v = 9; break;
     case 76: *v = 0; break;
     case 115: *v = no_pools ? 0 : 1; break;
+    case 102: *v = no_vmm ? 0 : 1; break;
     default: *v = 0;
   }
   return OK;
@@ -353,3 +362,113 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, struct str
 CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, struct stream* st) { (void)st; return cuMemcpyDtoH_v2(d, s, n); }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { NEED_CTX(); memset((void*)(uintptr_t)d, v, n); return OK; }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, struct stream* st) { (void)st; return cuMemsetD8_v2(d, v, n); }
+
+#ifndef FAKE_NO_VMM_API
+#include <sys/mman.h>
+#define GRAN ((size_t)2 << 20)
+#define MAXV 4096
+struct vhandle { size_t size; int dev; int mapped; };
+struct vrange { uintptr_t a; size_t n; };
+struct vmap { uintptr_t a; size_t n; struct vhandle* h; };
+static struct vrange vranges[MAXV];
+static struct vmap vmaps[MAXV];
+static int nvr = 0, nvm = 0;
+
+CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) {
+  (void)prop; (void)option; NEED_INIT(); *g = GRAN; return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr* out, size_t n, size_t align, CUdeviceptr addr, unsigned long long flags) {
+  (void)addr; (void)flags; NEED_INIT();
+  if (!n || n % GRAN || (align && align % GRAN)) return E_INVALID_VALUE;
+  char* p = mmap(NULL, n + GRAN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return E_OOM;
+  uintptr_t a = ((uintptr_t)p + GRAN - 1) & ~(uintptr_t)(GRAN - 1);
+  if (a > (uintptr_t)p) munmap(p, a - (uintptr_t)p);
+  if ((uintptr_t)p + GRAN > a) munmap((void*)(a + n), (uintptr_t)p + GRAN - a);
+  pthread_mutex_lock(&mu);
+  if (nvr == MAXV) { pthread_mutex_unlock(&mu); munmap((void*)a, n); return E_OOM; }
+  vranges[nvr].a = a; vranges[nvr].n = n; nvr++;
+  pthread_mutex_unlock(&mu);
+  *out = a;
+  return OK;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t n) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nvr; i++) {
+    if (vranges[i].a != ptr || vranges[i].n != n) continue;
+    for (int j = 0; j < nvm; j++)
+      if (vmaps[j].a >= ptr && vmaps[j].a < ptr + n) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
+    vranges[i] = vranges[--nvr];
+    pthread_mutex_unlock(&mu);
+    munmap((void*)(uintptr_t)ptr, n);
+    return OK;
+  }
+  pthread_mutex_unlock(&mu);
+  return E_INVALID_VALUE;
+}
+CUresult cuMemCreate(unsigned long long* h, size_t n, const int* prop, unsigned long long flags) {
+  (void)flags; NEED_INIT();
+  /* prop: type, requestedHandleTypes, location.type, location.id (the ABI's first four ints) */
+  if (prop[0] != 1 || prop[2] != 1) return E_INVALID_VALUE;
+  int d = prop[3];
+  NEED_DEV(d);
+  if (!n || n % GRAN) return E_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  if (used_on(d) + n > capacity) { pthread_mutex_unlock(&mu); return E_OOM; }
+  direct_used[d] += n;
+  pthread_mutex_unlock(&mu);
+  struct vhandle* v = calloc(1, sizeof *v);
+  v->size = n; v->dev = d;
+  *h = (unsigned long long)(uintptr_t)v;
+  logf_("create dev=%d n=%zu", d, n);
+  return OK;
+}
+CUresult cuMemRelease(unsigned long long h) {
+  struct vhandle* v = (struct vhandle*)(uintptr_t)h;
+  if (!v || v->mapped) return E_INVALID_VALUE;
+  pthread_mutex_lock(&mu); direct_used[v->dev] -= v->size; pthread_mutex_unlock(&mu);
+  free(v);
+  return OK;
+}
+CUresult cuMemMap(CUdeviceptr ptr, size_t n, size_t off, unsigned long long h, unsigned long long flags) {
+  (void)flags;
+  struct vhandle* v = (struct vhandle*)(uintptr_t)h;
+  if (!v || off || n != v->size || ptr % GRAN) return E_INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  int inside = 0;
+  for (int i = 0; i < nvr; i++) inside |= ptr >= vranges[i].a && ptr + n <= vranges[i].a + vranges[i].n;
+  for (int j = 0; j < nvm && inside; j++) inside = !(vmaps[j].a < ptr + n && ptr < vmaps[j].a + vmaps[j].n);
+  if (!inside || nvm == MAXV) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
+  if (mmap((void*)(uintptr_t)ptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+    pthread_mutex_unlock(&mu);
+    return E_OOM;
+  }
+  vmaps[nvm].a = ptr; vmaps[nvm].n = n; vmaps[nvm].h = v; nvm++;
+  v->mapped = 1;
+  pthread_mutex_unlock(&mu);
+  return OK;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t n) {
+  pthread_mutex_lock(&mu);
+  for (int j = 0; j < nvm; j++) {
+    if (vmaps[j].a != ptr || vmaps[j].n != n) continue;
+    vmaps[j].h->mapped = 0;
+    vmaps[j] = vmaps[--nvm];
+    mmap((void*)(uintptr_t)ptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    pthread_mutex_unlock(&mu);
+    return OK;
+  }
+  pthread_mutex_unlock(&mu);
+  return E_INVALID_VALUE;
+}
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t n, const int* desc, size_t count) {
+  /* desc: location.type, location.id, flags */
+  if (count != 1 || desc[0] != 1 || desc[2] != 3) return E_INVALID_VALUE;
+  NEED_DEV(desc[1]);
+  pthread_mutex_lock(&mu);
+  int ok = 0;
+  for (int j = 0; j < nvm; j++) ok |= ptr >= vmaps[j].a && ptr + n <= vmaps[j].a + vmaps[j].n;
+  pthread_mutex_unlock(&mu);
+  return ok ? OK : E_INVALID_VALUE;
+}
+#endif

@@ -20,6 +20,18 @@
 //   back still count against the limit until the upstream accepts them (a refused free is
 //   re-adopted, so the books never lose bytes and never pass the limit).
 // - Bookkeeping nodes (chunks, tree nodes) come from node arenas, never the heap on the hot path.
+// - Expandable mode (option `expandable`, docs/expandable.md): instead of separate backings the
+//   pool reserves ONE virtual range of va_bytes from an upstream with virtual memory and maps
+//   physical pieces onto its end as it grows: no waste between backings, a free tail merges with
+//   new growth, and steps are small (max(need, mapped * step_fraction) clamped to
+//   [granularity, max_step], rounded to the granularity). Growth extends a free tail chunk in
+//   place (out of the free index, grown, carved) or appends a new chunk when the tail is live,
+//   pending or thread-cached. trim() and shrink scans unmap whole mapped pieces lying wholly in
+//   the free tail (never a piece with a byte in use), under the pool lock (the next map goes
+//   where they were); the first piece is resident. close() unmaps everything and unreserves.
+//   There are no oversize backings. reserved_bytes = mapped bytes.
+//   Extra invariants: one backing at va_base, its size == mapped == sum of pieces == reserved;
+//   mapped <= va_bytes; chunks tile [va_base, va_base + mapped).
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread caches included)
@@ -56,6 +68,11 @@ struct ArenaOptions {
   // Requests above this get an oversize backing of their own (clamped to max_backing). Large
   // blocks then do not fragment the ramp backings, and a freed one is a whole hole for the next.
   std::size_t oversize_threshold = std::size_t{32} << 20;
+  // Expandable (virtual-memory) backing; needs upstream->supports_virtual() (else InvalidArgument).
+  bool expandable = false;
+  std::size_t va_bytes = 0;       // range to reserve; 0: the upstream's memory_capacity() (1 TiB if unknown)
+  double step_fraction = 0.0625;  // growth step as a fraction of what is mapped
+  std::size_t max_step = std::size_t{64} << 20;
 };
 
 class ArenaPool final : public Pool {
@@ -108,6 +125,9 @@ class ArenaPool final : public Pool {
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
   void note_pending_locked(detail::ArenaChunk* c);
   detail::ArenaChunk* grow_locked(std::size_t rounded);
+  detail::ArenaChunk* grow_vm_locked(std::size_t rounded);
+  std::size_t unmap_free_tail_locked(bool hysteresis);
+  void release_vm_locked();  // close/destructor: everything unmapped and unreserved (failures counted)
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);
   void release_backing_locked(detail::ArenaBacking* b, Detached& out);
   std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
@@ -137,6 +157,13 @@ class ArenaPool final : public Pool {
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
   std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
+  // Expandable mode.
+  bool vm_ = false;
+  std::uintptr_t va_base_ = 0;
+  std::size_t va_bytes_ = 0, granule_ = 0, vm_tail_scans_ = 0;
+  detail::ArenaBacking* vmb_ = nullptr;  // the one backing; null until the first map
+  std::vector<std::size_t> pieces_;      // mapped pieces, in address order from va_base_
+  std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,

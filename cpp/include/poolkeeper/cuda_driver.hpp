@@ -65,6 +65,39 @@ inline constexpr unsigned CU_STREAM_NON_BLOCKING = 0x1;
 inline constexpr unsigned CU_MEMHOSTALLOC_PORTABLE = 0x1;
 inline constexpr std::uint64_t CU_GET_PROC_ADDRESS_LEGACY_STREAM = 0x1;
 
+// Virtual memory management (CUDA 10.2+): our declarations of the ABI structs, laid out as the
+// driver API documents them (CUmemLocation: type, id; CUmemAllocationProp: type,
+// requestedHandleTypes, location, win32HandleMetaData, allocFlags{compressionType,
+// gpuDirectRDMACapable, usage, reserved[4]}; CUmemAccessDesc: location, flags).
+using CUmemGenericAllocationHandle = unsigned long long;
+struct CUmemLocation {
+  int type;  // CUmemLocationType
+  int id;
+};
+struct CUmemAllocationProp {
+  int type;                  // CUmemAllocationType
+  int requestedHandleTypes;  // CUmemAllocationHandleType
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;  // CUmemAccess_flags
+};
+static_assert(sizeof(CUmemAllocationProp) == 32 && sizeof(CUmemAccessDesc) == 12, "driver ABI layout");
+inline constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 0x1;
+inline constexpr int CU_MEM_HANDLE_TYPE_NONE = 0x0;
+inline constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 0x1;
+inline constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3;
+inline constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0x0;
+inline constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
+
 // Special stream handles: the legacy default stream and the per-thread default stream.
 inline constexpr std::uintptr_t CU_STREAM_LEGACY = 0x1;
 inline constexpr std::uintptr_t CU_STREAM_PER_THREAD = 0x2;
@@ -117,12 +150,23 @@ struct DriverApi {
   R (*cuMemPoolGetAttribute)(drv::CUmemoryPool, int, void*) = nullptr;
   R (*cuMemPoolSetAttribute)(drv::CUmemoryPool, int, void*) = nullptr;
   R (*cuMemPoolTrimTo)(drv::CUmemoryPool, std::size_t) = nullptr;
+  // optional: virtual memory management (all or none)
+  R (*cuMemGetAllocationGranularity)(std::size_t*, const drv::CUmemAllocationProp*, int) = nullptr;
+  R (*cuMemAddressReserve)(drv::CUdeviceptr*, std::size_t, std::size_t, drv::CUdeviceptr, unsigned long long) = nullptr;
+  R (*cuMemAddressFree)(drv::CUdeviceptr, std::size_t) = nullptr;
+  R (*cuMemCreate)(drv::CUmemGenericAllocationHandle*, std::size_t, const drv::CUmemAllocationProp*,
+                   unsigned long long) = nullptr;
+  R (*cuMemRelease)(drv::CUmemGenericAllocationHandle) = nullptr;
+  R (*cuMemMap)(drv::CUdeviceptr, std::size_t, std::size_t, drv::CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  R (*cuMemUnmap)(drv::CUdeviceptr, std::size_t) = nullptr;
+  R (*cuMemSetAccess)(drv::CUdeviceptr, std::size_t, const drv::CUmemAccessDesc*, std::size_t) = nullptr;
 
   int driver_version = 0;  // e.g. 13000
   int device_count = 0;
   std::string library;     // what was loaded
   bool via_get_proc_address = false;
   bool has_stream_ordered_allocator() const { return cuMemAllocAsync && cuMemFreeAsync && cuDeviceGetDefaultMemPool; }
+  bool has_virtual_memory() const { return cuMemCreate != nullptr; }
 };
 
 // The loaded driver. Throws CudaUnavailable (with the reason) when there is no usable driver or

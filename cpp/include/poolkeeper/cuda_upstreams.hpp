@@ -5,6 +5,16 @@
 // - CudaAsyncUpstream(device, stream): cuMemAllocAsync / cuMemFreeAsync on the device's default
 //   pool, ordered on `stream` (0 = the legacy default stream). Holds a warm-pool handle
 //   (warm_pool.hpp) for its lifetime unless constructed with warm=false.
+// - CudaVirtualUpstream(device): the virtual memory interface (upstream.hpp) over the driver's
+//   VMM calls: reserve = cuMemAddressReserve (aligned to the granularity), map = cuMemCreate
+//   (pinned, on the device) + cuMemMap + cuMemSetAccess (read/write for the device), unmap =
+//   cuMemUnmap + cuMemRelease, unreserve = cuMemAddressFree. Each mapped piece keeps its physical
+//   handle, so unmap releases exactly what map created (pieces are unmapped whole). A failing map
+//   undoes its own steps (unmap, release) before throwing. allocate(n) is a reserve + map of one
+//   piece (n rounded up to the granularity) and deallocate its undo, so it also serves every pool.
+//   vm_granularity() = cuMemGetAllocationGranularity(MINIMUM); memory_capacity() = total memory.
+//   Needs the driver's VMM entry points and the device attribute
+//   VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED; otherwise construction throws CudaUnavailable.
 // - CudaPinnedUpstream(device): page-locked host memory, cuMemHostAlloc(PORTABLE) / cuMemFreeHost,
 //   kind Pinned. No streams of its own.
 //
@@ -24,6 +34,7 @@
 // device throws CudaUnavailable, with a bad device index InvalidArgument.
 // Thread safety: every member may be called concurrently.
 #pragma once
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -100,6 +111,36 @@ class CudaAsyncUpstream final : public CudaDeviceUpstreamBase {
  private:
   Stream stream_;
   std::unique_ptr<WarmPoolHandle> warm_;
+};
+
+class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
+ public:
+  explicit CudaVirtualUpstream(int device = 0);
+  ~CudaVirtualUpstream() override;
+  std::string name() const override;
+  bool supports_virtual() const override { return true; }
+  std::size_t vm_granularity() const override { return granularity_; }
+  std::size_t memory_capacity() const override { return capacity_; }
+  std::size_t mapped_pieces() const;
+
+ protected:
+  void* do_allocate(std::size_t nbytes) override;
+  void do_deallocate(void* p, std::size_t nbytes) override;
+  std::uintptr_t do_reserve(std::size_t bytes) override;
+  void do_map(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
+
+ private:
+  struct Piece {
+    std::size_t size;
+    unsigned long long handle;
+  };
+  void map_piece(std::uintptr_t addr, std::size_t bytes);    // create + map + access, or nothing
+  void unmap_piece(std::uintptr_t addr, std::size_t bytes);  // unmap + release one piece
+  std::size_t granularity_ = 0, capacity_ = 0;
+  mutable std::mutex mu_;
+  std::map<std::uintptr_t, Piece> pieces_;  // mapped pieces by address
 };
 
 class CudaPinnedUpstream final : public Upstream {

@@ -12,6 +12,10 @@
 // "POOLKEEPER_INJECTED_FAULT"); a free always fails with UpstreamFailure (the memory stays with
 // the upstream, as a refused cuMemFree leaves it). Error code: kInjectedCode.
 //
+// Virtual memory is forwarded when the inner upstream has it: a map is watched like an
+// allocation (same index sequence, same rules, same errors; a refused map maps nothing) and an
+// unmap like a free (watched only with fail_frees). reserve/unreserve are never refused.
+//
 // Everything else -- name, kind, device, alignment and the whole stream interface -- is
 // forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual streams.
 // Thread safety: every member may be called concurrently (atomic counters; the plan's rules are
@@ -46,6 +50,9 @@ class FaultyUpstream final : public Upstream {
   MemoryKind kind() const override { return inner_->kind(); }
   int device() const override { return inner_->device(); }
   std::size_t alignment() const override { return inner_->alignment(); }
+  bool supports_virtual() const override { return inner_->supports_virtual(); }
+  std::size_t vm_granularity() const override { return inner_->vm_granularity(); }
+  std::size_t memory_capacity() const override { return inner_->memory_capacity(); }
 
   bool streams_supported() const override { return inner_->streams_supported(); }
   EventId record_event(Stream s) override { return inner_->record_event(s); }
@@ -67,8 +74,14 @@ class FaultyUpstream final : public Upstream {
  protected:
   void* do_allocate(std::size_t nbytes) override;
   void do_deallocate(void* p, std::size_t nbytes) override;
+  std::uintptr_t do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
+  void do_map(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override { inner_->unreserve(addr, bytes); }
 
  private:
+  void maybe_refuse_alloc(const char* what, std::size_t nbytes);
+  void maybe_refuse_free(const char* what, std::uintptr_t p, std::size_t nbytes);
   bool should_fail(std::uint64_t index, std::size_t nbytes) const;
 
   std::shared_ptr<Upstream> inner_;

@@ -12,6 +12,14 @@
 //   makes stream s busy until max(now, busy(s)) + work; an event recorded on s completes when the
 //   clock reaches the busy time of s at recording; advance() moves the clock; synchronize() jumps
 //   it to the end of all enqueued work. Any stream id may be used; unknown ids are idle streams.
+// - Virtual memory (supports_virtual()): reserve() takes a 2 MiB-aligned range from the same fake
+//   address space (it costs nothing and counts against no capacity); map()/unmap() of
+//   granule-aligned pieces inside it count against the capacity like allocations, and every
+//   contract of upstream.hpp is checked (a map over a mapped piece, outside a range, an unmap that
+//   is not exactly one earlier map: UpstreamFailure). Latency ASSUMPTION until measured on the
+//   H200: a map costs what the model's allocation of the same size costs, an unmap what its free
+//   costs (cuMemCreate+cuMemMap+cuMemSetAccess and cuMemUnmap+cuMemRelease are of the order of
+//   cudaMalloc/cudaFree); reserve/unreserve cost nothing.
 //
 // Thread safety: all members may be called concurrently (one internal mutex).
 #pragma once
@@ -42,6 +50,11 @@ class SimulatedUpstream final : public Upstream {
   std::size_t alignment() const override { return alignment_; }
   const LatencyModel& model() const { return model_; }
   std::size_t capacity() const { return capacity_; }
+  std::size_t memory_capacity() const override { return capacity_; }
+  bool supports_virtual() const override { return true; }
+  std::size_t vm_granularity() const override { return kGranule; }
+  static constexpr std::size_t kGranule = std::size_t{2} << 20;
+  std::size_t mapped_bytes() const;  // all ranges together
 
   // --- the virtual device ---
   Stream new_stream();
@@ -61,9 +74,20 @@ class SimulatedUpstream final : public Upstream {
  protected:
   void* do_allocate(std::size_t nbytes) override;
   void do_deallocate(void* p, std::size_t nbytes) override;
+  std::uintptr_t do_reserve(std::size_t bytes) override;
+  void do_map(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
+  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
 
  private:
+  struct Range {
+    std::size_t size = 0;
+    std::map<std::uintptr_t, std::size_t> pieces;  // mapped: address -> bytes
+  };
   double busy_locked(Stream s) const;
+  std::uintptr_t place_locked(std::size_t span, std::size_t align);  // a free stretch of fake addresses
+  Range* range_of_locked(std::uintptr_t addr, std::size_t bytes);
+  std::map<std::uintptr_t, Range> ranges_;  // reserved; their addresses sit in live_ too
   LatencyModel model_;
   std::size_t capacity_, alignment_;
   mutable std::mutex mu_;

@@ -9,6 +9,25 @@
 // Errors: allocate throws UpstreamOutOfMemory when the memory is not there and UpstreamFailure
 // (with the driver's error name) for anything else; deallocate throws UpstreamFailure. A throwing
 // call changes no counter except failed_*.
+//
+// Virtual memory (optional; supports_virtual() says whether an upstream has it): reserve a range
+// of addresses once, then map physical memory onto granule-aligned pieces of it and unmap them
+// again -- CUDA's cuMemAddressReserve / cuMemCreate+cuMemMap+cuMemSetAccess / cuMemUnmap+cuMemRelease.
+// Counting: a map is the device cost of taking memory, an unmap that of giving it back, so each
+// map counts as one allocation (bytes_allocated, outstanding) and each unmap as one deallocation;
+// tables of upstream calls keep their meaning whichever way a pool takes its memory. maps/unmaps
+// count the same calls again under their own names; reserves/unreserves are counted apart (they
+// take no memory). Contracts:
+// - reserve(bytes): bytes > 0, a multiple of vm_granularity(). Returns the range's base (aligned
+//   to the granularity). Throws UpstreamOutOfMemory when the address space is not there.
+// - map(addr, bytes): [addr, addr+bytes) granule-aligned, inside one reserved range, and not
+//   mapped yet. Throws UpstreamOutOfMemory when the physical memory is not there, UpstreamFailure
+//   otherwise; a failing map leaves nothing mapped (state unchanged).
+// - unmap(addr, bytes): exactly one earlier map's range (pieces are unmapped whole, as CUDA
+//   releases whole physical allocations). Throws UpstreamFailure; a failing unmap leaves the
+//   piece mapped.
+// - unreserve(addr, bytes): a whole range from reserve() with nothing mapped in it any more.
+// Every call may come from any thread; a pool serializes the calls on its own range.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -26,6 +45,8 @@ struct UpstreamCounters {
   std::uint64_t outstanding_bytes = 0, peak_outstanding_bytes = 0;
   std::uint64_t alloc_ns = 0, dealloc_ns = 0;  // cumulative wall time inside the calls
   std::uint64_t failed_allocations = 0, failed_deallocations = 0;
+  // Virtual memory: maps/unmaps are also in allocations/deallocations (see above).
+  std::uint64_t maps = 0, unmaps = 0, reserves = 0, unreserves = 0;
 };
 
 class Upstream {
@@ -39,6 +60,17 @@ class Upstream {
   void* allocate(std::size_t nbytes);
   // Return memory obtained from allocate with the same nbytes. Counted.
   void deallocate(void* p, std::size_t nbytes);
+
+  // --- virtual memory (see the contracts at the top); counted ---
+  std::uintptr_t reserve(std::size_t bytes);
+  void map(std::uintptr_t addr, std::size_t bytes);
+  void unmap(std::uintptr_t addr, std::size_t bytes);
+  void unreserve(std::uintptr_t addr, std::size_t bytes);
+  virtual bool supports_virtual() const { return false; }
+  // The unit of reserve/map/unmap sizes and addresses (CUDA: cuMemGetAllocationGranularity).
+  virtual std::size_t vm_granularity() const { return std::size_t{2} << 20; }
+  // Physical memory the upstream can hand out in all, or 0 when unknown (sizes a default range).
+  virtual std::size_t memory_capacity() const { return 0; }
 
   UpstreamCounters counters() const;
   void reset_counters();
@@ -64,11 +96,19 @@ class Upstream {
  protected:
   virtual void* do_allocate(std::size_t nbytes) = 0;
   virtual void do_deallocate(void* p, std::size_t nbytes) = 0;
+  // Defaults throw UpstreamFailure("... has no virtual memory"): only supports_virtual() upstreams override.
+  virtual std::uintptr_t do_reserve(std::size_t bytes);
+  virtual void do_map(std::uintptr_t addr, std::size_t bytes);
+  virtual void do_unmap(std::uintptr_t addr, std::size_t bytes);
+  virtual void do_unreserve(std::uintptr_t addr, std::size_t bytes);
 
  private:
   std::atomic<std::uint64_t> allocations_{0}, deallocations_{0}, bytes_allocated_{0}, bytes_deallocated_{0};
   std::atomic<std::uint64_t> outstanding_{0}, peak_outstanding_{0}, alloc_ns_{0}, dealloc_ns_{0};
   std::atomic<std::uint64_t> failed_allocations_{0}, failed_deallocations_{0};
+  std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0};
+  void count_alloc(std::size_t nbytes, std::uint64_t t0);
+  void count_dealloc(std::size_t nbytes, std::uint64_t t0);
 };
 
 }  // namespace poolkeeper

@@ -4,6 +4,10 @@
   deallocate) -- the cost a pool exists to remove.
 - ``size_class``: :class:`poolkeeper.SizeClassPool`.
 - ``arena``: :class:`poolkeeper.ArenaPool`.
+- ``arena_expandable``: :class:`poolkeeper.ArenaPool` with ``expandable=True``: one reserved
+  virtual range, physical memory mapped onto its end as it grows (docs/expandable.md). Needs an
+  upstream with virtual memory: the simulated device has it; on ``cuda`` the arm draws from
+  ``CudaVirtual`` (skipped with a reason where that upstream is not built); ``host`` has none.
 - ``cuda_async``: CUDA's own stream-ordered pool (``cuMemAllocAsync`` on the device's default
   pool, warm) behind ``Direct``; GPU only. **Stream-ordered**: its release does not wait for
   pending device work, a weaker guarantee than the other three arms, so its ratios are not a
@@ -42,15 +46,16 @@ class Arm:
 
             upstream = up_mod.CudaAsync()  # lazy: needs the CUDA helper's module and a device
             return pk.Direct(upstream, **self.options), upstream
-        upstream = upstream_factory()
-        return pk.make_pool(self.name, upstream, **self.options), upstream
+        upstream = virtual_upstream(self.name, upstream_factory)
+        return make_arm_pool(self.name, upstream, **self.options), upstream
 
     def config(self) -> Dict[str, Any]:
         """The pool's effective options: documented defaults overlaid with this arm's options."""
         import poolkeeper as pk
 
-        cls = pk.Direct if self.name == "cuda_async" else pk.pools.POOL_KINDS[self.name]
-        out: Dict[str, Any] = {}
+        kind, fixed = ARM_POOLS.get(self.name, (self.name, {}))
+        cls = pk.Direct if self.name == "cuda_async" else pk.pools.POOL_KINDS[kind]
+        out: Dict[str, Any] = dict(fixed)
         try:
             for name, p in inspect.signature(cls.__init__).parameters.items():
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty:
@@ -66,12 +71,55 @@ class Arm:
         return self.name + (STREAM_ORDERED_MARK if self.stream_ordered else "")
 
 
-ARM_NAMES = ("direct", "size_class", "arena", "cuda_async")
+ARM_NAMES = ("direct", "size_class", "arena", "arena_expandable", "cuda_async")
+
+# Arms that are a pool kind with fixed options: name -> (pool kind, options).
+ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {"arena_expandable": ("arena", {"expandable": True})}
+# Options such an arm accepts beyond its pool kind's keyword arguments.
+ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {"arena_expandable": ("va_bytes", "step_fraction", "max_step")}
+
+
+def make_arm_pool(name: str, upstream: Any, **options: Any) -> Any:
+    """The pool of arm (or replay pool) ``name`` over ``upstream``."""
+    import poolkeeper as pk
+
+    kind, fixed = ARM_POOLS.get(name, (name, {}))
+    return pk.make_pool(kind, upstream, **{**fixed, **options})
+
+
+def virtual_upstream(name: str, upstream_factory: Callable[[], Any]) -> Any:
+    """A fresh upstream for arm ``name``: ``arena_expandable`` on the cuda backend needs the
+    virtual-memory CUDA upstream instead of the factory's ``CudaDevice``."""
+    upstream = upstream_factory()
+    if name == "arena_expandable" and not getattr(upstream, "supports_virtual", False):
+        cls = _cuda_virtual_class()
+        if cls is not None and getattr(upstream, "name", "").startswith("Cuda"):
+            return cls()
+    return upstream
+
+
+def _cuda_virtual_class() -> Any:
+    from poolkeeper import upstream as up_mod
+
+    try:
+        return getattr(up_mod, "CudaVirtual")
+    except Exception:
+        return None
+
+
+def expandable_skip_reason(backend: str) -> Optional[str]:
+    """Why ``arena_expandable`` cannot run on a resolved backend, or None."""
+    if backend == "host":
+        return "arena_expandable: the host upstream has no virtual memory interface"
+    if backend == "cuda" and _cuda_virtual_class() is None:
+        return "arena_expandable: CudaVirtual (virtual-memory CUDA upstream) not built in this poolkeeper"
+    return None
 
 _DESCRIPTIONS = {
     "direct": "the upstream itself: one upstream call per allocate and per deallocate",
     "size_class": "SizeClassPool: size classes with per-class free lists",
     "arena": "ArenaPool: large backings sliced with split/coalesce, per-thread cache",
+    "arena_expandable": "ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     "cuda_async": "cuMemAllocAsync on the device's default pool (warm), stream-ordered",
 }
 
@@ -121,7 +169,12 @@ def select_arms(
                 raise UnknownNameError(f"arm {n!r} needs the cuda backend (this run: {backend})")
             skipped.append(f"{n}: needs a GPU (backend {backend})")
             continue
-        if n == "arena" and not arena_available():
+        if n == "arena_expandable" and (reason := expandable_skip_reason(backend)):
+            if explicit:
+                raise UnknownNameError(reason)
+            skipped.append(reason)
+            continue
+        if n in ("arena", "arena_expandable") and not arena_available():
             if explicit:
                 raise UnknownNameError("arm 'arena' is not built in this poolkeeper yet")
             skipped.append("arena: ArenaPool not built in this poolkeeper yet")
@@ -130,4 +183,4 @@ def select_arms(
     return arms, skipped
 
 
-__all__ = ["Arm", "ARM_NAMES", "make_arm", "select_arms", "arena_available", "STREAM_ORDERED_MARK", "STREAM_ORDERED_NOTE"]
+__all__ = ["Arm", "ARM_NAMES", "ARM_POOLS", "make_arm_pool", "virtual_upstream", "expandable_skip_reason", "make_arm", "select_arms", "arena_available", "STREAM_ORDERED_MARK", "STREAM_ORDERED_NOTE"]

@@ -15,6 +15,7 @@ TITLES = {
     "direct_vs_arena": "direct vs arena: what pooling at all buys",
     "size_class_vs_arena": "size_class vs arena: two pool designs",
     "cuda_async_vs_arena": "cuda_async† vs arena: CUDA's own stream-ordered pool",
+    "arena_expandable_vs_arena": "arena_expandable vs arena: one virtual range vs separate backings",
 }
 
 

@@ -1,5 +1,6 @@
-"""Pivot benchmark rows into the three comparisons that have distinct answers:
-``direct`` vs ``arena``, ``size_class`` vs ``arena``, ``cuda_async`` vs ``arena``.
+"""Pivot benchmark rows into the comparisons that have distinct answers:
+``direct`` vs ``arena``, ``size_class`` vs ``arena``, ``cuda_async`` vs ``arena``, and
+``arena_expandable`` vs ``arena`` (one virtual range against separate backings).
 
 Rows are grouped by their identity -- workload, parameters, backend and config scale. Repeats of
 one identity (several runs, several rounds) are reduced to their median; rows of different
@@ -22,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from poolkeeper.bench.errors import ScaleMixError
 
-COMPARISONS = ("direct", "size_class", "cuda_async")
+COMPARISONS = ("direct", "size_class", "cuda_async", "arena_expandable")
 BASE = "arena"
 # metric name -> (row field getter, higher_is_better)
 METRICS: Dict[str, Tuple[Any, bool]] = {

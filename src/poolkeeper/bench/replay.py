@@ -12,13 +12,14 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-POOLS = ("arena", "size_class", "direct")
+POOLS = ("arena", "arena_expandable", "size_class", "direct")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("log", metavar="LOG", help="RMM logging_resource_adaptor CSV or PyTorch memory snapshot pickle")
     p.add_argument("--pool", default=None,
-                   help="pool(s) to replay on, comma-separated: arena, size_class, direct (default: all available)")
+                   help="pool(s) to replay on, comma-separated: arena, arena_expandable, size_class, direct (default: all "
+                        "available on the backend)")
     p.add_argument("--backend", default="simulated", choices=("simulated", "host", "cuda"),
                    help="upstream the pools draw from (default: simulated, the H200-calibrated device)")
     p.add_argument("--format", dest="log_format", default="auto", choices=("auto", "rmm", "torch"),
@@ -37,12 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _pools(arg: Optional[str]) -> List[str]:
-    from poolkeeper.bench.arms import arena_available
+def _pools(arg: Optional[str], backend: str = "simulated") -> List[str]:
+    from poolkeeper.bench.arms import arena_available, expandable_skip_reason
     from poolkeeper.bench.errors import UnknownNameError
 
     if arg is None:
-        return [k for k in POOLS if k != "arena" or arena_available()]
+        return [k for k in POOLS if (not k.startswith("arena") or arena_available())
+                and (k != "arena_expandable" or not expandable_skip_reason(backend))]
     names = [x.strip() for x in arg.split(",") if x.strip()]
     bad = [n for n in names if n not in POOLS]
     if bad or not names:
@@ -57,6 +59,7 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
     """Parse ``log`` once and replay it on each pool kind; return the report document."""
     import poolkeeper as pk
     from poolkeeper.bench import backends
+    from poolkeeper.bench.arms import make_arm_pool, virtual_upstream
     from poolkeeper.bench.machine import machine_info
     from poolkeeper.bench.readers import read_log
     from poolkeeper.bench.replay_engine import replay
@@ -65,8 +68,8 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
     factory = backends.upstream_factory(backends.resolve(backend), latency_us)
     results: Dict[str, Any] = {}
     for kind in pools:
-        upstream = factory()
-        pool = pk.make_pool(kind, upstream, **(options or {}).get(kind, {}))
+        upstream = virtual_upstream(kind, factory)
+        pool = make_arm_pool(kind, upstream, **(options or {}).get(kind, {}))
         cb = progress(kind) if progress else None
         results[kind] = replay(trace, pool, upstream, cb, include_pre_trace)
         pool.validate()
@@ -95,7 +98,9 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
 def run(args: argparse.Namespace) -> int:
     from poolkeeper.bench.options import parse_options, split_for
 
-    pools = _pools(args.pool)
+    from poolkeeper.bench import backends
+
+    pools = _pools(args.pool, backends.resolve(args.backend))
     options = split_for(pools, parse_options(args.option))
     to_stdout = args.json == "-"
     from poolkeeper.bench.console import make_console

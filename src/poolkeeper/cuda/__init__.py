@@ -73,7 +73,7 @@ def devices() -> List[DeviceInfo]:
 def __getattr__(name: str):
     if name in ("upstreams", "driver", "warm"):
         return importlib.import_module(f"poolkeeper.cuda.{name}")
-    if name in ("CudaDevice", "CudaAsync", "CudaPinned"):
+    if name in ("CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual"):
         from poolkeeper.cuda import upstreams
 
         return getattr(upstreams, name)
@@ -91,4 +91,5 @@ __all__ = [
     "CudaDevice",
     "CudaAsync",
     "CudaPinned",
+    "CudaVirtual",
 ]

@@ -1,4 +1,5 @@
-"""CUDA upstreams: device memory, stream-ordered device memory and pinned host memory.
+"""CUDA upstreams: device memory, stream-ordered device memory, virtual-memory device memory and
+pinned host memory.
 
 Each is the native upstream itself (so pools call it without Python in between), usable under
 every pool. The two device upstreams own real CUDA events for the pools' stream-ordered release:
@@ -75,6 +76,33 @@ class CudaAsync(_core.CudaAsyncUpstream):
         return f"CudaAsync(device={self.device}, stream={self.stream:#x}, warm={self.warm})"
 
 
+class CudaVirtual(_core.CudaVirtualUpstream):
+    """Device memory through the driver's virtual memory management: ``reserve`` an address range
+    (``cuMemAddressReserve``), ``map`` physical pieces onto it (``cuMemCreate`` pinned on the
+    device + ``cuMemMap`` + ``cuMemSetAccess`` read/write) and ``unmap`` them again (``cuMemUnmap``
+    + ``cuMemRelease``); ``unreserve`` is ``cuMemAddressFree``. What ``ArenaPool(expandable=True)``
+    draws from on a GPU (docs/expandable.md). Each map counts as one upstream allocation and each
+    unmap as one deallocation. ``allocate``/``deallocate`` also work (one reserved and mapped piece
+    per block, sizes rounded up to ``vm_granularity``), so every pool can use it.
+
+    Args:
+        device: device index (default 0).
+
+    Raises:
+        CudaUnavailableError: no driver/device, or a driver or device without virtual memory
+        management.
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        try:
+            super().__init__(device)
+        except CudaUnavailableError as e:
+            raise _unavailable(f"CudaVirtual(device={device})", e) from None
+
+    def __repr__(self) -> str:
+        return f"CudaVirtual(device={self.device}, granularity={self.vm_granularity})"
+
+
 class CudaPinned(_core.CudaPinnedUpstream):
     """Page-locked (pinned) host memory from ``cuMemHostAlloc`` (portable to every context) /
     ``cuMemFreeHost``. Kind ``"pinned"``: host-addressable, and copies from it run at full PCIe
@@ -94,4 +122,4 @@ class CudaPinned(_core.CudaPinnedUpstream):
         return "CudaPinned()"
 
 
-__all__ = ["CudaDevice", "CudaAsync", "CudaPinned"]
+__all__ = ["CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual"]

@@ -26,6 +26,7 @@ struct ArenaBacking {
   bool dirty = false;            // some free chunk here may have a free neighbour (a merge is owed)
   std::size_t free_scans = 0;    // consecutive shrink scans that found it wholly free
   ArenaChunk* first = nullptr;
+  ArenaChunk* last = nullptr;    // the chunk at the end (an expandable backing grows from it)
 };
 
 }  // namespace poolkeeper::detail

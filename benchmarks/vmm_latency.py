@@ -1,0 +1,63 @@
+"""What a map and an unmap cost on the GPU, next to cuMemAlloc / cuMemFree of the same size.
+
+The simulated device assumes a map costs what its cudaMalloc fit says an allocation costs (and an
+unmap what a free costs); this measures both on the device so the assumption can be checked.
+Each figure is the median of ``--reps`` calls, timed inside the upstream (its counters' ns).
+
+    PYTHONPATH=<built poolkeeper> python3 benchmarks/vmm_latency.py [--reps 20] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Dict, List
+
+import poolkeeper as pk
+
+MiB = 1 << 20
+
+
+def timed(up, call) -> tuple:
+    c0 = up.counters()
+    call()
+    c1 = up.counters()
+    return c1["alloc_ns"] - c0["alloc_ns"], c1["dealloc_ns"] - c0["dealloc_ns"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sizes-mib", default="2,8,32,64,256")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sizes = [int(x) * MiB for x in args.sizes_mib.split(",")]
+    vm = pk.upstream.CudaVirtual(0)
+    dev = pk.upstream.CudaDevice(0)
+    g = vm.vm_granularity
+    va = max(sizes) * 2
+    base = vm.reserve(va)
+    rows: List[Dict] = []
+    for n in sizes:
+        n = -(-n // g) * g
+        m_ns, u_ns, a_ns, f_ns = [], [], [], []
+        for _ in range(args.reps):
+            m_ns.append(timed(vm, lambda: vm.map(base, n))[0])
+            u_ns.append(timed(vm, lambda: vm.unmap(base, n))[1])
+            holder = {}
+            a_ns.append(timed(dev, lambda: holder.setdefault("p", dev.allocate(n)))[0])
+            f_ns.append(timed(dev, lambda: dev.deallocate(holder["p"], n))[1])
+        row = {"bytes": n, "map_us": statistics.median(m_ns) / 1e3, "unmap_us": statistics.median(u_ns) / 1e3,
+               "cuMemAlloc_us": statistics.median(a_ns) / 1e3, "cuMemFree_us": statistics.median(f_ns) / 1e3}
+        rows.append(row)
+        print(f"{n / MiB:7.0f} MiB  map {row['map_us']:8.1f} us  unmap {row['unmap_us']:8.1f} us  |  "
+              f"cuMemAlloc {row['cuMemAlloc_us']:8.1f} us  cuMemFree {row['cuMemFree_us']:8.1f} us")
+    vm.unreserve(base, va)
+    print(f"granularity {g} B; simulated model per call: 43.05 us + 0.3935 us/MiB")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"granularity": g, "reps": args.reps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""ArenaPool(expandable=True) over CudaVirtual on a real GPU: physical pieces mapped onto one
+reserved range by cuMemCreate/cuMemMap/cuMemSetAccess, checked by content (every live block is
+filled on its stream and read back in full before it is freed), a trim that unmaps the free tail
+(the device's free memory comes back), blocks that survive the trim, and exact call counts."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import poolkeeper as pk
+from poolkeeper.cuda import driver
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+def read(ptr: int, n: int) -> np.ndarray:
+    out = np.empty(n, np.uint8)
+    driver.memcpy_dtoh(out.ctypes.data, ptr, n)
+    return out
+
+
+def test_cuda_virtual_contract_on_the_device():
+    up = pk.upstream.CudaVirtual(0)
+    g = up.vm_granularity
+    assert up.supports_virtual and g >= 64 * 1024 and g & (g - 1) == 0
+    base = up.reserve(8 * g)
+    up.map(base, 2 * g)
+    up.map(base + 2 * g, g)
+    driver.memset_d8(base, 7, 3 * g)  # one write across two pieces: the range is contiguous
+    assert (read(base + 2 * g - 16, 32) == 7).all()
+    with pytest.raises(pk.errors.UpstreamError):
+        up.unmap(base, g)  # half of a piece
+    assert up.mapped_pieces == 2
+    up.unmap(base + 2 * g, g)
+    up.unmap(base, 2 * g)
+    up.unreserve(base, 8 * g)
+    c = up.counters()
+    assert (c["maps"], c["unmaps"], c["allocations"], c["deallocations"], c["outstanding_bytes"]) == (2, 2, 2, 2, 0)
+    assert up.mapped_pieces == 0
+
+
+def test_expandable_arena_by_content_then_trim_and_close():
+    rng = random.Random(4321)
+    up = pk.upstream.CudaVirtual(0)
+    pool = pk.ArenaPool(up, expandable=True, max_step=16 * MiB)
+    streams = [None, driver.Stream(), driver.Stream()]
+    live = {}
+    tag = 0
+    sizes = [256, 1000, 4096, 65536, 300_000, MiB, 3 * MiB + 5, 40 * MiB]
+    for step in range(400):
+        if live and (len(live) >= 48 or rng.random() < 0.45):
+            ptr = rng.choice(list(live))
+            size, byte, s = live.pop(ptr)
+            if s is not None:
+                s.synchronize()
+            assert (read(ptr, size) == byte).all(), f"step {step}: block {ptr:#x} of {size} B was overwritten"
+            pool.deallocate(ptr, stream=s)
+        else:
+            size = rng.choice(sizes)
+            s = rng.choice(streams)
+            ptr = pool.allocate(size, stream=s)
+            tag = tag % 250 + 1
+            driver.memset_d8(ptr, tag, size, None if s is None else s.handle)
+            live[ptr] = (size, tag, s)
+        if step % 50 == 0:
+            pool.validate()
+            st = pool.stats()
+            assert st["reserved_bytes"] == st["mapped_bytes"] == up.counters()["outstanding_bytes"]
+            assert st["backings"] == 1
+    # Keep the lowest blocks, free the rest: trim unmaps the free tail, the kept blocks stay intact.
+    keep = sorted(live)[:4]
+    for ptr in sorted(live)[4:]:
+        size, byte, s = live.pop(ptr)
+        if s is not None:
+            s.synchronize()
+        pool.deallocate(ptr, stream=s)
+    pool.synchronize()
+    before = pool.stats()
+    free_before = driver.mem_get_info()[0]
+    released = pool.trim()
+    after = pool.stats()
+    assert released == before["reserved_bytes"] - after["reserved_bytes"]
+    assert after["unmap_calls"] - before["unmap_calls"] == before["mapped_pieces"] - after["mapped_pieces"]
+    assert up.mapped_pieces == after["mapped_pieces"]
+    if released:  # the driver's free memory grows by what was unmapped (others may allocate meanwhile)
+        assert driver.mem_get_info()[0] >= free_before + released - 64 * MiB
+    for ptr in keep:
+        size, byte, s = live.pop(ptr)
+        if s is not None:
+            s.synchronize()
+        assert (read(ptr, size) == byte).all()
+        pool.deallocate(ptr, stream=s)
+    pool.synchronize()
+    pool.validate()
+    pool.close()
+    c = up.counters()
+    assert c["maps"] == c["unmaps"] == c["allocations"] == c["deallocations"] and c["outstanding_bytes"] == 0
+    assert (c["reserves"], c["unreserves"]) == (1, 1) and up.mapped_pieces == 0
+    for s in streams[1:]:
+        s.close()

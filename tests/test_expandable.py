@@ -1,0 +1,467 @@
+"""ArenaPool(expandable=True): one reserved virtual range, physical pieces mapped onto its end.
+
+Covers the upstream's virtual-memory contract (Simulated, Faulty, Host without it), growth
+(one map per growth step, a free tail extended in place), trim (only whole pieces of the free
+tail), failures (a refused map leaves the pool consistent and raises the typed error), close,
+seeded random runs over a multi-stream simulated device with validate() after every step, and
+threads.
+"""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper.errors import (
+    InvalidArgumentError,
+    LiveBlocksError,
+    OutOfMemoryError,
+    UpstreamError,
+)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+G = 2 * MiB  # the simulated device's mapping granularity
+
+
+def sim(**kw):
+    return pk.upstream.Simulated(latency_us=0, **kw)
+
+
+def pool_fixed_steps(up, **kw):
+    """Every growth maps exactly what is missing (no fraction, steps of one granule)."""
+    opts = dict(expandable=True, initial_backing=G, step_fraction=0.0, max_step=G, thread_cache_bytes=0)
+    opts.update(kw)
+    return pk.ArenaPool(up, **opts)
+
+
+def chunks(pool):
+    (b,) = pool.snapshot().to_dict()["backings"]
+    return [(c["offset"], c["size"], c["state"]) for c in b["chunks"]]
+
+
+# ------------------------------------------------------------------ the upstream's VM interface
+
+
+def test_host_has_no_virtual_memory_and_expandable_refuses_it_by_name():
+    host = pk.upstream.Host()
+    assert host.supports_virtual is False
+    with pytest.raises(InvalidArgumentError, match="Host has none"):
+        pk.ArenaPool(host, expandable=True)
+    with pytest.raises(InvalidArgumentError, match=r"Faulty\(Host\)"):
+        pk.ArenaPool(pk.upstream.Faulty(pk.upstream.Host()), expandable=True)
+    with pytest.raises(UpstreamError):
+        host.reserve(G)
+    assert host.counters()["reserves"] == 0
+
+
+@pytest.mark.parametrize("bad", [dict(step_fraction=-1.0), dict(step_fraction=100.0), dict(max_step=0)])
+def test_bad_expandable_options_are_typed_errors(bad):
+    up = sim()
+    with pytest.raises(InvalidArgumentError):
+        pk.ArenaPool(up, expandable=True, **bad)
+    assert up.counters()["reserves"] == 0
+
+
+def test_simulated_vm_contract_is_enforced_and_counted():
+    up = sim(capacity=8 * MiB)
+    assert up.supports_virtual and up.vm_granularity == G and up.memory_capacity == 8 * MiB
+    base = up.reserve(64 * MiB)  # address space is not capacity
+    assert base % G == 0
+    up.map(base, 4 * MiB)
+    up.map(base + 4 * MiB, 2 * MiB)
+    c = up.counters()
+    assert (c["maps"], c["allocations"], c["outstanding_bytes"], c["reserves"]) == (2, 2, 6 * MiB, 1)
+    with pytest.raises(UpstreamError, match="overlaps"):
+        up.map(base + 2 * MiB, 2 * MiB)
+    with pytest.raises(UpstreamError, match="outside"):
+        up.map(base + 64 * MiB, G)
+    with pytest.raises(UpstreamError, match="aligned"):
+        up.map(base + 6 * MiB, MiB)
+    with pytest.raises(UpstreamError, match="out of memory") as e:  # capacity counts mapped bytes
+        up.map(base + 6 * MiB, 4 * MiB)
+    assert e.value.error_name == "CUDA_ERROR_OUT_OF_MEMORY"
+    with pytest.raises(UpstreamError, match="not one mapped piece"):
+        up.unmap(base, 2 * MiB)  # half of a piece
+    with pytest.raises(UpstreamError, match="still mapped"):
+        up.unreserve(base, 64 * MiB)
+    with pytest.raises(UpstreamError):
+        up.deallocate(base, 64 * MiB)  # a range is not an allocation
+    c = up.counters()
+    assert (c["maps"], c["failed_allocations"], c["outstanding_bytes"]) == (2, 4, 6 * MiB)
+    up.unmap(base + 4 * MiB, 2 * MiB)
+    up.unmap(base, 4 * MiB)
+    up.unreserve(base, 64 * MiB)
+    c = up.counters()
+    assert (c["unmaps"], c["deallocations"], c["outstanding_bytes"], c["unreserves"]) == (2, 2, 0, 1)
+
+
+# ------------------------------------------------------------------ growth
+
+
+def test_each_growth_step_is_one_map_and_a_free_tail_is_extended_not_split():
+    up = sim()
+    pool = pool_fixed_steps(up)
+    a = pool.allocate(3 * MiB // 2)  # first map: 2 MiB, free tail 0.5 MiB
+    assert up.counters()["maps"] == 1
+    assert chunks(pool) == [(0, 3 * MiB // 2, "live"), (3 * MiB // 2, MiB // 2, "free")]
+    b = pool.allocate(MiB)  # needs 0.5 MiB more than the tail: one more granule, same tail chunk
+    assert up.counters()["maps"] == 2
+    assert b == a + 3 * MiB // 2
+    assert chunks(pool) == [(0, 3 * MiB // 2, "live"), (3 * MiB // 2, MiB, "live"), (5 * MiB // 2, 3 * MiB // 2, "free")]
+    st = pool.stats()
+    assert (st["backings"], st["free_chunks"], st["map_calls"], st["upstream_allocations"]) == (1, 1, 2, 2)
+    assert st["reserved_bytes"] == st["mapped_bytes"] == 4 * MiB
+    pool.validate()
+    pool.deallocate(a)
+    pool.deallocate(b)
+    pool.close()
+
+
+def test_growth_past_a_live_tail_appends_a_chunk():
+    up = sim()
+    pool = pool_fixed_steps(up)
+    a = pool.allocate(G)
+    b = pool.allocate(G)  # the tail is live: a new chunk at the end
+    assert b == a + G
+    assert chunks(pool) == [(0, G, "live"), (G, G, "live")]
+    assert pool.stats()["map_calls"] == 2
+    pool.validate()
+    for p in (a, b):
+        pool.deallocate(p)
+    pool.close()
+
+
+def test_n_growth_steps_make_n_map_calls_and_blocks_are_contiguous():
+    up = sim()
+    pool = pool_fixed_steps(up)
+    ptrs = [pool.allocate(G) for _ in range(10)]
+    assert ptrs == [ptrs[0] + i * G for i in range(10)]
+    st = pool.stats()
+    assert st["map_calls"] == up.counters()["maps"] == up.counters()["allocations"] == 10
+    assert st["mapped_pieces"] == 10 and st["reserved_bytes"] == 10 * G
+    pool.validate()
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.close()
+
+
+def test_step_fraction_ramps_the_steps_and_max_step_caps_them():
+    up = sim()
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.5, max_step=8 * MiB,
+                        thread_cache_bytes=0)
+    ptrs = [pool.allocate(MiB) for _ in range(64)]
+    # mapped 2 -> +2 (half of 2, at least a granule) -> +2 -> +4 (half of 6, rounded up) -> ... capped at 8
+    maps = pool.stats()["map_calls"]
+    pieces = pool.stats()["mapped_pieces"]
+    assert maps == pieces
+    steps = []
+    mapped = 0
+    # Recompute the expected sequence from the documented rule for 64 MiB of 1 MiB requests.
+    need_total = 64 * MiB
+    while mapped < need_total:
+        if mapped == 0:
+            step = G
+        else:
+            frac = -(-int(mapped * 0.5) // G) * G
+            step = max(G, min(max(frac, G), 8 * MiB))
+        steps.append(step)
+        mapped += step
+    assert maps == len(steps)
+    assert pool.stats()["reserved_bytes"] == sum(steps)
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.close()
+
+
+# ------------------------------------------------------------------ trim / shrink
+
+
+def test_trim_unmaps_only_whole_pieces_of_the_free_tail():
+    up = sim()
+    pool = pool_fixed_steps(up)
+    x, y, z = (pool.allocate(G) for _ in range(3))
+    pool.deallocate(y)  # a hole in the middle: nothing to unmap (the tail is live)
+    assert pool.trim() == 0
+    assert up.counters()["unmaps"] == 0
+    pool.deallocate(z)  # now y+z are the free tail: two pieces go
+    assert pool.trim() == 2 * G
+    st = pool.stats()
+    assert (st["unmap_calls"], st["upstream_deallocations"], up.counters()["unmaps"]) == (2, 2, 2)
+    assert st["reserved_bytes"] == st["mapped_bytes"] == G
+    assert chunks(pool) == [(0, G, "live")]
+    pool.validate()
+    w = pool.allocate(G)  # grows again right where the pieces were
+    assert w == x + G and up.counters()["maps"] == 4
+    pool.deallocate(w)
+    pool.deallocate(x)
+    pool.close()
+
+
+def test_trim_never_unmaps_a_piece_with_a_live_byte():
+    up = sim()
+    pool = pool_fixed_steps(up)
+    big = pool.allocate(3 * MiB)  # one 4 MiB piece (the request needs two granules)
+    small = pool.allocate(KiB)  # right after it, in the same piece
+    pool.deallocate(big)
+    assert pool.trim() == 0  # the free tail lies in a piece that holds a live KiB
+    assert up.counters()["unmaps"] == 0 and pool.stats()["reserved_bytes"] == 4 * MiB
+    pool.validate()
+    pool.deallocate(small)
+    assert pool.trim() == 0  # the whole range is the first piece: resident
+    pool.close()
+    assert up.counters()["unmaps"] == 1 and up.counters()["outstanding_bytes"] == 0
+
+
+def test_shrink_scans_wait_for_the_hysteresis():
+    up = sim()
+    pool = pool_fixed_steps(up, shrink_hysteresis=2, shrink_interval=0)
+    a = pool.allocate(G)
+    b = pool.allocate(G)
+    pool.deallocate(b)
+    assert pool.shrink_scan() == 0  # first scan: counted, nothing released
+    assert pool.shrink_scan() == G
+    assert up.counters()["unmaps"] == 1
+    pool.validate()
+    pool.deallocate(a)
+    pool.close()
+
+
+def test_close_unmaps_everything_and_unreserves_the_range():
+    up = sim()
+    pool = pk.ArenaPool(up, expandable=True)
+    ptrs = [pool.allocate(n) for n in (100, 5 * MiB, 70 * MiB, 3)]
+    with pytest.raises(LiveBlocksError):
+        pool.close()
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.close()
+    c = up.counters()
+    assert c["maps"] == c["unmaps"] > 0 and c["outstanding_bytes"] == 0
+    assert (c["reserves"], c["unreserves"]) == (1, 1)
+
+
+def test_default_range_is_the_device_capacity_and_a_full_range_is_an_oom():
+    up = sim(capacity=64 * GiB)
+    pool = pk.ArenaPool(up, expandable=True)
+    assert pool.stats()["va_bytes"] == 64 * GiB
+    pool.close()
+    pool = pk.ArenaPool(up, expandable=True, va_bytes=8 * MiB, thread_cache_bytes=0)
+    a = pool.allocate(6 * MiB)
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.allocate(4 * MiB)
+    assert "reserved range" in str(e.value)
+    pool.validate()
+    b = pool.allocate(2 * MiB)  # what fits in the range still comes
+    pool.deallocate(a)
+    pool.deallocate(b)
+    pool.close()
+
+
+# ------------------------------------------------------------------ failures
+
+
+@pytest.mark.parametrize("error,exc", [("oom", OutOfMemoryError), ("upstream", UpstreamError)])
+def test_a_refused_map_leaves_the_pool_consistent_and_raises_the_typed_error(error, exc):
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_every=1, error=error, armed=False)
+    pool = pool_fixed_steps(up)
+    a = pool.allocate(G)
+    b = pool.allocate(G)
+    before = pool.stats()
+    up.armed = True
+    with pytest.raises(exc):
+        pool.allocate(G)  # every map refused (the first, and its retry after recovery)
+    up.armed = False
+    assert up.injected_allocations == (2 if error == "oom" else 1)
+    pool.validate()
+    after = pool.stats()
+    assert after["reserved_bytes"] == before["reserved_bytes"] == inner.counters()["outstanding_bytes"] == 2 * G
+    assert after["map_calls"] == 2 and after["live_bytes"] == 2 * G
+    c = pool.allocate(G)  # the next map goes through: the pool keeps serving
+    assert c == b + G
+    pool.validate()
+    for p in (a, b, c):
+        pool.deallocate(p)
+    pool.close()
+    assert inner.counters()["outstanding_bytes"] == 0
+
+
+def test_a_refused_big_step_falls_back_to_what_the_request_needs():
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_bytes_over=G)
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=4.0, max_step=64 * MiB,
+                        thread_cache_bytes=0)
+    a = pool.allocate(G)
+    b = pool.allocate(KiB)  # the step would be 8 MiB: refused, then one granule
+    assert up.injected_allocations == 1
+    assert pool.stats()["map_calls"] == 2 and pool.stats()["reserved_bytes"] == 2 * G
+    pool.validate()
+    pool.deallocate(a)
+    pool.deallocate(b)
+    pool.close()
+
+
+def test_device_capacity_exhaustion_is_an_oom_with_figures_and_recovers():
+    up = sim(capacity=8 * MiB)
+    pool = pool_fixed_steps(up, va_bytes=64 * MiB)
+    ptrs = [pool.allocate(G) for _ in range(4)]
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.allocate(G)
+    assert e.value.cause == "upstream"
+    pool.validate()
+    pool.deallocate(ptrs.pop())
+    ptrs.append(pool.allocate(G))  # the freed tail serves it
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.close()
+
+
+def test_limit_counts_mapped_bytes():
+    up = sim()
+    pool = pool_fixed_steps(up, limit=3 * G)
+    ptrs = [pool.allocate(G) for _ in range(3)]
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.allocate(KiB)
+    assert e.value.cause == "limit"
+    assert pool.stats()["reserved_bytes"] == 3 * G
+    pool.validate()
+    for p in ptrs:
+        pool.deallocate(p)
+    pool.close()
+
+
+def test_a_refused_unmap_keeps_the_piece_and_counts_it():
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_frees=True, armed=False, fail_every=1)
+    pool = pool_fixed_steps(up)
+    a = pool.allocate(G)
+    b = pool.allocate(G)
+    pool.deallocate(b)
+    up.armed = True
+    assert pool.trim() == 0
+    st = pool.stats()
+    assert st["unmap_failures"] == 1 and st["reserved_bytes"] == 2 * G == inner.counters()["outstanding_bytes"]
+    pool.validate()
+    up.armed = False
+    assert pool.trim() == G
+    pool.validate()
+    pool.deallocate(a)
+    pool.close()
+    assert inner.counters()["outstanding_bytes"] == 0
+
+
+# ------------------------------------------------------------------ seeded random runs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_multi_stream_run_validates_after_every_step(seed):
+    rng = random.Random(seed)
+    up = sim()
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, max_step=4 * MiB, shrink_interval=32,
+                        thread_cache_bytes=256 * KiB if seed % 2 else 0)
+    streams = [up.stream() for _ in range(3)]
+    live: dict[int, tuple[int, object]] = {}
+    intervals = {}
+    for step in range(600):
+        r = rng.random()
+        if r < 0.5 or not live:
+            n = rng.choice([1, 255, 256, 4 * KiB, 100 * KiB, MiB, 3 * MiB + 7, rng.randint(1, 6 * MiB)])
+            s = rng.choice([None] + streams)
+            p = pool.allocate(n, s)
+            assert p % pool.alignment == 0
+            for q, m in intervals.items():
+                assert p + n <= q or q + m <= p, "overlapping blocks"
+            live[p] = (n, s)
+            intervals[p] = n
+        elif r < 0.8:
+            p = rng.choice(list(live))
+            n, s = live.pop(p)
+            del intervals[p]
+            if s is not None:
+                up.enqueue(s, rng.uniform(0, 50))
+            pool.deallocate(p, s)
+        elif r < 0.85:
+            p = rng.choice(list(live))
+            pool.record_stream(p, rng.choice(streams))
+        elif r < 0.9:
+            up.advance(rng.uniform(0, 100))
+            pool.process_pending()
+        elif r < 0.95:
+            pool.trim()
+        else:
+            up.advance(rng.uniform(0, 20))
+        pool.validate()
+        st = pool.stats()
+        assert st["reserved_bytes"] == st["mapped_bytes"] == up.counters()["outstanding_bytes"]
+        assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"]
+        assert st["backings"] <= 1
+    for p, (n, s) in live.items():
+        pool.deallocate(p, s)
+    pool.synchronize()
+    pool.close()
+    c = up.counters()
+    assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["unreserves"] == 1
+
+
+def test_threads_share_an_expandable_pool():
+    up = sim()
+    pool = pk.ArenaPool(up, expandable=True, max_step=4 * MiB)
+    lock = threading.Lock()
+    live: dict[int, int] = {}
+    errors: list[str] = []
+    handoff: list[int] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[int] = []
+        try:
+            for _ in range(800):
+                if mine and rng.random() < 0.45:
+                    p = mine.pop(rng.randrange(len(mine)))
+                    with lock:
+                        live.pop(p)
+                    pool.deallocate(p)
+                elif handoff and rng.random() < 0.1:
+                    with lock:
+                        p = handoff.pop() if handoff else None
+                    if p is not None:
+                        with lock:
+                            live.pop(p)
+                        pool.deallocate(p)
+                else:
+                    n = rng.choice([64, 4096, 4096, 20_000, 300_000, 2 * MiB + 1])
+                    p = pool.allocate(n)
+                    with lock:
+                        if p in live:
+                            errors.append(f"{p:#x} handed out twice")
+                        live[p] = n
+                        if rng.random() < 0.2:
+                            handoff.append(p)
+                        else:
+                            mine.append(p)
+            with lock:
+                for p in mine:
+                    live.pop(p)
+            for p in mine:
+                pool.deallocate(p)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+    spans = sorted(live.items())
+    for (p, n), (q, _) in zip(spans, spans[1:]):
+        assert p + n <= q
+    for p in list(live):
+        pool.deallocate(p)
+    pool.validate()
+    st = pool.stats()
+    assert st["live_bytes"] == 0 and st["backings"] == 1
+    pool.close()
+    assert up.counters()["outstanding_bytes"] == 0
