@@ -2,14 +2,15 @@
 # Everything the committed H200 results need, in one command on the device machine (the device
 # tool runs it from the repository root with $OUT as the folder that comes back):
 #
-#   bash benchmarks/run_h200.sh [step ...]     steps: build gpu_tests uploader matrix replay (default: all)
+#   bash benchmarks/run_h200.sh [step ...]     steps: build gpu_tests vmm uploader matrix replay (default: all)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
+# Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build gpu_tests uploader matrix replay)
+[ ${#steps[@]} -eq 0 ] && steps=(build gpu_tests vmm uploader matrix replay)
 export COLUMNS=220 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 status=()
 step() {  # name command...
@@ -24,10 +25,11 @@ for s in "${steps[@]}"; do
   case $s in
     build) step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site . ;;
     gpu_tests) step pytest_gpu timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
+    vmm) step vmm_latency timeout 120 python3 benchmarks/vmm_latency.py --json "$OUT/vmm_latency_h200.json" ;;
     uploader) step uploader timeout 420 python3 benchmarks/uploader_bench.py "$OUT/uploader_h200.json" --sizes 256M,2G \
-                --engine native,python --nt off,on --chunks 4M,8M,16M --threads 8,12,16 --reps 5 ;;
+                --engine native,python --nt off --tail on,off --chunks 1M,2M,4M,8M --threads 8,12 --reps 5 ;;
     matrix)
-      step h200 timeout 300 python3 -m poolkeeper.cli bench --backend cuda --no-progress --json "$OUT/h200.json"
+      step h200 timeout 420 python3 -m poolkeeper.cli bench --backend cuda --no-progress --json "$OUT/h200.json"
       step h200_compare python3 -m poolkeeper.cli compare "$OUT/h200.json" --plot "$OUT/h200_compare.png" \
         --json "$OUT/h200_compare.json" ;;
     replay)
@@ -39,3 +41,4 @@ for s in "${steps[@]}"; do
   esac
 done
 printf '%s\n' "${status[@]}" | tee "$OUT/steps.txt"
+tar czf /tmp/h200_run.tgz -C "$OUT" . && mv /tmp/h200_run.tgz "$OUT/"
