@@ -474,7 +474,7 @@ def test_native_upload_through_the_cuda_backend(fakes, nt):
         n = 9 * MiB + 4321
         dev = pk.upstream.CudaDevice(1).allocate(n)
         oks, pins = [], []
-        with Uploader(pool, chunk_bytes=MiB, workers=3, depth=2, engine="native", nt_fill={nt}) as up:
+        with Uploader(pool, chunk_bytes=MiB, workers=3, depth=2, engine="native", nt_fill={nt}, tail_ramp=True) as up:
             for seed in range(4):
                 data = payload(n, seed)
                 r = up.upload(data, dev)

@@ -78,7 +78,7 @@ void bind_upload_engine(nb::module_& m) {
            },
            "src"_a, "nbytes"_a, "dst"_a, "buffers"_a, "chunk"_a, "ramp"_a = true, "backend"_a = "host",
            "stream"_a = nb::none(), "nt"_a = false, "fail_fill_at"_a = -1, "fail_copy_at"_a = -1,
-           "fail_record_at"_a = -1, "tail_ramp"_a = true,
+           "fail_record_at"_a = -1, "tail_ramp"_a = false,
            "Start an upload and return at once. buffers: [(ptr, capacity)], at least 2.")
       .def("wait", [](UploadEngine& e, double timeout_s) {
         nb::gil_scoped_release nogil;

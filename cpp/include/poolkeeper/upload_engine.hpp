@@ -68,7 +68,7 @@ struct UploadRequest {
   // The last bytes go in pieces that halve toward the end (chunk/2 per worker, then chunk/4, ...,
   // down to 256 KiB): the copies still queued when the last fill completes are then a few small
   // ones, not one full chunk per worker, which nothing overlaps.
-  bool tail_ramp = true;
+  bool tail_ramp = false;  // measured: helps 8 MiB chunks, neutral at 2-4 MiB (docs/staging.md)
   bool nt_fill = false;               // fill with non-temporal stores (ignored where unsupported)
   CopyBackend backend = CopyBackend::Host;
   std::uintptr_t stream = 0;          // Cuda: 0 = legacy default stream

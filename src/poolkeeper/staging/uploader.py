@@ -165,9 +165,11 @@ class Uploader:
         pool: the staging pool (default: a new :class:`PinnedStagingPool` on ``CudaPinned`` when
             CUDA is available, else ``Host``, with room for ``workers * depth`` chunks). Its bounds
             must let it retain ``workers * depth`` chunks, or the steady state would re-pin.
-        chunk_bytes: bytes per chunk (default 8 MiB).
+        chunk_bytes: bytes per chunk (default 4 MiB: best with the native engine on the H200 host,
+            docs/staging.md; the Python engine does better with 8 MiB).
         workers: threads filling chunks concurrently, the caller's included (default
-            ``min(12, os.cpu_count())``; 12 measured best on the H200 host, docs/staging.md).
+            ``min(8, os.cpu_count())``; on the H200 host 8 fill threads already saturate host
+            memory bandwidth under the DMA, 12 measured no better, docs/staging.md).
         depth: staging buffers per worker (default 2); ``workers * depth`` must be at least 2 so a
             fill can overlap a copy.
         stream: where copies are ordered on the CUDA path (default: a stream the uploader creates on
@@ -180,7 +182,9 @@ class Uploader:
             a time per uploader (concurrent calls wait their turn).
         tail_ramp: native engine only: end with pieces that halve toward the end (chunk/2 per
             worker, then chunk/4, ... down to 256 KiB), so the copies still queued when the last
-            fill completes are a few small ones rather than one full chunk per worker (default True).
+            fill completes are a few small ones rather than one full chunk per worker. Default
+            False: on the H200 it helped 8 MiB chunks (256 MiB: 36.1 vs 30.9 GB/s) and did nothing
+            measurable for 2–4 MiB ones.
         nt_fill: native engine only: fill staging buffers with non-temporal stores (they bypass
             the cache: no read-for-ownership traffic competing with the DMA). Default False;
             whether it helps depends on the machine (``benchmarks/uploader_bench.py --nt on,off``).
@@ -190,19 +194,19 @@ class Uploader:
         self,
         pool: Optional[PinnedStagingPool] = None,
         *,
-        chunk_bytes: int = 8 * MiB,
+        chunk_bytes: int = 4 * MiB,
         workers: Optional[int] = None,
         depth: int = 2,
         stream: Any = None,
         ramp: bool = True,
         engine: str = "auto",
         nt_fill: bool = False,
-        tail_ramp: bool = True,
+        tail_ramp: bool = False,
     ) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
         if workers is None:
-            workers = min(12, os.cpu_count() or 1)
+            workers = min(8, os.cpu_count() or 1)
         for name, v in (("workers", workers), ("depth", depth)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int; got {v!r}")
