@@ -239,7 +239,9 @@ def test_concurrent_uploads_from_two_threads_with_two_engines(host):
     for up in ups:
         up.close()
     s = pool.stats()
-    assert s["live_buffers"] == 0 and s["pinned_alloc_calls"] == 8
+    # Each uploader keeps 4 buffers; one that finishes first may hand its 4 to the other, so the
+    # pool pins between 4 and 8 -- never one per upload (20 uploads of 7 chunks each).
+    assert s["live_buffers"] == 0 and 4 <= s["pinned_alloc_calls"] <= 8
     assert host.counters()["outstanding_bytes"] == s["retained_bytes"]
 
 
