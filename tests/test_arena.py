@@ -351,3 +351,17 @@ def test_same_stream_reuse_through_the_non_blocking_path():
     up.synchronize()
     pool.synchronize()
     pool.validate()
+
+
+def test_a_cross_stream_release_is_left_to_the_blocking_path():
+    """Such a release records events (an upstream call on a device): never with the GIL held."""
+    up = sim()
+    a, b = up.stream(), up.stream()
+    pool = pk.ArenaPool(up, shrink_interval=0)
+    p = pool.allocate(4 * MiB, stream=a)
+    pool.deallocate(p, stream=b)
+    st = pool.stats()
+    assert st["nowait_deallocations"] == 0 and st["slow_deallocations"] == 1
+    assert st["pending_bytes"] >= 4 * MiB
+    pool.synchronize()
+    pool.validate()

@@ -536,3 +536,62 @@ def test_native_upload_failed_event_record_leaks_that_buffer(fakes):
                           "live": s["live_buffers"], "retained": s["retained_buffers"]}))
     """, FAKE_CUDA_DEFER_COPIES=1, FAKE_CUDA_FAIL_EVENT_RECORD_AT=3)
     assert out == {"err": ["CUDA_ERROR_INVALID_VALUE", True], "lost": 1, "leaked": 1, "live": 0, "retained": 3}
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class"])
+def test_a_failed_event_record_at_release_leaves_the_block_live_and_the_pool_intact(fakes, kind):
+    """A release on a stream other than the allocating one records events; if that fails the
+    release raises a typed error and changes nothing (no half-pending block, no counted bytes),
+    and the same release succeeds once the driver recovers."""
+    out = run(fakes["full"], f"""
+        up = pk.upstream.CudaDevice()
+        pool = pk.make_pool("{kind}", up)
+        a, b = driver.Stream(), driver.Stream()
+        p = pool.allocate(8 << 20, stream=a)
+        before = pool.stats()
+        try:
+            pool.deallocate(p, stream=b)     # cross-stream: the 1st cuEventRecord of the process fails
+            err = None
+        except pk.errors.UpstreamError as e:
+            err = str(e)
+        pool.validate()
+        after = pool.stats()
+        pool.deallocate(p, stream=b)         # now it records and goes pending
+        pending = pool.stats()["pending_bytes"]
+        pool.synchronize(); pool.validate()
+        print(json.dumps({{"err": err, "live_same": before["live_bytes"] == after["live_bytes"],
+                          "blocks": after["live_blocks"], "pending_after_err": after["pending_bytes"],
+                          "pending": pending, "in_use": up.events_in_use}}))
+        pool.close()
+    """, FAKE_CUDA_FAIL_EVENT_RECORD_AT=1)
+    assert out["err"] and "cuEventRecord" in out["err"]
+    assert out["live_same"] and out["blocks"] == 1 and out["pending_after_err"] == 0
+    assert out["pending"] >= 8 << 20 and out["in_use"] == 0
+
+
+def test_cuda_virtual_unmap_whose_release_fails_still_counts_as_unmapped(fakes):
+    """Once cuMemUnmap succeeded the range is unmapped: a refused cuMemRelease afterwards is a
+    counted leak, not an error -- else the pool would keep the range as mapped and hand out
+    addresses with no memory behind them."""
+    out = run(fakes["full"], """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, va_bytes=64 << 20, initial_backing=2 << 20,
+                            step_fraction=0.0, max_step=2 << 20, thread_cache_bytes=0)
+        a = pool.allocate(2 << 20)
+        b = pool.allocate(4 << 20)
+        pool.deallocate(b)
+        released = pool.trim()          # unmaps the free tail; the 1st cuMemRelease fails
+        pool.validate()
+        st = pool.stats()
+        mid = [st["reserved_bytes"], up.mapped_pieces, up.leaked_handles, st["unmap_calls"]]
+        c = pool.allocate(4 << 20)      # must map again, not reuse unmapped addresses
+        maps = pool.stats()["map_calls"]
+        pool.deallocate(a); pool.deallocate(c); pool.close()
+        print(json.dumps({"released": released, "mid": mid, "maps": maps,
+                          "end": [up.mapped_pieces, up.leaked_handles]}))
+    """, FAKE_CUDA_FAIL_MEM_RELEASE_AT=1)
+    MiB = 1 << 20
+    assert out["released"] == 4 * MiB
+    assert out["mid"][0] == 2 * MiB and out["mid"][1] == 1 and out["mid"][2] == 1
+    assert out["maps"] > out["mid"][3]  # new maps after the unmaps
+    assert out["end"] == [0, 1]

@@ -465,3 +465,27 @@ def test_threads_share_an_expandable_pool():
     assert st["live_bytes"] == 0 and st["backings"] == 1
     pool.close()
     assert up.counters()["outstanding_bytes"] == 0
+
+
+def test_a_refused_growth_keeps_the_free_tail_mapped():
+    """OOM recovery must not unmap the free tail the growth was extending: the retry would then
+    need a larger map, and the pool would have thrown away memory it holds."""
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_every=1, error="oom", armed=False)
+    pool = pool_fixed_steps(up)
+    a = pool.allocate(G)
+    b = pool.allocate(G)
+    pool.deallocate(b)  # the tail (one piece) is free
+    up.armed = True
+    with pytest.raises(OutOfMemoryError):
+        pool.allocate(2 * G)
+    up.armed = False
+    st = pool.stats()
+    assert st["unmap_calls"] == 0 and st["reserved_bytes"] == 2 * G == inner.counters()["outstanding_bytes"]
+    pool.validate()
+    c = pool.allocate(G)
+    assert c == a + G  # the kept tail serves the next request without a map
+    assert pool.stats()["map_calls"] == 2
+    pool.deallocate(a)
+    pool.deallocate(c)
+    pool.close()

@@ -4,6 +4,9 @@ steady state, persistent threads, errors that leave the pool consistent, concurr
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+import textwrap
 import os
 import threading
 
@@ -481,3 +484,34 @@ def test_the_tail_ends_in_pieces_that_halve_down_to_the_floor():
     assert sum(with_tail) == sum(without) == n
     assert with_tail[-8:] == [RAMP_MIN * 2] * 4 + [RAMP_MIN] * 4  # CHUNK/2 x 4 workers, then 256 KiB x 4
     assert len(with_tail) == len(without) + 5  # 3 MiB of full chunks became 8 pieces
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_replaces_the_engine_without_touching_the_parents_threads(host):
+    """The child inherits an engine whose threads wait on its condition variables but do not exist
+    there: dropping it must not block (destroying a condition variable with waiters waits forever),
+    and the child's own upload gets a fresh engine. Run in a subprocess so a hang is a timeout."""
+    code = textwrap.dedent('''
+        import gc, os, sys, numpy as np, poolkeeper as pk
+        from poolkeeper.staging import PinnedStagingPool, Uploader
+        up = Uploader(PinnedStagingPool(pk.upstream.Host(), max_buffers=16), chunk_bytes=1 << 20,
+                      workers=3, engine="native")
+        src = np.arange(5 << 20, dtype=np.uint8); dst = bytearray(5 << 20)
+        up.upload(src, dst)                      # the engine's threads now sleep on its cv
+        pid = os.fork()
+        if pid == 0:
+            ok = False
+            try:
+                d2 = bytearray(5 << 20)
+                up.upload(src, d2)               # a fresh engine in the child
+                ok = d2 == src.tobytes() and up._native_pid == os.getpid()
+                del up; gc.collect()             # the child's engine closes normally
+            finally:
+                os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        up.close()
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "child 0" in r.stdout

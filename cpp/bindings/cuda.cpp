@@ -184,7 +184,11 @@ void bind_cuda_upstreams(nb::module_& m) {
       .def("__init__", [](CudaVirtualUpstream* self, int device) { new (self) CudaVirtualUpstream(device); },
            "device"_a = 0)
       .def_prop_ro("mapped_pieces", &CudaVirtualUpstream::mapped_pieces,
-                   "Physical pieces mapped now (each holds its own cuMemCreate handle).");
+                   "Physical pieces mapped now (each holds its own cuMemCreate handle).")
+      .def_prop_ro("leaked_handles", &CudaVirtualUpstream::leaked_handles,
+                   "Handles whose cuMemRelease failed after a successful unmap (leaked, not thrown).")
+      .def_prop_ro("leaked_ranges", &CudaVirtualUpstream::leaked_ranges,
+                   "Address ranges whose cuMemAddressFree failed after their memory was unmapped.");
 
   nb::class_<CudaPinnedUpstream, Upstream>(m, "CudaPinnedUpstream")
       .def("__init__", [](CudaPinnedUpstream* self, int device) { new (self) CudaPinnedUpstream(device); },

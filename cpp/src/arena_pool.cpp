@@ -545,7 +545,9 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
     ++oom_retries_;
     for (auto& other : caches_)
       if (other.get() != tc) other->flush_requested.store(true, std::memory_order_relaxed);
-    release_free_backings_locked(detached, false);
+    // Expandable: the only free memory that could be given back is the free tail, which the
+    // failed growth was about to extend -- unmapping it would only make the next map larger.
+    if (!vm_) release_free_backings_locked(detached, false);
     if (!detached.empty()) {
       g.unlock();
       free_detached(detached);
@@ -631,20 +633,19 @@ void ArenaPool::deallocate(void* p, Stream s) {
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
-  ++slow_frees_;
   if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr;
       tc && tc->flush_requested.load(std::memory_order_relaxed))
     flush_cache_locked(tc);
+  // First the step that can throw (recording events): if it does, the block is still live and
+  // nothing was counted, so the caller's error leaves the pool as it was.
+  if (s != kNoStream) order_.defer(c, s);
+  ++slow_frees_;
   live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
   overhead_ -= c->size - c->requested;
   --live_blocks_;
   table_.erase(a);
-  if (s == kNoStream) {
-    file_free_locked(c);
-  } else {
-    order_.defer(c, s);
-    note_pending_locked(c);
-  }
+  if (s == kNoStream) file_free_locked(c);
+  else note_pending_locked(c);
   tick_locked(out);
 }
 
@@ -656,6 +657,8 @@ bool ArenaPool::try_deallocate_nowait(void* p, Stream s) {
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
+  // Releases that would record events (another stream used the block) call the upstream.
+  if (s != kNoStream && StreamOrder::defer_records_events(c, s)) return false;
   // This release would run a shrink scan, which may hand backings to the upstream: not here.
   if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
   Detached none;

@@ -214,9 +214,10 @@ std::size_t CudaVirtualUpstream::mapped_pieces() const {
 }
 
 std::uintptr_t CudaVirtualUpstream::do_reserve(std::size_t bytes) {
-  if (!bytes || bytes % granularity_)
-    throw InvalidArgument("CudaVirtual: reserve of " + format_bytes(bytes) + " is not a multiple of the granularity " +
-                          format_bytes(granularity_));
+  if (!bytes || bytes % granularity_)  // the contract's error type, as the simulated device's
+    throw UpstreamFailure("CudaVirtual: reserve of " + format_bytes(bytes) + " is not a multiple of the granularity " +
+                              format_bytes(granularity_),
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
   cuda::ScopedContext ctx(device_);
   CUdeviceptr p = 0;
   const CUresult r = cuda::api().cuMemAddressReserve(&p, bytes, granularity_, 0, 0);
@@ -233,8 +234,9 @@ void CudaVirtualUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
 
 void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
   if (!bytes || bytes % granularity_ || addr % granularity_)
-    throw InvalidArgument("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) +
-                          " is not granule-aligned (" + format_bytes(granularity_) + ")");
+    throw UpstreamFailure("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) +
+                              " is not granule-aligned (" + format_bytes(granularity_) + ")",
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
   const cuda::DriverApi& a = cuda::api();
   const CUmemAllocationProp prop = device_prop(device_);
   cuda::ScopedContext ctx(device_);
@@ -281,10 +283,11 @@ void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
     std::lock_guard<std::mutex> g(mu_);
     pieces_.erase(addr);
   }
-  // Unmapped: the address range is free again even if the release below fails (then the
-  // physical memory leaks, and the error says so).
+  // Unmapped: the unmap has happened, so it must not be reported as failed (the pool would keep
+  // the range as mapped and hand out unmapped addresses). A refused release only leaks the
+  // physical memory: counted (leaked_handles()), not thrown.
   r = a.cuMemRelease(piece.handle);
-  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemRelease", addr, bytes, device_), name());
+  if (r != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) { map_piece(addr, bytes); }
@@ -309,8 +312,12 @@ void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
 void CudaVirtualUpstream::do_deallocate(void* p, std::size_t nbytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   const std::size_t n = align_up(nbytes, granularity_);
-  unmap_piece(a, n);
-  do_unreserve(a, n);
+  unmap_piece(a, n);  // throws only while the piece is still mapped: then nothing changed
+  try {
+    do_unreserve(a, n);
+  } catch (const Error&) {
+    leaked_ranges_.fetch_add(1, std::memory_order_relaxed);  // the memory itself was given back
+  }
 }
 
 // ---- pinned host memory ----

@@ -245,6 +245,7 @@ bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
   if (s == kNoStream && opt_.max_cached_bytes && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
+  if (s != kNoStream && StreamOrder::defer_records_events(b, s)) return false;  // an upstream call
   live_ -= b->requested;
   overhead_ -= b->size - b->requested;
   --live_blocks_;
@@ -266,6 +267,8 @@ void SizeClassPool::deallocate(void* p, Stream s) {
         throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
                                  chunk_state_name(b->st()) + ")",
                              a, "double_free");
+      // First the step that can throw (recording events): then a failure changes nothing.
+      if (s != kNoStream) order_.defer(b, s);
       live_ -= b->requested;
       overhead_ -= b->size - b->requested;
       --live_blocks_;
@@ -276,8 +279,6 @@ void SizeClassPool::deallocate(void* p, Stream s) {
         } else {
           make_free_locked(b);
         }
-      } else {
-        order_.defer(b, s);
       }
     } else {
       std::string inside;

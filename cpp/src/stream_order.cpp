@@ -1,5 +1,7 @@
 #include "poolkeeper/stream_order.hpp"
 
+#include <memory>
+
 #include <algorithm>
 #include <map>
 
@@ -41,31 +43,41 @@ StreamOrder::Lane& StreamOrder::lane_for(Stream s) {
 }
 
 void StreamOrder::defer(BlockRecord* b, Stream s) {
-  b->set(ChunkState::Pending);
-  b->last_stream = s;
-  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
-  bytes_ += b->size;
-  ++blocks_;
   // The allocating stream is always a user: a release on another stream must also wait for it
   // (as PyTorch's allocator does), unless the block was allocated with no stream.
   const bool cross = b->alloc_stream != kNoStream && b->alloc_stream != s;
-  const bool multi = cross || (b->used_on && !b->used_on->empty());
-  if (multi) {
+  if (defer_records_events(b, s)) {
     // Used on several streams: record one event per stream now, at release, where stream order
-    // guarantees each covers that stream's use of the block.
+    // guarantees each covers that stream's use of the block. All of them before anything changes.
+    auto events = std::make_unique<std::vector<EventId>>();
+    events->reserve((b->used_on ? b->used_on->size() : 0) + 2);
+    try {
+      events->push_back(up_->record_event(s));
+      if (cross) events->push_back(up_->record_event(b->alloc_stream));
+      if (b->used_on)
+        for (Stream u : *b->used_on)
+          if (u != s && u != b->alloc_stream) events->push_back(up_->record_event(u));
+    } catch (...) {
+      for (EventId e : *events) up_->release_event(e);
+      throw;
+    }
+    b->set(ChunkState::Pending);
+    b->last_stream = s;
+    b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+    bytes_ += b->size;
+    ++blocks_;
     b->lane = kMultiLane;
-    b->events = new std::vector<EventId>();
-    b->events->reserve((b->used_on ? b->used_on->size() : 0) + 2);
-    b->events->push_back(up_->record_event(s));
-    if (cross) b->events->push_back(up_->record_event(b->alloc_stream));
-    if (b->used_on)
-      for (Stream u : *b->used_on)
-        if (u != s && u != b->alloc_stream) b->events->push_back(up_->record_event(u));
+    b->events = events.release();
     b->pend_next = multi_head_;
     if (multi_head_) multi_head_->pend_prev = b;
     multi_head_ = b;
     return;
   }
+  b->set(ChunkState::Pending);
+  b->last_stream = s;
+  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+  bytes_ += b->size;
+  ++blocks_;
   // Index of the lane: lanes_ is append-only while the pool lives, so the index is stable.
   Lane& l = lane_for(s);
   b->lane = static_cast<std::uint32_t>(&l - lanes_.data());

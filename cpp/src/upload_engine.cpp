@@ -262,6 +262,12 @@ UploadEngine::~UploadEngine() {
     close();
   } catch (...) {
   }
+  if (static_cast<long>(::getpid()) != pid_) {
+    // A forked child: leak what the parent's threads may have been blocked in (see close()).
+    (void)work_cv_p_.release();
+    (void)done_cv_p_.release();
+    (void)job_.release();
+  }
 }
 
 bool UploadEngine::closed() const {
@@ -501,11 +507,24 @@ UploadOutcome UploadEngine::outcome() const {
 }
 
 void UploadEngine::close() {
+  if (static_cast<long>(::getpid()) != pid_) {
+    // A forked child has none of the parent's threads, and any lock or condition variable here
+    // may have been held or waited on by one of them at the fork: touch none. The std::thread
+    // objects name threads that do not exist here (joining or detaching them fails, destroying
+    // them joinable terminates): move them where no destructor runs, and leak the copy thread's
+    // state and the events.
+    if (closed_) return;
+    closed_ = shutdown_ = true;
+    (void)new std::vector<std::thread>(std::move(workers_));
+    workers_.clear();
+    (void)dma_.release();
+    events_.clear();
+    return;
+  }
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) return;
   closed_ = true;
-  const bool forked = static_cast<long>(::getpid()) != pid_;
-  if (!forked && job_ && !job_->finished) {
+  if (job_ && !job_->finished) {
     job_->stop.store(true);
     done_cv_.wait(lk, [&] { return job_->finished; });
   }
@@ -513,9 +532,9 @@ void UploadEngine::close() {
   lk.unlock();
   work_cv_.notify_all();
   for (auto& t : workers_)
-    if (t.joinable()) forked ? t.detach() : t.join();
-  if (dma_) dma_->shutdown(!forked);
-  if (!forked && !events_.empty() && !cuda::shutting_down()) {
+    if (t.joinable()) t.join();
+  if (dma_) dma_->shutdown(true);
+  if (!events_.empty() && !cuda::shutting_down()) {
     const auto& a = cuda::api();
     for (void* e : events_) a.cuEventDestroy(as_event(e));
   }

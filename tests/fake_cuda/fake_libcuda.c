@@ -23,6 +23,7 @@
  *                           for then corrupts the destination, as with a real DMA.
  *   FAKE_CUDA_FAIL_HTOD_ASYNC_AT   N: the N-th cuMemcpyHtoDAsync call (from 1) fails, copying nothing
  *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
+ *   FAKE_CUDA_FAIL_MEM_RELEASE_AT  N: the N-th cuMemRelease call (from 1) fails (the handle leaks)
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
  * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
@@ -60,6 +61,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
 static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
+static int fail_mem_release_at = 0, mem_release_calls = 0;
 struct qcopy { void* dst; const void* src; size_t n; };
 static struct qcopy* cq = NULL;
 static uint64_t cq_len = 0, cq_cap = 0, cq_done = 0;  /* copies queued ever, capacity, executed */
@@ -100,6 +102,7 @@ CUresult cuInit(unsigned flags) {
     defer_copies = env_int("FAKE_CUDA_DEFER_COPIES", 0);
     fail_htod_async_at = env_int("FAKE_CUDA_FAIL_HTOD_ASYNC_AT", 0);
     fail_event_record_at = env_int("FAKE_CUDA_FAIL_EVENT_RECORD_AT", 0);
+    fail_mem_release_at = env_int("FAKE_CUDA_FAIL_MEM_RELEASE_AT", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -426,6 +429,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t n, const int* prop, unsigned 
 CUresult cuMemRelease(unsigned long long h) {
   struct vhandle* v = (struct vhandle*)(uintptr_t)h;
   if (!v || v->mapped) return E_INVALID_VALUE;
+  if (__atomic_add_fetch(&mem_release_calls, 1, __ATOMIC_SEQ_CST) == fail_mem_release_at) return E_INVALID_VALUE;
   pthread_mutex_lock(&mu); direct_used[v->dev] -= v->size; pthread_mutex_unlock(&mu);
   free(v);
   return OK;

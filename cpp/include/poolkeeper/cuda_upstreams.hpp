@@ -34,6 +34,7 @@
 // device throws CudaUnavailable, with a bad device index InvalidArgument.
 // Thread safety: every member may be called concurrently.
 #pragma once
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,6 +123,11 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   std::size_t vm_granularity() const override { return granularity_; }
   std::size_t memory_capacity() const override { return capacity_; }
   std::size_t mapped_pieces() const;
+  // Physical handles whose cuMemRelease failed after a successful unmap, and address ranges whose
+  // cuMemAddressFree failed after their memory was unmapped: leaks, counted instead of thrown
+  // because the unmap itself happened (a pool must then treat the range as unmapped).
+  std::uint64_t leaked_handles() const { return leaked_handles_.load(std::memory_order_relaxed); }
+  std::uint64_t leaked_ranges() const { return leaked_ranges_.load(std::memory_order_relaxed); }
 
  protected:
   void* do_allocate(std::size_t nbytes) override;
@@ -141,6 +147,7 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   std::size_t granularity_ = 0, capacity_ = 0;
   mutable std::mutex mu_;
   std::map<std::uintptr_t, Piece> pieces_;  // mapped pieces by address
+  std::atomic<std::uint64_t> leaked_handles_{0}, leaked_ranges_{0};
 };
 
 class CudaPinnedUpstream final : public Upstream {

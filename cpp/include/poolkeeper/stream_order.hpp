@@ -83,8 +83,14 @@ class StreamOrder {
   ~StreamOrder();
 
   // b is being released on s. Records events now only when b was also used on other streams.
-  // Sets b's state to Pending.
+  // Sets b's state to Pending. Strong guarantee: if recording an event throws (a bad stream, the
+  // driver out of resources), b and this order are unchanged -- callers release before counting.
   void defer(BlockRecord* b, Stream s);
+  // Would defer(b, s) record events (an upstream call)? Non-blocking callers leave those
+  // releases to the blocking path.
+  static bool defer_records_events(const BlockRecord* b, Stream s) {
+    return (b->alloc_stream != kNoStream && b->alloc_stream != s) || (b->used_on && !b->used_on->empty());
+  }
 
   // A pending block released on s with exactly `size` bytes, reusable on s at once; nullptr if
   // none. The block is removed from pending (state left Pending: the caller makes it Live).

@@ -141,7 +141,12 @@ class UploadEngine {
   const unsigned threads_;
   const long pid_;
   mutable std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
+  // On the heap so a forked child can leak them: the parent's threads may have been waiting on
+  // them at the fork, and destroying such a condition variable waits for those waiters forever.
+  std::unique_ptr<std::condition_variable> work_cv_p_ = std::make_unique<std::condition_variable>();
+  std::unique_ptr<std::condition_variable> done_cv_p_ = std::make_unique<std::condition_variable>();
+  std::condition_variable& work_cv_ = *work_cv_p_;
+  std::condition_variable& done_cv_ = *done_cv_p_;
   std::vector<std::thread> workers_;
   std::uint64_t generation_ = 0;
   unsigned pending_workers_ = 0;

@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -240,6 +241,7 @@ class Uploader:
         self._native: Any = None  # poolkeeper._core.UploadEngine, made at the first native upload
         self._native_pid = 0
         self._native_lock = threading.Lock()
+        _live_uploaders.add(self)
         self._faults: dict = {}  # tests: fail_fill_at / fail_copy_at / fail_record_at (chunk index)
 
     @property
@@ -484,7 +486,7 @@ class Uploader:
                     last = done
                     progress(done, total)
         except BaseException:  # a progress callback raised, or KeyboardInterrupt: stop, then settle
-            eng.cancel()
+            self._stop_engine(eng)
             run.observe(jobs)
             self._settle(bufs, jobs, run)
             raise
@@ -495,6 +497,20 @@ class Uploader:
         if progress is not None and res["bytes"] > last:
             progress(res["bytes"], total)
         return res
+
+    @staticmethod
+    def _stop_engine(eng: Any) -> None:
+        # Until the engine has finished, its workers read the source and write the destination,
+        # which the caller releases next: a second Ctrl-C must not cut this wait short. Further
+        # interrupts are dropped; the exception already propagating says the upload failed.
+        while True:
+            try:
+                eng.cancel()
+                while not eng.finished:
+                    eng.wait(0.1)
+                return
+            except KeyboardInterrupt:
+                continue
 
     @staticmethod
     def _settle(bufs: list, jobs: list, run: "_engine._EngineRun") -> None:
@@ -547,6 +563,25 @@ class Uploader:
                 staged.close()
         if buf is not None:
             buf.close()
+
+
+# A forked child inherits the uploaders' locks in whatever state the parent's threads left them
+# (a lock held by another thread at the fork would never be released there), and none of their
+# threads: give every live uploader fresh locks and no executor. Its native engine is replaced at
+# the next upload (the old one is left to leak, see UploadEngine::close).
+_live_uploaders: "weakref.WeakSet[Uploader]" = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for up in list(_live_uploaders):
+        up._lock = threading.Lock()
+        up._native_lock = threading.Lock()
+        up._executor = None
+        up._own_stream = None  # a CUDA stream of the parent's context is not valid in the child
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 __all__ = ["Uploader", "UploadHandle", "UploadReport"]
