@@ -42,6 +42,14 @@ StreamOrder::Lane& StreamOrder::lane_for(Stream s) {
   return lanes_.back();
 }
 
+void StreamOrder::start_pending(BlockRecord* b, Stream s) {
+  b->set(ChunkState::Pending);
+  b->last_stream = s;
+  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
+  bytes_ += b->size;
+  ++blocks_;
+}
+
 void StreamOrder::defer(BlockRecord* b, Stream s) {
   // The allocating stream is always a user: a release on another stream must also wait for it
   // (as PyTorch's allocator does), unless the block was allocated with no stream.
@@ -61,11 +69,7 @@ void StreamOrder::defer(BlockRecord* b, Stream s) {
       for (EventId e : *events) up_->release_event(e);
       throw;
     }
-    b->set(ChunkState::Pending);
-    b->last_stream = s;
-    b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
-    bytes_ += b->size;
-    ++blocks_;
+    start_pending(b, s);
     b->lane = kMultiLane;
     b->events = events.release();
     b->pend_next = multi_head_;
@@ -73,11 +77,7 @@ void StreamOrder::defer(BlockRecord* b, Stream s) {
     multi_head_ = b;
     return;
   }
-  b->set(ChunkState::Pending);
-  b->last_stream = s;
-  b->pend_prev = b->pend_next = b->size_prev = b->size_next = nullptr;
-  bytes_ += b->size;
-  ++blocks_;
+  start_pending(b, s);
   // Index of the lane: lanes_ is append-only while the pool lives, so the index is stable.
   Lane& l = lane_for(s);
   b->lane = static_cast<std::uint32_t>(&l - lanes_.data());

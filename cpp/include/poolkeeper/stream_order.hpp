@@ -134,6 +134,7 @@ class StreamOrder {
   void validate() const;
 
  private:
+  void start_pending(BlockRecord* b, Stream s);  // state, links and totals of a block entering pending
   Lane& lane_for(Stream s);
   void unlink(Lane& l, BlockRecord* b);
   void size_push(Lane& l, BlockRecord* b);
