@@ -355,3 +355,24 @@ def test_default_uploader_pool_fits_its_buffers():
             dst = bytearray(len(data))
             up.upload(data, dst)
             assert dst == data and up.pool.stats()["pinned_alloc_calls"] == 5
+
+
+def test_default_chunks_are_each_engines_measured_best_and_share_the_buffers(host, tmp_path):
+    """Without chunk_bytes the native engine cuts 4 MiB chunks and the Python engine (file
+    sources) 8 MiB ones; the staging buffers hold 8 MiB, so alternating the two never pins again."""
+    MiB = 1 << 20
+    n = 20 * MiB + 3
+    data = payload(n, seed=7)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    pool = PinnedStagingPool(host, max_buffers=16, max_bytes=256 * MiB)
+    with Uploader(pool, workers=2, depth=2) as up:
+        assert (up.chunk_bytes, up.python_chunk_bytes) == (4 * MiB, 8 * MiB)
+        reports = []
+        for src in (data, str(path), data, str(path)):
+            dst = bytearray(n)
+            reports.append(up.upload(src, dst))
+            assert dst == data
+    assert [(r.engine, r.chunk_bytes) for r in reports] == [("native", 4 * MiB), ("python", 8 * MiB)] * 2
+    assert sum(r.pinned_alloc_calls for r in reports) == 4  # the warm-up's 4 buffers, once
+    assert pool.stats()["retained_bytes"] >= 4 * 8 * MiB

@@ -110,6 +110,8 @@ class UploadHandle:
 
 
 RAMP_MIN = 256 * 1024
+NATIVE_CHUNK = 4 * MiB  # H200: best at 2 GiB (51.8 GB/s), within 5% of the best at 256 MiB
+PYTHON_CHUNK = 8 * MiB  # H200: the Python engine's best (44-46 GB/s at 2 GiB; 4 MiB gave 24)
 
 
 class _Run:
@@ -166,8 +168,9 @@ class Uploader:
         pool: the staging pool (default: a new :class:`PinnedStagingPool` on ``CudaPinned`` when
             CUDA is available, else ``Host``, with room for ``workers * depth`` chunks). Its bounds
             must let it retain ``workers * depth`` chunks, or the steady state would re-pin.
-        chunk_bytes: bytes per chunk (default 4 MiB: best with the native engine on the H200 host,
-            docs/staging.md; the Python engine does better with 8 MiB).
+        chunk_bytes: bytes per chunk (default: 4 MiB on the native engine, 8 MiB on the Python
+            one -- each engine's best on the H200 host, docs/staging.md). Staging buffers hold the
+            larger, so either engine reuses them.
         workers: threads filling chunks concurrently, the caller's included (default
             ``min(8, os.cpu_count())``; on the H200 host 8 fill threads already saturate host
             memory bandwidth under the DMA, 12 measured no better, docs/staging.md).
@@ -195,7 +198,7 @@ class Uploader:
         self,
         pool: Optional[PinnedStagingPool] = None,
         *,
-        chunk_bytes: int = 4 * MiB,
+        chunk_bytes: Optional[int] = None,
         workers: Optional[int] = None,
         depth: int = 2,
         stream: Any = None,
@@ -204,8 +207,14 @@ class Uploader:
         nt_fill: bool = False,
         tail_ramp: bool = False,
     ) -> None:
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
             raise InvalidArgumentError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
+        # Each engine's measured best when not given (docs/staging.md): the native engine pays a
+        # driver call per chunk and keeps its staging set in the last-level cache with small
+        # chunks; the Python engine pays GIL hand-offs per chunk and wants fewer, larger ones.
+        chunk_native = chunk_bytes or NATIVE_CHUNK
+        chunk_python = chunk_bytes or PYTHON_CHUNK
+        chunk_max = max(chunk_native, chunk_python)
         if workers is None:
             workers = min(8, os.cpu_count() or 1)
         for name, v in (("workers", workers), ("depth", depth)):
@@ -218,15 +227,16 @@ class Uploader:
         nbuf = workers * depth
         self._own_pool = pool is None
         if pool is None:
-            pool = PinnedStagingPool(max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * -(-chunk_bytes // 4096) * 4096))
-        cap = pool.capacity_for(chunk_bytes)
+            pool = PinnedStagingPool(max_buffers=max(8, nbuf), max_bytes=max(512 * MiB, nbuf * -(-chunk_max // 4096) * 4096))
+        cap = pool.capacity_for(chunk_max)
         if pool.max_buffers < nbuf or pool.max_bytes < nbuf * cap:
             raise InvalidArgumentError(
                 f"the pool retains at most {pool.max_buffers} buffers / {pool.max_bytes} bytes; the uploader "
                 f"keeps {nbuf} buffers of {cap} bytes, so its steady state would pin memory per chunk"
             )
         self._pool = pool
-        self._chunk = chunk_bytes
+        self._chunk = chunk_max  # what the staging buffers hold (either engine fits in them)
+        self._chunk_native, self._chunk_python = chunk_native, chunk_python
         self._workers = workers
         self._depth = depth
         self._stream = stream
@@ -250,7 +260,13 @@ class Uploader:
 
     @property
     def chunk_bytes(self) -> int:
-        return self._chunk
+        """Bytes per chunk of the native engine (the Python engine's is ``python_chunk_bytes``;
+        both are ``chunk_bytes`` when it was given)."""
+        return self._chunk_native
+
+    @property
+    def python_chunk_bytes(self) -> int:
+        return self._chunk_python
 
     @property
     def workers(self) -> int:
@@ -373,9 +389,9 @@ class Uploader:
             t0 = time.perf_counter()
             if not self._warm:
                 self.warm_up()
-            run = _Run(total, self._chunk, progress, self._ramp)
+            run = _Run(total, self._chunk_python, progress, self._ramp)
             if source.parallel:
-                workers, depth = max(1, min(self._workers, -(-total // self._chunk))), self._depth
+                workers, depth = max(1, min(self._workers, -(-total // self._chunk_python))), self._depth
             else:
                 workers, depth = 1, self.buffers
             helpers = [self._helpers().submit(self._work, run, source, base, stream, depth) for _ in range(workers - 1)]
@@ -392,7 +408,7 @@ class Uploader:
         return UploadReport(
             nbytes=total,
             chunks=run.nchunks,
-            chunk_bytes=self._chunk,
+            chunk_bytes=self._chunk_python,
             workers=workers,
             depth=depth,
             seconds=seconds,
@@ -435,7 +451,7 @@ class Uploader:
         return UploadReport(
             nbytes=total,
             chunks=res["chunks"],
-            chunk_bytes=self._chunk,
+            chunk_bytes=self._chunk_native,
             workers=res["workers"],
             depth=self._depth,
             seconds=seconds,
@@ -472,7 +488,7 @@ class Uploader:
         for i, b in enumerate(bufs):
             jobs.append(b._begin_copy(lambda seq, i=i: _engine._EngineJob(seq, run, i, jobs)))
         try:
-            eng.start(source.address, total, base, [(b.ptr, b.capacity) for b in bufs], self._chunk,
+            eng.start(source.address, total, base, [(b.ptr, b.capacity) for b in bufs], self._chunk_native,
                       self._ramp, backend, stream, self._nt_fill, tail_ramp=self._tail_ramp, **self._faults)
         except BaseException:
             run.unstarted()
