@@ -251,6 +251,15 @@ def main(argv: list | None = None) -> int:
             f"per worker: fill {ph['fill_s'] / w * 1e3:.2f} ms, wait {ph['wait_s'] / w * 1e3:.2f} ms, "
             f"enqueue {ph['enqueue_s'] / w * 1e3:.2f} ms"
         )
+        if "last_start_s" in ph:
+            total = min(r["seconds"])
+            print(
+                f"{'':>8}  upload() {total * 1e3:.2f} ms = engine {ph['wall_s'] * 1e3:.2f} ms + "
+                f"{(total - ph['wall_s']) * 1e3:.2f} ms around it (acquire, witnesses, retire); last worker "
+                f"started at {ph['last_start_s'] * 1e3:.2f} ms; last fill ended at {ph['last_fill_end_s'] * 1e3:.2f} ms "
+                f"(copy tail {(ph['wall_s'] - ph['last_fill_end_s']) * 1e3:.2f} ms); link time at 55.3 GB/s "
+                f"{n / 55.3e9 * 1e3:.2f} ms"
+            )
     results["summary"] = summary
     with open(args.json_out, "w") as f:
         json.dump(results, f, indent=1)

@@ -28,6 +28,8 @@ nb::dict outcome_to_dict(const UploadOutcome& o) {
   d["enqueue_ns"] = c.enqueue_ns;
   d["wall_ns"] = c.wall_ns;
   d["first_enqueue_ns"] = c.first_enqueue_ns;
+  d["last_start_ns"] = c.last_start_ns;
+  d["last_fill_end_ns"] = c.last_fill_end_ns;
   d["workers"] = c.workers;
   d["nt_fill"] = c.nt_fill;
   nb::list lost, per;

@@ -122,6 +122,14 @@ struct UploadEngine::Job {
   std::atomic<std::uint64_t>* landed = nullptr;  // the engine's bytes_done_
   Clock::time_point t0;
   std::atomic<std::uint64_t> chunks{0}, overlapped{0}, fill_ns{0}, wait_ns{0}, enqueue_ns{0}, first_enqueue_ns{0};
+  // Since t0: the last worker to start, and the last fill to end (what is left after it is the
+  // copy engine draining the queue).
+  std::atomic<std::uint64_t> last_start_ns{0}, last_fill_end_ns{0};
+  static void raise_to(std::atomic<std::uint64_t>& a, std::uint64_t v) {
+    std::uint64_t cur = a.load(std::memory_order_relaxed);
+    while (v > cur && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    }
+  }
   std::uint64_t wall_ns = 0;
   bool finished = false;  // under the engine's mutex
   std::mutex err_mu;
@@ -250,6 +258,8 @@ struct UploadEngine::Job {
 // ---- the engine ----------------------------------------------------------------------------------
 UploadEngine::UploadEngine(unsigned threads) : threads_(threads), pid_(static_cast<long>(::getpid())) {
   if (threads == 0) throw InvalidArgument("an upload engine needs at least one thread");
+  if (threads >= kWakeShutdown)
+    throw InvalidArgument("an upload engine takes at most " + std::to_string(kWakeShutdown - 1) + " threads");
   workers_.reserve(threads);
   for (unsigned i = 0; i < threads; ++i) {
     workers_.emplace_back([this, i] { worker_main(i); });
@@ -264,7 +274,6 @@ UploadEngine::~UploadEngine() {
   }
   if (static_cast<long>(::getpid()) != pid_) {
     // A forked child: leak what the parent's threads may have been blocked in (see close()).
-    (void)work_cv_p_.release();
     (void)done_cv_p_.release();
     (void)job_.release();
   }
@@ -367,22 +376,27 @@ void UploadEngine::start(UploadRequest req) {
   }
   pending_workers_ = j.active;
   ++generation_;
+  current_.store(&j, std::memory_order_release);
+  wake_.store((generation_ << 16) | j.active, std::memory_order_release);
   lk.unlock();
-  work_cv_.notify_all();
+  wake_.notify_all();
 }
 
+// Workers sleep on one atomic word, (generation << 16) | active workers, with a futex wait:
+// start() wakes them all with one store and one notify, and none needs the engine's mutex to
+// learn its part (a condition variable made every wake-up queue on that mutex; under gVisor each
+// hand-off costs tens of microseconds, multiplied by the workers). A worker may read the job
+// without the lock only when it is one of its active workers: that job cannot finish, so cannot
+// be replaced, before this worker has done its part.
 void UploadEngine::worker_main(unsigned index) {
-  std::uint64_t seen = 0;
+  std::uint64_t seen = 0;  // the constructor's value, not a load: a start() may come before we run
   for (;;) {
-    Job* j = nullptr;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      work_cv_.wait(lk, [&] { return shutdown_ || generation_ != seen; });
-      if (shutdown_) return;
-      seen = generation_;
-      if (index >= job_->active) continue;
-      j = job_.get();
-    }
+    wake_.wait(seen, std::memory_order_acquire);
+    seen = wake_.load(std::memory_order_acquire);
+    const auto active = static_cast<unsigned>(seen & 0xffff);
+    if (active == kWakeShutdown) return;
+    if (index >= active) continue;
+    Job* j = current_.load(std::memory_order_acquire);
     run_part(*j, index);
     std::unique_lock<std::mutex> lk(mu_);
     if (--pending_workers_ == 0) {
@@ -406,6 +420,8 @@ void UploadEngine::run_part(Job& j, unsigned w) {
   std::uint64_t chunks = 0, overlapped = 0, fill_ns = 0, wait_ns = 0, enqueue_ns = 0;
   std::optional<cuda::ScopedContext> ctx;
   const bool nt = j.req.nt_fill;
+  Job::raise_to(j.last_start_ns, ns_since(j.t0));
+  std::uint64_t last_fill_end = 0;
   try {
     if (j.req.backend == CopyBackend::Cuda) ctx.emplace(j.ctx);
     while (!j.stop.load(std::memory_order_relaxed)) {
@@ -441,6 +457,7 @@ void UploadEngine::run_part(Job& j, unsigned w) {
       else
         std::memcpy(j.slots[b].ptr, src, n);
       fill_ns += ns_since(t);
+      last_fill_end = ns_since(j.t0);
       t = Clock::now();
       try {
         j.enqueue(b, k, off, n);
@@ -474,6 +491,7 @@ void UploadEngine::run_part(Job& j, unsigned w) {
       j.fail(std::current_exception());
     }
   }
+  Job::raise_to(j.last_fill_end_ns, last_fill_end);
   j.chunks.fetch_add(chunks);
   j.overlapped.fetch_add(overlapped);
   j.fill_ns.fetch_add(fill_ns);
@@ -496,6 +514,8 @@ UploadOutcome UploadEngine::outcome() const {
   c.enqueue_ns = j.enqueue_ns.load();
   c.wall_ns = j.wall_ns;
   c.first_enqueue_ns = j.first_enqueue_ns.load();
+  c.last_start_ns = j.last_start_ns.load();
+  c.last_fill_end_ns = j.last_fill_end_ns.load();
   c.workers = j.req.total ? j.active : 0;
   c.nt_fill = j.req.nt_fill;
   o.lost = j.lost;
@@ -529,8 +549,10 @@ void UploadEngine::close() {
     done_cv_.wait(lk, [&] { return job_->finished; });
   }
   shutdown_ = true;
+  ++generation_;
+  wake_.store((generation_ << 16) | kWakeShutdown, std::memory_order_release);
   lk.unlock();
-  work_cv_.notify_all();
+  wake_.notify_all();
   for (auto& t : workers_)
     if (t.joinable()) t.join();
   if (dma_) dma_->shutdown(true);

@@ -85,6 +85,8 @@ struct UploadCounters {
   std::uint64_t fill_ns = 0, wait_ns = 0, enqueue_ns = 0;  // summed over workers
   std::uint64_t wall_ns = 0;           // start() to finished
   std::uint64_t first_enqueue_ns = 0;  // start() to the first copy enqueued
+  std::uint64_t last_start_ns = 0;     // start() to the last worker starting (wake-up spread)
+  std::uint64_t last_fill_end_ns = 0;  // start() to the last fill ending (the rest is the copy tail)
   unsigned workers = 0;                // workers that took part
   bool nt_fill = false;                // non-temporal fill was used
 };
@@ -141,14 +143,15 @@ class UploadEngine {
   const unsigned threads_;
   const long pid_;
   mutable std::mutex mu_;
-  // On the heap so a forked child can leak them: the parent's threads may have been waiting on
-  // them at the fork, and destroying such a condition variable waits for those waiters forever.
-  std::unique_ptr<std::condition_variable> work_cv_p_ = std::make_unique<std::condition_variable>();
+  // On the heap so a forked child can leak it: the parent's threads may have been waiting on it
+  // at the fork, and destroying such a condition variable waits for those waiters forever.
   std::unique_ptr<std::condition_variable> done_cv_p_ = std::make_unique<std::condition_variable>();
-  std::condition_variable& work_cv_ = *work_cv_p_;
   std::condition_variable& done_cv_ = *done_cv_p_;
   std::vector<std::thread> workers_;
   std::uint64_t generation_ = 0;
+  static constexpr unsigned kWakeShutdown = 0xffff;
+  std::atomic<std::uint64_t> wake_{0};     // (generation << 16) | active workers, or kWakeShutdown
+  std::atomic<Job*> current_{nullptr};     // the job of the generation in wake_
   unsigned pending_workers_ = 0;
   bool shutdown_ = false, closed_ = false, have_outcome_ = false;
   std::unique_ptr<Job> job_;

@@ -464,6 +464,8 @@ class Uploader:
                 "wait_s": res["wait_ns"] / 1e9,
                 "enqueue_s": res["enqueue_ns"] / 1e9,
                 "first_copy_s": res["first_enqueue_ns"] / 1e9,
+                "last_start_s": res["last_start_ns"] / 1e9,
+                "last_fill_end_s": res["last_fill_end_ns"] / 1e9,
                 "wall_s": res["wall_ns"] / 1e9,
                 "nt_fill": res["nt_fill"],
             },
