@@ -7,6 +7,17 @@
 
 namespace poolkeeper::py {
 
+namespace {
+// map / unmap / unreserve: a range given as (addr, nbytes), the size parsed like every size, the
+// call (a driver call on a device) without the GIL.
+template <void (Upstream::*F)(std::uintptr_t, std::size_t)>
+void range_call(Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
+  const std::size_t n = parse_size(nbytes, "nbytes");
+  nb::gil_scoped_release nogil;
+  (u.*F)(addr, n);
+}
+}  // namespace
+
 void bind_upstreams(nb::module_& m) {
   nb::class_<Upstream>(m, "Upstream", "Where backing memory comes from (abstract).")
       .def(
@@ -48,28 +59,13 @@ void bind_upstreams(nb::module_& m) {
           },
           "nbytes"_a.none(), "Reserve a virtual range (granule multiple). Returns its base.")
       .def(
-          "map",
-          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
-            const std::size_t n = parse_size(nbytes, "nbytes");
-            nb::gil_scoped_release nogil;
-            u.map(addr, n);
-          },
+          "map", &range_call<&Upstream::map>,
           "addr"_a, "nbytes"_a.none(), "Map physical memory onto [addr, addr+nbytes) of a reserved range (counted as an allocation).")
       .def(
-          "unmap",
-          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
-            const std::size_t n = parse_size(nbytes, "nbytes");
-            nb::gil_scoped_release nogil;
-            u.unmap(addr, n);
-          },
+          "unmap", &range_call<&Upstream::unmap>,
           "addr"_a, "nbytes"_a.none(), "Unmap exactly one earlier map's range (counted as a deallocation).")
       .def(
-          "unreserve",
-          [](Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
-            const std::size_t n = parse_size(nbytes, "nbytes");
-            nb::gil_scoped_release nogil;
-            u.unreserve(addr, n);
-          },
+          "unreserve", &range_call<&Upstream::unreserve>,
           "addr"_a, "nbytes"_a.none(), "Give back a reserved range with nothing mapped in it.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
