@@ -7,9 +7,7 @@ lifecycle (trim, close, context manager, use after close, close with live blocks
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -20,39 +18,11 @@ from pool_oracle import Oracle, pick, state
 KiB, MiB = 1 << 10, 1 << 20
 ALIGN = 256
 
-# Every conftest pool, plus the arena over an expandable (virtual-memory) backing. Only upstreams
-# with virtual memory can hold it: with the host upstream its cases are skipped. Small steps (one
-# 2 MiB granule at most) and frequent shrink scans, so growth and unmapping happen in every run.
-def _conftest_pools() -> dict:
-    # The pool configurations of tests/conftest.py, read from the file itself ("import conftest"
-    # may find tests/gpu/conftest.py first when the whole suite is collected).
-    spec = importlib.util.spec_from_file_location("_pk_conftest_pools", Path(__file__).with_name("conftest.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return dict(mod.POOLS)
-
-
-POOL_CONFIGS = _conftest_pools()
-POOL_CONFIGS["arena_expandable"] = lambda up: pk.ArenaPool(up, expandable=True, max_step=2 * MiB, shrink_interval=64)
-_CLASSES = {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}
-
-
-@pytest.fixture(params=sorted(POOL_CONFIGS))
+# Every conftest pool, plus the arena over an expandable (virtual-memory) backing (conftest's
+# make_pool builds it, and skips it on upstreams without virtual memory).
+@pytest.fixture(params=["arena", "arena_expandable", "direct", "size_class"])
 def pool_kind(request):
     return request.param
-
-
-@pytest.fixture
-def make_pool(pool_kind):
-    def make(up=None, **kw):
-        up = up if up is not None else pk.upstream.Simulated(latency_us=0)
-        if pool_kind == "arena_expandable":
-            if not up.supports_virtual:
-                pytest.skip(f"{up.name} has no virtual memory (expandable arena)")
-            return pk.ArenaPool(up, expandable=True, **kw) if kw else POOL_CONFIGS[pool_kind](up)
-        return _CLASSES[pool_kind](up, **kw) if kw else POOL_CONFIGS[pool_kind](up)
-
-    return make
 
 
 def _class_edges() -> list[int]:
