@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import poolkeeper as pk
 from poolkeeper.bench.readers import read_log
+from poolkeeper.bench.replay_engine import replay
 from poolkeeper.bench.workloads import WORKLOADS, RunContext, Selection
 
 MiB = 1 << 20
@@ -75,27 +76,10 @@ def run_trace(path: str) -> Callable[[Any, Any], Tuple[int, int]]:
     trace = read_log(path)
 
     def go(pool: Any, up: Any) -> Tuple[int, int]:
-        table: Dict[int, Tuple[int, int]] = {}
-        for ev in trace.pre_trace:
-            if ev.size and ev.addr not in table:
-                table[ev.addr] = (pool.allocate(ev.size), ev.size)
-        live = peak = sum(n for _, n in table.values())
-        for ev in trace.events:
-            if ev.kind == "alloc" and ev.size:
-                old = table.pop(ev.addr, None)
-                if old is not None:
-                    pool.deallocate(old[0])
-                    live -= old[1]
-                table[ev.addr] = (pool.allocate(ev.size), ev.size)
-                live += ev.size
-                peak = max(peak, live)
-            elif ev.kind == "free" and ev.addr in table:
-                p, n = table.pop(ev.addr)
-                pool.deallocate(p)
-                live -= n
-        for p, _ in table.values():
-            pool.deallocate(p)
-        return peak, pool.stats()["peak_reserved_bytes"]
+        # The replay `poolkeeper replay --include-pre-trace` runs: blocks held from before the
+        # trace first, then every logged allocation and free.
+        r = replay(trace, pool, up, include_pre_trace=True)
+        return r["peak_live_bytes"], r["peak_reserved_bytes"]
 
     return go
 
