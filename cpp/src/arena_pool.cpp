@@ -594,8 +594,7 @@ void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s)
   return nullptr;
 }
 
-void* ArenaPool::try_allocate_nowait(std::size_t nbytes, Stream s) {
-  if (void* r = try_allocate_fast(nbytes, s)) return r;
+void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   if (nbytes == 0 || nbytes > kMaxRequest) return nullptr;  // the blocking path explains
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
@@ -649,8 +648,7 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
   tick_locked(out);
 }
 
-bool ArenaPool::try_deallocate_nowait(void* p, Stream s) {
-  if (try_deallocate_fast(p, s)) return true;
+bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) return false;
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);

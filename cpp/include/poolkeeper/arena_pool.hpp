@@ -85,10 +85,10 @@ class ArenaPool final : public Pool {
   // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
-  // The fast path, then the locked reuse path if the pool lock is free at once (no growth, no
-  // settling of pending releases, no shrink scan: those may call the upstream or wait).
-  void* try_allocate_nowait(std::size_t nbytes, Stream s) override;
-  bool try_deallocate_nowait(void* p, Stream s) override;
+  // The locked reuse path if the pool lock is free at once (no growth, no settling of pending
+  // releases, no shrink scan, no event recording: those may call the upstream or wait).
+  void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_locked_nowait(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void validate() override;

@@ -87,8 +87,15 @@ class Pool {
   // take the blocking path, which also reports errors (these never throw for bad input).
   // Why: a blocking call releases the GIL, and taking it back behind busy Python threads costs
   // tens of microseconds to milliseconds; most misses of a pool with free memory need neither.
-  virtual void* try_allocate_nowait(std::size_t nbytes, Stream s) { return try_allocate_fast(nbytes, s); }
-  virtual bool try_deallocate_nowait(void* p, Stream s) { return try_deallocate_fast(p, s); }
+  // Inline so a hit costs what it did before: one virtual call, the fast path.
+  void* try_allocate_nowait(std::size_t nbytes, Stream s) {
+    if (void* r = try_allocate_fast(nbytes, s)) return r;
+    return try_allocate_locked_nowait(nbytes, s);
+  }
+  bool try_deallocate_nowait(void* p, Stream s) { return try_deallocate_fast(p, s) || try_deallocate_locked_nowait(p, s); }
+  // The pool-specific second step: what can be done under the pool lock if it is free at once.
+  virtual void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) { return nullptr; }
+  virtual bool try_deallocate_locked_nowait(void* p, Stream s) { return false; }
   // Mark live block p as used on stream s too: its release then also waits for s.
   virtual void record_stream(void* p, Stream s) = 0;
 
