@@ -18,6 +18,9 @@ SYMBOLS = (
     "poolkeeper_last_error",
     "poolkeeper_torch_record_stream",
     "poolkeeper_empty_cache",
+    "poolkeeper_graph_begin",
+    "poolkeeper_graph_end",
+    "poolkeeper_graph_release",
 )
 # Return codes of the general entry points (cpp/capi/capi.cpp).
 OK, INVALID_ARGUMENT, INVALID_POINTER, OUT_OF_MEMORY, UPSTREAM, CLOSED = 0, 1, 2, 3, 4, 5
@@ -38,6 +41,12 @@ def load() -> ctypes.CDLL:
     lib.poolkeeper_torch_record_stream.argtypes = [c.c_void_p, c.c_int, c.c_void_p]
     lib.poolkeeper_empty_cache.restype = c.c_int64
     lib.poolkeeper_empty_cache.argtypes = []
+    lib.poolkeeper_graph_begin.restype = c.c_int
+    lib.poolkeeper_graph_begin.argtypes = [c.c_int, c.c_uint64, c.c_uint64, c.c_uint64]
+    lib.poolkeeper_graph_end.restype = c.c_int
+    lib.poolkeeper_graph_end.argtypes = [c.c_int, c.c_uint64, c.c_uint64]
+    lib.poolkeeper_graph_release.restype = c.c_int
+    lib.poolkeeper_graph_release.argtypes = [c.c_int, c.c_uint64, c.c_uint64]
     lib.poolkeeper_last_error.restype = c.c_char_p
     lib.poolkeeper_last_error.argtypes = []
     return lib

@@ -56,6 +56,9 @@ class FakeNativeAllocator:
         if with_hooks:
             self.set_record_stream_fn = lambda p: self.set.__setitem__("record_stream", p)
             self.set_reset_fn = lambda p: self.set.__setitem__("reset", p)
+            self.set_begin_allocate_to_pool = lambda p: self.set.__setitem__("graph_begin", p)
+            self.set_end_allocate_to_pool_fn = lambda p: self.set.__setitem__("graph_end", p)
+            self.set_release_pool = lambda p: self.set.__setitem__("graph_release", p)
 
 
 class FakePluggableAllocator:
@@ -170,15 +173,20 @@ def test_install_wires_our_symbols_and_hooks(fake_torch):
     assert alloc.allocator().set == {
         "record_stream": address("poolkeeper_torch_record_stream_hook"),
         "reset": address("poolkeeper_torch_empty_cache_hook"),
+        "graph_begin": address("poolkeeper_torch_begin_allocate_to_pool"),
+        "graph_end": address("poolkeeper_torch_end_allocate_to_pool"),
+        "graph_release": address("poolkeeper_torch_release_pool"),
     }
-    assert inst.hooks == {"record_stream": True, "empty_cache": True}
+    assert inst.hooks == {"record_stream": True, "empty_cache": True, "graph_begin": True, "graph_end": True,
+                          "graph_release": True}
     assert pk_torch.installation() is inst and _core.registry_has_factory()
 
 
 def test_hooks_missing_from_torch_are_reported_not_faked(fake_torch):
     fake_torch(with_hooks=False)
     inst = pk_torch.install("arena", upstream="simulated")
-    assert inst.hooks == {"record_stream": False, "empty_cache": False}
+    assert inst.hooks == {"record_stream": False, "empty_cache": False, "graph_begin": False, "graph_end": False,
+                          "graph_release": False}
 
 
 def test_install_after_cuda_initialized_is_refused_and_explained(fake_torch):

@@ -30,5 +30,6 @@ void bind_pools(nb::module_& m);
 void install_fast_methods(nb::handle pool_type);
 void bind_cuda(nb::module_& m);
 void bind_capi(nb::module_& m);
+void bind_graph_pools(nb::module_& m);
 
 }  // namespace poolkeeper::py

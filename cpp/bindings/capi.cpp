@@ -4,6 +4,7 @@
 
 #include "../capi/poolkeeper_capi.h"
 #include "bindings.hpp"
+#include "poolkeeper/graph_registry.hpp"
 #include "poolkeeper/registry.hpp"
 
 namespace poolkeeper::py {
@@ -16,7 +17,10 @@ void bind_capi(nb::module_& m) {
         if (!p) return nb::none();
         return nb::cast(registry::get_shared(device));
       }, "device"_a);
-  m.def("registry_clear", &registry::clear);
+  m.def("registry_clear", []() {
+    graph_registry::clear();  // the device pools' graph pools go with them
+    registry::clear();
+  });
   m.def("registry_devices", []() {
     nb::list l;
     for (auto& [d, p] : registry::all()) l.append(d);

@@ -117,6 +117,24 @@ void bind_upstreams(nb::module_& m) {
           "busy_until", [](SimulatedUpstream& u, nb::handle s) { return u.stream_busy_until(parse_stream(s)); },
           "stream"_a.none())
       .def_prop_ro("live_events", &SimulatedUpstream::live_events)
+      .def(
+          "begin_capture",
+          [](SimulatedUpstream& u, nb::handle s, int mode) { u.begin_capture(parse_stream(s), mode); }, "stream"_a,
+          "mode"_a = 0,
+          "Start capturing stream (mode 0 global, 1 thread-local, 2 relaxed): CUDA's capture rules are "
+          "checked from now on (capture_violations).")
+      .def(
+          "end_capture", [](SimulatedUpstream& u, nb::handle s) { return u.end_capture(parse_stream(s)); }, "stream"_a,
+          "Stop capturing stream; True when the capture stayed valid.")
+      .def(
+          "is_capturing", [](SimulatedUpstream& u, nb::handle s) { return u.stream_capturing(parse_stream(s)); },
+          "stream"_a)
+      .def_prop_ro("capture_violations", &SimulatedUpstream::capture_violations,
+                   "Calls that would have invalidated an active capture on a GPU.")
+      .def_prop_ro("last_capture_violation", &SimulatedUpstream::last_capture_violation)
+      .def("set_capture_mode", [](SimulatedUpstream& u, int mode) { return u.exchange_capture_mode(mode); },
+           "mode"_a, "Set this thread's capture mode (returns the previous one), like cudaThreadExchangeStreamCaptureMode.")
+      .def_prop_ro("captures_underway", [](SimulatedUpstream& u) { return u.captures_underway(); })
       .def_prop_ro("capacity", &SimulatedUpstream::capacity)
       .def_prop_ro("latency_model", [](const SimulatedUpstream& u) {
         const auto& m = u.model();

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <string>
 
+#include "poolkeeper/graph_registry.hpp"
 #include "poolkeeper/registry.hpp"
 
 #define PK_EXPORT extern "C" __attribute__((visibility("default")))
@@ -49,6 +50,11 @@ poolkeeper::Stream torch_stream(void* s) { return static_cast<poolkeeper::Stream
 PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
   void* out = nullptr;
   guarded([&] {
+    // While a CUDA-graph scope is open on the device, its GraphPools decides (graph_pools.hpp).
+    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->routing()) {
+      out = gp->allocate(size, stream);
+      return;
+    }
     poolkeeper::Pool* p = poolkeeper::registry::get(device);
     out = p->try_allocate_fast(size, stream);
     if (!out) out = p->allocate(size, stream);
@@ -58,6 +64,10 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
 
 PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
   return guarded([&] {
+    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->holds_private_blocks()) {
+      gp->deallocate(ptr, stream);  // a graph's block goes back to its private pool
+      return;
+    }
     poolkeeper::Pool* p = poolkeeper::registry::get(device);
     if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
   });
@@ -74,7 +84,13 @@ PK_EXPORT void poolkeeper_torch_free(void* ptr, size_t, int device, void* stream
 }
 
 PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream) {
-  return guarded([&] { poolkeeper::registry::get(device)->record_stream(ptr, torch_stream(stream)); });
+  return guarded([&] {
+    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->holds_private_blocks()) {
+      gp->record_stream(ptr, torch_stream(stream));
+      return;
+    }
+    poolkeeper::registry::get(device)->record_stream(ptr, torch_stream(stream));
+  });
 }
 
 PK_EXPORT int64_t poolkeeper_empty_cache(void) {
@@ -86,3 +102,22 @@ PK_EXPORT int64_t poolkeeper_empty_cache(void) {
 }
 
 PK_EXPORT const char* poolkeeper_last_error(void) { return t_last_error.c_str(); }
+
+// ---- CUDA-graph private pools (graph_pools.hpp), plain C for callers other than PyTorch ----
+
+PK_EXPORT int poolkeeper_graph_begin(int device, uint64_t id0, uint64_t id1, uint64_t stream) {
+  return guarded([&] {
+    const poolkeeper::Stream s = stream;
+    poolkeeper::graph_registry::get(device)->begin({id0, id1}, [s](poolkeeper::Stream x) { return x == s; });
+  });
+}
+
+PK_EXPORT int poolkeeper_graph_end(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] { poolkeeper::graph_registry::get(device)->end({id0, id1}); });
+}
+
+PK_EXPORT int poolkeeper_graph_release(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] {
+    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device)) gp->release({id0, id1});
+  });
+}

@@ -35,6 +35,15 @@ void* poolkeeper_malloc(size_t size, int device, uint64_t stream);
 int poolkeeper_free(void* ptr, int device, uint64_t stream);
 const char* poolkeeper_last_error(void);
 
+/* CUDA-graph private pools (docs/integrations.md, "CUDA graphs"). Between begin and end, every
+ * allocation through poolkeeper_malloc / poolkeeper_torch_malloc on `device` whose stream is
+ * `stream` comes from the private pool (id0, id1), keeps its address until the pool is released,
+ * and goes back to that pool when freed. release drops one use; at zero uses and no live block the
+ * device is synchronized and the pool's memory returns to the device pool. Return 0 or an error. */
+int poolkeeper_graph_begin(int device, uint64_t id0, uint64_t id1, uint64_t stream);
+int poolkeeper_graph_end(int device, uint64_t id0, uint64_t id1);
+int poolkeeper_graph_release(int device, uint64_t id0, uint64_t id1);
+
 #ifdef __cplusplus
 }
 #endif

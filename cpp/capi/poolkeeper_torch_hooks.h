@@ -16,7 +16,16 @@
  * - poolkeeper_torch_hook_counters(out[3]): record_stream calls served, record_stream calls whose
  *   pointer no pool owned, empty_cache calls (so tests can see that PyTorch reached the hooks).
  *
- * Apart from poolkeeper_torch_malloc_raising, no C++ exception crosses this boundary. Thread-safe.
+ * - poolkeeper_torch_begin_allocate_to_pool / _end_allocate_to_pool / _release_pool: the CUDA-graph
+ *   hooks of CUDAPluggableAllocator (set_begin_allocate_to_pool, set_end_allocate_to_pool_fn,
+ *   set_release_pool). Their signatures are C++ (PyTorch's MempoolId_t is a pair of unsigned long
+ *   long, its filter a std::function<bool(cudaStream_t)>), declared in torch_graph_hooks.cpp with
+ *   C linkage so Python can find them by name. They drive the device's GraphPools
+ *   (graph_pools.hpp); an error (no pool for the device) is thrown as std::runtime_error, which
+ *   PyTorch turns into a RuntimeError at capture time.
+ *
+ * Apart from poolkeeper_torch_malloc_raising and the graph hooks, no C++ exception crosses this
+ * boundary. Thread-safe.
  */
 #ifndef POOLKEEPER_TORCH_HOOKS_H
 #define POOLKEEPER_TORCH_HOOKS_H

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "poolkeeper_capi.h"
+#include "poolkeeper/graph_registry.hpp"
 #include "poolkeeper/registry.hpp"
 
 #define PK_EXPORT extern "C" __attribute__((visibility("default")))
@@ -32,6 +33,12 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
   const auto s = static_cast<poolkeeper::Stream>(reinterpret_cast<std::uintptr_t>(stream));
   try {
     for (auto& [device, pool] : poolkeeper::registry::all()) {
+      poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device);
+      if (gp && gp->owns_private(reinterpret_cast<std::uintptr_t>(ptr))) {  // a graph's block
+        gp->record_stream(ptr, s);
+        g_record_served.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
       if (pool->owns_live(reinterpret_cast<std::uintptr_t>(ptr))) {
         pool->record_stream(ptr, s);
         g_record_served.fetch_add(1, std::memory_order_relaxed);

@@ -457,6 +457,9 @@ static bool wholly_free(const ArenaBacking* b) {
 // Release wholly free, non-resident backings: all of them (trim) or those wholly free for
 // shrink_hysteresis consecutive scans (automatic shrink). Returns bytes detached.
 std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteresis) {
+  // Never during a graph capture scope: a free or unmap may synchronize the device, which would
+  // invalidate the capture (capture.hpp). The scan simply finds nothing to release.
+  if (upstream_->captures_underway() > 0) return 0;
   if (vm_) return unmap_free_tail_locked(hysteresis);
   std::size_t bytes = 0;
   for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {

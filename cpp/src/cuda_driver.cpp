@@ -143,6 +143,9 @@ void load(State& s) {
       {"cuMemMap", "cuMemMap", slot(a.cuMemMap), true},
       {"cuMemUnmap", "cuMemUnmap", slot(a.cuMemUnmap), true},
       {"cuMemSetAccess", "cuMemSetAccess", slot(a.cuMemSetAccess), true},
+      {"cuStreamIsCapturing", "cuStreamIsCapturing", slot(a.cuStreamIsCapturing), true},
+      {"cuThreadExchangeStreamCaptureMode", "cuThreadExchangeStreamCaptureMode",
+       slot(a.cuThreadExchangeStreamCaptureMode), true},
   };
   for (const Sym& y : syms) {
     void* p = nullptr;

@@ -108,6 +108,35 @@ void CudaDeviceUpstreamBase::synchronize() {
   cuda::check(cuda::api().cuCtxSynchronize(), "cuCtxSynchronize", name());
 }
 
+bool CudaDeviceUpstreamBase::stream_capturing(Stream s) {
+  if (s == kNoStream || cuda::shutting_down()) return false;
+  try {
+    const cuda::DriverApi& a = cuda::api();
+    if (!a.cuStreamIsCapturing) return false;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(s));
+    const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(s), device_,
+                                            [&] { return a.cuStreamIsCapturing(st, &status); });
+    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+    return r == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE;
+  } catch (...) {
+    return false;
+  }
+}
+
+int CudaDeviceUpstreamBase::exchange_capture_mode(int mode) {
+  if (cuda::shutting_down()) return mode;
+  try {
+    const cuda::DriverApi& a = cuda::api();
+    if (!a.cuThreadExchangeStreamCaptureMode) return mode;
+    int m = mode;
+    if (a.cuThreadExchangeStreamCaptureMode(&m) != CUDA_SUCCESS) return mode;
+    return m;
+  } catch (...) {
+    return mode;
+  }
+}
+
 CudaDeviceUpstream::CudaDeviceUpstream(int device) : CudaDeviceUpstreamBase(device) {}
 
 std::string CudaDeviceUpstream::name() const { return "CudaDevice(" + std::to_string(device_) + ")"; }

@@ -34,6 +34,7 @@ SimulatedUpstream::SimulatedUpstream(LatencyModel model, std::size_t capacity, s
 void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
   busy_wait_us(model_.alloc_us(nbytes));
   std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("allocate (cuMemAlloc)", false);
   const std::size_t n = align_up(nbytes, alignment_);
   if (nbytes == 0 || nbytes > kMaxRequest || used_ + n > capacity_)
     throw UpstreamOutOfMemory("simulated device out of memory: asked " + format_bytes(nbytes) + ", " +
@@ -106,6 +107,7 @@ SimulatedUpstream::Range* SimulatedUpstream::range_of_locked(std::uintptr_t addr
 void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
   busy_wait_us(model_.alloc_us(bytes));
   std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("map (cuMemMap)", false);
   if (bytes == 0 || bytes % kGranule || addr % kGranule)
     vm_fail("map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " is not 2 MiB-aligned");
   Range* r = range_of_locked(addr, bytes);
@@ -126,6 +128,7 @@ void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
 void SimulatedUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
   busy_wait_us(model_.free_us(bytes));
   std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("unmap (cuMemUnmap)", true);
   Range* r = range_of_locked(addr, bytes);
   auto it = r ? r->pieces.find(addr) : decltype(r->pieces.end()){};
   if (!r || it == r->pieces.end() || it->second != bytes)
@@ -149,6 +152,7 @@ void SimulatedUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
 void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {
   busy_wait_us(model_.free_us(nbytes));
   std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("deallocate (cuMemFree)", true);
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == live_.end() || it->second != nbytes || ranges_.count(it->first))
     throw UpstreamFailure("simulated device: invalid free of " + format_ptr(reinterpret_cast<std::uintptr_t>(p)) +
@@ -199,6 +203,11 @@ std::size_t SimulatedUpstream::live_events() const {
 
 EventId SimulatedUpstream::record_event(Stream s) {
   std::lock_guard<std::mutex> g(mu_);
+  if (auto it = captures_.find(s); it != captures_.end()) {
+    ++capture_violations_;
+    last_violation_ = "record_event on capturing stream " + format_stream(s);
+    for (auto& [cs, c] : captures_) c.valid = false;
+  }
   const double t = std::max(busy_locked(s), now_);
   if (!free_events_.empty()) {
     const EventId e = free_events_.back();
@@ -214,6 +223,7 @@ bool SimulatedUpstream::query_event(EventId e) {
   if (e == kNullEvent) return true;
   std::lock_guard<std::mutex> g(mu_);
   if (e > event_time_.size() || event_time_[e - 1] < 0) throw InvalidArgument("query of an unknown simulated event");
+  check_capture_locked("query_event (cuEventQuery)", false);
   return now_ >= event_time_[e - 1];
 }
 
@@ -221,6 +231,7 @@ void SimulatedUpstream::wait_event(EventId e) {
   if (e == kNullEvent) return;
   std::lock_guard<std::mutex> g(mu_);
   if (e > event_time_.size() || event_time_[e - 1] < 0) throw InvalidArgument("wait on an unknown simulated event");
+  check_capture_locked("wait_event (cuEventSynchronize)", false);
   now_ = std::max(now_, event_time_[e - 1]);
 }
 
@@ -234,7 +245,64 @@ void SimulatedUpstream::release_event(EventId e) {
 
 void SimulatedUpstream::synchronize() {
   std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("synchronize (cuCtxSynchronize)", true);
   for (auto& [s, t] : busy_) now_ = std::max(now_, t);
+}
+
+// ---- graph capture model ----
+
+namespace {
+thread_local int t_capture_mode = 0;  // CUDA keeps the mode per thread, whatever the device
+}
+
+int SimulatedUpstream::exchange_capture_mode(int mode) {
+  const int prev = t_capture_mode;
+  t_capture_mode = mode;
+  return prev;
+}
+
+void SimulatedUpstream::begin_capture(Stream s, int mode) {
+  if (s == kNoStream) throw InvalidArgument("begin_capture: the legacy stream cannot be captured");
+  if (mode < 0 || mode > 2) throw InvalidArgument("begin_capture: mode must be 0 (global), 1 (thread-local) or 2 (relaxed)");
+  std::lock_guard<std::mutex> g(mu_);
+  if (captures_.count(s)) throw InvalidArgument("begin_capture: stream " + format_stream(s) + " is already capturing");
+  captures_[s] = Capture{mode, true};
+}
+
+bool SimulatedUpstream::end_capture(Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = captures_.find(s);
+  if (it == captures_.end()) throw InvalidArgument("end_capture: stream " + format_stream(s) + " is not capturing");
+  const bool valid = it->second.valid;
+  captures_.erase(it);
+  return valid;
+}
+
+bool SimulatedUpstream::stream_capturing(Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  return captures_.count(s) != 0;
+}
+
+std::uint64_t SimulatedUpstream::capture_violations() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return capture_violations_;
+}
+
+std::string SimulatedUpstream::last_capture_violation() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return last_violation_;
+}
+
+void SimulatedUpstream::check_capture_locked(const char* call, bool synchronizes) {
+  if (captures_.empty()) return;
+  bool global = false;
+  for (auto& [s, c] : captures_) global |= c.mode == 0;
+  const bool relaxed = t_capture_mode == 2;
+  if (!synchronizes && (relaxed || !global)) return;
+  ++capture_violations_;
+  last_violation_ = std::string(call) + (synchronizes ? " synchronizes the device during a capture"
+                                                       : " during a global-mode capture, thread not in relaxed mode");
+  for (auto& [s, c] : captures_) c.valid = false;
 }
 
 }  // namespace poolkeeper

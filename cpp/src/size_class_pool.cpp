@@ -93,22 +93,30 @@ void SizeClassPool::retire_locked(Block* b, std::vector<std::pair<void*, std::si
 void SizeClassPool::free_detached(std::vector<std::pair<void*, std::size_t>>& v) {
   // Outside the lock. A free the upstream refuses is counted and the block comes back as a cached
   // free block of its class (retried at the next release_cached), so the books never lose bytes.
+  // While a graph capture scope is open nothing goes back at all (a free may synchronize the
+  // device and invalidate the capture): the blocks come back the same way, uncounted.
+  const bool hold = upstream_->captures_underway() > 0 && !closed();
   for (auto& [p, n] : v) {
-    try {
-      upstream_free(p, n);
-    } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
-      ++upstream_free_failures_;
-      --released_blocks_;
-      if (closed()) continue;  // nothing left to hold it: the upstream's counters show it
-      Block* b = nodes_.create();
-      b->addr = reinterpret_cast<std::uintptr_t>(p);
-      b->size = n;
-      b->cls = static_cast<std::uint32_t>(class_index(n));
-      table_.insert(b->addr, b);
-      reserved_ += n;
-      make_free_locked(b);
+    bool refused = false;
+    if (!hold) {
+      try {
+        upstream_free(p, n);
+        continue;
+      } catch (...) {
+        refused = true;
+      }
     }
+    std::lock_guard<std::mutex> g(mu_);
+    if (refused) ++upstream_free_failures_;
+    --released_blocks_;
+    if (closed()) continue;  // nothing left to hold it: the upstream's counters show it
+    Block* b = nodes_.create();
+    b->addr = reinterpret_cast<std::uintptr_t>(p);
+    b->size = n;
+    b->cls = static_cast<std::uint32_t>(class_index(n));
+    table_.insert(b->addr, b);
+    reserved_ += n;
+    make_free_locked(b);
   }
   v.clear();
 }

@@ -50,31 +50,56 @@ void StreamOrder::start_pending(BlockRecord* b, Stream s) {
   ++blocks_;
 }
 
+bool StreamOrder::touches_capture(const BlockRecord* b, Stream s) {
+  if (up_->stream_capturing(s)) return true;
+  if (b->alloc_stream != kNoStream && b->alloc_stream != s && up_->stream_capturing(b->alloc_stream)) return true;
+  if (b->used_on)
+    for (Stream u : *b->used_on)
+      if (u != s && u != b->alloc_stream && up_->stream_capturing(u)) return true;
+  return false;
+}
+
+void StreamOrder::record_multi(BlockRecord* b, Stream s) {
+  // Used on several streams: record one event per stream now, at release, where stream order
+  // guarantees each covers that stream's use of the block. All of them before anything changes.
+  const bool cross = b->alloc_stream != kNoStream && b->alloc_stream != s;
+  auto events = std::make_unique<std::vector<EventId>>();
+  events->reserve((b->used_on ? b->used_on->size() : 0) + 2);
+  try {
+    events->push_back(up_->record_event(s));
+    if (cross) events->push_back(up_->record_event(b->alloc_stream));
+    if (b->used_on)
+      for (Stream u : *b->used_on)
+        if (u != s && u != b->alloc_stream) events->push_back(up_->record_event(u));
+  } catch (...) {
+    for (EventId e : *events) up_->release_event(e);
+    throw;
+  }
+  start_pending(b, s);
+  b->lane = kMultiLane;
+  b->events = events.release();
+  b->pend_next = multi_head_;
+  if (multi_head_) multi_head_->pend_prev = b;
+  multi_head_ = b;
+}
+
 void StreamOrder::defer(BlockRecord* b, Stream s) {
   // The allocating stream is always a user: a release on another stream must also wait for it
   // (as PyTorch's allocator does), unless the block was allocated with no stream.
-  const bool cross = b->alloc_stream != kNoStream && b->alloc_stream != s;
   if (defer_records_events(b, s)) {
-    // Used on several streams: record one event per stream now, at release, where stream order
-    // guarantees each covers that stream's use of the block. All of them before anything changes.
-    auto events = std::make_unique<std::vector<EventId>>();
-    events->reserve((b->used_on ? b->used_on->size() : 0) + 2);
-    try {
-      events->push_back(up_->record_event(s));
-      if (cross) events->push_back(up_->record_event(b->alloc_stream));
-      if (b->used_on)
-        for (Stream u : *b->used_on)
-          if (u != s && u != b->alloc_stream) events->push_back(up_->record_event(u));
-    } catch (...) {
-      for (EventId e : *events) up_->release_event(e);
-      throw;
+    RelaxedCapture relaxed(*up_);
+    if (touches_capture(b, s)) {
+      // An event on a capturing stream would belong to the graph: wait, event-less, for the
+      // capture to end (drain() retries), like PyTorch's deferred events.
+      start_pending(b, s);
+      b->lane = kCaptureLane;
+      b->pend_next = capture_head_;
+      if (capture_head_) capture_head_->pend_prev = b;
+      capture_head_ = b;
+      ++capture_blocks_;
+      return;
     }
-    start_pending(b, s);
-    b->lane = kMultiLane;
-    b->events = events.release();
-    b->pend_next = multi_head_;
-    if (multi_head_) multi_head_->pend_prev = b;
-    multi_head_ = b;
+    record_multi(b, s);
     return;
   }
   start_pending(b, s);
@@ -111,6 +136,38 @@ void StreamOrder::unlink_multi(BlockRecord* b) {
   b->pend_prev = b->pend_next = nullptr;
   bytes_ -= b->size;
   --blocks_;
+}
+
+void StreamOrder::unlink_capture(BlockRecord* b) {
+  if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
+  else capture_head_ = b->pend_next;
+  if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
+  b->pend_prev = b->pend_next = nullptr;
+  bytes_ -= b->size;
+  --blocks_;
+  --capture_blocks_;
+}
+
+void StreamOrder::resume_captured() {
+  for (BlockRecord* b = capture_head_; b;) {
+    BlockRecord* next = b->pend_next;
+    const Stream s = b->last_stream;
+    if (!touches_capture(b, s)) {
+      unlink_capture(b);
+      try {
+        record_multi(b, s);  // strong guarantee: on failure nothing was recorded
+      } catch (...) {
+        start_pending(b, s);  // back where it was, to be retried at the next drain
+        b->lane = kCaptureLane;
+        b->pend_next = capture_head_;
+        if (capture_head_) capture_head_->pend_prev = b;
+        capture_head_ = b;
+        ++capture_blocks_;
+        throw;
+      }
+    }
+    b = next;
+  }
 }
 
 bool StreamOrder::multi_ready(BlockRecord* b, bool wait) {
@@ -198,7 +255,9 @@ void StreamOrder::absorb(BlockRecord* keep, BlockRecord* gone) {
 }
 
 void StreamOrder::remove(BlockRecord* b) {
-  if (b->lane == kMultiLane) {
+  if (b->lane == kCaptureLane) {
+    unlink_capture(b);
+  } else if (b->lane == kMultiLane) {
     release_multi_events(b);
     unlink_multi(b);
   } else {
@@ -227,13 +286,14 @@ std::vector<std::pair<Stream, std::size_t>> StreamOrder::by_stream() const {
   for (const Lane& l : lanes_)
     if (l.bytes) m[l.stream] += l.bytes;
   for (BlockRecord* b = multi_head_; b; b = b->pend_next) m[b->last_stream] += b->size;
+  for (BlockRecord* b = capture_head_; b; b = b->pend_next) m[b->last_stream] += b->size;
   return {m.begin(), m.end()};
 }
 
 void StreamOrder::describe(const BlockRecord* b, std::vector<Stream>& waits_on, EventId& event) const {
   waits_on.clear();
   event = kNullEvent;
-  if (b->lane == kMultiLane) {
+  if (b->lane >= kCaptureLane) {
     waits_on.push_back(b->last_stream);
     if (b->alloc_stream != kNoStream && b->alloc_stream != b->last_stream) waits_on.push_back(b->alloc_stream);
     if (b->used_on)
@@ -284,6 +344,15 @@ void StreamOrder::validate() const {
     bytes += b->size;
     ++blocks;
   }
+  std::size_t captured = 0;
+  for (const BlockRecord* b = capture_head_; b; b = b->pend_next) {
+    if (b->st() != ChunkState::Pending || b->events || b->lane != kCaptureLane)
+      throw InvariantViolation("stream order: bad capture-deferred pending block");
+    bytes += b->size;
+    ++blocks;
+    ++captured;
+  }
+  if (captured != capture_blocks_) throw InvariantViolation("stream order: capture-deferred count mismatch");
   if (bytes != bytes_ || blocks != blocks_)
     throw InvariantViolation("stream order: pending totals " + std::to_string(bytes_) + " B / " +
                              std::to_string(blocks_) + " blocks, lanes hold " + std::to_string(bytes) + " B / " +

@@ -1,5 +1,7 @@
 #include "poolkeeper/upstream.hpp"
 
+#include "poolkeeper/capture.hpp"
+
 #include <chrono>
 #include <cstdio>
 
@@ -14,6 +16,7 @@ std::uint64_t now_ns() {
 }  // namespace
 
 void* Upstream::allocate(std::size_t nbytes) {
+  RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
   const auto t0 = now_ns();
   void* p = nullptr;
   try {
@@ -45,17 +48,20 @@ void Upstream::count_dealloc(std::size_t nbytes, std::uint64_t t0) {
 }
 
 std::uintptr_t Upstream::reserve(std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
   const std::uintptr_t a = do_reserve(bytes);
   reserves_.fetch_add(1, std::memory_order_relaxed);
   return a;
 }
 
 void Upstream::unreserve(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
   do_unreserve(addr, bytes);
   unreserves_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
   const auto t0 = now_ns();
   try {
     do_map(addr, bytes);
@@ -69,6 +75,7 @@ void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
 }
 
 void Upstream::unmap(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
   try {
     do_unmap(addr, bytes);
@@ -90,6 +97,7 @@ void Upstream::do_unmap(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_
 void Upstream::do_unreserve(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
 
 void Upstream::deallocate(void* p, std::size_t nbytes) {
+  RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
   try {
     do_deallocate(p, nbytes);

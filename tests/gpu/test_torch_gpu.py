@@ -26,7 +26,8 @@ def test_tensors_allocate_through_poolkeeper():
         PRELUDE
         + """
 inst = pkt.install("arena")
-assert inst.hooks == {"record_stream": True, "empty_cache": True}, inst.hooks
+assert inst.hooks == {"record_stream": True, "empty_cache": True, "graph_begin": True, "graph_end": True,
+                      "graph_release": True}, inst.hooks
 x = torch.empty(1000, dtype=torch.uint8, device="cuda")
 st = pkt.stats()
 assert st["live_bytes"] == 1000, st["live_bytes"]  # exactly the storage: PyTorch asked us for it

@@ -48,6 +48,11 @@ inline constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
 inline constexpr CUresult CUDA_ERROR_NOT_FOUND = 500;
 inline constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 inline constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+inline constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906;
+
+inline constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
+inline constexpr int CU_STREAM_CAPTURE_STATUS_ACTIVE = 1;
+inline constexpr int CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2;
 
 inline constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
 inline constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
@@ -160,6 +165,9 @@ struct DriverApi {
   R (*cuMemMap)(drv::CUdeviceptr, std::size_t, std::size_t, drv::CUmemGenericAllocationHandle, unsigned long long) = nullptr;
   R (*cuMemUnmap)(drv::CUdeviceptr, std::size_t) = nullptr;
   R (*cuMemSetAccess)(drv::CUdeviceptr, std::size_t, const drv::CUmemAccessDesc*, std::size_t) = nullptr;
+  // optional: stream capture (CUDA 10.1+); absent means no capture can be under way
+  R (*cuStreamIsCapturing)(drv::CUstream, int*) = nullptr;       // CUstreamCaptureStatus
+  R (*cuThreadExchangeStreamCaptureMode)(int*) = nullptr;        // CUstreamCaptureMode
 
   int driver_version = 0;  // e.g. 13000
   int device_count = 0;

@@ -79,6 +79,11 @@ class CudaDeviceUpstreamBase : public Upstream {
   void wait_event(EventId e) override { events_.wait(e); }
   void release_event(EventId e) override { events_.release(e); }
   void synchronize() override;
+  // cuStreamIsCapturing: active or invalidated captures both count (neither may get our events);
+  // the legacy stream implicated in another stream's capture counts too. Never throws.
+  bool stream_capturing(Stream s) override;
+  // cuThreadExchangeStreamCaptureMode (thread-local in the driver: no context needed).
+  int exchange_capture_mode(int mode) override;
   const CudaEventPool& events() const { return events_; }
 
  protected:

@@ -20,10 +20,18 @@
 //   H200: a map costs what the model's allocation of the same size costs, an unmap what its free
 //   costs (cuMemCreate+cuMemMap+cuMemSetAccess and cuMemUnmap+cuMemRelease are of the order of
 //   cudaMalloc/cudaFree); reserve/unreserve cost nothing.
+// - Graph capture, a model of CUDA's rules (capture.hpp) so CI can check that pools keep a capture
+//   valid: begin_capture(s, mode) / end_capture(s) (true when the capture stayed valid). While
+//   any capture is active, a call that would invalidate one on a GPU is a *violation*: counted,
+//   described (last_capture_violation()), and every active capture is marked invalid; the call
+//   itself still succeeds. Violations: allocate/query_event/wait_event/map while a global-mode
+//   capture is active and the calling thread is not in relaxed mode; deallocate/unmap/synchronize
+//   (they synchronize the device) during any capture; record_event on a capturing stream.
 //
 // Thread safety: all members may be called concurrently (one internal mutex).
 #pragma once
 #include <map>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -71,6 +79,14 @@ class SimulatedUpstream final : public Upstream {
   void release_event(EventId e) override;
   void synchronize() override;
 
+  // --- graph capture (the model above) ---
+  void begin_capture(Stream s, int mode = 0);
+  bool end_capture(Stream s);
+  bool stream_capturing(Stream s) override;
+  int exchange_capture_mode(int mode) override;
+  std::uint64_t capture_violations() const;
+  std::string last_capture_violation() const;
+
  protected:
   void* do_allocate(std::size_t nbytes) override;
   void do_deallocate(void* p, std::size_t nbytes) override;
@@ -85,6 +101,8 @@ class SimulatedUpstream final : public Upstream {
     std::map<std::uintptr_t, std::size_t> pieces;  // mapped: address -> bytes
   };
   double busy_locked(Stream s) const;
+  // A call that would invalidate an active capture on a GPU: record it (under mu_).
+  void check_capture_locked(const char* call, bool synchronizes);
   std::uintptr_t place_locked(std::size_t span, std::size_t align);  // a free stretch of fake addresses
   Range* range_of_locked(std::uintptr_t addr, std::size_t bytes);
   std::map<std::uintptr_t, Range> ranges_;  // reserved; their addresses sit in live_ too
@@ -99,6 +117,13 @@ class SimulatedUpstream final : public Upstream {
   std::unordered_map<Stream, double> busy_;
   std::vector<double> event_time_;  // index = id - 1; <0 = released
   std::vector<EventId> free_events_;
+  struct Capture {
+    int mode = 0;
+    bool valid = true;
+  };
+  std::map<Stream, Capture> captures_;  // guarded by mu_
+  std::uint64_t capture_violations_ = 0;
+  std::string last_violation_;
 };
 
 void busy_wait_us(double us);

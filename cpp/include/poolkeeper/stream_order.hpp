@@ -17,6 +17,13 @@
 // stream when released on another one -- gets its events recorded at release time, one per
 // stream, and waits on a separate list until all have completed.
 //
+// CUDA-graph capture (capture.hpp): no event is ever recorded on a stream that is being captured.
+// A lane whose stream is capturing is not fenced (its blocks stay pending, reusable at once on
+// that stream, which is exactly the graph's own order); a multi-stream release touching a
+// capturing stream waits, with no events, on a list of its own until no stream it names is
+// capturing, and only then records its events (PyTorch's allocator defers the same way). Every
+// driver call here runs with the thread in relaxed capture mode.
+//
 // Not thread-safe: every member runs under the owning pool's lock.
 #pragma once
 #include <atomic>
@@ -26,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "poolkeeper/capture.hpp"
 #include "poolkeeper/pool.hpp"
 #include "poolkeeper/upstream.hpp"
 
@@ -60,6 +68,7 @@ struct BlockRecord {
 
 class StreamOrder {
   static constexpr std::uint32_t kMultiLane = 0xffffffffu;
+  static constexpr std::uint32_t kCaptureLane = 0xfffffffeu;  // waits for a capture to end
   struct Fence {
     EventId event;
     std::uint64_t last_seq;
@@ -120,7 +129,11 @@ class StreamOrder {
   // exactly the fences either part waited for (no fresh position: repeated merges never starve).
   void absorb(BlockRecord* keep, BlockRecord* gone);
   // The stream whose lane holds b, or kNoStream when b waits on several streams.
-  Stream lane_stream(const BlockRecord* b) const { return b->lane == kMultiLane ? kNoStream : lanes_[b->lane].stream; }
+  Stream lane_stream(const BlockRecord* b) const {
+    return b->lane >= kCaptureLane ? kNoStream : lanes_[b->lane].stream;
+  }
+  // Releases waiting for a capture to end before their events can be recorded.
+  std::size_t capture_deferred_blocks() const { return capture_blocks_; }
 
   std::size_t pending_bytes() const { return bytes_; }
   std::size_t pending_blocks() const { return blocks_; }
@@ -141,20 +154,30 @@ class StreamOrder {
   void size_drop(Lane& l, BlockRecord* b);
   void unlink_multi(BlockRecord* b);
   bool multi_ready(BlockRecord* b, bool wait);
+  bool touches_capture(const BlockRecord* b, Stream s);  // would defer(b, s) record on a capturing stream?
+  void record_multi(BlockRecord* b, Stream s);            // the multi-stream part of defer()
+  void resume_captured();                                 // capture ended: record what waited for it
+  void unlink_capture(BlockRecord* b);
   void release_multi_events(BlockRecord* b);
 
   Upstream* up_;
   std::vector<Lane> lanes_;
   BlockRecord* multi_head_ = nullptr;
+  BlockRecord* capture_head_ = nullptr;  // kCaptureLane blocks (no events yet)
+  std::size_t capture_blocks_ = 0;
   std::size_t bytes_ = 0, blocks_ = 0;
   std::uint64_t fences_recorded_ = 0, same_stream_reuses_ = 0;
 };
 
 template <class F>
 std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
+  RelaxedCapture relaxed(*up_);
   std::size_t moved = 0;
+  if (capture_head_) resume_captured();
   for (Lane& l : lanes_) {
-    if (l.tail && l.tail->pend_seq > l.fenced_seq) {
+    // Never fence a capturing stream: the event would be a node of the graph, never completing
+    // for us. Its blocks wait (reusable on the stream itself) until the capture has ended.
+    if (l.tail && l.tail->pend_seq > l.fenced_seq && !up_->stream_capturing(l.stream)) {
       l.fences.push_back({up_->record_event(l.stream), l.tail->pend_seq});
       l.fenced_seq = l.tail->pend_seq;
       ++fences_recorded_;
@@ -206,6 +229,11 @@ void StreamOrder::clear(F&& on_each) {
     BlockRecord* b = multi_head_;
     release_multi_events(b);
     unlink_multi(b);
+    on_each(b);
+  }
+  while (capture_head_) {
+    BlockRecord* b = capture_head_;
+    unlink_capture(b);
     on_each(b);
   }
 }

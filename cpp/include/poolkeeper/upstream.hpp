@@ -28,6 +28,20 @@
 //   piece mapped.
 // - unreserve(addr, bytes): a whole range from reserve() with nothing mapped in it any more.
 // Every call may come from any thread; a pool serializes the calls on its own range.
+//
+// CUDA-graph capture (capture.hpp; docs/integrations.md, "CUDA graphs"): while a stream is being
+// captured, a call that may synchronize (cuMemAlloc, cuEventQuery, ...) invalidates a capture in
+// the default ("global") mode unless the calling thread has switched itself to relaxed mode, and
+// an event recorded on the capturing stream becomes part of the graph (it can never be queried).
+// - stream_capturing(s): is s being captured now? (CUDA: cuStreamIsCapturing; a driver without
+//   it, and every upstream without streams: false). Never throws.
+// - exchange_capture_mode(m): set this thread's capture mode, returning the previous one
+//   (CUstreamCaptureMode values: 0 global, 1 thread-local, 2 relaxed). No-op without CUDA.
+// - captures_underway(): how many allocate-to-private-pool scopes (graph_pools.hpp) are open on
+//   this upstream now; pools hand no memory back to it while any is (a free may synchronize).
+//   Forwarded by upstreams that adapt another (a graph's private pool over its device pool).
+// allocate/deallocate/map/unmap/reserve/unreserve run with the thread in relaxed mode (capture.hpp
+// RelaxedCapture), so growth during a capture never invalidates it.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -93,6 +107,13 @@ class Upstream {
   // Block until all work on the device has completed.
   virtual void synchronize() {}
 
+  // --- CUDA-graph capture (see the contract at the top) ---
+  virtual bool stream_capturing(Stream s) { return false; }
+  virtual int exchange_capture_mode(int mode) { return mode; }
+  virtual int captures_underway() const { return captures_.load(std::memory_order_acquire); }
+  void capture_scope_begin() { captures_.fetch_add(1, std::memory_order_acq_rel); }
+  void capture_scope_end() { captures_.fetch_sub(1, std::memory_order_acq_rel); }
+
  protected:
   virtual void* do_allocate(std::size_t nbytes) = 0;
   virtual void do_deallocate(void* p, std::size_t nbytes) = 0;
@@ -107,6 +128,7 @@ class Upstream {
   std::atomic<std::uint64_t> outstanding_{0}, peak_outstanding_{0}, alloc_ns_{0}, dealloc_ns_{0};
   std::atomic<std::uint64_t> failed_allocations_{0}, failed_deallocations_{0};
   std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0};
+  std::atomic<int> captures_{0};
   void count_alloc(std::size_t nbytes, std::uint64_t t0);
   void count_dealloc(std::size_t nbytes, std::uint64_t t0);
 };

@@ -17,12 +17,16 @@ While installed, :func:`stats`, :func:`snapshot` and :func:`pools` read poolkeep
 (PyTorch's ``memory_stats``/``memory_snapshot`` are not available for a pluggable allocator).
 
 Hooks: PyTorch's pluggable allocator (2.x, checked against 2.11) lets an allocator take
-``record_stream`` (``set_record_stream_fn``) and ``empty_cache`` (``set_reset_fn``); both are
-wired when the running PyTorch offers them (:func:`installation` says which were).
+``record_stream`` (``set_record_stream_fn``), ``empty_cache`` (``set_reset_fn``) and the three
+CUDA-graph hooks (``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
+``set_release_pool``); each is wired when the running PyTorch offers it (:func:`installation`
+says which were). With the graph hooks, ``torch.cuda.graph`` captures (and
+``torch.compile(mode="reduce-overhead")``) allocate from a private pool per graph or shared
+handle: see :func:`graph_pools` and docs/integrations.md, "CUDA graphs".
 ``set_memory_fraction_fn`` exists too but is not wired: a pool's cap is its ``limit`` option,
 fixed when the pool is made -- pass ``limit=`` to :func:`install`. ``memory_stats``,
-``memory_snapshot``, ``getMemoryFraction``, IPC handles and CUDA-graph private pools are not
-offered to pluggable allocators by PyTorch at all.
+``memory_snapshot``, ``getMemoryFraction`` and IPC handles are not offered to pluggable
+allocators by PyTorch at all.
 
 Importing this module does not import torch; the functions do.
 """
@@ -43,11 +47,19 @@ FREE_SYMBOL = "poolkeeper_torch_free"
 RECORD_STREAM_SYMBOL = "poolkeeper_torch_record_stream_hook"
 EMPTY_CACHE_SYMBOL = "poolkeeper_torch_empty_cache_hook"
 HOOK_COUNTERS_SYMBOL = "poolkeeper_torch_hook_counters"
+GRAPH_BEGIN_SYMBOL = "poolkeeper_torch_begin_allocate_to_pool"
+GRAPH_END_SYMBOL = "poolkeeper_torch_end_allocate_to_pool"
+GRAPH_RELEASE_SYMBOL = "poolkeeper_torch_release_pool"
 
 # hook name -> (setter on PyTorch's _CUDAPluggableAllocator, our exported symbol)
 HOOKS = {
     "record_stream": ("set_record_stream_fn", RECORD_STREAM_SYMBOL),
     "empty_cache": ("set_reset_fn", EMPTY_CACHE_SYMBOL),
+    # CUDA graphs: torch.cuda.graph, graph_pool_handle(), torch.cuda.MemPool and torch.compile's
+    # "reduce-overhead" open a private-pool scope around each capture (docs/integrations.md).
+    "graph_begin": ("set_begin_allocate_to_pool", GRAPH_BEGIN_SYMBOL),
+    "graph_end": ("set_end_allocate_to_pool_fn", GRAPH_END_SYMBOL),
+    "graph_release": ("set_release_pool", GRAPH_RELEASE_SYMBOL),
 }
 
 _TOO_LATE = (
@@ -276,6 +288,15 @@ def empty_cache() -> int:
     return total
 
 
+def graph_pools(device: Optional[int] = None) -> List[Dict[str, Any]]:
+    """The CUDA-graph private pools of ``device`` (default: the current device): one entry per
+    graph or shared pool handle, with its id, uses, open capture scopes, whether it was released,
+    its live blocks and its pool stats. Memory in them is live in the device pool's own stats."""
+    d = _current_device(pools()) if device is None else device
+    gp = _core.graph_pools_find(d)
+    return [] if gp is None else gp.info()
+
+
 def hook_counters() -> Dict[str, int]:
     """How often PyTorch reached the hooks: ``record_stream`` calls served, ``record_stream``
     calls on pointers no pool owned, ``empty_cache`` calls."""
@@ -351,6 +372,7 @@ __all__ = [
     "snapshot",
     "empty_cache",
     "hook_counters",
+    "graph_pools",
     "mempool",
     "use_mempool",
     "HOOKS",

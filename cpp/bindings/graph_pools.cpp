@@ -1,0 +1,109 @@
+// poolkeeper._core.GraphPools (graph_pools.hpp) and the per-device graph registry, for Python
+// callers (the CuPy integration, tests) and for reading the state PyTorch's hooks build.
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+
+#include "bindings.hpp"
+#include "poolkeeper/graph_registry.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+GraphPoolId parse_id(nb::handle h) {
+  try {
+    auto t = nb::cast<std::pair<std::uint64_t, std::uint64_t>>(h);
+    return {t.first, t.second};
+  } catch (const std::exception&) {
+    throw InvalidArgument("a graph pool id is a pair of non-negative ints, e.g. (1, 0)");
+  }
+}
+
+// A stream handle (int, stream object) or a callable taking the int handle and returning bool.
+CaptureFilter parse_filter(nb::handle h) {
+  if (PyCallable_Check(h.ptr()) && !nb::hasattr(h, "cuda_stream") && !nb::hasattr(h, "ptr") &&
+      !nb::hasattr(h, "__cuda_stream__")) {
+    nb::object f = nb::borrow(h);
+    return [f](Stream s) {
+      nb::gil_scoped_acquire gil;
+      return nb::cast<bool>(f(stream_to_py(s)));
+    };
+  }
+  const Stream want = parse_stream(h);
+  return [want](Stream s) { return s == want; };
+}
+
+nb::dict info_to_dict(const GraphPoolInfo& i) {
+  nb::dict d;
+  d["id"] = nb::make_tuple(i.id.first, i.id.second);
+  d["uses"] = i.uses;
+  d["open_scopes"] = i.open_scopes;
+  d["released"] = i.released;
+  d["live_blocks"] = i.live_blocks;
+  d["stats"] = stats_to_dict(i.stats);
+  return d;
+}
+}  // namespace
+
+void bind_graph_pools(nb::module_& m) {
+  nb::class_<GraphPools>(m, "GraphPools",
+                         "CUDA-graph private pools over one device pool (docs/integrations.md, 'CUDA graphs').")
+      .def(nb::init<std::shared_ptr<Pool>>(), "pool"_a)
+      .def("begin",
+           [](GraphPools& g, nb::handle id, nb::handle filter) {
+             const GraphPoolId gid = parse_id(id);
+             g.begin(gid, parse_filter(filter));
+           },
+           "id"_a, "filter"_a.none(),
+           "Open an allocate-to-private-pool scope: allocations whose stream is `filter` (a stream) or "
+           "for which filter(stream) is true come from private pool `id` until end(id).")
+      .def("end", [](GraphPools& g, nb::handle id) { g.end(parse_id(id)); }, "id"_a)
+      .def("release", [](GraphPools& g, nb::handle id) { g.release(parse_id(id)); }, "id"_a)
+      .def("allocate",
+           [](GraphPools& g, nb::handle n, nb::handle stream) {
+             return reinterpret_cast<std::uintptr_t>(g.allocate(parse_size(n), parse_stream(stream)));
+           },
+           "nbytes"_a, "stream"_a = nb::none())
+      .def("deallocate",
+           [](GraphPools& g, nb::handle p, nb::handle stream) {
+             g.deallocate(reinterpret_cast<void*>(parse_ptr(p)), parse_stream(stream));
+           },
+           "ptr"_a, "stream"_a = nb::none())
+      .def("record_stream",
+           [](GraphPools& g, nb::handle p, nb::handle stream) {
+             g.record_stream(reinterpret_cast<void*>(parse_ptr(p)), parse_stream(stream));
+           },
+           "ptr"_a, "stream"_a)
+      .def("owns_private", [](GraphPools& g, nb::handle p) { return g.owns_private(parse_ptr(p)); }, "ptr"_a)
+      .def_prop_ro("routing", &GraphPools::routing)
+      .def_prop_ro("holds_private_blocks", &GraphPools::holds_private_blocks)
+      .def_prop_ro("pool", [](GraphPools& g) { return g.main(); })
+      .def("private_pool", [](GraphPools& g, nb::handle id) { return g.private_pool(parse_id(id)); }, "id"_a)
+      .def("info",
+           [](GraphPools& g) {
+             nb::list l;
+             for (auto& i : g.info()) l.append(info_to_dict(i));
+             return l;
+           })
+      .def("counters",
+           [](GraphPools& g) {
+             const auto c = g.counters();
+             nb::dict d;
+             d["private_allocations"] = c.private_allocations;
+             d["private_deallocations"] = c.private_deallocations;
+             d["pools_created"] = c.pools_created;
+             d["pools_closed"] = c.pools_closed;
+             d["filter_errors"] = c.filter_errors;
+             return d;
+           })
+      .def("validate", &GraphPools::validate);
+  m.def("graph_pools", [](int device) { return graph_registry::get(device); }, "device"_a,
+        "The GraphPools of device's registry pool (made on first use).");
+  m.def("graph_pools_find", [](int device) -> nb::object {
+        if (!graph_registry::find(device)) return nb::none();
+        return nb::cast(graph_registry::get(device));
+      }, "device"_a);
+  m.def("graph_registry_clear", &graph_registry::clear);
+}
+
+}  // namespace poolkeeper::py

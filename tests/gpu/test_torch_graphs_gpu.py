@@ -1,0 +1,282 @@
+"""CUDA graphs with poolkeeper as PyTorch's allocator (torch.cuda.graph, shared pool handles,
+torch.compile(mode="reduce-overhead"), record_stream, empty_cache, growth during capture), and
+with a poolkeeper-backed torch.cuda.MemPool. Each case runs in a fresh process (isolated.py):
+the allocator must be installed before CUDA is initialized."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from isolated import run_isolated
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+]
+
+PRELUDE = """
+import gc, torch
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.integrations import torch as pkt
+inst = pkt.install("arena")
+assert all(inst.hooks[h] for h in ("graph_begin", "graph_end", "graph_release")), inst.hooks
+torch.manual_seed(0)
+
+def private(t):
+    gp = _core.graph_pools_find(t.device.index)
+    return gp is not None and gp.owns_private(t.data_ptr())
+
+def warm(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+"""
+
+
+def test_capture_replay_exact_with_intermediate_freed_and_tensors_allocated_between():
+    run_isolated(
+        PRELUDE
+        + """
+w = torch.randn(512, 512, device="cuda")
+x = torch.randn(128, 512, device="cuda")
+warm(lambda: (x @ w).relu() @ w)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    h = (x @ w).relu()       # an intermediate, freed inside the capture
+    out = h @ w
+    del h
+assert private(out)
+junk = [torch.randn(1000 + 97 * i, device="cuda") for i in range(64)]  # between capture and replay
+assert not any(private(t) for t in junk)
+for step in range(3):
+    x.copy_(torch.randn_like(x))
+    ref = (x @ w).relu() @ w
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref), (step, (out - ref).abs().max().item())
+info = pkt.graph_pools()
+assert len(info) == 1 and info[0]["live_blocks"] >= 1, info
+for p in pkt.pools().values():
+    p.validate()
+_core.graph_pools(0).validate()
+print("ok", info[0]["stats"]["reserved_bytes"])
+"""
+    )
+
+
+def test_growth_during_capture_with_nothing_cached():
+    out = run_isolated(
+        PRELUDE
+        + """
+a = torch.ones(1024, device="cuda")  # the device pool exists, with next to nothing cached
+before = pkt.stats()["upstream_allocations"]
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    big = torch.ones(64 << 20, device="cuda") * 3   # 256 MiB: must grow during the capture
+    s = big.sum()
+grew = pkt.stats()["upstream_allocations"] - before
+assert grew >= 1, grew
+g.replay()
+torch.cuda.synchronize()
+assert s.item() == 3 * (64 << 20), s.item()
+print("grew", grew)
+"""
+    )
+    assert "grew" in out
+
+
+def test_two_graphs_sharing_one_pool_handle():
+    run_isolated(
+        PRELUDE
+        + """
+x = torch.randn(256, 256, device="cuda")
+warm(lambda: (x * 2).sin() + 1)
+handle = torch.cuda.graph_pool_handle()
+g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1, pool=handle):
+    t1 = (x * 2).sin()
+    y1 = t1 + 1
+    del t1
+with torch.cuda.graph(g2, pool=handle):
+    t2 = (y1 * 3).cos()
+    y2 = t2 - 1
+    del t2
+info = pkt.graph_pools()
+assert len(info) == 1 and info[0]["uses"] == 2, info
+x.copy_(torch.randn_like(x))
+g1.replay(); g2.replay()
+torch.cuda.synchronize()
+assert torch.equal(y1, (x * 2).sin() + 1)
+assert torch.equal(y2, (y1 * 3).cos() - 1)
+print("ok")
+"""
+    )
+
+
+def test_record_stream_across_streams_during_and_outside_capture():
+    run_isolated(
+        PRELUDE
+        + """
+side = torch.cuda.Stream()
+# outside a capture
+a = torch.randn(1 << 20, device="cuda")
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    b = a * 2
+a.record_stream(side)
+del a
+served = pkt.hook_counters()["record_stream"]
+assert served >= 1
+# during a capture: fork a side stream inside the graph and join it back
+x = torch.randn(1 << 16, device="cuda")
+warm(lambda: x * 2)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    cap = torch.cuda.current_stream()
+    t = x + 1
+    side.wait_stream(cap)
+    with torch.cuda.stream(side):
+        u = t * 2
+    t.record_stream(side)
+    cap.wait_stream(side)
+    out = u + 0
+    del t
+assert pkt.hook_counters()["record_stream"] > served
+x.copy_(torch.randn_like(x))
+g.replay()
+torch.cuda.synchronize()
+assert torch.equal(out, (x + 1) * 2)
+print("ok")
+"""
+    )
+
+
+def test_empty_cache_keeps_graph_memory_and_releasing_the_graph_returns_it():
+    run_isolated(
+        PRELUDE
+        + """
+x = torch.randn(1 << 20, device="cuda")
+warm(lambda: x.exp())
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    t = x.exp()          # 4 MiB temporary, freed in the capture
+    out = t.sum()
+    del t
+graph_bytes = pkt.graph_pools()[0]["stats"]["reserved_bytes"]
+live_with_graph = pkt.stats()["live_bytes"]
+assert live_with_graph >= graph_bytes > 0
+junk = [torch.empty(8 << 20, device="cuda") for _ in range(4)]
+del junk
+torch.cuda.empty_cache()   # returns the junk's memory, never the graph's
+assert pkt.graph_pools()[0]["stats"]["reserved_bytes"] == graph_bytes
+x.copy_(torch.randn_like(x))
+g.replay()
+torch.cuda.synchronize()
+assert torch.allclose(out, x.exp().sum(), rtol=1e-5), (out.item(), x.exp().sum().item())
+del g, out
+gc.collect()
+assert pkt.graph_pools() == [], pkt.graph_pools()
+assert pkt.stats()["live_bytes"] <= live_with_graph - graph_bytes, (pkt.stats()["live_bytes"], live_with_graph, graph_bytes)
+for p in pkt.pools().values():
+    p.validate()
+print("ok", graph_bytes)
+"""
+    )
+
+
+def test_torch_compile_reduce_overhead_mlp_matches_eager():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("torch.compile needs triton")
+    out = run_isolated(
+        PRELUDE
+        + """
+mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
+f = torch.compile(mlp, mode="reduce-overhead")
+with torch.no_grad():
+    for i in range(6):
+        x = torch.randn(32, 256, device="cuda")
+        got = f(x).clone()
+        ref = mlp(x)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+assert pkt.graph_pools(), "reduce-overhead captured no graph through poolkeeper"
+print("ok", len(pkt.graph_pools()))
+""",
+        timeout=600,
+    )
+    assert "ok" in out
+
+
+def test_torch_compile_reduce_overhead_hf_decode_step_matches_eager():
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs triton and transformers")
+    out = run_isolated(
+        PRELUDE
+        + """
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+model = LlamaForCausalLM(cfg).cuda().eval()
+def step(ids):
+    return model(input_ids=ids, use_cache=False).logits[:, -1, :]
+f = torch.compile(step, mode="reduce-overhead")
+with torch.no_grad():
+    ids = torch.randint(0, 1000, (2, 16), device="cuda")
+    for i in range(5):
+        got = f(ids).clone()
+        ref = step(ids)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+        ids = torch.cat([ids[:, 1:], ref.argmax(-1, keepdim=True)], dim=1)  # next token, fixed shape
+assert pkt.graph_pools()
+print("ok")
+""",
+        timeout=600,
+    )
+    assert "ok" in out
+
+
+def test_mempool_scope_under_installed_poolkeeper():
+    run_isolated(
+        PRELUDE
+        + """
+mp = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(mp):
+    a = torch.empty(1 << 20, device="cuda")
+b = torch.empty(1 << 20, device="cuda")
+assert private(a) and not private(b)
+del a, b, mp
+gc.collect()
+print("ok", pkt.graph_pools())
+"""
+    )
+
+
+def test_graph_capture_with_a_poolkeeper_mempool_and_the_native_allocator():
+    run_isolated(
+        '''
+import torch, gc
+from poolkeeper.integrations import torch as pkt
+mp = pkt.mempool("arena")
+x = torch.randn(256, 256, device="cuda")
+s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    for _ in range(3):
+        (x @ x).relu()
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=mp.id):   # the graph's private pool draws segments from poolkeeper
+    t = (x @ x).relu()
+    out = t * 2
+    del t
+x.copy_(torch.randn_like(x))
+g.replay()
+torch.cuda.synchronize()
+assert torch.equal(out, (x @ x).relu() * 2)
+print("ok", pkt.stats()["live_bytes"])
+'''
+    )

@@ -1,0 +1,380 @@
+"""CUDA-graph private pools and capture-safe paths, on the simulated device.
+
+The simulated device models CUDA's capture rules (SimulatedUpstream.begin_capture): while a
+stream is captured, a call that would invalidate the capture on a GPU -- a cuMemAlloc-like call
+from a thread not in relaxed mode during a global-mode capture, anything that synchronizes the
+device, an event recorded on the capturing stream -- is counted in ``capture_violations``. Every
+test here asserts zero violations, the graph-pool bookkeeping, and ``validate()`` after each step.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.errors import InvalidArgumentError
+
+from capi_lib import load as load_capi
+
+MiB = 1 << 20
+G1 = (1, 0)
+G2 = (2, 0)
+SHARED = (0, 7)  # what torch.cuda.graph_pool_handle() gives: second element nonzero
+
+
+def make(kind="arena", **opts):
+    sim = pk.upstream.Simulated(latency="none")
+    pool = pk.make_pool(kind, sim, **opts) if kind != "arena" else pk.ArenaPool(sim, **opts)
+    return sim, pool, _core.GraphPools(pool)
+
+
+def check(sim, pool, gp):
+    assert sim.capture_violations == 0, sim.last_capture_violation
+    gp.validate()
+    pool.validate()
+
+
+def capture(sim, gp, gid, s, body):
+    """What torch.cuda.graph does: begin the pool scope, capture, end the capture, end the scope."""
+    gp.begin(gid, s)
+    sim.begin_capture(s)  # global mode, PyTorch's default
+    try:
+        out = body()
+    finally:
+        valid = sim.end_capture(s)
+        gp.end(gid)
+    assert valid, sim.last_capture_violation
+    return out
+
+
+def test_intermediate_freed_inside_capture_is_reused_only_inside_it():
+    sim, pool, gp = make()
+    s = sim.stream()
+
+    def body():
+        x = gp.allocate(64 * 1024, s)
+        h = gp.allocate(256 * 1024, s)  # intermediate
+        gp.deallocate(h, s)
+        y = gp.allocate(256 * 1024, s)  # same capture, same stream: may reuse h
+        return x, h, y
+
+    x, h, y = capture(sim, gp, G1, s, body)
+    check(sim, pool, gp)
+    assert y == h  # reused inside the capture
+    assert gp.owns_private(x) and gp.owns_private(y)
+    # Work outside the capture, on the same stream, never gets the graph's memory, freed or not.
+    outside = [gp.allocate(256 * 1024, s) for _ in range(64)]
+    assert not set(outside) & {x, h, y}
+    for p in outside:
+        assert not gp.owns_private(p)
+        gp.deallocate(p, s)
+    check(sim, pool, gp)
+    [info] = gp.info()
+    assert info["id"] == G1 and info["live_blocks"] == 2 and info["uses"] == 1
+
+
+def test_growth_during_capture_with_nothing_cached_keeps_the_capture_valid():
+    # The device pool is empty: the private pool's first backing makes it call the upstream
+    # during a global-mode capture. Without relaxed mode around the call that is a violation.
+    sim, pool, gp = make()
+    s = sim.stream()
+    before = sim.counters()["allocations"]
+    p = capture(sim, gp, G1, s, lambda: gp.allocate(3 * MiB, s))
+    assert sim.counters()["allocations"] > before  # it really grew during the capture
+    check(sim, pool, gp)
+    gp.deallocate(p, s)
+    check(sim, pool, gp)
+
+
+def test_unsafe_call_during_capture_is_a_violation_without_relaxed_mode():
+    # The simulated device's rule itself: a plain upstream query from a thread in global mode.
+    sim = pk.upstream.Simulated(latency="none")
+    s = sim.stream()
+    e_stream = sim.stream()
+    pool = pk.ArenaPool(sim)
+    p = pool.allocate(4096, stream=e_stream)
+    sim.begin_capture(s)
+    prev = sim.set_capture_mode(0)
+    try:
+        # A Python-level direct upstream allocation goes through Upstream.allocate, which relaxes:
+        q = sim.allocate(2 * MiB)
+        assert sim.capture_violations == 0
+        sim.deallocate(q, 2 * MiB)  # a free synchronizes: a violation in any mode
+        assert sim.capture_violations == 1
+    finally:
+        sim.set_capture_mode(prev)
+        assert sim.end_capture(s) is False
+    pool.deallocate(p, stream=e_stream)
+
+
+def test_no_event_is_recorded_on_a_capturing_stream_cross_stream_release_is_deferred():
+    sim, pool, gp = make()
+    s, other = sim.stream(), sim.stream()
+    b = pool.allocate(1 * MiB, stream=other)  # allocated outside the capture on another stream
+
+    def body():
+        # Freed on the capturing stream: it must wait for `other` and for s, but no event may be
+        # recorded on s while it is captured. Pressure (process_pending) during the capture too.
+        gp.deallocate(b, s)
+        pool.process_pending()
+        return pool.stats()
+
+    st = capture(sim, gp, G1, s, body)
+    assert st["pending_bytes"] >= 1 * MiB  # still pending: no event could cover s
+    check(sim, pool, gp)
+    sim.synchronize()
+    pool.process_pending()  # capture over: the deferred events are recorded and complete
+    assert pool.stats()["pending_bytes"] == 0
+    check(sim, pool, gp)
+
+
+def test_record_stream_during_and_outside_capture():
+    sim, pool, gp = make()
+    s, side = sim.stream(), sim.stream()
+    a = gp.allocate(1 * MiB, side)  # outside any capture
+    gp.record_stream(a, side)
+
+    def body():
+        c = gp.allocate(512 * 1024, s)
+        gp.record_stream(c, side)  # a graph block used on another stream
+        gp.record_stream(a, s)  # a device-pool block used by the graph
+        gp.deallocate(c, s)
+        pool.process_pending()
+        return c
+
+    c = capture(sim, gp, G1, s, body)
+    check(sim, pool, gp)
+    gp.deallocate(a, side)
+    sim.synchronize()
+    pool.process_pending()
+    assert pool.stats()["pending_bytes"] == 0
+    priv = gp.private_pool(G1)
+    priv.process_pending()
+    assert priv.stats()["pending_bytes"] == 0
+    check(sim, pool, gp)
+
+
+def test_trim_during_a_capture_scope_never_frees_and_empty_cache_keeps_graph_memory():
+    sim, pool, gp = make()
+    s = sim.stream()
+    junk = [pool.allocate(8 * MiB) for _ in range(4)]
+    for p in junk:
+        pool.deallocate(p)
+
+    def body():
+        assert pool.trim() == 0  # a free would synchronize the device inside the capture
+        return gp.allocate(5 * MiB, s)
+
+    g = capture(sim, gp, G1, s, body)
+    check(sim, pool, gp)
+    graph_bytes = gp.info()[0]["stats"]["reserved_bytes"]
+    assert graph_bytes >= 5 * MiB
+    pool.synchronize()
+    freed = pool.trim()  # torch.cuda.empty_cache(): the graph's memory is live to the device pool
+    assert freed > 0
+    assert pool.stats()["live_bytes"] >= graph_bytes
+    assert gp.owns_private(g)
+    check(sim, pool, gp)
+
+
+def test_releasing_a_graph_returns_its_memory_to_the_device_pool():
+    sim, pool, gp = make()
+    s = sim.stream()
+    live_before = pool.stats()["live_bytes"]
+
+    def body():
+        x = gp.allocate(3 * MiB, s)
+        y = gp.allocate(1 * MiB, s)
+        gp.deallocate(x, s)
+        return y
+
+    y = capture(sim, gp, G1, s, body)
+    assert pool.stats()["live_bytes"] > live_before
+    gp.release(G1)  # the graph is gone; its static output y is still held by the caller
+    [info] = gp.info()
+    assert info["released"] and info["live_blocks"] == 1
+    check(sim, pool, gp)
+    gp.deallocate(y, s)  # the last block: the private pool closes, its backings go home
+    assert gp.info() == []
+    assert pool.stats()["live_bytes"] == live_before
+    assert gp.counters()["pools_closed"] == 1
+    check(sim, pool, gp)
+    # The memory is the device pool's again: an ordinary allocation can use it without growing.
+    up_before = sim.counters()["allocations"]
+    z = pool.allocate(3 * MiB)
+    assert sim.counters()["allocations"] == up_before
+    pool.deallocate(z)
+
+
+def test_two_graphs_sharing_one_pool_handle():
+    sim, pool, gp = make()
+    s = sim.stream()
+
+    def g1():
+        t = gp.allocate(2 * MiB, s)
+        gp.deallocate(t, s)  # graph 1's temporary
+        return gp.allocate(64 * 1024, s)
+
+    out1 = capture(sim, gp, SHARED, s, g1)
+    reserved_after_g1 = gp.info()[0]["stats"]["reserved_bytes"]
+
+    def g2():
+        t = gp.allocate(1 * MiB, s)  # graph 2 reuses graph 1's freed temporary (replay order)
+        gp.deallocate(t, s)
+        return gp.allocate(64 * 1024, s)
+
+    out2 = capture(sim, gp, SHARED, s, g2)
+    [info] = gp.info()
+    assert info["uses"] == 2
+    assert info["stats"]["reserved_bytes"] == reserved_after_g1  # no growth for graph 2
+    assert out1 != out2
+    check(sim, pool, gp)
+    gp.release(SHARED)  # graph 1 destroyed: graph 2 still uses the pool
+    assert gp.info()[0]["uses"] == 1 and not gp.info()[0]["released"]
+    gp.deallocate(out1, s)
+    gp.deallocate(out2, s)
+    assert len(gp.info()) == 1
+    gp.release(SHARED)
+    assert gp.info() == []
+    check(sim, pool, gp)
+
+
+def test_release_while_another_capture_is_under_way_waits_for_it_to_end():
+    sim, pool, gp = make()
+    s1, s2 = sim.stream(), sim.stream()
+    capture(sim, gp, G1, s1, lambda: gp.deallocate(gp.allocate(MiB, s1), s1))
+    gp.begin(G2, s2)
+    sim.begin_capture(s2)
+    gp.release(G1)  # closing now would synchronize the device inside G2's capture
+    assert [i["id"] for i in gp.info()] == [G1, G2]
+    gp.allocate(4096, s2)
+    assert sim.end_capture(s2)
+    gp.end(G2)  # the last scope ends: G1 closes now
+    assert [i["id"] for i in gp.info()] == [G2]
+    check(sim, pool, gp)
+
+
+def test_allocations_on_other_streams_during_a_capture_go_to_the_device_pool():
+    sim, pool, gp = make()
+    s, other = sim.stream(), sim.stream()
+
+    def body():
+        a = gp.allocate(4096, other)  # another thread's work, not in the graph
+        b = gp.allocate(4096, s)
+        return a, b
+
+    a, b = capture(sim, gp, G1, s, body)
+    assert not gp.owns_private(a) and gp.owns_private(b)
+    gp.deallocate(a, other)
+    gp.deallocate(b, s)
+    check(sim, pool, gp)
+
+
+def test_callable_filter_and_nested_scopes_latest_wins():
+    sim, pool, gp = make()
+    s = sim.stream()
+    me = threading.get_ident()
+    gp.begin(G1, lambda stream: threading.get_ident() == me)  # torch.cuda.use_mem_pool's filter
+    gp.begin(G2, s)
+    a = gp.allocate(4096, s)  # both claim it: the latest scope (G2) wins
+    b = gp.allocate(4096, None)  # only G1's filter claims it
+    gp.end(G2)
+    gp.end(G1)
+    assert gp.private_pool(G2).stats()["live_blocks"] == 1 and gp.private_pool(G1).stats()["live_blocks"] == 1
+    assert gp.owns_private(a) and gp.owns_private(b)
+    gp.deallocate(a, s)
+    gp.deallocate(b)
+    check(sim, pool, gp)
+
+
+def test_a_filter_that_raises_does_not_claim_the_allocation():
+    sim, pool, gp = make()
+
+    def bad(stream):
+        raise RuntimeError("driver said no")
+
+    gp.begin(G1, bad)
+    p = gp.allocate(4096)
+    gp.end(G1)
+    assert not gp.owns_private(p)
+    assert gp.counters()["filter_errors"] == 1
+    gp.deallocate(p)
+    check(sim, pool, gp)
+
+
+def test_bad_ids_are_typed_errors():
+    sim, pool, gp = make()
+    with pytest.raises(InvalidArgumentError):
+        gp.end(G1)  # no open scope
+    with pytest.raises(InvalidArgumentError):
+        gp.begin("not a pair", None)
+    gp.release((9, 9))  # PyTorch releases ids that never allocated: harmless
+    check(sim, pool, gp)
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class", "arena_expandable"])
+def test_capture_on_every_device_pool_kind(kind):
+    sim = pk.upstream.Simulated(latency="none")
+    if kind == "arena_expandable":
+        pool = pk.ArenaPool(sim, expandable=True)
+    else:
+        pool = pk.make_pool(kind, sim)
+    gp = _core.GraphPools(pool)
+    s, other = sim.stream(), sim.stream()
+    warm = pool.allocate(MiB, stream=other)
+
+    def body():
+        out = []
+        for i in range(20):
+            p = gp.allocate((i % 5 + 1) * 100_000, s)
+            if i % 3:
+                gp.deallocate(p, s)
+            else:
+                out.append(p)
+        gp.deallocate(warm, s)  # cross-stream release during the capture
+        pool.process_pending()
+        pool.trim()
+        return out
+
+    out = capture(sim, gp, G1, s, body)
+    check(sim, pool, gp)
+    for p in out:
+        gp.deallocate(p, s)
+    gp.release(G1)
+    sim.synchronize()
+    pool.process_pending()
+    check(sim, pool, gp)
+    assert gp.info() == []
+    st = pool.stats()
+    assert st["live_bytes"] == 0 and st["pending_bytes"] == 0
+
+
+def test_c_abi_routes_through_the_devices_graph_pools():
+    lib = load_capi()
+    sim = pk.upstream.Simulated(latency="none")
+    pool = pk.ArenaPool(sim)
+    _core.registry_set(0, pool)
+    try:
+        s = sim.stream()
+        assert lib.poolkeeper_graph_begin(0, 11, 0, s) == 0
+        sim.begin_capture(s)
+        a = lib.poolkeeper_malloc(100_000, 0, s)
+        b = lib.poolkeeper_torch_malloc(100_000, 0, s)  # torch's entry point routes the same way
+        c = lib.poolkeeper_malloc(100_000, 0, sim.stream())  # not the captured stream
+        assert sim.end_capture(s)
+        assert lib.poolkeeper_graph_end(0, 11, 0) == 0
+        gp = _core.graph_pools(0)
+        assert gp.owns_private(a) and gp.owns_private(b) and not gp.owns_private(c)
+        assert lib.poolkeeper_free(a, 0, s) == 0
+        lib.poolkeeper_torch_free(b, 0, 0, s)
+        assert lib.poolkeeper_free(c, 0, 2**64 - 1) == 0
+        assert lib.poolkeeper_graph_release(0, 11, 0) == 0
+        assert gp.info() == []
+        gp.validate()
+        pool.validate()
+        assert sim.capture_violations == 0
+        assert lib.poolkeeper_graph_end(0, 11, 0) != 0  # no open scope: an error code, no crash
+    finally:
+        _core.registry_clear()
