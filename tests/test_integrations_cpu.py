@@ -101,6 +101,8 @@ def make_fake_torch(initialized=False, swap_error=None, with_hooks=True):
     cuda.is_initialized = lambda: initialized
     cuda.current_device = lambda: 0
     cuda.MemPool = FakeMemPool
+    torch._C = types.SimpleNamespace(_cuda_checkPoolLiveAllocations=lambda *a: (_ for _ in ()).throw(
+        RuntimeError("pluggable does not yet support checkPoolLiveAllocations")))
     swaps = []
 
     class Pluggable(FakePluggableAllocator):
@@ -180,6 +182,29 @@ def test_install_wires_our_symbols_and_hooks(fake_torch):
     assert inst.hooks == {"record_stream": True, "empty_cache": True, "graph_begin": True, "graph_end": True,
                           "graph_release": True}
     assert pk_torch.installation() is inst and _core.registry_has_factory()
+
+
+def test_install_answers_check_pool_live_allocations_from_our_graph_pools(fake_torch):
+    # torch.compile's CUDA-graph trees call torch._C._cuda_checkPoolLiveAllocations, which a
+    # pluggable allocator cannot serve ("pluggable does not yet support ..."): install() answers it.
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated")
+    check = t._C._cuda_checkPoolLiveAllocations
+    assert check is pk_torch.check_pool_live_allocations
+    pool = _core.registry_get(0) or _core.graph_pools(0).pool
+    gp = _core.graph_pools(0)
+    gp.begin((4, 0), None)
+    a = gp.allocate(1000)
+    b = gp.allocate(5000)
+    gp.end((4, 0))
+    assert check(0, (4, 0), {a, b}) is True
+    assert check(0, (4, 0), {a}) is False  # b is alive in the pool but not expected
+    assert check(0, (5, 0), set()) is True  # a pool that holds nothing
+    gp.deallocate(a)
+    gp.deallocate(b)
+    assert check(0, (4, 0), set()) is True
+    gp.validate()
+    pool.validate()
 
 
 def test_hooks_missing_from_torch_are_reported_not_faked(fake_torch):

@@ -79,6 +79,13 @@ void bind_graph_pools(nb::module_& m) {
       .def_prop_ro("holds_private_blocks", &GraphPools::holds_private_blocks)
       .def_prop_ro("pool", [](GraphPools& g) { return g.main(); })
       .def("private_pool", [](GraphPools& g, nb::handle id) { return g.private_pool(parse_id(id)); }, "id"_a)
+      .def("live_blocks",
+           [](GraphPools& g, nb::handle id) {
+             nb::list l;
+             for (auto p : g.live_blocks(parse_id(id))) l.append(p);
+             return l;
+           },
+           "id"_a, "Addresses of the live blocks of private pool id.")
       .def("info",
            [](GraphPools& g) {
              nb::list l;

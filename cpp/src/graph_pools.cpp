@@ -219,6 +219,14 @@ std::shared_ptr<Pool> GraphPools::private_pool(GraphPoolId id) {
   return it == pools_.end() ? nullptr : it->second.pool;
 }
 
+std::vector<std::uintptr_t> GraphPools::live_blocks(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::uintptr_t> out;
+  for (auto& [p, owner] : owner_)
+    if (owner == id) out.push_back(p);
+  return out;
+}
+
 GraphPools::Counters GraphPools::counters() {
   std::lock_guard<std::mutex> g(mu_);
   return counters_;

@@ -84,6 +84,8 @@ class GraphPools {
 
   std::vector<GraphPoolInfo> info();
   std::shared_ptr<Pool> private_pool(GraphPoolId id);  // nullptr when there is none
+  // Addresses of the live blocks of private pool id (empty when there is no such pool).
+  std::vector<std::uintptr_t> live_blocks(GraphPoolId id);
   void validate();
   const std::shared_ptr<Pool>& main() const { return main_; }
 

@@ -194,6 +194,7 @@ def install(
         except BaseException:
             _core.registry_clear()
             raise
+        _provide_pool_live_check(torch)
         _INSTALLED = Installation(
             kind=kind,
             options=dict(options),
@@ -204,6 +205,26 @@ def install(
             devices=made,
         )
         return _INSTALLED
+
+
+def check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> bool:
+    """What ``torch._C._cuda_checkPoolLiveAllocations`` answers for PyTorch's own allocator, for
+    poolkeeper's graph pools: are the live blocks of graph pool ``pool_id`` on ``device`` exactly
+    the data pointers in ``expected``? torch.compile's CUDA-graph trees ask this to check that
+    nothing but the tensors they track is alive in a graph's pool."""
+    gp = _core.graph_pools_find(int(device))
+    live = set() if gp is None else set(gp.live_blocks((int(pool_id[0]), int(pool_id[1]))))
+    return live == {int(p) for p in expected}
+
+
+def _provide_pool_live_check(torch: Any) -> None:
+    # PyTorch gives pluggable allocators no hook for checkPoolLiveAllocations and raises "pluggable
+    # does not yet support checkPoolLiveAllocations", which stops torch.compile's CUDA-graph trees
+    # (mode="reduce-overhead") at their first check. The check is a plain function of torch._C,
+    # looked up at each call, so the installed allocator answers it from its own graph pools.
+    c = getattr(torch, "_C", None)
+    if c is not None and hasattr(c, "_cuda_checkPoolLiveAllocations"):
+        c._cuda_checkPoolLiveAllocations = check_pool_live_allocations
 
 
 def _make_device_pool(kind: str, device: int, upstream: str, options: Dict[str, Any]):
