@@ -101,8 +101,11 @@ def make_fake_torch(initialized=False, swap_error=None, with_hooks=True):
     cuda.is_initialized = lambda: initialized
     cuda.current_device = lambda: 0
     cuda.MemPool = FakeMemPool
-    torch._C = types.SimpleNamespace(_cuda_checkPoolLiveAllocations=lambda *a: (_ for _ in ()).throw(
-        RuntimeError("pluggable does not yet support checkPoolLiveAllocations")))
+    def unsupported(*a):
+        raise RuntimeError("pluggable does not yet support this")
+
+    torch._C = types.SimpleNamespace(_cuda_checkPoolLiveAllocations=unsupported, _cuda_getCheckpointState=unsupported,
+                                     _cuda_setCheckpointPoolState=unsupported)
     swaps = []
 
     class Pluggable(FakePluggableAllocator):
@@ -200,6 +203,10 @@ def test_install_answers_check_pool_live_allocations_from_our_graph_pools(fake_t
     assert check(0, (4, 0), {a, b}) is True
     assert check(0, (4, 0), {a}) is False  # b is alive in the pool but not expected
     assert check(0, (5, 0), set()) is True  # a pool that holds nothing
+    state = t._C._cuda_getCheckpointState(0, (4, 0))
+    assert state.live_blocks == {a, b}
+    with pytest.raises(_common.IntegrationError, match="cudagraph_trees = False"):
+        t._C._cuda_setCheckpointPoolState(0, state, [], [])
     gp.deallocate(a)
     gp.deallocate(b)
     assert check(0, (4, 0), set()) is True

@@ -217,14 +217,53 @@ def check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> boo
     return live == {int(p) for p in expected}
 
 
+@dataclass(frozen=True)
+class GraphPoolCheckpoint:
+    """What :func:`get_checkpoint_state` records of a graph pool: its live blocks at that moment."""
+
+    device: int
+    pool_id: tuple
+    live_blocks: frozenset
+
+
+def get_checkpoint_state(device: int, pool_id: Any) -> GraphPoolCheckpoint:
+    """``torch._C._cuda_getCheckpointState`` for poolkeeper's graph pools: the live blocks of graph
+    pool ``pool_id`` now. torch.compile's CUDA-graph trees take one after each recording."""
+    gp = _core.graph_pools_find(int(device))
+    pid = (int(pool_id[0]), int(pool_id[1]))
+    live = frozenset() if gp is None else frozenset(gp.live_blocks(pid))
+    return GraphPoolCheckpoint(int(device), pid, live)
+
+
+def set_checkpoint_pool_state(device: int, state: Any, *args: Any) -> Any:
+    """``torch._C._cuda_setCheckpointPoolState``: not supported. Restoring a checkpoint rewrites
+    the deleters of live tensor storages inside PyTorch, which a pluggable allocator cannot do.
+    CUDA-graph trees need it only to record a new graph while outputs of another path are alive
+    (e.g. a new input shape); raises :class:`IntegrationError` saying what to do instead."""
+    raise IntegrationError(
+        "torch.compile's CUDA-graph trees asked poolkeeper to restore a graph-pool checkpoint "
+        "(setCheckpointPoolState), which a pluggable allocator cannot do. Set "
+        "torch._inductor.config.triton.cudagraph_trees = False before compiling: mode='reduce-overhead' then "
+        "captures each graph into a pool of its own, which poolkeeper serves fully"
+    )
+
+
 def _provide_pool_live_check(torch: Any) -> None:
     # PyTorch gives pluggable allocators no hook for checkPoolLiveAllocations and raises "pluggable
     # does not yet support checkPoolLiveAllocations", which stops torch.compile's CUDA-graph trees
     # (mode="reduce-overhead") at their first check. The check is a plain function of torch._C,
     # looked up at each call, so the installed allocator answers it from its own graph pools.
+    # The same for the checkpoint pair the trees use between recordings.
     c = getattr(torch, "_C", None)
-    if c is not None and hasattr(c, "_cuda_checkPoolLiveAllocations"):
-        c._cuda_checkPoolLiveAllocations = check_pool_live_allocations
+    if c is None:
+        return
+    for name, fn in (
+        ("_cuda_checkPoolLiveAllocations", check_pool_live_allocations),
+        ("_cuda_getCheckpointState", get_checkpoint_state),
+        ("_cuda_setCheckpointPoolState", set_checkpoint_pool_state),
+    ):
+        if hasattr(c, name):
+            setattr(c, name, fn)
 
 
 def _make_device_pool(kind: str, device: int, upstream: str, options: Dict[str, Any]):
