@@ -486,3 +486,52 @@ def test_cupy_pool_for_one_device_refuses_another(fake_cupy, monkeypatch):
     pk_cupy.install(DevicePool(), pinned=False)
     with pytest.raises(_common.IntegrationError, match="device 0, not device 1"):
         fake_cupy.state["allocator"](64)
+
+
+def test_cupy_graph_capture_allocates_from_a_private_pool_released_with_the_graph(fake_cupy):
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim, initial_backing=1 << 20)
+    pk_cupy.install(pool, pinned=False)
+    alloc = fake_cupy.state["allocator"]
+    s = sim.stream()
+
+    class FakeStream:  # cupy.cuda.Stream: a context manager making it current, capture calls
+        ptr = s
+
+        def __enter__(self):
+            fake_cupy.state["stream"] = s
+            return self
+
+        def __exit__(self, *exc):
+            fake_cupy.state["stream"] = 0
+
+        def begin_capture(self):
+            sim.begin_capture(s)
+
+        def end_capture(self):
+            assert sim.end_capture(s), sim.last_capture_violation
+            return "graph"
+
+    outside = alloc(4096)
+    with pk_cupy.graph_capture(FakeStream()) as g:
+        tmp = alloc(100_000)  # freed inside the capture
+        tmp_ptr = tmp.ptr
+        del tmp
+        gc.collect()
+        out = alloc(100_000)
+    assert g.graph == "graph" and sim.capture_violations == 0
+    gp = pk_cupy.installation().allocator.graphs[0]
+    assert gp.owns_private(out.ptr) and not gp.owns_private(outside.ptr)
+    assert out.ptr == tmp_ptr  # reused inside the capture, on the capturing stream
+    after = alloc(100_000)  # outside the capture: never a graph address
+    assert not gp.owns_private(after.ptr)
+    gp.validate()
+    del g
+    gc.collect()  # the graph is gone: its pool is released, and closes with its last block
+    assert [i["released"] for i in gp.info()] == [True]
+    del out, after, outside
+    gc.collect()
+    assert gp.info() == []
+    gp.validate()
+    pool.validate()
+    assert pool.stats()["live_bytes"] == 0

@@ -27,7 +27,10 @@ Importing this module does not import cupy; the functions do.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
@@ -144,12 +147,26 @@ class _DeviceAllocator:
         self._OOM = cuda.memory.OutOfMemoryError
         self.pools = pools
         self.calls = 0
+        # device -> GraphPools, made by the first graph_capture() on that device. Until then the
+        # allocation path pays one dict lookup for it.
+        self.graphs: Dict[int, Any] = {}
+
+    def graph_pools(self, device: int) -> Any:
+        gp = self.graphs.get(device)
+        if gp is None:
+            from poolkeeper import _core
+
+            gp = self.graphs.setdefault(device, _core.GraphPools(self.pools.get(device)))
+        return gp
 
     def __call__(self, size: int):
         device = self._get_device()
         if size == 0:
             return self._MemoryPointer(self._Memory(0), 0)  # what CuPy's own pool returns
         pool = self.pools.get(device)
+        gp = self.graphs.get(device)
+        if gp is not None:
+            pool = gp  # routes to a capture's private pool while one is open, else to the pool
         stream = self._current_stream().ptr
         try:
             ptr = pool.allocate(size, stream)
@@ -284,6 +301,69 @@ def uninstall() -> None:
         _INSTALLED = None
 
 
+_GRAPH_IDS = itertools.count(1)
+
+
+class CapturedGraph:
+    """A CUDA graph captured by :func:`graph_capture`: ``graph`` is CuPy's ``cupy.cuda.Graph``
+    (``graph.launch(stream)`` replays it). The graph's private pool is released when this object
+    is collected or :meth:`release` is called; its memory returns to the device pool once no
+    block of it is alive any more."""
+
+    def __init__(self, graph_pools: Any, pool_id: tuple) -> None:
+        self.graph: Any = None
+        self.pool_id = pool_id
+        self._finalizer = weakref.finalize(self, graph_pools.release, pool_id)
+
+    def launch(self, stream: Any = None) -> None:
+        """Replay the graph on ``stream`` (default: the current stream)."""
+        if stream is None:
+            self.graph.launch()
+        else:
+            self.graph.launch(stream)
+
+    def release(self) -> None:
+        """Release the graph's private pool now (the graph must not be launched afterwards)."""
+        self.graph = None
+        self._finalizer()
+
+
+@contextlib.contextmanager
+def graph_capture(stream: Any = None, *, pool: Optional[tuple] = None) -> Any:
+    """Capture the CuPy work of the block into a CUDA graph, with every allocation made on the
+    capturing stream coming from a private pool of poolkeeper's (docs/integrations.md, "CUDA
+    graphs"): addresses the graph uses stay reserved for it, and an array freed inside the
+    capture is reused only inside it.
+
+    Args:
+        stream: a ``cupy.cuda.Stream`` to capture on (default: a new non-blocking one; the block
+            runs with it as the current stream).
+        pool: share a private pool between graphs (any ``(int, int)`` pair; graphs sharing one
+            must be launched in the order they were captured).
+
+    Yields a :class:`CapturedGraph` whose ``graph`` is set when the block ends.
+    """
+    cupy = _cupy()
+    inst = _INSTALLED
+    if inst is None:
+        raise IntegrationError("graph_capture() needs poolkeeper installed as CuPy's allocator (install() first)")
+    device = _first_device(cupy)
+    gp = inst.allocator.graph_pools(device)
+    pid = tuple(pool) if pool is not None else (next(_GRAPH_IDS), 0)
+    s = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+    captured = CapturedGraph(gp, pid)
+    gp.begin(pid, s.ptr)
+    try:
+        with s:
+            s.begin_capture()
+            try:
+                yield captured
+            finally:
+                captured.graph = s.end_capture()
+    finally:
+        gp.end(pid)
+
+
 def stats(device: Optional[int] = None) -> Dict[str, Any]:
     """Stats of the device pool serving ``device`` (default: CuPy's current device)."""
     inst = _INSTALLED
@@ -294,4 +374,13 @@ def stats(device: Optional[int] = None) -> Dict[str, Any]:
     return inst.allocator.pools.get(device).stats()
 
 
-__all__ = ["install", "uninstall", "installation", "stats", "default_pinned_pool", "CupyInstallation"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installation",
+    "stats",
+    "default_pinned_pool",
+    "CupyInstallation",
+    "graph_capture",
+    "CapturedGraph",
+]
