@@ -595,3 +595,71 @@ def test_cuda_virtual_unmap_whose_release_fails_still_counts_as_unmapped(fakes):
     assert out["mid"][0] == 2 * MiB and out["mid"][1] == 1 and out["mid"][2] == 1
     assert out["maps"] > out["mid"][3]  # new maps after the unmaps
     assert out["end"] == [0, 1]
+
+
+# ---- CUDA-graph capture (issue: graphs with poolkeeper as the allocator) ----
+
+CAPTURE_PRE = """
+        import ctypes, os
+        fake = ctypes.CDLL(os.environ["POOLKEEPER_LIBCUDA"])
+        fake.fake_cuda_begin_capture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        fake.fake_cuda_end_capture.argtypes = [ctypes.c_void_p]
+"""
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class"])
+def test_fake_driver_capture_growth_in_relaxed_mode_deferred_events_and_release(fakes, kind):
+    # Global-mode capture (PyTorch's default): growth from an empty pool must run cuMemAlloc in
+    # relaxed mode, no event may be recorded on the capturing stream, no free may happen, and the
+    # graph pool's release must give its memory back to the device pool -- all with zero
+    # violations reported by the driver.
+    out = run(fakes["full"], CAPTURE_PRE + f"""
+        up = pk.upstream.CudaDevice(0)
+        pool = pk.make_pool("{kind}", up)
+        gp = _core.GraphPools(pool)
+        s, other = driver.Stream(), driver.Stream()
+        cross = pool.allocate(1 << 20, stream=other.handle)   # used on another stream before
+        allocs0 = up.counters()["allocations"]
+        gp.begin((1, 0), s.handle)
+        fake.fake_cuda_begin_capture(s.handle, 0)
+        a = gp.allocate(3 << 20, s.handle)                      # grows: cuMemAlloc during the capture
+        t = gp.allocate(1 << 20, s.handle)
+        gp.deallocate(t, s.handle)                              # freed inside the capture
+        gp.deallocate(cross, s.handle)                          # cross-stream release: events deferred
+        pool.process_pending()
+        trimmed = pool.trim()                                   # no cuMemFree during the scope
+        valid = fake.fake_cuda_end_capture(s.handle)
+        gp.end((1, 0))
+        grew = up.counters()["allocations"] - allocs0
+        pending_during = pool.stats()["pending_bytes"]
+        pool.process_pending()                                  # capture over: events recorded now
+        pending_after = pool.stats()["pending_bytes"]
+        gp.validate(); pool.validate()
+        gp.release((1, 0))
+        gp.deallocate(a, s.handle)
+        closed = gp.info() == []
+        gp.validate(); pool.validate()
+        print(json.dumps({{"valid": valid, "violations": fake.fake_cuda_capture_violations(), "grew": grew,
+                          "trimmed": trimmed, "pending_during": pending_during, "pending_after": pending_after,
+                          "closed": closed, "live": pool.stats()["live_bytes"]}}))
+    """)
+    assert out["violations"] == 0 and out["valid"] == 1, out
+    assert out["grew"] >= 1 and out["trimmed"] == 0
+    assert out["pending_during"] >= 1 << 20 and out["pending_after"] == 0
+    assert out["closed"] and out["live"] == 0
+
+
+def test_fake_driver_capture_is_invalidated_by_a_plain_alloc_outside_relaxed_mode(fakes):
+    # The fake driver's rule itself (so the test above can fail): a cuMemAlloc from a thread in
+    # global mode during a global capture is refused and invalidates the capture.
+    out = run(fakes["full"], CAPTURE_PRE + """
+        s = driver.Stream()
+        fake.fake_cuda_begin_capture(s.handle, 0)
+        fake.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+        driver.set_device(0)
+        p = ctypes.c_ulonglong()
+        r = fake.cuMemAlloc_v2(ctypes.byref(p), 4096)
+        valid = fake.fake_cuda_end_capture(s.handle)
+        print(json.dumps({"r": r, "valid": valid, "violations": fake.fake_cuda_capture_violations()}))
+    """)
+    assert out == {"r": 900, "valid": 0, "violations": 1}

@@ -25,6 +25,13 @@
  *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
  *   FAKE_CUDA_FAIL_MEM_RELEASE_AT  N: the N-th cuMemRelease call (from 1) fails (the handle leaks)
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
+ * Stream capture (a model of CUDA's rules, driven by test helpers that are not driver functions):
+ * fake_cuda_begin_capture(stream, mode) / fake_cuda_end_capture(stream) -> 1 if the capture stayed
+ * valid; cuStreamIsCapturing and cuThreadExchangeStreamCaptureMode (per-thread mode) are real.
+ * While a capture is active: cuMemAlloc, cuEventQuery and cuEventSynchronize from a thread not in
+ * relaxed mode during a global-mode capture, cuMemFree and cuCtxSynchronize in any mode, and
+ * cuEventRecord on a capturing stream invalidate every capture and return
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900); fake_cuda_capture_violations() counts them.
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
  * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
  * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
@@ -54,7 +61,7 @@ typedef unsigned long long CUdeviceptr;
 
 struct ctx { int dev; int refs; };
 struct pool { int dev; uint64_t threshold, reserved, used, reserved_high, used_high; };
-struct stream { struct ctx* ctx; };
+struct stream { struct ctx* ctx; int capturing, capture_mode, capture_valid; };
 struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -69,6 +76,52 @@ static uint64_t direct_used[MAXDEV];
 static struct ctx ctxs[MAXDEV];
 static struct pool pools[MAXDEV];
 static __thread struct ctx* current = NULL;
+static __thread int capture_mode_tls = 0;  /* CUstreamCaptureMode of this thread */
+static int captures_active = 0, capture_violations = 0;
+static struct stream* capturing_streams[16];
+
+/* A call that would invalidate active captures: returns 900 (and counts) or 0. */
+static CUresult capture_check(int synchronizes) {
+  pthread_mutex_lock(&mu);
+  CUresult r = OK;
+  if (captures_active) {
+    int global = 0;
+    for (int i = 0; i < 16; i++)
+      if (capturing_streams[i] && capturing_streams[i]->capture_mode == 0) global = 1;
+    if (synchronizes || (global && capture_mode_tls != 2)) {
+      capture_violations++;
+      for (int i = 0; i < 16; i++)
+        if (capturing_streams[i]) capturing_streams[i]->capture_valid = 0;
+      r = 900;
+    }
+  }
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+int fake_cuda_capture_violations(void) { return capture_violations; }
+int fake_cuda_begin_capture(struct stream* s, int mode) {
+  if ((uintptr_t)s <= 2) return 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < 16; i++)
+    if (!capturing_streams[i]) { capturing_streams[i] = s; break; }
+  s->capturing = 1; s->capture_mode = mode; s->capture_valid = 1; captures_active++;
+  pthread_mutex_unlock(&mu);
+  return 1;
+}
+int fake_cuda_end_capture(struct stream* s) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < 16; i++)
+    if (capturing_streams[i] == s) capturing_streams[i] = NULL;
+  int valid = s->capture_valid;
+  s->capturing = 0; captures_active--;
+  pthread_mutex_unlock(&mu);
+  return valid;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) { int prev = capture_mode_tls; capture_mode_tls = *mode; *mode = prev; return OK; }
+CUresult cuStreamIsCapturing(struct stream* s, int* status) {
+  *status = ((uintptr_t)s > 2 && s->capturing) ? (s->capture_valid ? 1 : 2) : 0;
+  return OK;
+}
 
 static void logf_(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 #include <stdarg.h>
@@ -187,6 +240,7 @@ static void run_copies(uint64_t upto) {
 int fake_cuda_pending(void) { pthread_mutex_lock(&mu); int n = (int)(cq_len - cq_done); pthread_mutex_unlock(&mu); return n; }
 
 CUresult cuCtxSynchronize(void) {
+  if (capture_check(1)) return 900;
   NEED_CTX();
   logf_("cuCtxSynchronize dev=%d", current->dev);
   pthread_mutex_lock(&mu); pool_sync(current->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
@@ -206,6 +260,7 @@ static uint64_t hdr_size(void* p) { return ((uint64_t*)((char*)p - 256))[0]; }
 static void fake_free(void* p) { free((char*)p - 256); }
 
 CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) {
+  if (capture_check(0)) return 900;
   NEED_CTX();
   int d = current->dev;
   pthread_mutex_lock(&mu);
@@ -216,6 +271,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) {
   return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (capture_check(1)) return 900;
   NEED_CTX();
   if (!p) return E_INVALID_VALUE;
   int d = (int)((uint64_t*)((char*)(uintptr_t)p - 256))[1];
@@ -296,7 +352,7 @@ CUresult cuMemPoolTrimTo(struct pool* p, size_t keep) {
 
 CUresult cuStreamCreate(struct stream** s, unsigned flags) {
   (void)flags; NEED_CTX();
-  *s = malloc(sizeof **s);
+  *s = calloc(1, sizeof **s);
   (*s)->ctx = current;
   return OK;
 }
@@ -321,6 +377,10 @@ CUresult cuEventCreate(struct event** e, unsigned flags) {
 }
 CUresult cuEventDestroy_v2(struct event* e) { free(e); return OK; }
 CUresult cuEventRecord(struct event* e, struct stream* s) {
+  if ((uintptr_t)s > 2 && s->capturing) {  /* would become a node of the graph */
+    pthread_mutex_lock(&mu); capture_violations++; s->capture_valid = 0; pthread_mutex_unlock(&mu);
+    return 900;
+  }
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   if (c != e->ctx) return E_INVALID_HANDLE;  /* event and stream must share a context */
@@ -331,6 +391,7 @@ CUresult cuEventRecord(struct event* e, struct stream* s) {
   return fail ? E_INVALID_VALUE : OK;
 }
 CUresult cuEventQuery(struct event* e) {
+  if (capture_check(0)) return 900;
   pthread_mutex_lock(&mu);
   CUresult r = OK;
   if (e->not_ready_left > 0) { e->not_ready_left--; r = E_NOT_READY; }
@@ -339,6 +400,7 @@ CUresult cuEventQuery(struct event* e) {
   return r;
 }
 CUresult cuEventSynchronize(struct event* e) {
+  if (capture_check(0)) return 900;
   pthread_mutex_lock(&mu); e->not_ready_left = 0; run_copies(e->upto); pthread_mutex_unlock(&mu);
   return OK;
 }
