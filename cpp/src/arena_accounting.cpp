@@ -68,6 +68,7 @@ PoolStats ArenaPool::stats_locked() {
   st.extra.emplace_back("thread_cache_frees", fast_frees);
   st.extra.emplace_back("thread_caches", caches_.size());
   st.extra.emplace_back("cache_flushes", cache_flushes_);
+  st.extra.emplace_back("caches_reclaimed", caches_reclaimed_);
   st.extra.emplace_back("slow_allocations", slow_allocs_);
   st.extra.emplace_back("slow_deallocations", slow_frees_);
   st.extra.emplace_back("nowait_allocations", nowait_allocs_);
