@@ -663,3 +663,69 @@ def test_fake_driver_capture_is_invalidated_by_a_plain_alloc_outside_relaxed_mod
         print(json.dumps({"r": r, "valid": valid, "violations": fake.fake_cuda_capture_violations()}))
     """)
     assert out == {"r": 900, "valid": 0, "violations": 1}
+
+
+# ---- issue 16: dead streams (item 14) and CudaAsync's stream/device check (item 16) ----
+
+@pytest.mark.parametrize("kind", ["arena", "size_class"])
+def test_destroyed_stream_does_not_wedge_the_pool_on_the_cuda_driver(fakes, kind):
+    """Allocate on a temporary stream, destroy it, free on its dead handle. Before the fix every
+    settling pass recorded an event on the handle and raised UpstreamError INVALID_HANDLE for good:
+    process_pending, synchronize and close, and a healthy stream's pending bytes were never
+    reclaimed either."""
+    out = run(fakes["full"], f"""
+        up = pk.upstream.CudaDevice()
+        pool = pk.make_pool("{kind}", up)
+        good = driver.Stream()
+        tmp = driver.Stream()
+        p = pool.allocate(1 << 20, stream=tmp)
+        q = pool.allocate(1 << 20, stream=good)
+        h = tmp.handle
+        tmp.close()                          # cuStreamDestroy: the handle is dead from here on
+        pool.deallocate(p, stream=h)
+        pool.deallocate(q, stream=good)
+        errs = []
+        for step in (pool.process_pending, pool.synchronize):
+            try:
+                step()
+            except pk.errors.UpstreamError as e:
+                errs.append(str(e))
+        st = pool.stats()
+        pool.validate()
+        r = pool.allocate(1 << 20, stream=good); pool.deallocate(r, stream=good)
+        pool.synchronize()
+        print(json.dumps({{"errs": errs, "pending": st["pending_bytes"], "dead": st["dead_stream_settles"],
+                          "in_use": up.events_in_use}}))
+        pool.close()
+        good.close()
+    """, FAKE_CUDA_EVENT_NOT_READY=1)
+    assert out["errs"] == []
+    assert out["pending"] == 0
+    assert out["dead"] >= 1
+    assert out["in_use"] == 0
+
+
+def test_cuda_async_refuses_a_stream_of_another_device(fakes):
+    """Before the fix CudaAsync(device=1, stream=<a stream of device 0>) was accepted: its memory
+    came from device 0's pool while h.device said 1, and device 1 was warmed instead."""
+    out = run(fakes["full"], """
+        s0 = driver.Stream(device=0)
+        s1 = driver.Stream(device=1)
+        try:
+            pk.upstream.CudaAsync(device=1, stream=s0)
+            err = None
+        except pk.errors.InvalidArgumentError as e:
+            err = str(e)
+        ok = pk.upstream.CudaAsync(device=1, stream=s1)   # its own device's stream: fine
+        p = ok.allocate(4096); ok.deallocate(p, 4096)
+        dead = driver.Stream(device=0); h = dead.handle; dead.close()
+        try:
+            pk.upstream.CudaAsync(device=0, stream=h)
+            dead_err = None
+        except pk.errors.InvalidArgumentError as e:
+            dead_err = str(e)
+        print(json.dumps({"err": err, "dead_err": dead_err, "dev": ok.device}))
+    """, FAKE_CUDA_DEVICES=2)
+    assert out["err"] and "belongs to device 0" in out["err"]
+    assert out["dead_err"] and "not a usable stream" in out["dead_err"]
+    assert out["dev"] == 1

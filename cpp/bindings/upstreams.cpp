@@ -109,6 +109,11 @@ void bind_upstreams(nb::module_& m) {
           "latency"_a = nb::none(), "latency_us"_a = nb::none(), "capacity"_a = nb::none(), "alignment"_a = 256)
       .def("stream", &SimulatedUpstream::new_stream, "A new simulated stream (an int handle).")
       .def(
+          "destroy_stream", [](SimulatedUpstream& u, nb::handle s) { u.destroy_stream(parse_stream(s)); }, "stream"_a,
+          "Destroy a stream, as cuStreamDestroy: its enqueued work still completes, but recording an event on it "
+          "fails with CUDA_ERROR_INVALID_HANDLE from now on.")
+      .def_prop_ro("events_recorded", &SimulatedUpstream::events_recorded, "Events recorded so far (all streams).")
+      .def(
           "enqueue", [](SimulatedUpstream& u, nb::handle s, double us) { u.enqueue(parse_stream(s), us); }, "stream"_a.none(),
           "work_us"_a, "Enqueue work_us of device work on stream.")
       .def("advance", &SimulatedUpstream::advance, "us"_a, "Move the virtual clock forward.")

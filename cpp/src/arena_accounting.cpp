@@ -68,12 +68,17 @@ PoolStats ArenaPool::stats_locked() {
   st.extra.emplace_back("thread_cache_frees", fast_frees);
   st.extra.emplace_back("thread_caches", caches_.size());
   st.extra.emplace_back("cache_flushes", cache_flushes_);
+  st.extra.emplace_back("caches_reclaimed", caches_reclaimed_);
   st.extra.emplace_back("slow_allocations", slow_allocs_);
   st.extra.emplace_back("slow_deallocations", slow_frees_);
   st.extra.emplace_back("nowait_allocations", nowait_allocs_);
   st.extra.emplace_back("nowait_deallocations", nowait_frees_);
   st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
   st.extra.emplace_back("fences_recorded", order_.fences_recorded());
+  st.extra.emplace_back("fences_outstanding", order_.fences_outstanding());
+  st.extra.emplace_back("stream_lanes", order_.lanes());
+  st.extra.emplace_back("stream_lanes_retired", order_.lanes_retired());
+  st.extra.emplace_back("dead_stream_settles", order_.dead_stream_settles());
   st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
   st.extra.emplace_back("oom_retries", oom_retries_);
   st.extra.emplace_back("tree_chunks", index_.tree_size());

@@ -67,7 +67,7 @@ ArenaPool::~ArenaPool() {
   {
     std::lock_guard<std::mutex> g(mu_);
     try {
-      for (auto& tc : caches_) flush_cache_locked(tc.get());
+      reclaim_caches_locked();
       drain_locked(true);
       coalesce_locked();
     } catch (...) {
@@ -521,8 +521,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   std::unique_lock<std::mutex> g(mu_);
   check_open();
   ++slow_allocs_;
-  ThreadCache* tc = cache_enabled_ ? cache_locked() : nullptr;
-  if (tc && tc->flush_requested.load(std::memory_order_relaxed)) flush_cache_locked(tc);
+  if (cache_enabled_) cache_locked();
   // No shrink tick here: a scan inside an allocation could return the very backing that would
   // have served it (then grow again). Scans run on locked releases, when backings become free.
 
@@ -534,8 +533,8 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
     if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
   if (c) return carve_locked(c, rounded, nbytes, s);
 
-  // Grow; on failure recover what can be recovered (ask other threads to flush, return wholly
-  // free backings) and try once more before explaining the failure.
+  // Grow; on failure recover what can be recovered (every thread's cache, completed releases,
+  // wholly free backings) and try once more before explaining the failure.
   std::string upstream_error;
   for (int attempt = 0; attempt < 2; ++attempt) {
     try {
@@ -546,8 +545,12 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
     }
     if (attempt == 1) break;
     ++oom_retries_;
-    for (auto& other : caches_)
-      if (other.get() != tc) other->flush_requested.store(true, std::memory_order_relaxed);
+    // Other threads' caches are emptied now, not when their owners next run: an idle thread's
+    // cache once held 1.88 MiB of a 2 MiB limit while this request failed as "fragmentation".
+    if (reclaim_caches_locked()) {
+      settle_locked();  // the reclaimed blocks merge with their free neighbours
+      if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
+    }
     // Expandable: the only free memory that could be given back is the free tail, which the
     // failed growth was about to extend -- unmapping it would only make the next map larger.
     if (!vm_) release_free_backings_locked(detached, false);
@@ -561,7 +564,9 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
   const std::size_t pending_total = f.pending;
-  if (pending_total && pending_total + f.free >= rounded && f.largest_free < rounded) f.cause = "pending";
+  if (f.thread_cached && f.free >= rounded && f.free - f.thread_cached < rounded && f.largest_free < rounded)
+    f.cause = "thread_cache";  // refilled by their owners since the reclaim above
+  else if (pending_total && pending_total + f.free >= rounded && f.largest_free < rounded) f.cause = "pending";
   else if (f.free >= rounded && f.largest_free < rounded) f.cause = "fragmentation";
   else if (opt_.limit && reserved_ + rounded > opt_.limit) f.cause = "limit";
   else f.cause = "upstream";
@@ -602,8 +607,7 @@ void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
-  ThreadCache* tc = cache_enabled_ ? cache_locked() : nullptr;
-  if (tc && tc->flush_requested.load(std::memory_order_relaxed)) flush_cache_locked(tc);
+  if (cache_enabled_) cache_locked();
   void* r = reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s);
   if (r) ++slow_allocs_, ++nowait_allocs_;  // a refusal is counted by the blocking path, once
   return r;
@@ -635,9 +639,6 @@ void ArenaPool::deallocate(void* p, Stream s) {
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
-  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr;
-      tc && tc->flush_requested.load(std::memory_order_relaxed))
-    flush_cache_locked(tc);
   // First the step that can throw (recording events): if it does, the block is still live and
   // nothing was counted, so the caller's error leaves the pool as it was.
   if (s != kNoStream) order_.defer(c, s);
@@ -724,7 +725,9 @@ std::size_t ArenaPool::process_pending() {
 
 void ArenaPool::synchronize() {
   std::lock_guard<std::mutex> g(mu_);
-  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) flush_cache_locked(tc);
+  // Every thread's cache: stream-tagged blocks in an idle thread's cache are pending too, and
+  // "nothing stays pending" must hold whoever freed them.
+  reclaim_caches_locked();
   drain_locked(true);
 }
 
@@ -734,6 +737,7 @@ std::size_t ArenaPool::trim() {
   {
     std::lock_guard<std::mutex> g(mu_);
     check_open();
+    reclaim_caches_locked();  // an idle thread's cached blocks would keep their backings alive
     settle_locked();
     bytes = release_free_backings_locked(d, false);
   }
@@ -776,8 +780,7 @@ void ArenaPool::close() {
                                   " still live; free them first",
                               static_cast<std::size_t>(blocks), static_cast<std::size_t>(live), sample);
     }
-    // Every other thread's cache is idle by contract (close needs quiescence): take them back.
-    for (auto& tc : caches_) flush_cache_locked(tc.get());
+    reclaim_caches_locked();
     drain_locked(true);
     coalesce_locked();  // nothing is live, cached or pending now: each backing merges to one chunk
     for (auto& tc : caches_) fold_cache_locked(tc.get());

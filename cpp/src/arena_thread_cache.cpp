@@ -81,6 +81,11 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (!cache_enabled_ || nbytes - 1 >= opt_.thread_cache_max_block) return nullptr;  // 0 wraps: refused
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
+  if (!tc->try_enter()) return nullptr;  // a reclaim is emptying this cache: the locked path serves
+  struct Leave {
+    ThreadCache* tc;
+    ~Leave() { tc->leave(); }
+  } leave{tc};
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   ThreadCache::Bin* hit = &tc->bins[tc->hint];
   if (!(hit->count && hit->size == rounded && hit->stream == s)) {
@@ -125,8 +130,12 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
 bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   if (!cache_enabled_) return false;
   ThreadCache* tc = detail::tls_find_cache(id_);
-  if (!tc || closed_.load(std::memory_order_relaxed) || tc->flush_requested.load(std::memory_order_relaxed))
-    return false;
+  if (!tc || closed_.load(std::memory_order_relaxed)) return false;
+  if (!tc->try_enter()) return false;  // a reclaim is emptying this cache: the locked path serves
+  struct Leave {
+    ThreadCache* tc;
+    ~Leave() { tc->leave(); }
+  } leave{tc};
   ArenaChunk* c = nullptr;
   if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c)) return false;  // the locked path explains
   if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
@@ -205,8 +214,31 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
   tc->add(tc->cached_pending, -pending);
   tc->end();
   tc->bytes = 0;
-  tc->flush_requested.store(false, std::memory_order_relaxed);
   ++cache_flushes_;
+}
+
+// Every cache's blocks back into the pool now, the idle threads' included: they may never run
+// again, and their bytes must not be missing from an allocation, synchronize() or trim().
+std::size_t ArenaPool::reclaim_caches_locked() {
+  if (!cache_enabled_) return 0;
+  ThreadCache* own = detail::tls_find_cache(id_);
+  std::size_t bytes = 0;
+  for (auto& p : caches_) {
+    ThreadCache* tc = p.get();
+    if (tc == own) {  // this thread's fast paths are not running: no exclusion needed
+      bytes += tc->bytes;
+      if (tc->bytes) flush_cache_locked(tc);
+      continue;
+    }
+    tc->enter();
+    if (tc->bytes) {
+      bytes += tc->bytes;
+      flush_cache_locked(tc);
+      ++caches_reclaimed_;
+    }
+    tc->leave();
+  }
+  return bytes;
 }
 
 // Move a cache's balances into the pool's own counters (its owner is gone or idle).

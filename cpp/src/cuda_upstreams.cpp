@@ -165,6 +165,23 @@ CudaAsyncUpstream::CudaAsyncUpstream(int device, Stream stream, bool warm)
   if (!cuda::device_info(device).memory_pools_supported)
     throw CudaUnavailable("CudaAsync: device " + std::to_string(device) +
                           " does not support memory pools (cuMemAllocAsync)");
+  if (stream_ > CU_STREAM_PER_THREAD) {
+    // An explicit stream names its own context: cuMemAllocAsync would draw from that device's pool
+    // whatever `device` says (and warm the wrong one), so a stream of another device is refused.
+    int on = -1;
+    try {
+      cuda::ScopedContext in_stream_ctx = cuda::ScopedContext::for_stream(static_cast<std::uintptr_t>(stream_));
+      on = cuda::current_device();
+    } catch (const UpstreamFailure& e) {
+      throw InvalidArgument("CudaAsync(device=" + std::to_string(device) + "): stream " + format_stream(stream_) +
+                            " is not a usable stream handle: " + e.what());
+    }
+    if (on != device)
+      throw InvalidArgument("CudaAsync(device=" + std::to_string(device) + "): stream " + format_stream(stream_) +
+                            " belongs to device " + std::to_string(on) + "; its allocations would come from device " +
+                            std::to_string(on) + "'s memory pool. Pass a stream of device " + std::to_string(device) +
+                            " (or device=" + std::to_string(on) + ")");
+  }
   if (warm) warm_ = std::make_unique<WarmPoolHandle>(WarmPoolManager::global(), device);
 }
 

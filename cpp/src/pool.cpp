@@ -81,6 +81,11 @@ void Pool::throw_oom(OomFigures f) {
     if (f.pending_by_stream.size() > 1) d << " and " << f.pending_by_stream.size() - 1 << " other stream(s)";
     d << " until its event completes; synchronize the stream or free with stream=None once its work is done ("
       << format_bytes(f.free) << " free, largest " << format_bytes(f.largest_free) << ")";
+  } else if (f.cause == "thread_cache") {
+    d << format_bytes(f.thread_cached) << " of the " << format_bytes(f.free)
+      << " free sit in other threads' caches, refilled since they were reclaimed (largest free block outside them "
+      << format_bytes(f.largest_free) << ", " << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live)
+      << " live); retry, or lower thread_cache_bytes";
   } else if (f.cause == "fragmentation") {
     d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks but the largest is "
       << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings (" << format_bytes(f.reserved)

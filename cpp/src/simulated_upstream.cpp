@@ -169,6 +169,24 @@ Stream SimulatedUpstream::new_stream() {
   return s;
 }
 
+void SimulatedUpstream::destroy_stream(Stream s) {
+  if (s == kNoStream || s == 0) throw InvalidArgument("destroy_stream: the default stream cannot be destroyed");
+  std::lock_guard<std::mutex> g(mu_);
+  if (!destroyed_.insert(s).second) throw InvalidArgument("destroy_stream: stream " + format_stream(s) + " is already destroyed");
+  if (s >= next_stream_) next_stream_ = s + 1;  // new_stream() never hands a dead id out again
+}
+
+std::uint64_t SimulatedUpstream::events_recorded() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return events_recorded_;
+}
+
+static void dead_stream(Stream s, const char* what) {
+  throw UpstreamFailure(std::string("simulated device: ") + what + " on destroyed stream " + format_stream(s) +
+                            ": CUDA_ERROR_INVALID_HANDLE (invalid resource handle)",
+                        "Simulated", "CUDA_ERROR_INVALID_HANDLE", 400);
+}
+
 double SimulatedUpstream::busy_locked(Stream s) const {
   auto it = busy_.find(s);
   return it == busy_.end() ? 0.0 : it->second;
@@ -177,6 +195,7 @@ double SimulatedUpstream::busy_locked(Stream s) const {
 void SimulatedUpstream::enqueue(Stream s, double work_us) {
   if (work_us < 0) throw InvalidArgument("enqueue: work_us must be >= 0");
   std::lock_guard<std::mutex> g(mu_);
+  if (destroyed_.count(s)) dead_stream(s, "enqueue");
   busy_[s] = std::max(busy_locked(s), now_) + work_us;
 }
 
@@ -203,11 +222,13 @@ std::size_t SimulatedUpstream::live_events() const {
 
 EventId SimulatedUpstream::record_event(Stream s) {
   std::lock_guard<std::mutex> g(mu_);
+  if (destroyed_.count(s)) dead_stream(s, "event record");
   if (auto it = captures_.find(s); it != captures_.end()) {
     ++capture_violations_;
     last_violation_ = "record_event on capturing stream " + format_stream(s);
     for (auto& [cs, c] : captures_) c.valid = false;
   }
+  ++events_recorded_;
   const double t = std::max(busy_locked(s), now_);
   if (!free_events_.empty()) {
     const EventId e = free_events_.back();

@@ -373,6 +373,10 @@ PoolStats SizeClassPool::stats() {
   st.extra.emplace_back("released_blocks", released_blocks_);
   st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
   st.extra.emplace_back("fences_recorded", order_.fences_recorded());
+  st.extra.emplace_back("fences_outstanding", order_.fences_outstanding());
+  st.extra.emplace_back("stream_lanes", order_.lanes());
+  st.extra.emplace_back("stream_lanes_retired", order_.lanes_retired());
+  st.extra.emplace_back("dead_stream_settles", order_.dead_stream_settles());
   st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
   st.extra.emplace_back("oom_retries", oom_retries_);
   st.extra.emplace_back("table_capacity", table_.capacity());

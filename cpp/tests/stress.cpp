@@ -8,7 +8,10 @@
 // its first and last 64 bytes, checked when the block changes hands and when it is freed: a pool
 // that hands one byte to two owners fails here. On the simulated upstream (fake addresses) the
 // threads also drive virtual streams: allocate/free on streams, record_stream, enqueue work,
-// advance the clock, process_pending and synchronize.
+// advance the clock, process_pending and synchronize, and use short-lived streams destroyed
+// before their blocks are freed (the dead-handle settle path). synchronize() and trim() from one
+// thread reclaim every other thread's cache while those threads run their lock-free cache paths
+// (the cross-thread reclaim of ArenaPool's thread caches).
 //
 // Between phases every thread waits at a barrier; at that quiescent point one thread runs
 // validate(), checks stats() against what the threads hold (live blocks and bytes), checks that
@@ -60,7 +63,7 @@ void fail(const std::string& what) {
 
 struct Counts {
   std::atomic<std::uint64_t> ops{0}, allocs{0}, frees{0}, handoffs{0}, cross_frees{0}, stream_ops{0}, probes{0},
-      trims{0}, stats_checks{0}, snapshots{0}, validations{0}, cookies_checked{0};
+      trims{0}, stats_checks{0}, snapshots{0}, validations{0}, cookies_checked{0}, reclaims{0}, dead_streams{0};
 };
 Counts g_counts;
 
@@ -368,18 +371,32 @@ class Run {
       g_counts.stream_ops.fetch_add(1, std::memory_order_relaxed);
       return;
     }
+    if (r < 935 && sim_) {  // a stream destroyed with work queued, its block freed on the dead handle
+      const Stream t = sim_->new_stream();
+      void* p = pool_alloc(*pool_, 256 + rng() % (64 << 10), t);
+      sim_->enqueue(t, double(rng() % 50));
+      sim_->destroy_stream(t);
+      pool_free(*pool_, p, t);
+      if (rng() % 2) pool_->process_pending();
+      g_counts.dead_streams.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
     if (r < 950 && sim_) {
       const Stream s = streams_[rng() % streams_.size()];
       sim_->enqueue(s, double(rng() % 50));
       sim_->advance(double(rng() % 40));
       if (rng() % 2) pool_->process_pending();
-      else if (rng() % 8 == 0) pool_->synchronize();
+      else if (rng() % 4 == 0) {
+        pool_->synchronize();  // reclaims every other thread's cache, mid-traffic
+        g_counts.reclaims.fetch_add(1, std::memory_order_relaxed);
+      }
       g_counts.stream_ops.fetch_add(1, std::memory_order_relaxed);
       return;
     }
     if (r < 965) {
-      pool_->trim();
+      pool_->trim();  // reclaims every other thread's cache, mid-traffic
       g_counts.trims.fetch_add(1, std::memory_order_relaxed);
+      g_counts.reclaims.fetch_add(1, std::memory_order_relaxed);
       return;
     }
     if (r < 990) {
@@ -650,8 +667,8 @@ int main(int argc, char** argv) {
   std::printf(
       "stress: scenario=%s pools=%d threads=%d seed=%llu operations=%llu (allocations=%llu frees=%llu "
       "cross-thread frees=%llu hand-offs=%llu stream ops=%llu bad-pointer probes=%llu trims=%llu "
-      "concurrent stats checks=%llu snapshots=%llu cookies checked=%llu validations=%llu) known-issue skips=%llu "
-      "failures=%llu\n",
+      "concurrent stats checks=%llu snapshots=%llu cookies checked=%llu validations=%llu cache reclaims=%llu "
+      "dead streams=%llu) known-issue skips=%llu failures=%llu\n",
       o.scenario.c_str(), ran, o.threads, static_cast<unsigned long long>(o.seed),
       static_cast<unsigned long long>(k.ops.load()), static_cast<unsigned long long>(k.allocs.load()),
       static_cast<unsigned long long>(k.frees.load()), static_cast<unsigned long long>(k.cross_frees.load()),
@@ -659,6 +676,7 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(k.probes.load()), static_cast<unsigned long long>(k.trims.load()),
       static_cast<unsigned long long>(k.stats_checks.load()), static_cast<unsigned long long>(k.snapshots.load()),
       static_cast<unsigned long long>(k.cookies_checked.load()), static_cast<unsigned long long>(k.validations.load()),
+      static_cast<unsigned long long>(k.reclaims.load()), static_cast<unsigned long long>(k.dead_streams.load()),
       static_cast<unsigned long long>(g_known.load()), static_cast<unsigned long long>(g_failures.load()));
   return g_failures.load() ? 1 : 0;
 }

@@ -53,7 +53,7 @@ class OutOfMemoryError(PoolkeeperError, MemoryError):
 
     Attributes: ``requested``, ``reserved``, ``live``, ``free``, ``largest_free``, ``free_chunks``,
     ``pending``, ``pending_by_stream`` ({stream: bytes}), ``thread_cached``, ``limit`` (or None),
-    ``cause`` (``"fragmentation"``, ``"pending"``, ``"limit"`` or ``"upstream"``), ``pool``,
+    ``cause`` (``"fragmentation"``, ``"pending"``, ``"thread_cache"``, ``"limit"`` or ``"upstream"``), ``pool``,
     ``upstream``, ``upstream_error``. ``str(err)`` is the one-line diagnosis.
     """
 

@@ -32,6 +32,9 @@
  * relaxed mode during a global-mode capture, cuMemFree and cuCtxSynchronize in any mode, and
  * cuEventRecord on a capturing stream invalidate every capture and return
  * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900); fake_cuda_capture_violations() counts them.
+ * Destroyed streams: cuStreamDestroy keeps the handle's memory but marks it dead, so a later call
+ * naming it answers CUDA_ERROR_INVALID_HANDLE, as the real driver typically does for a stale handle
+ * (instead of reading freed memory).
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
  * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
  * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
@@ -61,7 +64,7 @@ typedef unsigned long long CUdeviceptr;
 
 struct ctx { int dev; int refs; };
 struct pool { int dev; uint64_t threshold, reserved, used, reserved_high, used_high; };
-struct stream { struct ctx* ctx; int capturing, capture_mode, capture_valid; };
+struct stream { struct ctx* ctx; int dead; int capturing, capture_mode, capture_valid; };
 struct event { struct ctx* ctx; int not_ready_left; uint64_t upto; };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -283,10 +286,12 @@ CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) { (void)flags; NEED_
 CUresult cuMemFreeHost(void* p) { NEED_CTX(); fake_free(p); return OK; }
 
 static struct ctx* stream_ctx(struct stream* s) { return (uintptr_t)s <= 2 ? current : s->ctx; }
+static int stream_dead(struct stream* s) { return (uintptr_t)s > 2 && s->dead; }
 
 #ifndef FAKE_NO_POOL_API  /* build with -DFAKE_NO_POOL_API to mimic a pre-11.2 driver */
 /* As documented: an explicit stream names its context; only the default stream needs a current one. */
 CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   struct pool* p = &pools[c->dev];
@@ -304,6 +309,7 @@ CUresult cuMemAllocAsync(CUdeviceptr* out, size_t n, struct stream* s) {
   return OK;
 }
 CUresult cuMemFreeAsync(CUdeviceptr ptr, struct stream* s) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
   if (!stream_ctx(s)) return E_INVALID_CONTEXT;
   void* h = (void*)(uintptr_t)ptr;
   int d = (int)((uint64_t*)((char*)h - 256))[1];
@@ -356,13 +362,19 @@ CUresult cuStreamCreate(struct stream** s, unsigned flags) {
   (*s)->ctx = current;
   return OK;
 }
-CUresult cuStreamDestroy_v2(struct stream* s) { if ((uintptr_t)s > 2) free(s); return OK; }
+CUresult cuStreamDestroy_v2(struct stream* s) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
+  if ((uintptr_t)s > 2) s->dead = 1;  /* kept allocated: a stale handle is answered, not read after free */
+  return OK;
+}
 CUresult cuStreamGetCtx(struct stream* s, struct ctx** c) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
   if ((uintptr_t)s <= 2) { if (!current) return E_INVALID_CONTEXT; *c = current; return OK; }
   *c = s->ctx;
   return OK;
 }
 CUresult cuStreamSynchronize(struct stream* s) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
   struct ctx* c = stream_ctx(s);
   if (!c) return E_INVALID_CONTEXT;
   pthread_mutex_lock(&mu); pool_sync(c->dev); run_copies(cq_len); pthread_mutex_unlock(&mu);
@@ -377,6 +389,7 @@ CUresult cuEventCreate(struct event** e, unsigned flags) {
 }
 CUresult cuEventDestroy_v2(struct event* e) { free(e); return OK; }
 CUresult cuEventRecord(struct event* e, struct stream* s) {
+  if (stream_dead(s)) return E_INVALID_HANDLE;
   if ((uintptr_t)s > 2 && s->capturing) {  /* would become a node of the graph */
     pthread_mutex_lock(&mu); capture_violations++; s->capture_valid = 0; pthread_mutex_unlock(&mu);
     return 900;

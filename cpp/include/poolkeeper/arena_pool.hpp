@@ -113,6 +113,7 @@ class ArenaPool final : public Pool {
   struct LimitHit {};
   detail::ThreadCache* cache_locked();
   void flush_cache_locked(detail::ThreadCache* tc);
+  std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
   detail::ArenaChunk* split_locked(detail::ArenaChunk* c, std::size_t rounded);
@@ -165,7 +166,7 @@ class ArenaPool final : public Pool {
   std::vector<std::size_t> pieces_;      // mapped pieces, in address order from va_base_
   std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
-                backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0,
+                backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
                 slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
   // Locked operations served by the non-blocking path (the caller kept the GIL); also counted slow.

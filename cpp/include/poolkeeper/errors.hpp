@@ -82,7 +82,7 @@ struct OomFigures {
   std::size_t requested = 0, reserved = 0, live = 0, free = 0, largest_free = 0, pending = 0;
   std::size_t free_chunks = 0, limit = 0, thread_cached = 0;
   std::vector<std::pair<Stream, std::size_t>> pending_by_stream;
-  std::string pool, upstream, cause;  // cause: fragmentation | pending | limit | upstream
+  std::string pool, upstream, cause;  // cause: fragmentation | pending | thread_cache | limit | upstream
   std::string upstream_error;         // the upstream's own error text when it refused
 };
 

@@ -12,6 +12,10 @@
 //   makes stream s busy until max(now, busy(s)) + work; an event recorded on s completes when the
 //   clock reaches the busy time of s at recording; advance() moves the clock; synchronize() jumps
 //   it to the end of all enqueued work. Any stream id may be used; unknown ids are idle streams.
+//   destroy_stream(s) models cuStreamDestroy: work already enqueued on s still completes (the
+//   clock and synchronize() still see it), but recording an event on s or enqueueing on it fails
+//   with UpstreamFailure CUDA_ERROR_INVALID_HANDLE, as the driver answers for a dead handle. A
+//   later new_stream() never returns a destroyed id.
 // - Virtual memory (supports_virtual()): reserve() takes a 2 MiB-aligned range from the same fake
 //   address space (it costs nothing and counts against no capacity); map()/unmap() of
 //   granule-aligned pieces inside it count against the capacity like allocations, and every
@@ -34,6 +38,7 @@
 #include <string>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "poolkeeper/upstream.hpp"
@@ -66,6 +71,8 @@ class SimulatedUpstream final : public Upstream {
 
   // --- the virtual device ---
   Stream new_stream();
+  void destroy_stream(Stream s);  // InvalidArgument for the default stream 0 or kNoStream
+  std::uint64_t events_recorded() const;
   void enqueue(Stream s, double work_us);
   void advance(double us);
   double now() const;
@@ -115,6 +122,8 @@ class SimulatedUpstream final : public Upstream {
   double now_ = 0;
   Stream next_stream_ = 1;
   std::unordered_map<Stream, double> busy_;
+  std::unordered_set<Stream> destroyed_;
+  std::uint64_t events_recorded_ = 0;
   std::vector<double> event_time_;  // index = id - 1; <0 = released
   std::vector<EventId> free_events_;
   struct Capture {

@@ -13,23 +13,44 @@
 // one event per pressure pass. Fences complete in lane order, so draining a lane stops at the
 // first fence that has not completed.
 //
-// A block whose release must wait on several streams -- record_stream streams, or its allocating
-// stream when released on another one -- gets its events recorded at release time, one per
-// stream, and waits on a separate list until all have completed.
+// One fence per lane at a time: while a lane's fence is outstanding (a stream lagging behind),
+// settling passes only query it; when it completes, the blocks it covers are settled and one new
+// fence is recorded for the releases made since. A lagging stream so holds one event, however
+// many passes run (recording a fresh event at every pass once cost 20,000 live events).
+//
+// Lanes are retired when empty: one with no pending block and no fence is dropped after
+// kIdlePasses settling passes found it idle (at once when it belongs to a destroyed stream), and
+// creating a lane sweeps idle ones whenever the lane count doubles. Lanes are found through a hash
+// index, so a pool that has seen 40,000 streams costs what its busy streams cost.
+//
+// Dead streams: recording an event on a destroyed stream fails with CUDA_ERROR_INVALID_HANDLE.
+// The stream's work then cannot be fenced, but it still runs to completion on the device, so the
+// order synchronizes the upstream's device once (Upstream::synchronize) and treats every release
+// on that stream as done. A release on several streams does the same for each dead one. Any other
+// failure to record leaves that lane's blocks pending and is rethrown only after every other lane
+// was settled, so one bad stream never blocks the rest.
 //
 // CUDA-graph capture (capture.hpp): no event is ever recorded on a stream that is being captured.
 // A lane whose stream is capturing is not fenced (its blocks stay pending, reusable at once on
 // that stream, which is exactly the graph's own order); a multi-stream release touching a
 // capturing stream waits, with no events, on a list of its own until no stream it names is
 // capturing, and only then records its events (PyTorch's allocator defers the same way). Every
-// driver call here runs with the thread in relaxed capture mode.
+// driver call here runs with the thread in relaxed capture mode, and a dead stream found while a
+// capture scope is open is not settled by a device synchronize (that would invalidate the
+// capture): its releases wait for the scope to end.
+//
+// A block whose release must wait on several streams -- record_stream streams, or its allocating
+// stream when released on another one -- gets its events recorded at release time, one per
+// stream, and waits on a separate list until all have completed.
 //
 // Not thread-safe: every member runs under the owning pool's lock.
 #pragma once
 #include <atomic>
 #include <cstdint>
-#include <deque>
+#include <exception>
 #include <map>
+#include <memory>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -69,10 +90,6 @@ struct BlockRecord {
 class StreamOrder {
   static constexpr std::uint32_t kMultiLane = 0xffffffffu;
   static constexpr std::uint32_t kCaptureLane = 0xfffffffeu;  // waits for a capture to end
-  struct Fence {
-    EventId event;
-    std::uint64_t last_seq;
-  };
   struct List {
     BlockRecord* head = nullptr;
     BlockRecord* tail = nullptr;
@@ -82,9 +99,15 @@ class StreamOrder {
     BlockRecord* head = nullptr;  // FIFO in release order
     BlockRecord* tail = nullptr;
     std::size_t bytes = 0, blocks = 0;
-    std::uint64_t next_seq = 1, fenced_seq = 0, completed_seq = 0;  // releases up to completed_seq are safe
-    std::deque<Fence> fences;
+    std::uint64_t next_seq = 1, completed_seq = 0;  // releases up to completed_seq are safe
+    bool fenced = false;          // a fence is outstanding: `fence`, covering releases up to fence_seq
+    EventId fence = kNullEvent;
+    std::uint64_t fence_seq = 0;
+    std::uint32_t slot = 0;       // index in slots_ (what BlockRecord::lane holds)
+    std::uint32_t live_pos = 0;   // index in live_
+    std::uint32_t idle_passes = 0;
     std::map<std::size_t, List> by_size;  // same-stream reuse: exact size, or best fit to split
+    bool idle() const { return !head && !fenced; }
   };
 
  public:
@@ -130,7 +153,7 @@ class StreamOrder {
   void absorb(BlockRecord* keep, BlockRecord* gone);
   // The stream whose lane holds b, or kNoStream when b waits on several streams.
   Stream lane_stream(const BlockRecord* b) const {
-    return b->lane >= kCaptureLane ? kNoStream : lanes_[b->lane].stream;
+    return b->lane >= kCaptureLane ? kNoStream : slots_[b->lane]->stream;
   }
   // Releases waiting for a capture to end before their events can be recorded.
   std::size_t capture_deferred_blocks() const { return capture_blocks_; }
@@ -142,6 +165,15 @@ class StreamOrder {
   void describe(const BlockRecord* b, std::vector<Stream>& waits_on, EventId& event) const;
   std::uint64_t fences_recorded() const { return fences_recorded_; }
   std::uint64_t same_stream_reuses() const { return same_stream_reuses_; }
+  // Lanes alive now, lanes retired so far, fences outstanding now (at most one per lane), and
+  // releases settled because their stream was gone (see "Dead streams" above).
+  std::size_t lanes() const { return live_.size(); }
+  std::uint64_t lanes_retired() const { return lanes_retired_; }
+  std::size_t fences_outstanding() const { return fences_outstanding_; }
+  std::uint64_t dead_stream_settles() const { return dead_stream_settles_; }
+  // Settling passes an empty lane survives before it is retired (a steady stream keeps its lane
+  // and its size index between passes; a stream that went quiet gives them back).
+  static constexpr std::uint32_t kIdlePasses = 2;
 
   // Structural self-check: list links, byte and block totals. Throws InvariantViolation.
   void validate() const;
@@ -149,6 +181,9 @@ class StreamOrder {
  private:
   void start_pending(BlockRecord* b, Stream s);  // state, links and totals of a block entering pending
   Lane& lane_for(Stream s);
+  Lane* find_lane(Stream s);
+  void retire(Lane& l);
+  void sweep_idle();
   void unlink(Lane& l, BlockRecord* b);
   void size_push(Lane& l, BlockRecord* b);
   void size_drop(Lane& l, BlockRecord* b);
@@ -158,30 +193,51 @@ class StreamOrder {
   void record_multi(BlockRecord* b, Stream s);            // the multi-stream part of defer()
   void resume_captured();                                 // capture ended: record what waited for it
   void unlink_capture(BlockRecord* b);
+  void link_capture(BlockRecord* b);
   void release_multi_events(BlockRecord* b);
+  // An event on s, or kNullEvent (complete) when s is gone: then the device was synchronized
+  // first, so the gone stream's work is done. Other failures propagate.
+  EventId record_or_settle(Stream s);
+  // Fence the lane if it has unfenced releases and no fence outstanding; false: the stream is gone
+  // (its releases were marked complete).
+  void fence_lane(Lane& l);
+  void drop_fence(Lane& l);
+  bool lane_complete(Lane& l, bool wait);  // the outstanding fence has completed (waiting if asked)
 
   Upstream* up_;
-  std::vector<Lane> lanes_;
+  std::vector<std::unique_ptr<Lane>> slots_;  // BlockRecord::lane indexes here; null = free slot
+  std::vector<std::uint32_t> free_slots_;
+  std::vector<Lane*> live_;                   // every lane, for passes over all of them
+  std::unordered_map<Stream, Lane*> index_;
+  Lane* last_ = nullptr;                      // the lane found last: a steady stream skips the hash
+  std::size_t sweep_at_ = 64;                 // lane count at which lane_for sweeps idle lanes
+  bool draining_ = false;                     // no sweep while drain() walks the lanes
   BlockRecord* multi_head_ = nullptr;
   BlockRecord* capture_head_ = nullptr;  // kCaptureLane blocks (no events yet)
   std::size_t capture_blocks_ = 0;
-  std::size_t bytes_ = 0, blocks_ = 0;
-  std::uint64_t fences_recorded_ = 0, same_stream_reuses_ = 0;
+  std::size_t bytes_ = 0, blocks_ = 0, fences_outstanding_ = 0;
+  std::uint64_t fences_recorded_ = 0, same_stream_reuses_ = 0, lanes_retired_ = 0, dead_stream_settles_ = 0;
 };
 
 template <class F>
 std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
   RelaxedCapture relaxed(*up_);
   std::size_t moved = 0;
-  if (capture_head_) resume_captured();
-  for (Lane& l : lanes_) {
-    // Never fence a capturing stream: the event would be a node of the graph, never completing
-    // for us. Its blocks wait (reusable on the stream itself) until the capture has ended.
-    if (l.tail && l.tail->pend_seq > l.fenced_seq && !up_->stream_capturing(l.stream)) {
-      l.fences.push_back({up_->record_event(l.stream), l.tail->pend_seq});
-      l.fenced_seq = l.tail->pend_seq;
-      ++fences_recorded_;
+  std::exception_ptr first_error;
+  if (capture_head_) {
+    try {
+      resume_captured();
+    } catch (...) {
+      first_error = std::current_exception();
     }
+  }
+  draining_ = true;  // on_ready may release into a new lane: no sweep may move lanes under us
+  struct Walking {
+    bool& f;
+    ~Walking() { f = false; }
+  } walking{draining_};
+  for (std::size_t i = 0; i < live_.size();) {
+    Lane& l = *live_[i];
     auto settle_completed = [&] {
       while (l.head && l.head->pend_seq <= l.completed_seq) {
         BlockRecord* b = l.head;
@@ -190,20 +246,34 @@ std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
         on_ready(b);
       }
     };
-    settle_completed();  // a split remainder may carry a position whose fence already completed
-    while (!l.fences.empty()) {
-      Fence& f = l.fences.front();
-      if (wait) up_->wait_event(f.event);
-      if (!up_->query_event(f.event)) break;
-      l.completed_seq = f.last_seq;
-      settle_completed();
-      up_->release_event(f.event);
-      l.fences.pop_front();
+    try {
+      settle_completed();  // a split remainder may carry a position whose fence already completed
+      // At most two rounds: the outstanding fence, then one covering the releases made since.
+      if (l.fenced && !l.head) drop_fence(l);  // same-stream reuse took every block it covered
+      for (int round = 0; round < 2 && l.head; ++round) {
+        fence_lane(l);
+        if (l.fenced && !lane_complete(l, wait)) break;
+        settle_completed();
+      }
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();  // the other lanes still settle
     }
+    if (l.idle() && ++l.idle_passes >= kIdlePasses) {
+      retire(l);  // moves the last live lane into position i
+      continue;
+    }
+    if (!l.idle()) l.idle_passes = 0;
+    ++i;
   }
   for (BlockRecord* b = multi_head_; b;) {
     BlockRecord* next = b->pend_next;
-    if (multi_ready(b, wait)) {
+    bool ready = false;
+    try {
+      ready = multi_ready(b, wait);
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+    if (ready) {
       release_multi_events(b);
       unlink_multi(b);
       moved += b->size;
@@ -211,17 +281,17 @@ std::size_t StreamOrder::drain(F&& on_ready, bool wait) {
     }
     b = next;
   }
+  if (first_error) std::rethrow_exception(first_error);
   return moved;
 }
 
 template <class F>
 void StreamOrder::clear(F&& on_each) {
-  for (Lane& l : lanes_) {
-    for (auto& f : l.fences) up_->release_event(f.event);
-    l.fences.clear();
-    while (l.head) {
-      BlockRecord* b = l.head;
-      unlink(l, b);
+  for (Lane* l : live_) {
+    drop_fence(*l);
+    while (l->head) {
+      BlockRecord* b = l->head;
+      unlink(*l, b);
       on_each(b);
     }
   }

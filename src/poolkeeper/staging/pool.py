@@ -13,7 +13,11 @@ Rules:
   either bound, it is freed instead (never an unbounded trade of host RAM for speed).
 - A buffer closed or garbage-collected without retire is freed, never recycled.
 - Upstream calls (``allocate``/``deallocate``, milliseconds for pinned memory) run outside the
-  pool's lock, so a slow pin does not stall other threads' reuses.
+  pool's lock, so a slow pin does not stall other threads' reuses. Each is counted as *in transit*
+  from the locked step that decides it to the locked step that books it; ``stats()`` waits until
+  nothing is in transit (new upstream calls wait while a ``stats()`` is waiting, so it is never
+  starved), which makes every ``stats()`` one consistent observation of the pool *and* its
+  upstream's counters, under any traffic.
 """
 from __future__ import annotations
 
@@ -100,6 +104,10 @@ class PinnedStagingPool:
         self._max_bytes = max_bytes
         self._gran = granularity
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._transit = 0  # upstream calls decided under the lock and not booked yet
+        self._readers = 0  # stats() calls waiting for a quiet moment
+        self._fin_open = 0  # finalizer frees begun and not finished (see _free_unretired)
         self._retained: list[tuple[int, int]] = []  # (capacity, ptr), sorted: smallest fit by bisect
         self._retained_bytes = 0
         self._peak_retained_bytes = 0
@@ -152,16 +160,27 @@ class PinnedStagingPool:
                 self._c["reuses"] += 1
                 self._lease_out(cap)
                 return StagingBuffer._new(self, ptr, cap, nbytes)
-        ptr = self._allocate(cap)
+            self._wait_readers()  # nothing changed since _drain(): waiting here is safe
+            self._begin_transit()
+        try:
+            ptr = self._allocate(cap)
+        except BaseException:
+            with self._lock:
+                self._end_transit()
+            raise
         with self._lock:
             self._c["pinned_alloc_calls"] += 1
             self._lease_out(cap)
+            self._end_transit()
         return StagingBuffer._new(self, ptr, cap, nbytes)
 
     def stats(self) -> dict:
-        """Counters and current state (one consistent observation)."""
+        """Counters and current state: one consistent observation, also while other threads use
+        the pool. ``upstream_allocations``, ``upstream_deallocations`` and
+        ``upstream_outstanding_bytes`` are the upstream's counters at the same moment (when the
+        upstream has ``counters()``)."""
         with self._lock:
-            self._drain()
+            self._quiesce()
             s: dict[str, Any] = dict(self._c)
             s.update(
                 retained_buffers=len(self._retained),
@@ -176,19 +195,38 @@ class PinnedStagingPool:
                 upstream_kind=self._upstream.kind,
                 closed=self._closed,
             )
+            counters = getattr(self._upstream, "counters", None)
+            if counters is not None:
+                c = counters()
+                s.update(upstream_allocations=c["allocations"], upstream_deallocations=c["deallocations"],
+                         upstream_outstanding_bytes=c["outstanding_bytes"])
             return s
 
     def trim(self) -> int:
         """Free every retained buffer; returns the bytes freed."""
+        return self._trim(nested=False)
+
+    def _trim(self, nested: bool) -> int:
+        # nested: the calling thread already has an upstream call in transit (OOM recovery), so it
+        # must not wait for a stats() that waits for that very call.
         with self._lock:
+            self._wait_readers(nested)
             self._drain()
             blocks, self._retained[:] = list(self._retained), []
             self._retained_bytes = 0
-        for cap, ptr in blocks:
-            self._upstream.deallocate(ptr, cap)
-        with self._lock:
-            self._c["frees"] += len(blocks)
-            self._c["freed_by_trim"] += len(blocks)
+            if not blocks:
+                return 0
+            self._begin_transit()
+        done = 0
+        try:
+            for cap, ptr in blocks:
+                self._upstream.deallocate(ptr, cap)
+                done += 1
+        finally:
+            with self._lock:
+                self._c["frees"] += done
+                self._c["freed_by_trim"] += done
+                self._end_transit()
         return sum(cap for cap, _ in blocks)
 
     def close(self) -> None:
@@ -224,7 +262,7 @@ class PinnedStagingPool:
             # Retained buffers are pinned memory too: give them back and try once more.
             with self._lock:
                 self._c["failed_allocs"] += 1
-            if not self.trim():
+            if not self._trim(nested=True):
                 raise
         try:
             return self._upstream.allocate(cap)
@@ -236,6 +274,7 @@ class PinnedStagingPool:
     def _take_back(self, ptr: int, cap: int) -> None:
         """A retire (witness already checked and consumed): retain within bounds, else free."""
         with self._lock:
+            self._wait_readers()
             self._drain()
             self._live_buffers -= 1
             self._live_bytes -= cap
@@ -250,31 +289,78 @@ class PinnedStagingPool:
                 self._peak_retained_bytes = max(self._peak_retained_bytes, self._retained_bytes)
                 return
             self._c[reason] += 1
-        self._upstream.deallocate(ptr, cap)
-        with self._lock:
-            self._c["frees"] += 1
+            self._begin_transit()
+        ok = False
+        try:
+            self._upstream.deallocate(ptr, cap)
+            ok = True
+        finally:
+            with self._lock:
+                self._c["frees"] += ok
+                self._end_transit()
 
     def _free_unretired(self, ptr: int, cap: int, how: str) -> None:
         """A lease ended without retire (``how``: "dropped" or "closed"). May run in a finalizer:
-        takes no lock."""
-        self._upstream.deallocate(ptr, cap)
-        self._events.append((how, cap))
+        takes no lock. The "begin" event lets stats() wait for the free to be booked."""
+        self._events.append(("begin", 0))
+        ok = False
+        try:
+            self._upstream.deallocate(ptr, cap)
+            ok = True
+        finally:
+            self._events.append((how, cap) if ok else ("abort", 0))
 
     def _leak_unconfirmed(self, cap: int) -> None:
         """A lease ended while a copy's completion could not be confirmed: never free under a
         possible DMA; count it instead."""
         self._events.append(("leaked", cap))
 
+    def _wait_readers(self, nested: bool = False) -> None:
+        # Under self._lock, before any change that an upstream call made outside the lock will
+        # complete: a waiting stats() goes first (waiting after the change would let it observe
+        # the change without the call).
+        while self._readers and not nested:
+            self._cv.wait()
+
+    def _begin_transit(self) -> None:
+        # Under self._lock, after _wait_readers() and with no wait since: the call is in transit.
+        self._transit += 1
+
+    def _end_transit(self) -> None:
+        # Under self._lock, once the call is booked.
+        self._transit -= 1
+        if not self._transit:
+            self._cv.notify_all()
+
+    def _quiesce(self) -> None:
+        # Under self._lock: wait until every upstream call is booked, finalizers' frees included.
+        self._readers += 1
+        try:
+            while True:
+                self._drain()
+                if not self._transit and not self._fin_open:
+                    return
+                # Finalizers cannot notify (they take no lock): poll for their "end" events.
+                self._cv.wait(0.001 if self._fin_open else None)
+        finally:
+            self._readers -= 1
+            if not self._readers:
+                self._cv.notify_all()
+
     def _drain(self) -> None:
         # Under self._lock: fold in what finalizers recorded.
         ev = self._events
         while ev:
             how, cap = ev.popleft()
+            if how in ("begin", "abort"):
+                self._fin_open += 1 if how == "begin" else -1
+                continue
             self._live_buffers -= 1
             self._live_bytes -= cap
             if how == "leaked":
                 self._c["leaked_unconfirmed"] += 1
                 continue
+            self._fin_open -= 1
             self._c["frees"] += 1
             self._c["dropped_without_retire" if how == "dropped" else "closed_without_retire"] += 1
 

@@ -7,13 +7,19 @@
 //   every fast-path operation is balanced within one cache (cached <-> live + overhead), so the
 //   sum over caches of consistent snapshots keeps reserved == live + free + pending + overhead
 //   exact without any atomic read-modify-write on the hot path.
-// - Another thread never touches the bins. It may set flush_requested (allocation pressure); the
-//   owner flushes on its next locked operation.
+// - Reclaim: another thread holding the pool's lock may empty the bins (before an out-of-memory
+//   error, in synchronize() and trim(): memory must not stay stranded in the cache of a thread
+//   that is idle and may never run again). `busy` excludes the two: the owner holds it around each
+//   lock-free fast-path operation (try_enter fails only while a reclaim runs: the owner then takes
+//   the locked path, which waits on the pool's lock), and the reclaimer spins on it for at most one
+//   fast-path operation. The owner's locked paths touch the bins only under the pool's lock, which
+//   the reclaimer holds too.
 // Lifetime: owned by the pool; the thread-exit hook returns the blocks to the pool if it is alive.
 #pragma once
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <thread>
 
 #include "poolkeeper/types.hpp"
 
@@ -57,8 +63,13 @@ class ThreadCache {
   std::atomic<std::uint64_t> hits{0}, frees{0};
   std::atomic<std::size_t> peak_live_pub{0};
 
-  // --- any thread ---
-  std::atomic<bool> flush_requested{false};
+  // --- owner (fast paths) and reclaimer (under the pool's lock) ---
+  bool try_enter() { return !busy_.exchange(true, std::memory_order_acquire); }
+  void leave() { busy_.store(false, std::memory_order_release); }
+  void enter() {  // the reclaimer: the owner leaves within one fast-path operation
+    for (unsigned spins = 0; !try_enter(); ++spins)
+      if (spins > 64) std::this_thread::yield();
+  }
 
   Counters read() const {
     Counters c;
@@ -79,6 +90,7 @@ class ThreadCache {
 
  private:
   std::atomic<std::uint32_t> seq_{0};
+  std::atomic<bool> busy_{false};
 };
 
 }  // namespace poolkeeper::detail
