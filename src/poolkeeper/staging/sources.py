@@ -96,8 +96,16 @@ class FileObjectSource(Source):
         with buf.view(0, n) as mv:
             got = 0
             while got < n:
+                want = n - got
                 r = self._f.readinto(mv[got:])
-                if not r:
+                # A hostile or broken readinto must not loop forever (-1, None from a non-blocking
+                # stream) nor claim bytes it cannot have written (more than asked).
+                if r is None or isinstance(r, bool) or not isinstance(r, int) or r < 0 or r > want:
+                    raise InvalidArgumentError(
+                        f"{type(self._f).__name__}.readinto returned {r!r} for a {want}-byte buffer; "
+                        "expected the number of bytes read, 0 <= n <= the buffer's length"
+                    )
+                if r == 0:
                     raise InvalidArgumentError(f"source file ended after {offset + got} bytes; expected {self.nbytes}")
                 got += r
 

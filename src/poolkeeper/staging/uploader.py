@@ -39,7 +39,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.errors import InvalidArgumentError, ReentrancyError
 from poolkeeper.staging import _engine
 from poolkeeper.staging._engine import _device_dst, _host_dst, copy, copy_async
 from poolkeeper.staging.pool import MiB, PinnedStagingPool
@@ -109,6 +109,32 @@ class UploadHandle:
         return self._result
 
 
+# The uploaders whose progress callback the current thread is running. upload()/start() from
+# inside one would wait for the very upload that waits for the callback (the native engine's lock,
+# the Python engine's busy helper threads): refused at once with ReentrancyError instead.
+_in_callback = threading.local()
+
+
+def _call_progress(owner: "Uploader", progress: Progress, done: int, total: int) -> None:
+    active = getattr(_in_callback, "uploaders", None)
+    if active is None:
+        active = _in_callback.uploaders = []
+    active.append(owner)
+    try:
+        progress(done, total)
+    finally:
+        active.pop()
+
+
+def _check_not_in_callback(owner: "Uploader") -> None:
+    if any(u is owner for u in getattr(_in_callback, "uploaders", ())):
+        raise ReentrancyError(
+            "upload()/start() called from a progress callback of an upload running on the same Uploader: "
+            "it would wait for the upload that is waiting for this callback; use another Uploader, or "
+            "start the next upload after this one returns"
+        )
+
+
 RAMP_MIN = 256 * 1024
 NATIVE_CHUNK = 4 * MiB  # H200: best at 2 GiB (51.8 GB/s), within 5% of the best at 256 MiB
 PYTHON_CHUNK = 8 * MiB  # H200: the Python engine's best (44-46 GB/s at 2 GiB; 4 MiB gave 24)
@@ -145,11 +171,11 @@ class _Run:
             self.nchunks += 1
             return off, n
 
-    def landed(self, n: int) -> None:
+    def landed(self, n: int, owner: "Uploader") -> None:
         with self._lock:  # callbacks are serialized, so bytes_done only grows
             self.done += n
             if self._progress is not None:
-                self._progress(self.done, self.total)
+                _call_progress(owner, self._progress, self.done, self.total)
 
     def overlap(self) -> None:
         with self._lock:
@@ -306,8 +332,15 @@ class Uploader:
         binary file object (read from its current position). ``dst``: a device pointer (pinned
         pool), or a host address / writable buffer (Host pool). ``nbytes``: how much of the source
         (default all of it). ``progress(bytes_done, total)`` is called as chunks land (from worker
-        threads, one call at a time).
+        threads, one call at a time). A callback that calls ``upload()`` or ``start()`` on this
+        same uploader gets :class:`~poolkeeper.errors.ReentrancyError` (the nested upload would
+        wait for the one waiting on the callback).
+
+        Every exit path (an error, an exception raised by ``progress`` or by the source,
+        ``KeyboardInterrupt``) waits for the copies already issued and gives every staging buffer
+        back to the pool (retired, or freed if its copy failed) before it propagates.
         """
+        _check_not_in_callback(self)
         source = open_source(src, nbytes)
         try:
             return self._run(source, dst, progress)
@@ -317,7 +350,9 @@ class Uploader:
 
     def start(self, src: Any, dst: Any, nbytes: Optional[int] = None, *, progress: Optional[Progress] = None) -> UploadHandle:
         """Like :meth:`upload`, on a background thread; ``handle.wait()`` returns the report.
-        The source is opened (and validated) before this returns."""
+        The source is opened (and validated) before this returns. Refused with
+        :class:`~poolkeeper.errors.ReentrancyError` from this uploader's own progress callback."""
+        _check_not_in_callback(self)
         source = open_source(src, nbytes)
 
         def run() -> UploadReport:
@@ -394,10 +429,15 @@ class Uploader:
                 workers, depth = max(1, min(self._workers, -(-total // self._chunk_python))), self._depth
             else:
                 workers, depth = 1, self.buffers
-            helpers = [self._helpers().submit(self._work, run, source, base, stream, depth) for _ in range(workers - 1)]
-            self._work(run, source, base, stream, depth)
-            for h in helpers:
-                h.result()
+            helpers: list = []
+            try:
+                for _ in range(workers - 1):
+                    helpers.append(self._helpers().submit(self._work, run, source, base, stream, depth))
+                self._work(run, source, base, stream, depth)
+            finally:
+                # Helpers read the source and write the destination, both released next: they
+                # must have stopped first, even on Ctrl-C (which then fails the run).
+                self._join_helpers(run, helpers)
             seconds = time.perf_counter() - t0
         finally:
             if hold is not None:
@@ -502,7 +542,7 @@ class Uploader:
                 done = eng.wait(0.002 if progress is not None else 0.1)
                 if progress is not None and done > last:
                     last = done
-                    progress(done, total)
+                    _call_progress(self, progress, done, total)
         except BaseException:  # a progress callback raised, or KeyboardInterrupt: stop, then settle
             self._stop_engine(eng)
             run.observe(jobs)
@@ -513,7 +553,7 @@ class Uploader:
         if res["failed"]:
             eng.rethrow()
         if progress is not None and res["bytes"] > last:
-            progress(res["bytes"], total)
+            _call_progress(self, progress, res["bytes"], total)
         return res
 
     @staticmethod
@@ -540,9 +580,23 @@ class Uploader:
             else:
                 b.retire(_engine._mint_engine_observed(b, job))
 
+    @staticmethod
+    def _join_helpers(run: _Run, helpers: list) -> None:
+        interrupted: Optional[BaseException] = None
+        for h in helpers:
+            while True:
+                try:
+                    h.result()
+                    break
+                except KeyboardInterrupt as e:  # stop the helpers, keep waiting for them
+                    run.fail(e)
+                    interrupted = interrupted or e
+        if interrupted is not None and run.error is None:
+            run.fail(interrupted)
+
     def _work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
         inflight: collections.deque = collections.deque()
-        buf = None
+        box: list = []  # the buffer being filled: acquired, not yet in flight
         try:
             while True:
                 nxt = run.take()
@@ -550,37 +604,50 @@ class Uploader:
                     break
                 off, n = nxt
                 if len(inflight) >= depth:
-                    run.landed(self._land_oldest(inflight))
-                buf = self._pool.acquire(run.chunk)
+                    run.landed(self._land_oldest(inflight), self)
+                box.append(self._pool.acquire(run.chunk))
+                buf = box[0]
                 if inflight and not inflight[-1][1].done():  # copies complete in order: newest suffices
                     run.overlap()
                 source.fill(buf, off, n)
                 inflight.append((buf, copy_async(base + off, buf, n, stream)))
-                buf = None
+                box.clear()
             while inflight:
-                run.landed(self._land_oldest(inflight))
+                run.landed(self._land_oldest(inflight), self)
         except BaseException as e:
             run.fail(e)
-            self._abandon(inflight, buf)
+            self._abandon(inflight, box)
 
     @staticmethod
     def _land_oldest(inflight: collections.deque) -> int:
-        staged, pending = inflight.popleft()
+        # The buffer leaves ``inflight`` only once retired: an exception (Ctrl-C) during the wait
+        # leaves it there for _abandon, never in nobody's hands.
+        staged, pending = inflight[0]
         witness = pending.wait()  # this buffer's own copy, and only it, has completed
         staged.retire(witness)
+        inflight.popleft()
         return pending.nbytes
 
     @staticmethod
-    def _abandon(inflight: collections.deque, buf: Any) -> None:
-        # On error nothing may be freed under a copy: wait for each, retire what completed cleanly.
-        while inflight:
-            staged, pending = inflight.popleft()
+    def _abandon(inflight: collections.deque, box: list) -> None:
+        # On error nothing may be freed under a copy: wait for each, retire what completed cleanly,
+        # free the rest. A second Ctrl-C must not cut this short (the buffers would be stranded):
+        # it is dropped, the exception already propagating says the upload failed.
+        while inflight or box:
             try:
-                staged.retire(pending.wait())
-            except Exception:
-                staged.close()
-        if buf is not None:
-            buf.close()
+                while inflight:
+                    staged, pending = inflight[0]
+                    if staged.state == "live":
+                        try:
+                            staged.retire(pending.wait())
+                        except Exception:
+                            staged.close()
+                    inflight.popleft()
+                while box:
+                    box[0].close()  # no copy was issued from it (or close waits for it)
+                    box.pop()
+            except KeyboardInterrupt:
+                continue
 
 
 # A forked child inherits the uploaders' locks in whatever state the parent's threads left them
