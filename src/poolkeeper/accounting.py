@@ -45,19 +45,28 @@ def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {v!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {_brief(v)}")
+    if not -(1 << 63) <= v < 1 << 64:  # addresses, sizes and handles are 64-bit
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must fit in 64 bits, got {v.bit_length()} bits")
     return v
+
+
+def _brief(v: Any) -> str:
+    # Bounded: a hostile value may be nested thousands deep or be megabytes long.
+    if isinstance(v, (dict, list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    return repr(v)[:80]
 
 
 def _chunk(c: dict) -> "Chunk":
     if not isinstance(c, dict):
-        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {c!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {_brief(c)}")
     state = c.get("state")
     if not isinstance(state, str):
-        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {state!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {_brief(state)}")
     waits = c.get("waits_on") or []
     if not isinstance(waits, list):
-        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {waits!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {_brief(waits)}")
     return Chunk(
         offset=_int(c.get("offset"), "chunk offset"),
         size=_int(c.get("size"), "chunk size"),
@@ -117,8 +126,8 @@ class Snapshot:
                 backings=backings,
                 version=int(d.get("version", 1)),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvariantError(f"not a poolkeeper snapshot: {e!r}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+            raise InvariantError(f"not a poolkeeper snapshot: {type(e).__name__}: {str(e)[:200]}") from e
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +147,13 @@ class Snapshot:
         if not text.lstrip().startswith("{"):
             with open(source, encoding="utf-8") as f:
                 text = f.read()
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit, deep nesting
+            raise InvariantError(f"not a poolkeeper snapshot: not readable JSON ({type(e).__name__}: {str(e)[:200]})") from e
+        if not isinstance(d, dict):
+            raise InvariantError(f"not a poolkeeper snapshot: expected a JSON object, found {type(d).__name__}")
+        return cls.from_dict(d)
 
     def to_html(self, path: Union[str, os.PathLike]) -> str:
         """Write a self-contained HTML memory map (see ``poolkeeper report``)."""
