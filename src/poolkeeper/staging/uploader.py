@@ -159,6 +159,24 @@ class _Run:
         self.overlapped = 0
         self.error: Optional[BaseException] = None
         self._progress = progress
+        self._active = 0  # workers inside _work: what a failed run must wait for
+        self._idle = threading.Condition(self._lock)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self) -> None:
+        """Until no worker is inside ``_work``. A helper still queued (its future lost to a Ctrl-C
+        during ``submit``) enters after the run failed and takes no chunk, so it needs no wait."""
+        with self._lock:
+            while self._active:
+                self._idle.wait()
 
     def take(self) -> Optional[tuple[int, int]]:
         """The next chunk as ``(offset, nbytes)``, or None when there is none (or a worker failed)."""
@@ -185,6 +203,23 @@ class _Run:
         with self._lock:
             if self.error is None:
                 self.error = e
+
+
+def _give_back_unread(bufs: list) -> None:
+    """Retire buffers nothing copied out of (an empty copy's witness), closing any that refuse.
+    A Ctrl-C meanwhile is dropped: the exception already propagating, if any, tells the story."""
+    while bufs:
+        try:
+            while bufs:
+                b = bufs[-1]
+                if b.state == "live":
+                    try:
+                        b.retire(copy(0, b, 0))
+                    except Exception:
+                        b.close()
+                bufs.pop()
+        except KeyboardInterrupt:
+            continue
 
 
 class Uploader:
@@ -319,9 +354,12 @@ class Uploader:
         Each buffer is acquired and retired with the witness of an empty copy: nothing read it,
         so nothing can still be reading it."""
         before = self._pool.stats()["pinned_alloc_calls"]
-        bufs = [self._pool.acquire(self._chunk) for _ in range(self.buffers)]
-        for b in bufs:
-            b.retire(copy(0, b, 0))
+        bufs: list = []
+        try:
+            for _ in range(self.buffers):
+                bufs.append(self._pool.acquire(self._chunk))
+        finally:
+            _give_back_unread(bufs)  # also on failure or Ctrl-C: none may stay leased
         self._warm = True
         return self._pool.stats()["pinned_alloc_calls"] - before
 
@@ -432,8 +470,11 @@ class Uploader:
             helpers: list = []
             try:
                 for _ in range(workers - 1):
-                    helpers.append(self._helpers().submit(self._work, run, source, base, stream, depth))
+                    helpers.append(self._helpers().submit(self._helper_work, run, source, base, stream, depth))
                 self._work(run, source, base, stream, depth)
+            except BaseException as e:  # Ctrl-C outside _work's own handler: stop the helpers
+                run.fail(e)
+                raise
             finally:
                 # Helpers read the source and write the destination, both released next: they
                 # must have stopped first, even on Ctrl-C (which then fails the run).
@@ -520,8 +561,7 @@ class Uploader:
             for _ in range(self.buffers):
                 bufs.append(self._pool.acquire(self._chunk))
         except BaseException:
-            for b in bufs:  # nothing copied out of them yet: an empty copy's witness retires them
-                b.retire(copy(0, b, 0))
+            _give_back_unread(bufs)  # nothing copied out of them yet
             raise
         # Each buffer carries one job for the whole upload: while it runs, view/fill/retire refuse,
         # and a drop or close waits for the engine before freeing.
@@ -582,17 +622,26 @@ class Uploader:
 
     @staticmethod
     def _join_helpers(run: _Run, helpers: list) -> None:
-        interrupted: Optional[BaseException] = None
-        for h in helpers:
-            while True:
-                try:
+        # Not only the futures in ``helpers``: a Ctrl-C inside submit() can lose a queued helper's
+        # future, so wait for the run to be idle. Ctrl-C meanwhile fails the run (helpers stop
+        # taking chunks) and the wait goes on.
+        while True:
+            try:
+                for h in helpers:
                     h.result()
-                    break
-                except KeyboardInterrupt as e:  # stop the helpers, keep waiting for them
-                    run.fail(e)
-                    interrupted = interrupted or e
-        if interrupted is not None and run.error is None:
-            run.fail(interrupted)
+                run.wait_idle()
+                return
+            except KeyboardInterrupt as e:
+                run.fail(e)
+
+    def _helper_work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
+        # Counted so a failed run can wait for every helper (Ctrl-C reaches only the main thread,
+        # so nothing interrupts a helper between enter and the try).
+        run.enter()
+        try:
+            self._work(run, source, base, stream, depth)
+        finally:
+            run.leave()
 
     def _work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
         inflight: collections.deque = collections.deque()
