@@ -54,7 +54,10 @@ class MemorySource(Source):
 
 class PathSource(Source):
     def __init__(self, path: Any) -> None:
-        self._fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self._fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except ValueError as e:  # an embedded NUL: not a path at all (OSError stays OSError)
+            raise InvalidArgumentError(f"source path {path!r} is not a valid path: {e}") from None
         self.nbytes = os.fstat(self._fd).st_size
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
