@@ -65,20 +65,22 @@ class _Attr:
         setattr(self, name, value)
 
 
-class _SelfRef:
-    """``.cuda_stream`` / ``.ptr`` / ``__cuda_stream__()[1]`` returning the object itself."""
+class _SelfCudaStream:
+    """``.cuda_stream`` returns the object itself."""
 
-    def __init__(self, how):
-        self.how = how
+    @property
+    def cuda_stream(self):
+        return self
 
-    def __getattr__(self, name):
-        if name == self.how:
-            return self
-        raise AttributeError(name)
 
+class _SelfPtr:
+    @property
+    def ptr(self):
+        return self
+
+
+class _SelfProto:
     def __cuda_stream__(self):
-        if self.how != "proto":
-            raise AttributeError("__cuda_stream__")
         return (0, self)
 
 
@@ -107,9 +109,9 @@ OBJECTS = {
     "stream_ptr_neg": lambda: _Attr("ptr", -3),
     "stream_ptr_huge": lambda: _Attr("ptr", 1 << 64),
     "stream_nested_ok": lambda: _Attr("cuda_stream", _Attr("ptr", 5)),
-    "stream_self_cuda_stream": lambda: _SelfRef("cuda_stream"),
-    "stream_self_ptr": lambda: _SelfRef("ptr"),
-    "stream_self_proto": lambda: _SelfRef("proto"),
+    "stream_self_cuda_stream": lambda: _SelfCudaStream(),
+    "stream_self_ptr": lambda: _SelfPtr(),
+    "stream_self_proto": lambda: _SelfProto(),
 }
 
 
@@ -280,7 +282,7 @@ def t_capi(a):
             assert capi_lib.last_error(lib)
     elif fn == "free":
         rc = lib.poolkeeper_free(args[0] % (1 << 64), args[1], args[2] % (1 << 64))
-        assert args[0] == 0 or rc != 0 or False, "an unknown pointer was accepted"
+        assert rc != 0 and capi_lib.last_error(lib), "an unknown pointer was accepted"
     elif fn == "torch":
         p = lib.poolkeeper_torch_malloc(args[0] % (1 << 64), args[1], args[2] % (1 << 64) or None)
         if p:
