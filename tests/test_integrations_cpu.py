@@ -315,13 +315,17 @@ def test_empty_cache_hook_returns_free_backings(fake_torch):
     alloc.free_(keep, 4096, 0, None)
 
 
-def test_install_with_an_existing_pool_serves_its_device(fake_torch):
+def test_install_with_an_existing_pool_serves_its_device(fake_torch, monkeypatch):
     t = fake_torch()
     pool = pk.SizeClassPool(pk.upstream.Simulated(latency_us=0))
-    pk_torch.install(pool)  # a simulated upstream has device -1
+    # install() refuses a simulated pool (test_reliability_py); no CUDA device here, so the check
+    # is told this one stands for device 0's pool.
+    monkeypatch.setattr(pk_torch, "_check_device_pool", lambda p: 0)
+    inst = pk_torch.install(pool)
     (alloc,) = t.swaps
-    assert _core.registry_get(-1) is not None
+    assert _core.registry_get(0) is pool
     assert not _core.registry_has_factory()
+    assert pk_torch.install(pool) is inst and len(t.swaps) == 1  # the same pool: the same installation
 
 
 # -- mempool() ------------------------------------------------------------------------------------

@@ -64,6 +64,16 @@ void set_python_error(const std::exception_ptr& p) {
       raise("LiveBlocksError", e.what(), d);
     } catch (const PoolClosed& e) {
       raise("PoolClosedError", e.what(), nb::dict());
+    } catch (const UpstreamOutOfMemory& e) {
+      // Out of memory is OutOfMemoryError everywhere (a raw upstream call included), so callers
+      // catching MemoryError run their recovery; it stays an UpstreamError for existing handlers.
+      nb::dict d;
+      d["upstream"] = e.upstream;
+      d["error_name"] = e.error_name;
+      d["code"] = e.code;
+      d["cause"] = "upstream";
+      d["upstream_error"] = e.what();
+      raise("UpstreamOutOfMemoryError", e.what(), d);
     } catch (const UpstreamFailure& e) {
       nb::dict d;
       d["upstream"] = e.upstream;

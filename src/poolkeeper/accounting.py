@@ -45,19 +45,28 @@ def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {v!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {_brief(v)}")
+    if not -(1 << 63) <= v < 1 << 64:  # addresses, sizes and handles are 64-bit
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must fit in 64 bits, got {v.bit_length()} bits")
     return v
+
+
+def _brief(v: Any) -> str:
+    # Bounded: a hostile value may be nested thousands deep or be megabytes long.
+    if isinstance(v, (dict, list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    return repr(v)[:80]
 
 
 def _chunk(c: dict) -> "Chunk":
     if not isinstance(c, dict):
-        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {c!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {_brief(c)}")
     state = c.get("state")
     if not isinstance(state, str):
-        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {state!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {_brief(state)}")
     waits = c.get("waits_on") or []
     if not isinstance(waits, list):
-        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {waits!r}")
+        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {_brief(waits)}")
     return Chunk(
         offset=_int(c.get("offset"), "chunk offset"),
         size=_int(c.get("size"), "chunk size"),
@@ -117,8 +126,8 @@ class Snapshot:
                 backings=backings,
                 version=int(d.get("version", 1)),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvariantError(f"not a poolkeeper snapshot: {e!r}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+            raise InvariantError(f"not a poolkeeper snapshot: {type(e).__name__}: {str(e)[:200]}") from e
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +147,13 @@ class Snapshot:
         if not text.lstrip().startswith("{"):
             with open(source, encoding="utf-8") as f:
                 text = f.read()
-        return cls.from_dict(json.loads(text))
+        try:
+            d = json.loads(text)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit, deep nesting
+            raise InvariantError(f"not a poolkeeper snapshot: not readable JSON ({type(e).__name__}: {str(e)[:200]})") from e
+        if not isinstance(d, dict):
+            raise InvariantError(f"not a poolkeeper snapshot: expected a JSON object, found {type(d).__name__}")
+        return cls.from_dict(d)
 
     def to_html(self, path: Union[str, os.PathLike]) -> str:
         """Write a self-contained HTML memory map (see ``poolkeeper report``)."""
@@ -279,23 +294,100 @@ class PhaseVerdict:
         return self.stable
 
 
+def theil_sen_slope(values: list) -> float:
+    """Median of the pairwise slopes ``(v[j] - v[i]) / (j - i)``: a trend estimate that a few
+    outlying phases cannot drag (breakdown point 29%)."""
+    slopes = sorted((values[j] - values[i]) / (j - i) for i in range(len(values)) for j in range(i + 1, len(values)))
+    if not slopes:
+        return 0.0
+    m = len(slopes) // 2
+    return float(slopes[m]) if len(slopes) % 2 else (slopes[m - 1] + slopes[m]) / 2.0
+
+
+def mann_kendall_p(values: list) -> float:
+    """One-sided p-value of Mann–Kendall's rank test for an upward trend: the probability, were the
+    values in random order, of an S statistic (concordant minus discordant pairs) at least this
+    large. Exact (inversion counts of permutations), computed without the tie correction: ties
+    only shrink S, so the test stays conservative on step-like series."""
+    n = len(values)
+    if n < 2:
+        return 1.0
+    s = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            d = values[j] - values[i]
+            s += (d > 0) - (d < 0)
+    pairs = n * (n - 1) // 2
+    # counts[k]: permutations of n items with k inversions (Mahonian numbers); S = pairs - 2 * inv.
+    counts = [1]
+    for m in range(2, n + 1):
+        nxt = [0] * (len(counts) + m - 1)
+        for k, c in enumerate(counts):
+            if c:
+                for extra in range(m):
+                    nxt[k + extra] += c
+        counts = nxt
+    max_inv = (pairs - s) // 2  # S >= s  <=>  inversions <= (pairs - s) / 2
+    if max_inv < 0:
+        return 0.0
+    total = sum(counts)
+    return sum(counts[: max_inv + 1]) / total
+
+
 class PhaseTracker:
     """Tell a stable high-water mark from unbounded growth across repeated workload phases.
 
     Call :meth:`record` at a completion point after each repetition of the same workload (after
     synchronizing the streams it used). A healthy pool reaches a high-water mark: after a few
-    warm-up phases reserved and live stop rising. A leak keeps one of them rising phase after
-    phase.
+    warm-up phases reserved and live stop rising (they may still wander with the workload's
+    noise). A leak keeps one of them trending up.
+
+    The verdict looks at the last ``window`` phases after warm-up, separately for reserved and
+    live, and calls a term growing only when all three hold:
+
+    1. its Theil–Sen slope (median pairwise slope) is at least ``min_growth`` bytes per phase
+       (and at least ``tolerance`` times the window's first value, when ``tolerance`` is given);
+    2. Mann–Kendall's rank test finds an upward trend at level ``alpha`` (one-sided, exact);
+    3. each third of the window sets a new high over the previous third (one raised high-water
+       mark, or a plateau reached after a long warm-up, is not a leak).
+
+    docs/accounting.md gives the measured false-positive and false-negative rates
+    (``benchmarks/phase_tracker_rates.py``).
 
     Args:
         warmup: phases ignored while the pool grows to its high-water mark (default 2).
-        tolerance: relative growth per phase still counted as flat (default 0.01).
+        tolerance: optional relative floor on the slope, per phase (default 0: off).
+        window: how many of the latest post-warm-up phases are judged (default 16).
+        min_growth: smallest slope, in bytes per phase, called growth (default 64 KiB).
+        alpha: significance level of the rank test (default 0.01).
     """
 
-    def __init__(self, pool: Any = None, warmup: int = 2, tolerance: float = 0.01) -> None:
+    MIN_PHASES = 5  # the exact rank test cannot reach alpha=0.01 with fewer points
+
+    def __init__(
+        self,
+        pool: Any = None,
+        warmup: int = 2,
+        tolerance: float = 0.0,
+        *,
+        window: int = 16,
+        min_growth: int = 64 * 1024,
+        alpha: float = 0.01,
+    ) -> None:
+        from poolkeeper.errors import InvalidArgumentError
+
+        for name, v, lo in (("warmup", warmup, 0), ("window", window, self.MIN_PHASES), ("min_growth", min_growth, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InvalidArgumentError(f"{name} must be an int >= {lo}; got {v!r}")
+        for name, f, ok in (("tolerance", tolerance, lambda x: 0 <= x < 1e6), ("alpha", alpha, lambda x: 0 < x < 1)):
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not ok(f):
+                raise InvalidArgumentError(f"{name} out of range; got {f!r}")
         self.pool = pool
         self.warmup = warmup
-        self.tolerance = tolerance
+        self.tolerance = float(tolerance)
+        self.window = window
+        self.min_growth = min_growth
+        self.alpha = float(alpha)
         self.records: list[PhaseRecord] = []
 
     def record(self, stats: Optional[dict] = None) -> PhaseRecord:
@@ -314,27 +406,41 @@ class PhaseTracker:
         self.records.append(r)
         return r
 
+    def trend(self, term: str) -> dict:
+        """The figures behind the verdict for ``term`` (``"reserved"`` or ``"live"``): ``slope``
+        (bytes per phase), ``p`` (rank test), ``new_high`` (each third of the window tops the last), ``threshold``, ``phases``,
+        ``growing``."""
+        recs = self.records[self.warmup :][-self.window :]
+        vals = [getattr(r, term) for r in recs]
+        slope = theil_sen_slope(vals)
+        p = mann_kendall_p(vals)
+        # Each third of the window must top the previous one: a leak keeps setting new highs, a
+        # high-water mark raised once (one step, a plateau after a long warm-up) does not.
+        k = len(vals) // 3
+        thirds = [vals[:k], vals[k : len(vals) - k], vals[len(vals) - k :]] if k else []
+        new_high = bool(thirds) and max(thirds[0]) < max(thirds[1]) < max(thirds[2])
+        threshold = max(float(self.min_growth), self.tolerance * max(vals[0], 1) if vals else 0.0)
+        growing = len(vals) >= self.MIN_PHASES and slope >= threshold and p <= self.alpha and new_high
+        return {"slope": slope, "p": p, "new_high": new_high, "threshold": threshold, "phases": len(vals),
+                "first": vals[0] if vals else 0, "last": vals[-1] if vals else 0, "peak": max(vals) if vals else 0,
+                "growing": growing}
+
     def verdict(self) -> PhaseVerdict:
-        recs = self.records[self.warmup :]
-        if len(recs) < 3:
-            return PhaseVerdict(
-                True, [], f"need at least {self.warmup + 3} phases to judge; have {len(self.records)}", self.records
-            )
+        need = self.warmup + self.MIN_PHASES
+        if len(self.records) < need:
+            return PhaseVerdict(True, [], f"need at least {need} phases to judge; have {len(self.records)}", self.records)
         growing = []
         details = []
         for term in ("reserved", "live"):
-            vals = [getattr(r, term) for r in recs]
-            rises = [b - a for a, b in zip(vals, vals[1:])]
-            base = max(vals[0], 1)
-            # Growth without bound: the term rises (beyond tolerance) in every later phase pair.
-            if all(d > self.tolerance * base for d in rises):
+            t = self.trend(term)
+            if t["growing"]:
                 growing.append(term)
                 details.append(
-                    f"{term} grew in each of the last {len(rises)} phases: {vals[0]} -> {vals[-1]} bytes"
-                    f" (+{(vals[-1] - vals[0]) / len(rises):.0f} per phase)"
+                    f"{term} trends up over the last {t['phases']} phases: {t['first']} -> {t['last']} bytes"
+                    f" (+{t['slope']:.0f} per phase, Theil-Sen; rank test p={t['p']:.2g})"
                 )
             else:
-                details.append(f"{term} stable at a high-water mark of {max(vals)} bytes")
+                details.append(f"{term} stable at a high-water mark of {t['peak']} bytes")
         stable = not growing
         msg = ("stable: " if stable else "growing without bound: ") + "; ".join(details)
         return PhaseVerdict(stable, growing, msg, self.records)
@@ -349,5 +455,7 @@ __all__ = [
     "fragmentation",
     "PhaseTracker",
     "PhaseVerdict",
+    "theil_sen_slope",
+    "mann_kendall_p",
     "STATES",
 ]

@@ -67,6 +67,21 @@ class UpstreamError(PoolkeeperError, RuntimeError):
     name), ``code``."""
 
 
+class UpstreamOutOfMemoryError(OutOfMemoryError, UpstreamError):
+    """A raw upstream call (``upstream.allocate``, ``map``, ...) ran out of memory: the Host heap's
+    ENOMEM, ``CUDA_ERROR_OUT_OF_MEMORY``, a Simulated device's capacity, an injected OOM.
+
+    Both an :class:`OutOfMemoryError` (so ``except MemoryError`` recovery runs) and an
+    :class:`UpstreamError`. Attributes: ``upstream``, ``error_name``, ``code``,
+    ``cause`` (``"upstream"``), ``upstream_error``; the pool figures (``requested``, ``reserved``,
+    ...) are None: no pool was involved. (A pool whose upstream runs out raises a plain
+    ``OutOfMemoryError`` with ``cause="upstream"`` after its own recovery.)
+    """
+
+    requested = reserved = live = free = largest_free = free_chunks = None
+    pending = pending_by_stream = thread_cached = limit = pool = None
+
+
 class CudaUnavailableError(PoolkeeperError, RuntimeError):
     """No CUDA driver (libcuda.so.1) or no device."""
 
@@ -88,6 +103,11 @@ class WitnessError(PoolkeeperError, RuntimeError):
     """A copy-completion witness was forged, reused, or presented for the wrong buffer."""
 
 
+class ReentrancyError(PoolkeeperError, RuntimeError):
+    """A call that would deadlock on itself: e.g. ``Uploader.upload()`` / ``start()`` from inside
+    a progress callback of an upload running on the same uploader."""
+
+
 __all__ = [
     "PoolkeeperError",
     "InvalidArgumentError",
@@ -95,9 +115,11 @@ __all__ = [
     "InvalidPointerError",
     "OutOfMemoryError",
     "UpstreamError",
+    "UpstreamOutOfMemoryError",
     "CudaUnavailableError",
     "PoolClosedError",
     "LiveBlocksError",
     "InvariantError",
     "WitnessError",
+    "ReentrancyError",
 ]

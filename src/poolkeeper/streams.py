@@ -24,28 +24,56 @@ class CudaStreamLike(Protocol):
 StreamLike = Union[None, int, CudaStreamLike, Any]
 
 
+# How many wrapper objects deep a stream may be (a torch stream wrapping a CUDA-protocol object
+# wrapping an int is 2): an object that returns itself, or a cycle, must not recurse forever.
+MAX_UNWRAP = 8
+
+
 def as_handle(stream: StreamLike) -> Optional[int]:
-    """The raw handle poolkeeper will use for ``stream`` (``None`` for no stream)."""
+    """The raw handle poolkeeper will use for ``stream`` (``None`` for no stream).
+
+    Raises :class:`~poolkeeper.errors.InvalidStreamError` for anything that is not a stream,
+    including a wrapper whose ``__cuda_stream__()`` / ``.cuda_stream`` / ``.ptr`` returns itself
+    (unwrapping stops after ``MAX_UNWRAP`` levels), a protocol tuple that is not
+    ``(version, handle)``, and a wrapper whose attribute raises (chained as ``__cause__``)."""
     from poolkeeper.errors import InvalidStreamError
 
-    if stream is None:
-        return None
-    if isinstance(stream, bool):
-        raise InvalidStreamError(f"stream must not be a bool; got {stream!r}")
-    if isinstance(stream, int):
-        if stream < 0 or stream >= 2**64 - 1:
-            raise InvalidStreamError(f"stream {stream!r} is not a stream handle")
-        return stream
-    if hasattr(stream, "__cuda_stream__"):
-        r = stream.__cuda_stream__()
-        return as_handle(r[1])
-    if hasattr(stream, "cuda_stream"):
-        return as_handle(stream.cuda_stream)
-    if hasattr(stream, "ptr"):
-        return as_handle(stream.ptr)
+    outer = stream
+    for _ in range(MAX_UNWRAP + 1):
+        if stream is None:
+            if outer is not None:
+                raise InvalidStreamError(f"{type(outer).__name__} yields None as its stream handle")
+            return None
+        if isinstance(stream, bool):
+            raise InvalidStreamError(f"stream must not be a bool; got {stream!r}")
+        if isinstance(stream, int):
+            if stream < 0 or stream >= 2**64 - 1:
+                raise InvalidStreamError(f"stream {stream!r} is not a stream handle")
+            return int(stream)
+        try:
+            if hasattr(stream, "__cuda_stream__"):
+                r = stream.__cuda_stream__()
+                if not isinstance(r, tuple) or len(r) != 2:
+                    raise InvalidStreamError(
+                        f"__cuda_stream__() must return (version, handle); got {type(r).__name__}"
+                    )
+                stream = r[1]
+            elif hasattr(stream, "cuda_stream"):
+                stream = stream.cuda_stream
+            elif hasattr(stream, "ptr"):
+                stream = stream.ptr
+            else:
+                raise InvalidStreamError(
+                    "stream must be None, an int handle, or an object with __cuda_stream__, .cuda_stream or .ptr;"
+                    f" got {type(stream).__name__}"
+                )
+        except InvalidStreamError:
+            raise
+        except Exception as e:  # a wrapper whose attribute raises is not a stream (KeyboardInterrupt passes)
+            raise InvalidStreamError(f"reading the stream handle of {type(stream).__name__} raised {e!r}") from e
     raise InvalidStreamError(
-        "stream must be None, an int handle, or an object with __cuda_stream__, .cuda_stream or .ptr;"
-        f" got {type(stream).__name__}"
+        f"{type(outer).__name__} does not unwrap to a stream handle within {MAX_UNWRAP} levels "
+        "(does its __cuda_stream__ / .cuda_stream / .ptr return itself?)"
     )
 
 

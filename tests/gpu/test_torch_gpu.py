@@ -213,3 +213,29 @@ assert int(dev.sum()) == 9 * 1024
 print("ok")
 """
     )
+
+
+def test_install_checks_an_existing_pool_and_is_idempotent_for_it():
+    """Issue 16 item 19: a pool over pinned host memory is refused; a device pool serves its
+    device, and installing the same pool again returns the same installation."""
+    run_isolated(
+        PRELUDE
+        + """
+from poolkeeper.errors import InvalidArgumentError
+pinned = pk.ArenaPool(pk.upstream.CudaPinned(0))
+try:
+    pkt.install(pinned)
+except InvalidArgumentError as e:
+    assert "CudaPinned" in str(e), e
+else:
+    raise AssertionError("a pool over CudaPinned must be refused")
+assert pkt.installation() is None
+pool = pk.ArenaPool(pk.upstream.CudaDevice(0))
+inst = pkt.install(pool)
+assert pkt.install(pool) is inst
+x = torch.empty(4096, dtype=torch.uint8, device="cuda")
+assert pool.stats()["live_bytes"] == 4096
+del x
+print("ok")
+"""
+    )

@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         return _list(console)
     scale = "quick" if args.quick else "full"
     arm_options = _arm_options(args.option)
+    if args.json:
+        results.check_writable(args.json)  # now, not after the whole matrix ran
     show_bar = not args.no_progress and console.is_terminal
     if args.arena_vs_pool:
         return _arena_vs_pool(args, console, scale, arm_options, show_bar)
@@ -141,8 +143,6 @@ def run(args: argparse.Namespace) -> int:
                       + "[/]", highlight=False)
     with _Bar(console, show_bar) as bar:
         rows = runner.run(cfg, bar, pl)
-    if args.json:
-        results.write(args.json, rows)
     title = (f"poolkeeper bench — backend {pl.backend}"
              + (" (H200-calibrated simulated device)" if pl.backend == "simulated" and args.sim_latency_us is None else "")
              + f", scale {scale}, arms {', '.join(a.label for a in pl.arms)}")
@@ -155,10 +155,13 @@ def run(args: argparse.Namespace) -> int:
     notes.append("ops: allocate and deallocate calls, each timed alone (timer cost "
                  f"~{rows[0]['timer_floor_ns']:.0f} ns included); hit_pair: ns per pair, batched; trim: ns per trim()."
                  if rows else "no rows")
-    if args.json:
-        notes.append(f"rows written to {args.json} (compare them with: poolkeeper compare {args.json})")
     for n in notes:
         console.print(f"[dim]{n}[/]", highlight=False, soft_wrap=True)
+    if args.json:
+        # After the table: if the write fails after all, the rows were shown and are rescued.
+        results.write_or_rescue(args.json, rows)
+        console.print(f"[dim]rows written to {args.json} (compare them with: poolkeeper compare {args.json})[/]",
+                      highlight=False, soft_wrap=True)
     return 0
 
 
@@ -169,9 +172,9 @@ def _arena_vs_pool(args: argparse.Namespace, console: Any, scale: str, arm_optio
     with _Bar(console, show_bar) as bar:
         rows = arena_vs_pool.run(scale, args.rounds, args.seed, on_progress=bar, arm_options=arm_options,
                                  device_latency_us=args.sim_latency_us)
-    if args.json:
-        results.write(args.json, rows)
     console.print(arena_vs_pool.summary_table(arena_vs_pool.summary(rows)))
+    if args.json:
+        results.write_or_rescue(args.json, rows)
     console.print("[dim]instant stub: the pools' own bookkeeping; H200 busy-wait: each upstream call costs the "
                   "calibrated cudaMalloc/cudaFree time (86 µs + 0.79 µs/MiB per pair)[/]", highlight=False)
     return 0

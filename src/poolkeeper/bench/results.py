@@ -33,21 +33,93 @@ def document(rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]] = 
     }
 
 
+def check_writable(path: str) -> None:
+    """Raise :class:`ResultsError` now if ``path`` cannot be written (before minutes of
+    benchmarking, not after): creates missing parent directories and probes ``PATH.tmp``."""
+    if not isinstance(path, str) or not path:
+        raise ResultsError(f"--json needs a file path; got {path!r}")
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "a", encoding="utf-8"):
+            pass
+        os.remove(tmp)
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL byte
+        raise ResultsError(f"cannot write results to {path!r}: {e}") from None
+
+
 def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]] = None, **meta: Any) -> None:
-    """Write rows as a results file (parent directories are created)."""
+    """Write rows as a results file (parent directories are created). Atomic: the file is
+    written as ``PATH.tmp`` and renamed; on failure ``PATH.tmp`` is removed and the error
+    propagates (``PATH`` keeps what it had)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_or_rescue(path: str, rows: Sequence[Dict[str, Any]], **meta: Any) -> str:
+    """Write rows to ``path``; if that fails after all (disk full, the directory removed meanwhile),
+    write them to a new file in the system's temporary directory instead so no measured row is
+    lost, and raise :class:`ResultsError` naming both. Returns the path written."""
+    try:
+        write(path, rows, **meta)
+        return path
+    except (OSError, TypeError, ValueError) as e:
+        import tempfile
+
+        fd, rescue = tempfile.mkstemp(prefix="poolkeeper-bench-", suffix=".json")
+        os.close(fd)
+        write(rescue, rows, **meta)
+        raise ResultsError(f"cannot write results to {path!r} ({e}); the {len(rows)} rows were saved to {rescue}") from None
 
 
 def _jsonable(o: Any) -> Any:
     if hasattr(o, "tolist"):
         return o.tolist()
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _number(v: Any) -> bool:
+    # A measurement: a finite int/float, or null (not measured). Not a bool, a string, a list.
+    if v is None:
+        return True
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return abs(v) < 1e300 if isinstance(v, float) else v.bit_length() <= 128
+
+
+def _scalar_params(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values())
+
+
+_FIELD_TYPES = {
+    "arm": lambda v: isinstance(v, str),
+    "workload": lambda v: isinstance(v, str),
+    "backend": lambda v: isinstance(v, str),
+    "scale": lambda v: isinstance(v, str),
+    "params": _scalar_params,
+    "machine": lambda v: isinstance(v, dict),
+    "stream_ordered": lambda v: isinstance(v, bool) or v is None,
+    **{k: _number for k in ("ops", "p50_ns", "p90_ns", "p99_ns", "max_ns", "ops_per_s", "upstream_allocations",
+                            "upstream_deallocations", "peak_reserved_bytes", "peak_live_bytes")},
+}
+
+
+def _kind(v: Any) -> str:
+    return type(v).__name__ if not isinstance(v, (int, float)) or isinstance(v, bool) else f"{v!r}"[:30]
 
 
 def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
@@ -59,6 +131,8 @@ def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
                 doc = json.load(f)
         except json.JSONDecodeError as e:
             raise ResultsError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except (ValueError, RecursionError) as e:  # undecodable bytes, an int over the digit limit, deep nesting
+            raise ResultsError(f"{path}: not readable JSON ({type(e).__name__}: {str(e)[:200]})") from None
         if isinstance(doc, list):  # a bare list of rows is accepted too
             file_rows = doc
         elif isinstance(doc, dict) and doc.get("format") == FORMAT:
@@ -75,8 +149,11 @@ def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
             missing = [k for k in REQUIRED if k not in r]
             if missing:
                 raise ResultsError(f"{path}: row {i} lacks {', '.join(missing)}")
+            bad = [f"{k} ({_kind(r[k])})" for k, ok in _FIELD_TYPES.items() if not ok(r[k])]
+            if bad:
+                raise ResultsError(f"{path}: row {i} has fields of the wrong type: {', '.join(bad)}")
             rows.append(r)
     return rows
 
 
-__all__ = ["write", "load", "document", "FORMAT", "SCHEMA", "REQUIRED"]
+__all__ = ["write", "write_or_rescue", "check_writable", "load", "document", "FORMAT", "SCHEMA", "REQUIRED"]

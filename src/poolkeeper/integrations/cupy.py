@@ -249,7 +249,8 @@ def install(
             memory to CuPy.
 
     Raises :class:`MissingDependencyError` without cupy, :class:`IntegrationError` when already
-    installed (call :func:`uninstall` first).
+    installed (call :func:`uninstall` first). All or nothing: if CuPy refuses the pinned
+    allocator, its previous device allocator is put back before the error propagates.
     """
     global _INSTALLED
     cupy = _cupy()
@@ -274,9 +275,19 @@ def install(
             pinned_alloc = _PinnedAllocator(cupy, ppool)
         cuda.set_allocator(alloc)
         if pinned_alloc is not None:
-            cuda.set_pinned_memory_allocator(pinned_alloc)
+            try:
+                cuda.set_pinned_memory_allocator(pinned_alloc)
+            except BaseException:
+                # All or nothing: CuPy keeps its own device allocator, installation() stays None.
+                cuda.set_allocator(prev if prev is not None else _cupy_default_allocator(cupy))
+                raise
         _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes)
         return _INSTALLED
+
+
+def _cupy_default_allocator(cupy: Any) -> Any:
+    # What CuPy allocates with when nobody set an allocator: its default memory pool.
+    return cupy.get_default_memory_pool().malloc
 
 
 def _first_device(cupy: Any) -> int:

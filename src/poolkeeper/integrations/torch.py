@@ -82,6 +82,7 @@ class Installation:
     allocator: Any  # torch.cuda.memory.CUDAPluggableAllocator
     hooks: Dict[str, bool] = field(default_factory=dict)  # hook -> wired?
     devices: List[int] = field(default_factory=list)  # pools made eagerly at install
+    pool: Any = None  # the existing pool passed to install(pool), if one was
 
 
 _LOCK = threading.Lock()
@@ -113,6 +114,25 @@ def _devices(device: Union[None, int, Sequence[int]]) -> List[int]:
     return [int(d) for d in device]
 
 
+def _check_device_pool(pool: Any) -> int:
+    """The CUDA device ``pool`` may serve as PyTorch's allocator, or a typed error: PyTorch puts
+    CUDA tensors in whatever it gets, so host, pinned or simulated memory must never get there."""
+    from poolkeeper.errors import InvalidArgumentError
+
+    up = getattr(pool, "upstream", None)
+    if not callable(getattr(pool, "allocate", None)) or up is None:
+        raise InvalidArgumentError(
+            f"install(pool) needs a poolkeeper pool or a pool kind name; got {type(pool).__name__}"
+        )
+    kind, device, name = getattr(up, "kind", None), getattr(up, "device", -1), getattr(up, "name", "?")
+    if kind != "device" or not isinstance(device, int) or device < 0 or name == "Simulated":
+        raise InvalidArgumentError(
+            f"install(pool) needs a pool over CUDA device memory (CudaDevice, CudaAsync, CudaVirtual); "
+            f"this pool's upstream is {name} (kind {kind!r}, device {device}): PyTorch would put CUDA tensors in it"
+        )
+    return device
+
+
 def installation() -> Optional[Installation]:
     """The current :class:`Installation`, or None when :func:`install` has not run."""
     return _INSTALLED
@@ -137,24 +157,31 @@ def install(
             ``max_backing=1 << 30`` or ``limit=64 << 30``. Checked now: an unknown option raises
             :class:`~poolkeeper.errors.InvalidArgumentError` and installs nothing.
 
-    Returns the :class:`Installation`. Calling it again with the same arguments returns the same
-    installation; with different ones it raises :class:`IntegrationError` (PyTorch cannot swap a
-    used allocator).
+    Returns the :class:`Installation`. Calling it again with the same arguments (the same kind
+    and options, or the very same pool object) returns the same installation; with different ones
+    it raises :class:`IntegrationError` (PyTorch cannot swap a used allocator).
 
     Raises:
+        InvalidArgumentError: ``pool`` is a pool whose upstream is not CUDA device memory
+            (``CudaPinned``, ``Host``, ``Simulated``...), or not a pool at all.
         MissingDependencyError: torch is not installed.
         AllocatorInitializedError: CUDA is already initialized (see the message for what to do).
     """
     global _INSTALLED
+    if not isinstance(pool, str):
+        _check_device_pool(pool)  # before torch is even imported: a wrong pool is wrong anywhere
     torch = _torch()
     with _LOCK:
         if _INSTALLED is not None:
-            same = (
-                isinstance(pool, str)
-                and pool == _INSTALLED.kind
-                and options == _INSTALLED.options
-                and upstream == _INSTALLED.upstream
-            )
+            if isinstance(pool, str):
+                same = (
+                    _INSTALLED.pool is None
+                    and pool == _INSTALLED.kind
+                    and options == _INSTALLED.options
+                    and upstream == _INSTALLED.upstream
+                )
+            else:
+                same = pool is _INSTALLED.pool and not options
             if same:
                 return _INSTALLED
             raise IntegrationError(
@@ -176,7 +203,7 @@ def install(
             if options:
                 raise IntegrationError("options apply to a pool kind, not to an existing pool")
             kind = type(pool).__name__
-            _core.registry_set(pool.upstream.device, pool)
+            _core.registry_set(_check_device_pool(pool), pool)
         made: List[int] = []
         try:
             if isinstance(pool, str):
@@ -203,6 +230,7 @@ def install(
             allocator=allocator,
             hooks=hooks,
             devices=made,
+            pool=None if isinstance(pool, str) else pool,
         )
         return _INSTALLED
 

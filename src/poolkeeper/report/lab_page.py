@@ -48,15 +48,23 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 30  # seconds; a browser's idle speculative connection must not hold a thread forever
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        # The same status and headers as GET, no body (link checkers and monitors ask this way).
+        self._answer(body=False)
+
+    def _answer(self, body: bool) -> None:
         if self.path.split("?", 1)[0] not in ("/", "/index.html"):
-            self.send_error(404, "the queue lab lives at /")
+            self.send_error(404, "the queue lab lives at /")  # http.server omits the body for HEAD
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(self.page)))
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
-        self.wfile.write(self.page)
+        if body:
+            self.wfile.write(self.page)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002
         if not self.quiet:
@@ -72,6 +80,9 @@ def make_server(port: int = 0, quiet: bool = True) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     return server
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is "forever", which is the default anyway
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not 0 <= args.port <= 65535:
         print(f"poolkeeper lab: --port must be 0..65535, not {args.port}", file=sys.stderr)
+        return 2
+    if args.timeout is not None and not (0 < args.timeout <= MAX_TIMEOUT_S):
+        # inf overflows threading.Timer / select; nan and <= 0 mean nothing sensible.
+        print(f"poolkeeper lab: --timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], not {args.timeout!r}",
+              file=sys.stderr)
         return 2
     try:
         server = make_server(args.port, quiet=not args.verbose)

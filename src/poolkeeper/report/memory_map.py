@@ -165,11 +165,16 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(raw, dict):
             raise InvariantError(f"expected a JSON object, found {type(raw).__name__}")
         page = render_html(Snapshot.from_dict(raw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        print(f"poolkeeper report: {args.snapshot} is not JSON: {e}", file=sys.stderr)
+    except (ValueError, RecursionError) as e:  # undecodable, not JSON, an int over the digit limit, deep nesting
+        print(f"poolkeeper report: {args.snapshot} is not readable JSON: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         return 1
     except PoolkeeperError as e:
         print(f"poolkeeper report: refusing {args.snapshot}: {e}", file=sys.stderr)
+        return 1
+    except (TypeError, KeyError, AttributeError, OverflowError) as e:
+        # A field of a type the checks above did not foresee: still the file's fault, said in one line.
+        print(f"poolkeeper report: refusing {args.snapshot}: malformed snapshot ({type(e).__name__}: {str(e)[:200]})",
+              file=sys.stderr)
         return 1
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)

@@ -54,7 +54,10 @@ class MemorySource(Source):
 
 class PathSource(Source):
     def __init__(self, path: Any) -> None:
-        self._fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self._fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except ValueError as e:  # an embedded NUL: not a path at all (OSError stays OSError)
+            raise InvalidArgumentError(f"source path {path!r} is not a valid path: {e}") from None
         self.nbytes = os.fstat(self._fd).st_size
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
@@ -96,8 +99,16 @@ class FileObjectSource(Source):
         with buf.view(0, n) as mv:
             got = 0
             while got < n:
+                want = n - got
                 r = self._f.readinto(mv[got:])
-                if not r:
+                # A hostile or broken readinto must not loop forever (-1, None from a non-blocking
+                # stream) nor claim bytes it cannot have written (more than asked).
+                if r is None or isinstance(r, bool) or not isinstance(r, int) or r < 0 or r > want:
+                    raise InvalidArgumentError(
+                        f"{type(self._f).__name__}.readinto returned {r!r} for a {want}-byte buffer; "
+                        "expected the number of bytes read, 0 <= n <= the buffer's length"
+                    )
+                if r == 0:
                     raise InvalidArgumentError(f"source file ended after {offset + got} bytes; expected {self.nbytes}")
                 got += r
 

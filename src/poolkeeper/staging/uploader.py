@@ -39,7 +39,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.errors import InvalidArgumentError, ReentrancyError
 from poolkeeper.staging import _engine
 from poolkeeper.staging._engine import _device_dst, _host_dst, copy, copy_async
 from poolkeeper.staging.pool import MiB, PinnedStagingPool
@@ -109,6 +109,32 @@ class UploadHandle:
         return self._result
 
 
+# The uploaders whose progress callback the current thread is running. upload()/start() from
+# inside one would wait for the very upload that waits for the callback (the native engine's lock,
+# the Python engine's busy helper threads): refused at once with ReentrancyError instead.
+_in_callback = threading.local()
+
+
+def _call_progress(owner: "Uploader", progress: Progress, done: int, total: int) -> None:
+    active = getattr(_in_callback, "uploaders", None)
+    if active is None:
+        active = _in_callback.uploaders = []
+    active.append(owner)
+    try:
+        progress(done, total)
+    finally:
+        active.pop()
+
+
+def _check_not_in_callback(owner: "Uploader") -> None:
+    if any(u is owner for u in getattr(_in_callback, "uploaders", ())):
+        raise ReentrancyError(
+            "upload()/start() called from a progress callback of an upload running on the same Uploader: "
+            "it would wait for the upload that is waiting for this callback; use another Uploader, or "
+            "start the next upload after this one returns"
+        )
+
+
 RAMP_MIN = 256 * 1024
 NATIVE_CHUNK = 4 * MiB  # H200: best at 2 GiB (51.8 GB/s), within 5% of the best at 256 MiB
 PYTHON_CHUNK = 8 * MiB  # H200: the Python engine's best (44-46 GB/s at 2 GiB; 4 MiB gave 24)
@@ -133,6 +159,24 @@ class _Run:
         self.overlapped = 0
         self.error: Optional[BaseException] = None
         self._progress = progress
+        self._active = 0  # workers inside _work: what a failed run must wait for
+        self._idle = threading.Condition(self._lock)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self) -> None:
+        """Until no worker is inside ``_work``. A helper still queued (its future lost to a Ctrl-C
+        during ``submit``) enters after the run failed and takes no chunk, so it needs no wait."""
+        with self._lock:
+            while self._active:
+                self._idle.wait()
 
     def take(self) -> Optional[tuple[int, int]]:
         """The next chunk as ``(offset, nbytes)``, or None when there is none (or a worker failed)."""
@@ -145,11 +189,11 @@ class _Run:
             self.nchunks += 1
             return off, n
 
-    def landed(self, n: int) -> None:
+    def landed(self, n: int, owner: "Uploader") -> None:
         with self._lock:  # callbacks are serialized, so bytes_done only grows
             self.done += n
             if self._progress is not None:
-                self._progress(self.done, self.total)
+                _call_progress(owner, self._progress, self.done, self.total)
 
     def overlap(self) -> None:
         with self._lock:
@@ -159,6 +203,23 @@ class _Run:
         with self._lock:
             if self.error is None:
                 self.error = e
+
+
+def _give_back_unread(bufs: list) -> None:
+    """Retire buffers nothing copied out of (an empty copy's witness), closing any that refuse.
+    A Ctrl-C meanwhile is dropped: the exception already propagating, if any, tells the story."""
+    while bufs:
+        try:
+            while bufs:
+                b = bufs[-1]
+                if b.state == "live":
+                    try:
+                        b.retire(copy(0, b, 0))
+                    except Exception:
+                        b.close()
+                bufs.pop()
+        except KeyboardInterrupt:
+            continue
 
 
 class Uploader:
@@ -293,9 +354,12 @@ class Uploader:
         Each buffer is acquired and retired with the witness of an empty copy: nothing read it,
         so nothing can still be reading it."""
         before = self._pool.stats()["pinned_alloc_calls"]
-        bufs = [self._pool.acquire(self._chunk) for _ in range(self.buffers)]
-        for b in bufs:
-            b.retire(copy(0, b, 0))
+        bufs: list = []
+        try:
+            for _ in range(self.buffers):
+                bufs.append(self._pool.acquire(self._chunk))
+        finally:
+            _give_back_unread(bufs)  # also on failure or Ctrl-C: none may stay leased
         self._warm = True
         return self._pool.stats()["pinned_alloc_calls"] - before
 
@@ -306,8 +370,15 @@ class Uploader:
         binary file object (read from its current position). ``dst``: a device pointer (pinned
         pool), or a host address / writable buffer (Host pool). ``nbytes``: how much of the source
         (default all of it). ``progress(bytes_done, total)`` is called as chunks land (from worker
-        threads, one call at a time).
+        threads, one call at a time). A callback that calls ``upload()`` or ``start()`` on this
+        same uploader gets :class:`~poolkeeper.errors.ReentrancyError` (the nested upload would
+        wait for the one waiting on the callback).
+
+        Every exit path (an error, an exception raised by ``progress`` or by the source,
+        ``KeyboardInterrupt``) waits for the copies already issued and gives every staging buffer
+        back to the pool (retired, or freed if its copy failed) before it propagates.
         """
+        _check_not_in_callback(self)
         source = open_source(src, nbytes)
         try:
             return self._run(source, dst, progress)
@@ -317,7 +388,9 @@ class Uploader:
 
     def start(self, src: Any, dst: Any, nbytes: Optional[int] = None, *, progress: Optional[Progress] = None) -> UploadHandle:
         """Like :meth:`upload`, on a background thread; ``handle.wait()`` returns the report.
-        The source is opened (and validated) before this returns."""
+        The source is opened (and validated) before this returns. Refused with
+        :class:`~poolkeeper.errors.ReentrancyError` from this uploader's own progress callback."""
+        _check_not_in_callback(self)
         source = open_source(src, nbytes)
 
         def run() -> UploadReport:
@@ -394,10 +467,18 @@ class Uploader:
                 workers, depth = max(1, min(self._workers, -(-total // self._chunk_python))), self._depth
             else:
                 workers, depth = 1, self.buffers
-            helpers = [self._helpers().submit(self._work, run, source, base, stream, depth) for _ in range(workers - 1)]
-            self._work(run, source, base, stream, depth)
-            for h in helpers:
-                h.result()
+            helpers: list = []
+            try:
+                for _ in range(workers - 1):
+                    helpers.append(self._helpers().submit(self._helper_work, run, source, base, stream, depth))
+                self._work(run, source, base, stream, depth)
+            except BaseException as e:  # Ctrl-C outside _work's own handler: stop the helpers
+                run.fail(e)
+                raise
+            finally:
+                # Helpers read the source and write the destination, both released next: they
+                # must have stopped first, even on Ctrl-C (which then fails the run).
+                self._join_helpers(run, helpers)
             seconds = time.perf_counter() - t0
         finally:
             if hold is not None:
@@ -480,8 +561,7 @@ class Uploader:
             for _ in range(self.buffers):
                 bufs.append(self._pool.acquire(self._chunk))
         except BaseException:
-            for b in bufs:  # nothing copied out of them yet: an empty copy's witness retires them
-                b.retire(copy(0, b, 0))
+            _give_back_unread(bufs)  # nothing copied out of them yet
             raise
         # Each buffer carries one job for the whole upload: while it runs, view/fill/retire refuse,
         # and a drop or close waits for the engine before freeing.
@@ -502,7 +582,7 @@ class Uploader:
                 done = eng.wait(0.002 if progress is not None else 0.1)
                 if progress is not None and done > last:
                     last = done
-                    progress(done, total)
+                    _call_progress(self, progress, done, total)
         except BaseException:  # a progress callback raised, or KeyboardInterrupt: stop, then settle
             self._stop_engine(eng)
             run.observe(jobs)
@@ -513,7 +593,7 @@ class Uploader:
         if res["failed"]:
             eng.rethrow()
         if progress is not None and res["bytes"] > last:
-            progress(res["bytes"], total)
+            _call_progress(self, progress, res["bytes"], total)
         return res
 
     @staticmethod
@@ -540,9 +620,32 @@ class Uploader:
             else:
                 b.retire(_engine._mint_engine_observed(b, job))
 
+    @staticmethod
+    def _join_helpers(run: _Run, helpers: list) -> None:
+        # Not only the futures in ``helpers``: a Ctrl-C inside submit() can lose a queued helper's
+        # future, so wait for the run to be idle. Ctrl-C meanwhile fails the run (helpers stop
+        # taking chunks) and the wait goes on.
+        while True:
+            try:
+                for h in helpers:
+                    h.result()
+                run.wait_idle()
+                return
+            except KeyboardInterrupt as e:
+                run.fail(e)
+
+    def _helper_work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
+        # Counted so a failed run can wait for every helper (Ctrl-C reaches only the main thread,
+        # so nothing interrupts a helper between enter and the try).
+        run.enter()
+        try:
+            self._work(run, source, base, stream, depth)
+        finally:
+            run.leave()
+
     def _work(self, run: _Run, source: Source, base: int, stream: Any, depth: int) -> None:
         inflight: collections.deque = collections.deque()
-        buf = None
+        box: list = []  # the buffer being filled: acquired, not yet in flight
         try:
             while True:
                 nxt = run.take()
@@ -550,37 +653,50 @@ class Uploader:
                     break
                 off, n = nxt
                 if len(inflight) >= depth:
-                    run.landed(self._land_oldest(inflight))
-                buf = self._pool.acquire(run.chunk)
+                    run.landed(self._land_oldest(inflight), self)
+                box.append(self._pool.acquire(run.chunk))
+                buf = box[0]
                 if inflight and not inflight[-1][1].done():  # copies complete in order: newest suffices
                     run.overlap()
                 source.fill(buf, off, n)
                 inflight.append((buf, copy_async(base + off, buf, n, stream)))
-                buf = None
+                box.clear()
             while inflight:
-                run.landed(self._land_oldest(inflight))
+                run.landed(self._land_oldest(inflight), self)
         except BaseException as e:
             run.fail(e)
-            self._abandon(inflight, buf)
+            self._abandon(inflight, box)
 
     @staticmethod
     def _land_oldest(inflight: collections.deque) -> int:
-        staged, pending = inflight.popleft()
+        # The buffer leaves ``inflight`` only once retired: an exception (Ctrl-C) during the wait
+        # leaves it there for _abandon, never in nobody's hands.
+        staged, pending = inflight[0]
         witness = pending.wait()  # this buffer's own copy, and only it, has completed
         staged.retire(witness)
+        inflight.popleft()
         return pending.nbytes
 
     @staticmethod
-    def _abandon(inflight: collections.deque, buf: Any) -> None:
-        # On error nothing may be freed under a copy: wait for each, retire what completed cleanly.
-        while inflight:
-            staged, pending = inflight.popleft()
+    def _abandon(inflight: collections.deque, box: list) -> None:
+        # On error nothing may be freed under a copy: wait for each, retire what completed cleanly,
+        # free the rest. A second Ctrl-C must not cut this short (the buffers would be stranded):
+        # it is dropped, the exception already propagating says the upload failed.
+        while inflight or box:
             try:
-                staged.retire(pending.wait())
-            except Exception:
-                staged.close()
-        if buf is not None:
-            buf.close()
+                while inflight:
+                    staged, pending = inflight[0]
+                    if staged.state == "live":
+                        try:
+                            staged.retire(pending.wait())
+                        except Exception:
+                            staged.close()
+                    inflight.popleft()
+                while box:
+                    box[0].close()  # no copy was issued from it (or close waits for it)
+                    box.pop()
+            except KeyboardInterrupt:
+                continue
 
 
 # A forked child inherits the uploaders' locks in whatever state the parent's threads left them

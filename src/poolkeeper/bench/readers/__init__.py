@@ -63,6 +63,8 @@ def read_log(path: str, fmt: str = "auto", device: Optional[int] = None) -> Trac
         raise ReplayError(f"not a text CSV (undecodable byte at offset {e.start})", path=path) from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ReplayError(f"the compressed log is truncated or corrupt ({e or type(e).__name__})", path=path) from None
+    except (RecursionError, OverflowError, MemoryError) as e:  # hostile nesting or sizes, whatever the format
+        raise ReplayError(f"the log cannot be read ({type(e).__name__}: {str(e)[:200]})", path=path) from None
 
 
 __all__ = ["read_log", "detect", "FORMATS", "Trace", "Event", "ALLOC", "FREE", "ALLOC_FAILED"]

@@ -25,11 +25,20 @@ def looks_like(first_bytes: bytes) -> bool:
     return head.startswith(b"Thread,") or head.startswith(b"Thread ,")
 
 
+MAX_SIZE_DIGITS = 20  # 2**64 has 20 decimal digits: anything longer is not a size
+_HEX = frozenset("0123456789abcdef")
+
+
 def _hex(text: str) -> int:
     t = text.strip().lower()
     if t in ("", "(nil)", "nullptr", "null"):
         return 0
-    return int(t[2:] if t.startswith("0x") else t, 16)
+    digits = t[2:] if t.startswith("0x") else t
+    # Only ASCII hex digits (int() would also take signs, underscores and other scripts' digits),
+    # and at most 64 bits.
+    if not digits or len(digits) > 16 or not set(digits) <= _HEX:
+        raise ValueError(text)
+    return int(digits, 16)
 
 
 def read(f: TextIO, path: str = "") -> Trace:
@@ -73,8 +82,11 @@ def read(f: TextIO, path: str = "") -> Trace:
         except ValueError:
             raise ReplayError(f"pointer {fields[cols['Pointer']]!r} is not hexadecimal", path=path, line=lineno) from None
         size_text = fields[cols["Size"]]
-        if not size_text.isdigit():
-            raise ReplayError(f"size {size_text!r} is not a non-negative integer", path=path, line=lineno)
+        # isdigit() alone accepts superscripts and other scripts' digits that int() then refuses,
+        # and a 5000-digit size would trip int()'s digit limit: ASCII digits, 64 bits at most.
+        if not (size_text.isascii() and size_text.isdigit()) or len(size_text) > MAX_SIZE_DIGITS \
+                or int(size_text) >= 1 << 64:
+            raise ReplayError(f"size {size_text[:40]!r} is not a non-negative 64-bit integer", path=path, line=lineno)
         try:
             stream = _hex(fields[cols["Stream"]])
         except ValueError:

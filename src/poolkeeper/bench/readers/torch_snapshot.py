@@ -49,16 +49,30 @@ def _load(f: BinaryIO, path: str) -> Any:
                           where=f"byte {len(data)}") from None
     except pickle.UnpicklingError as e:
         raise ReplayError(f"not a loadable memory snapshot: {e}", path=path, where="pickle") from None
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as e:
-        raise ReplayError(f"corrupt pickle ({type(e).__name__}: {e})", path=path, where="pickle") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError, RecursionError, OverflowError) as e:
+        raise ReplayError(f"corrupt pickle ({type(e).__name__}: {str(e)[:200]})", path=path, where="pickle") from None
+
+
+def _brief(v: Any) -> str:
+    # A bounded description of a value that may be huge or nested thousands deep (str() of such
+    # a value can itself raise RecursionError or take seconds).
+    if isinstance(v, (dict, list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an integer of {v.bit_length()} bits"
+    if isinstance(v, (str, bytes)):
+        return repr(v[:40]) + ("..." if len(v) > 40 else "")
+    return f"{type(v).__name__} {v!r}"[:80]
 
 
 def _int(entry: Dict[str, Any], key: str, path: str, where: str) -> int:
     v = entry.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ReplayError(f"field {key!r} is {v!r}, expected an integer", path=path, where=where)
+        raise ReplayError(f"field {key!r} is {_brief(v)}, expected an integer", path=path, where=where)
     if v < 0:
-        raise ReplayError(f"field {key!r} is negative ({v})", path=path, where=where)
+        raise ReplayError(f"field {key!r} is negative ({_brief(v)})", path=path, where=where)
+    if v >= 1 << 64:
+        raise ReplayError(f"field {key!r} is {_brief(v)}, more than 64 bits", path=path, where=where)
     return v
 
 
@@ -74,6 +88,8 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
     traces = snap["device_traces"]
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise ReplayError("'device_traces' must be a list of lists (one per device)", path=path, where="device_traces")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+        raise ReplayError(f"device must be an int; got {device!r}", path=path, where="device_traces")
     if device is None:
         counts = [sum(1 for e in t if isinstance(e, dict) and e.get("action") == "alloc") for t in traces]
         device = max(range(len(traces)), key=lambda d: counts[d]) if traces else 0
@@ -90,14 +106,14 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
     for i, e in enumerate(traces[device]):
         where = f"device_traces[{device}][{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):
-            raise ReplayError(f"trace entry is not a dict with a string 'action': {str(e)[:80]}", path=path, where=where)
+            raise ReplayError(f"trace entry is not a dict with a string 'action': {_brief(e)}", path=path, where=where)
         action = e["action"]
         kind = REPLAYED.get(action)
         if kind is not None:
             addr = _int(e, "addr", path, where)
             size = _int(e, "size", path, where)
             stream = e.get("stream", 0)
-            stream = stream if isinstance(stream, int) else 0
+            stream = stream if isinstance(stream, int) and not isinstance(stream, bool) and 0 <= stream < (1 << 64) - 1 else 0
             trace.events.append(Event(kind, addr, size, stream, i))
             continue
         trace.ignore(action)
@@ -122,15 +138,18 @@ def _source_live(trace: Trace, snap: Dict[str, Any], device: int) -> None:
     """
     trace.find_pre_trace()
     allocated = {ev.addr for ev in trace.events if ev.kind == ALLOC}
-    for seg in snap.get("segments") or []:
+    segments = snap.get("segments")
+    for seg in segments if isinstance(segments, list) else []:
         if not isinstance(seg, dict) or seg.get("device", device) != device:
             continue
-        for b in seg.get("blocks") or []:
+        blocks = seg.get("blocks")
+        for b in blocks if isinstance(blocks, list) else []:
             if not isinstance(b, dict) or b.get("state") not in ("active_allocated", "active_awaiting_free"):
                 continue
             addr = b.get("address")
             size = b.get("requested_size", b.get("size"))
-            if isinstance(addr, int) and isinstance(size, int) and size > 0 and addr not in allocated:
+            if isinstance(addr, int) and isinstance(size, int) and 0 < size < 1 << 64 and 0 <= addr < 1 << 64 \
+                    and addr not in allocated:
                 trace.pre_trace.append(Event(ALLOC, addr, size, 0, -1))
     pre = sum(ev.size for ev in trace.pre_trace)
     if pre == 0:
