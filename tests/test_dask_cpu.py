@@ -77,6 +77,10 @@ def test_bad_options_fail_in_the_client_with_typed_errors():
         pkd.PoolkeeperSetup("size_class", upstream="host", initial=MiB)
     with pytest.raises(InvalidArgumentError, match="release_threshold"):
         pkd.PoolkeeperSetup("arena", upstream="device", release_threshold=MiB)
+    with pytest.raises(InvalidArgumentError, match="cannot read 'lots' as a size"):
+        pkd.PoolkeeperSetup("arena", upstream="host", limit="lots")
+    # dask-cuda style sizes are read as Dask reads them
+    assert pkd.PoolkeeperSetup("arena", upstream="host", limit="2GiB", initial="64MiB").spec.describe()["limit"] == 2 << 30
 
 
 def test_a_worker_that_cannot_host_the_pool_fails_register_plugin(client):

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "poolkeeper/arena_pool.hpp"
+#include "poolkeeper/logging_pool.hpp"
 #include "poolkeeper/direct_pool.hpp"
 #include "poolkeeper/host_upstream.hpp"
 #include "poolkeeper/simulated_upstream.hpp"
@@ -182,8 +183,18 @@ std::vector<Case> all_cases() {
       return std::make_shared<SizeClassPool>(std::move(up), o);
     };
   };
+  // The RMM-CSV logging adaptor over an arena: its log lock and pointer table under the same
+  // traffic (cross-thread frees, bad-pointer probes, nowait paths) as the pools themselves.
+  auto logging = [arena](std::size_t buffer) {
+    return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
+      const char* tmp = std::getenv("TMPDIR");
+      const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/poolkeeper_stress_log.csv";
+      return std::make_shared<LoggingPool>(arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)(std::move(up)), path, buffer);
+    };
+  };
   return {
       {"direct-host", true, direct},
+      {"logging_arena-host", true, logging(4096)},
       {"size_class-host", true, size_class(512 << 10)},  // small cache cap: releases under load
       {"arena-host", true, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)},
       {"arena_nocache-host", true, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},

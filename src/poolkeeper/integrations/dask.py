@@ -58,6 +58,7 @@ class PoolkeeperSetup(distributed.WorkerPlugin):
             replayable with ``poolkeeper replay`` (``rmm_log_directory``).
         release_threshold: with ``upstream="async"``, the CUDA pool's release threshold
             (``rmm_release_threshold``).
+        Sizes may also be strings Dask parses (``"40GB"``, ``"512MiB"``), as dask-cuda's are.
         **options: the pool's own options (``max_backing=``, ``thread_cache_bytes=``...).
 
     Raises (here, in the client): :class:`~poolkeeper.errors.InvalidArgumentError` for a bad
@@ -76,11 +77,13 @@ class PoolkeeperSetup(distributed.WorkerPlugin):
         torch: bool = False,
         cupy: bool = False,
         log_directory: Optional[str] = None,
+        release_threshold: Optional[int] = None,
         **options: Any,
     ) -> None:
         self.spec = WorkerPoolSpec(
-            pool=pool, upstream=upstream, limit=limit, initial=initial, torch=torch, cupy=cupy,
-            log_directory=log_directory, **options,
+            pool=pool, upstream=upstream, limit=_bytes("limit", limit), initial=_bytes("initial", initial),
+            torch=torch, cupy=cupy, log_directory=log_directory,
+            release_threshold=_bytes("release_threshold", release_threshold), **options,
         )
 
     def __repr__(self) -> str:
@@ -105,6 +108,19 @@ class PoolkeeperSetup(distributed.WorkerPlugin):
             state = _STATES.pop(addr, None)
         if state is not None:
             _TEARDOWNS[addr] = state.close()
+
+
+def _bytes(name: str, v: Any) -> Any:
+    if not isinstance(v, str):
+        return v
+    from dask.utils import parse_bytes
+
+    try:
+        return int(parse_bytes(v))
+    except (ValueError, TypeError) as e:
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"{name}: cannot read {v!r} as a size ({e})") from None
 
 
 def _metric(addr: str):
