@@ -1,7 +1,7 @@
 """A Dask array workload with CuPy chunks on two workers: poolkeeper vs CuPy's default pool vs a
 stream-ordered (cudaMallocAsync) pool, and RMM's async resource when rmm is installed.
 
-    python benchmarks/dask_cupy_bench.py [--n 16384] [--chunk 2048] [--reps 3] [--arms ...] [--json PATH]
+    python benchmarks/dask_cupy_bench.py [--n 12288] [--chunk 2048] [--reps 3] [--arms ...] [--json PATH]
 
 Every arm gets a fresh cluster (two worker processes, one thread each; with dask-cuda and two GPUs a
 LocalCUDACluster with one worker per GPU, else both workers on GPU 0), so no allocator state
@@ -183,7 +183,7 @@ def available(arm: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--n", type=int, default=12288)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--limit", type=int, default=0, help="poolkeeper arm: pool limit in bytes (0: none)")
