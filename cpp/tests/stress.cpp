@@ -231,6 +231,13 @@ void* pool_alloc(Pool& pool, std::size_t n, Stream s) {
   return pool.allocate(n, s);
 }
 
+// The arena behind a pool, seen through the logging adaptor (the known snapshot race and the
+// cache flush concern the arena either way).
+ArenaPool* arena_of(Pool* p) {
+  if (auto* l = dynamic_cast<LoggingPool*>(p)) p = l->inner().get();
+  return dynamic_cast<ArenaPool*>(p);
+}
+
 void pool_free(Pool& pool, void* p, Stream s) {
   if (!pool.try_deallocate_nowait(p, s)) pool.deallocate(p, s);
 }
@@ -404,7 +411,7 @@ class Run {
       return;
     }
     if (r < 995) {
-      if (o_.snapshots && !(o_.allow_snapshot_race && dynamic_cast<ArenaPool*>(pool_.get()))) {
+      if (o_.snapshots && !(o_.allow_snapshot_race && arena_of(pool_.get()))) {
         (void)pool_->snapshot();
         g_counts.snapshots.fetch_add(1, std::memory_order_relaxed);
       } else {
@@ -412,7 +419,7 @@ class Run {
       }
       return;
     }
-    if (auto* a = dynamic_cast<ArenaPool*>(pool_.get())) a->flush_thread_cache();
+    if (auto* a = arena_of(pool_.get())) a->flush_thread_cache();
   }
 
   // Quiescent point: every thread is parked in the barrier.
