@@ -3,8 +3,9 @@ stream-ordered (cudaMallocAsync) pool, and RMM's async resource when rmm is inst
 
     python benchmarks/dask_cupy_bench.py [--n 12288] [--chunk 2048] [--reps 3] [--arms ...] [--json PATH]
 
-Every arm gets a fresh cluster (two worker processes, one thread each; with dask-cuda and two GPUs a
-LocalCUDACluster with one worker per GPU, else both workers on GPU 0), so no allocator state
+Every arm gets a fresh cluster (two worker processes, one thread each; with two GPUs one worker per GPU --
+dask-cuda's LocalCUDACluster, or poolkeeper's local_gpu_cluster without dask-cuda -- else both
+workers on GPU 0), so no allocator state
 carries over. The workload: a random (n, n) float32 matrix in (chunk, chunk) blocks, then
 ``(x + x.T).sum()``, ``(x @ x.T).sum()`` and ``x.std(axis=0).sum()``, computed ``--reps`` times.
 
@@ -144,8 +145,13 @@ def make_cluster():
         import dask_cuda
     except ImportError:
         dask_cuda = None
-    if dask_cuda is not None and gpus >= 2:
-        return dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=None), "LocalCUDACluster, one GPU per worker"
+    if gpus >= 2:
+        if dask_cuda is not None:
+            return (dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1, dashboard_address=None),
+                    "LocalCUDACluster, one GPU per worker")
+        from poolkeeper.integrations.dask import local_gpu_cluster
+
+        return local_gpu_cluster(gpus=[0, 1]), "local_gpu_cluster, one GPU per worker"
     return LocalCluster(processes=True, n_workers=2, threads_per_worker=1, dashboard_address=None), "LocalCluster, two workers sharing GPU 0"
 
 

@@ -1,7 +1,7 @@
 """A Dask array workload with CuPy on every worker, each worker's CuPy memory from its own
 poolkeeper pool.
 
-    python examples/dask_cupy.py            # two workers; with dask-cuda and 2 GPUs: one per GPU
+    python examples/dask_cupy.py            # two workers; with 2 GPUs: one per GPU
 
 Every CuPy allocation in a task goes to the worker's pool (an ArenaPool over cuMemAlloc on the
 worker's GPU); the pools' figures come back per worker, and as the "poolkeeper" worker metric on
@@ -15,18 +15,20 @@ import tempfile
 
 
 def make_cluster():
+    import cupy
     from distributed import LocalCluster
 
-    try:
-        import cupy
-        import dask_cuda
+    from poolkeeper.integrations.dask import local_gpu_cluster
 
-        if cupy.cuda.runtime.getDeviceCount() >= 2:
-            # dask-cuda sets CUDA_VISIBLE_DEVICES per worker, the worker's GPU first: the plugin
-            # builds each pool on device 0 of what the worker sees, i.e. its own GPU.
-            return dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1)
-    except ImportError:
-        pass
+    if cupy.cuda.runtime.getDeviceCount() >= 2:
+        # One worker per GPU, each seeing its own GPU first in CUDA_VISIBLE_DEVICES: the plugin
+        # builds each pool on device 0 of what the worker sees, i.e. its own GPU.
+        try:
+            import dask_cuda
+
+            return dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1)
+        except ImportError:
+            return local_gpu_cluster(gpus=[0, 1])
     return LocalCluster(n_workers=2, threads_per_worker=1, processes=True)
 
 

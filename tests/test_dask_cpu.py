@@ -193,3 +193,17 @@ def test_worker_pool_outside_a_worker_is_an_integration_error(client):
     fut = client.submit(pkd.worker_pool, pure=False)
     with pytest.raises(IntegrationError, match="register PoolkeeperSetup"):
         fut.result()
+
+
+def test_local_gpu_cluster_gives_each_worker_its_own_device_first(monkeypatch):
+    from poolkeeper.integrations._worker import visible_device
+
+    with pkd.local_gpu_cluster(gpus=["0", "1"]) as cluster, distributed.Client(cluster) as c:
+        seen = c.run(visible_device)
+    assert sorted(v["cuda_visible_devices"] for v in seen.values()) == ["0,1", "1,0"]
+    assert sorted(v["physical"] for v in seen.values()) == ["0", "1"]
+    assert all(v["device"] == 0 for v in seen.values())
+    if not _has_cuda():
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        with pytest.raises(IntegrationError, match="no GPU"):
+            pkd.local_gpu_cluster()

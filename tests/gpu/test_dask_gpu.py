@@ -1,8 +1,9 @@
 """PoolkeeperSetup on real GPUs: CuPy (and PyTorch) arrays in Dask tasks come from each worker's
 pool, one pool per worker, figures per worker.
 
-With dask-cuda and two GPUs: a LocalCUDACluster, one worker per GPU, each pool on its own device.
-Otherwise two worker processes share GPU 0. Each case runs in its own interpreter (the
+With two GPUs: one worker per GPU (dask-cuda's LocalCUDACluster when installed, else
+poolkeeper.integrations.dask.local_gpu_cluster, the same CUDA_VISIBLE_DEVICES arrangement), each
+pool on its own device. With one GPU: two worker processes share it. Each case runs in its own interpreter (the
 cluster's workers are fresh processes anyway; the driver must not have touched CUDA through
 torch before the torch case).
 """
@@ -31,9 +32,11 @@ def make_cluster():
         import dask_cuda
     except ImportError:
         dask_cuda = None
-    n = int(os.environ.get("PK_TEST_GPUS") or 0) or _count()
-    if dask_cuda is not None and n >= 2:
-        return dask_cuda.LocalCUDACluster(n_workers=2, threads_per_worker=1, dashboard_address=None), True
+    n = _count()
+    if n >= 2:
+        if dask_cuda is not None:
+            return dask_cuda.LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", threads_per_worker=1, dashboard_address=None), True
+        return pkd.local_gpu_cluster(gpus=[0, 1]), True
     return LocalCluster(processes=True, n_workers=2, threads_per_worker=1, dashboard_address=None), False
 
 def _count():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from poolkeeper.integrations._common import IntegrationError, import_optional
 from poolkeeper.integrations._worker import METRIC_KEYS, WorkerPoolSpec, WorkerPoolState
@@ -197,6 +197,43 @@ def cluster_metrics(client: Any) -> Dict[str, Dict[str, int]]:
     return {addr: w.get("metrics", {}).get(METRIC_NAME, {}) for addr, w in info["workers"].items()}
 
 
+def local_gpu_cluster(gpus: Optional[Sequence[Any]] = None, threads_per_worker: int = 1,
+                      dashboard_address: Optional[str] = None) -> Any:
+    """A local cluster with one worker process per GPU, each worker seeing its own GPU first in
+    ``CUDA_VISIBLE_DEVICES`` -- the arrangement dask-cuda's ``LocalCUDACluster`` makes, for hosts
+    without dask-cuda. With :class:`PoolkeeperSetup`, each worker's pool lands on its own GPU.
+
+    ``gpus``: the devices (indices or UUIDs as ``CUDA_VISIBLE_DEVICES`` takes them); default:
+    those in ``CUDA_VISIBLE_DEVICES``, else ``0 .. device_count - 1``. Raises
+    :class:`IntegrationError` when there is no GPU.
+    """
+    if gpus is None:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if vis:
+            gpus = [g.strip() for g in vis.split(",") if g.strip()]
+        else:
+            try:
+                from poolkeeper.cuda import device_count
+
+                gpus = list(range(device_count()))
+            except Exception as e:
+                raise IntegrationError(f"local_gpu_cluster: cannot count the GPUs ({e})") from None
+    ids = [str(g) for g in gpus]
+    if not ids:
+        raise IntegrationError("local_gpu_cluster: no GPU to put a worker on")
+    workers = {
+        f"gpu-{g}": {
+            "cls": distributed.Nanny,
+            "options": {"nthreads": threads_per_worker, "env": {"CUDA_VISIBLE_DEVICES": ",".join(ids[i:] + ids[:i])}},
+        }
+        for i, g in enumerate(ids)
+    }
+    return distributed.SpecCluster(
+        scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": dashboard_address}},
+        workers=workers,
+    )
+
+
 def _params(fn: Any) -> Any:
     import inspect
 
@@ -212,6 +249,7 @@ __all__ = [
     "worker_stats",
     "cluster_stats",
     "cluster_metrics",
+    "local_gpu_cluster",
     "PLUGIN_NAME",
     "METRIC_NAME",
     "METRIC_KEYS",
