@@ -229,7 +229,11 @@ def local_gpu_cluster(gpus: Optional[Sequence[Any]] = None, threads_per_worker: 
         for i, g in enumerate(ids)
     }
     return distributed.SpecCluster(
-        scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": dashboard_address}},
+        scheduler={
+            "cls": distributed.Scheduler,
+            # None means no dashboard (as LocalCluster reads it), not the default port
+            "options": {"dashboard": dashboard_address is not None, "dashboard_address": dashboard_address},
+        },
         workers=workers,
     )
 
