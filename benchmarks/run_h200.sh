@@ -3,6 +3,8 @@
 # tool runs it from the repository root with $OUT as the folder that comes back):
 #
 #   bash benchmarks/run_h200.sh [step ...]     steps: build gpu_tests vmm uploader matrix replay (default: all)
+#                                              and dask (not in the default: needs the .whl wheelhouse
+#                                              carried along, see docs/distributed.md)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
@@ -37,6 +39,10 @@ for s in "${steps[@]}"; do
         step "replay_cuda_$t" timeout 120 python3 -m poolkeeper.cli replay "benchmarks/traces/$t.pickle.gz" \
           --backend cuda --include-pre-trace --no-progress --json "$OUT/replay_cuda_$t.json"
       done ;;
+    dask)
+      step dask_wheels python3 -m pip install -q --no-index --find-links .whl distributed
+      step pytest_dask_gpu timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_dask_gpu.py -p no:cacheprovider -rs -s
+      step dask_cupy_bench timeout 500 python3 benchmarks/dask_cupy_bench.py --json "$OUT/dask_cupy_bench_h200.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -13,5 +13,6 @@ NB_MODULE(_core, m) {
   bind_graph_pools(m);
   bind_torch_factory(m);
   { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
+  { void bind_logging(nanobind::module_&); bind_logging(m); }  // cpp/bindings/logging.cpp
   { void bind_upload_engine(nanobind::module_&); bind_upload_engine(m); }  // cpp/bindings/upload_engine.cpp
 }

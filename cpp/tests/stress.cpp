@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "poolkeeper/arena_pool.hpp"
+#include "poolkeeper/logging_pool.hpp"
 #include "poolkeeper/direct_pool.hpp"
 #include "poolkeeper/host_upstream.hpp"
 #include "poolkeeper/simulated_upstream.hpp"
@@ -185,8 +186,18 @@ std::vector<Case> all_cases() {
       return std::make_shared<SizeClassPool>(std::move(up), o);
     };
   };
+  // The RMM-CSV logging adaptor over an arena: its log lock and pointer table under the same
+  // traffic (cross-thread frees, bad-pointer probes, nowait paths) as the pools themselves.
+  auto logging = [arena](std::size_t buffer) {
+    return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
+      const char* tmp = std::getenv("TMPDIR");
+      const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/poolkeeper_stress_log.csv";
+      return std::make_shared<LoggingPool>(arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)(std::move(up)), path, buffer);
+    };
+  };
   return {
       {"direct-host", true, direct},
+      {"logging_arena-host", true, logging(4096)},
       {"size_class-host", true, size_class(512 << 10)},  // small cache cap: releases under load
       {"arena-host", true, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)},
       {"arena_nocache-host", true, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},
@@ -221,6 +232,13 @@ std::atomic<std::uint64_t> g_known{0};
 void* pool_alloc(Pool& pool, std::size_t n, Stream s) {
   if (void* p = pool.try_allocate_nowait(n, s)) return p;
   return pool.allocate(n, s);
+}
+
+// The arena behind a pool, seen through the logging adaptor (the known snapshot race and the
+// cache flush concern the arena either way).
+ArenaPool* arena_of(Pool* p) {
+  if (auto* l = dynamic_cast<LoggingPool*>(p)) p = l->inner().get();
+  return dynamic_cast<ArenaPool*>(p);
 }
 
 void pool_free(Pool& pool, void* p, Stream s) {
@@ -410,7 +428,7 @@ class Run {
       return;
     }
     if (r < 995) {
-      if (o_.snapshots && !(o_.allow_snapshot_race && dynamic_cast<ArenaPool*>(pool_.get()))) {
+      if (o_.snapshots && !(o_.allow_snapshot_race && arena_of(pool_.get()))) {
         (void)pool_->snapshot();
         g_counts.snapshots.fetch_add(1, std::memory_order_relaxed);
       } else {
@@ -418,7 +436,7 @@ class Run {
       }
       return;
     }
-    if (auto* a = dynamic_cast<ArenaPool*>(pool_.get())) a->flush_thread_cache();
+    if (auto* a = arena_of(pool_.get())) a->flush_thread_cache();
   }
 
   // Quiescent point: every thread is parked in the barrier.

@@ -23,7 +23,7 @@ from poolkeeper.errors import (
     PoolkeeperError,
     UpstreamError,
 )
-from poolkeeper.pools import ArenaPool, Direct, SizeClassPool, make_pool
+from poolkeeper.pools import ArenaPool, Direct, LoggingPool, SizeClassPool, make_pool
 
 __version__ = "0.1.0"
 
@@ -46,6 +46,7 @@ __all__ = [
     "ArenaPool",
     "SizeClassPool",
     "Direct",
+    "LoggingPool",
     "make_pool",
     "upstream",
     "errors",

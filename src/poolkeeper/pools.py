@@ -18,6 +18,7 @@ Thread-safe. Bad input raises a typed :mod:`poolkeeper.errors` exception and cha
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from poolkeeper import _core
@@ -195,19 +196,60 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         )
 
 
+class LoggingPool(_PoolAPI, _core.LoggingPool):
+    """Records every allocate and deallocate made through it as RMM's ``logging_resource_adaptor``
+    CSV (``Thread,Time,Action,Pointer,Size,Stream``), then forwards it to ``inner``.
+
+    The log replays with ``poolkeeper replay PATH`` (and RMM's replay benchmark). It is written
+    in C++, so allocations reaching ``inner`` through the C ABI (PyTorch's pluggable allocator,
+    when the registry holds this pool) are logged too.
+
+    Args:
+        inner: the pool that serves the requests (owned from now on: allocate through the
+            adaptor, not through ``inner``, or those blocks go unlogged).
+        path: the CSV file, created or truncated now.
+        buffer_bytes: lines are buffered in memory and written in chunks of this size (default
+            1 MiB); also on :meth:`flush`, :meth:`close`, when the adaptor is destroyed, and at
+            process exit.
+
+    ``stats()`` is the inner pool's, plus ``log_events``, ``log_bytes_written`` and
+    ``log_write_errors``. ``close()`` closes the inner pool, then the file.
+
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` when the file cannot be created.
+    """
+
+    def __init__(self, inner: _core.Pool, path: "str | os.PathLike[str]", *, buffer_bytes: Optional[int] = None) -> None:
+        if not isinstance(inner, _core.Pool):
+            from poolkeeper.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"inner must be a poolkeeper pool; got {type(inner).__name__}")
+        super().__init__(inner, os.fspath(path), buffer_bytes)
+
+
 Pool = _core.Pool
 POOL_KINDS = {"direct": Direct, "size_class": SizeClassPool, "arena": ArenaPool}
 
 
-def make_pool(kind: str, upstream: _core.Upstream, **options: Any) -> _core.Pool:
-    """Build a pool by name: ``"direct"``, ``"size_class"`` or ``"arena"``."""
+def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.PathLike[str]]" = None,
+              **options: Any) -> _core.Pool:
+    """Build a pool by name: ``"direct"``, ``"size_class"`` or ``"arena"``.
+
+    ``log``: a path; the pool is then wrapped in a :class:`LoggingPool` writing that file.
+    """
     try:
         cls = POOL_KINDS[kind]
     except KeyError:
         from poolkeeper.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(POOL_KINDS)})") from None
-    return cls(upstream, **options)
+    pool = cls(upstream, **options)
+    if log is not None:
+        try:
+            return LoggingPool(pool, log)
+        except BaseException:
+            pool.close()
+            raise
+    return pool
 
 
-__all__ = ["Pool", "Direct", "SizeClassPool", "ArenaPool", "POOL_KINDS", "make_pool"]
+__all__ = ["Pool", "Direct", "SizeClassPool", "ArenaPool", "LoggingPool", "POOL_KINDS", "make_pool"]

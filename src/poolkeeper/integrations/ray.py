@@ -1,0 +1,178 @@
+"""poolkeeper in every Ray worker process.
+
+Ray runs a ``worker_process_setup_hook`` (a ``runtime_env`` field) in each worker process it
+starts. :func:`runtime_env` returns that field, with the pool's settings carried in an
+environment variable, for ``ray.init(runtime_env=...)``, ``@ray.remote(runtime_env=...)`` or
+``.options(runtime_env=...)``:
+
+    import ray
+    from poolkeeper.integrations import ray as pkr
+
+    ray.init(runtime_env=pkr.runtime_env("arena", upstream="device", torch=True, limit=60 << 30))
+
+    @ray.remote(num_gpus=1)
+    class Server:
+        def __init__(self):
+            pkr.worker_pool()          # first thing: builds the pool, installs the torch allocator
+            import torch
+            self.model = ...           # every CUDA tensor now comes from the worker's pool
+        def stats(self):
+            return pkr.worker_stats()
+
+The settings are checked by :func:`runtime_env`, in the driver, with the same checks the pools
+make: a bad option raises a typed :mod:`poolkeeper.errors` error before any worker starts.
+
+When the pool is built: with ``upstream="host"`` or ``"simulated"``, in the hook. With a device
+upstream, on the first :func:`worker_pool` call, because Ray assigns a GPU to a task or actor
+(and sets ``CUDA_VISIBLE_DEVICES`` for it) after the worker process has started and run its hook;
+the pool goes on device 0 of what is then visible, the worker's own GPU. For ``torch=True`` that
+first call must come before the actor or task initializes CUDA (else
+:class:`~poolkeeper.integrations._common.AllocatorInitializedError`).
+
+The pool is closed (and its log completed) when the worker process exits normally. Importing this
+module does not import ray.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from typing import Any, Dict, Optional
+
+from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.integrations._common import IntegrationError
+from poolkeeper.integrations._worker import DEVICE_UPSTREAMS, WorkerPoolSpec, WorkerPoolState
+
+ENV_VAR = "POOLKEEPER_RAY_WORKER_POOL"
+HOOK = "poolkeeper.integrations.ray.setup_worker"
+
+_LOCK = threading.Lock()
+_SPEC: Optional[WorkerPoolSpec] = None
+_STATE: Optional[WorkerPoolState] = None
+_ATEXIT = False
+
+
+def _spec_args(
+    pool: str = "arena",
+    upstream: str = "device",
+    limit: Optional[int] = None,
+    initial: Optional[int] = None,
+    torch: bool = False,
+    cupy: bool = False,
+    log_directory: Optional[str] = None,
+    release_threshold: Optional[int] = None,
+    **options: Any,
+) -> Dict[str, Any]:
+    args = dict(
+        pool=pool, upstream=upstream, limit=limit, initial=initial, torch=torch, cupy=cupy,
+        log_directory=os.fspath(log_directory) if log_directory is not None else None,
+        release_threshold=release_threshold, **options,
+    )
+    WorkerPoolSpec(**args)  # the pools' own checks, now, in the driver
+    return args
+
+
+def runtime_env(
+    pool: str = "arena",
+    upstream: str = "device",
+    limit: Optional[int] = None,
+    initial: Optional[int] = None,
+    torch: bool = False,
+    cupy: bool = False,
+    log_directory: Optional[str] = None,
+    release_threshold: Optional[int] = None,
+    base: Optional[Dict[str, Any]] = None,
+    **options: Any,
+) -> Dict[str, Any]:
+    """A Ray ``runtime_env`` whose workers each build one poolkeeper pool.
+
+    Arguments as :class:`poolkeeper.integrations.dask.PoolkeeperSetup` (``release_threshold``:
+    with ``upstream="async"``); ``base``: a runtime_env to extend (its ``env_vars`` are kept; a
+    ``worker_process_setup_hook`` of its own is refused: Ray runs only one).
+
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a bad kind, upstream, size or
+    pool option, and :class:`IntegrationError` when ``base`` has a setup hook already.
+    """
+    args = _spec_args(pool, upstream, limit, initial, torch, cupy, log_directory, release_threshold, **options)
+    env = dict(base or {})
+    if env.get("worker_process_setup_hook") not in (None, HOOK):
+        raise IntegrationError(
+            "the runtime_env already has a worker_process_setup_hook; Ray runs one per worker: call "
+            f"{HOOK}() from yours instead (with the {ENV_VAR} variable from this function's env_vars)"
+        )
+    env["worker_process_setup_hook"] = HOOK
+    try:
+        text = json.dumps(args)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"pool options must be plain numbers, strings or booleans to reach Ray workers: {e}") from None
+    env["env_vars"] = {**dict(env.get("env_vars") or {}), ENV_VAR: text}
+    return env
+
+
+def setup_worker() -> Optional[WorkerPoolState]:
+    """The setup hook: read the settings from the environment, build the pool now when it needs
+    no GPU (later, on first :func:`worker_pool`, otherwise). Returns the state when built."""
+    global _SPEC
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        raise IntegrationError(f"{HOOK} needs {ENV_VAR} (use poolkeeper.integrations.ray.runtime_env())")
+    spec = WorkerPoolSpec(**json.loads(text))
+    with _LOCK:
+        _SPEC = spec
+    _register_exit()
+    if spec.upstream in DEVICE_UPSTREAMS:
+        return None
+    return _build()
+
+
+def _register_exit() -> None:
+    global _ATEXIT
+    with _LOCK:
+        if not _ATEXIT:
+            atexit.register(close_worker_pool)
+            _ATEXIT = True
+
+
+def _build() -> WorkerPoolState:
+    global _STATE
+    with _LOCK:
+        if _STATE is not None:
+            return _STATE
+        spec = _SPEC
+        if spec is None:
+            if os.environ.get(ENV_VAR):
+                spec = WorkerPoolSpec(**json.loads(os.environ[ENV_VAR]))
+            else:
+                raise IntegrationError(
+                    "this process has no poolkeeper worker pool: start the workers with "
+                    "runtime_env=poolkeeper.integrations.ray.runtime_env(...)"
+                )
+        _STATE = spec.build(f"ray-{os.getpid()}", where=f"Ray worker process {os.getpid()}")
+    _register_exit()
+    return _STATE
+
+
+def worker_pool() -> Any:
+    """This worker process's pool, built on the first call when the upstream is a device.
+    Raises :class:`IntegrationError` in a process not started with :func:`runtime_env`."""
+    st = _STATE
+    return st.pool if st is not None else _build().pool
+
+
+def worker_stats() -> Dict[str, Any]:
+    """This worker's pool stats, plus ``pool``, ``upstream``, ``device``, ``pid``, ``log_path``."""
+    st = _STATE if _STATE is not None else _build()
+    return st.stats()
+
+
+def close_worker_pool() -> Optional[Dict[str, Any]]:
+    """Close this process's pool (runs at exit; returns what :meth:`WorkerPoolState.close`
+    found, or None without a pool). Blocks still live are reported, never freed."""
+    global _STATE
+    with _LOCK:
+        st, _STATE = _STATE, None
+    return st.close() if st is not None else None
+
+
+__all__ = ["runtime_env", "setup_worker", "worker_pool", "worker_stats", "close_worker_pool", "ENV_VAR", "HOOK"]

@@ -1,0 +1,151 @@
+"""poolkeeper.integrations.ray: the runtime_env helper and setup hook in-process (always), and on
+a local Ray cluster with Host/Simulated upstreams (when ray is installed; it is not in the test
+extra: about 80 MB and 90 s to install)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from poolkeeper.bench.replay import replay_log
+from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.integrations import ray as pkr
+from poolkeeper.integrations._common import IntegrationError
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The module's per-process state, reset around an in-process test."""
+    monkeypatch.setattr(pkr, "_SPEC", None)
+    monkeypatch.setattr(pkr, "_STATE", None)
+    monkeypatch.setattr(pkr, "_ATEXIT", True)  # no exit handler for the test process
+    yield
+    pkr.close_worker_pool()
+
+
+def test_runtime_env_checks_options_in_the_driver():
+    with pytest.raises(InvalidArgumentError, match="unknown option 'no_such_option'"):
+        pkr.runtime_env("arena", upstream="host", no_such_option=1)
+    with pytest.raises(InvalidArgumentError, match="unknown upstream"):
+        pkr.runtime_env("arena", upstream="tpu")
+    with pytest.raises(InvalidArgumentError, match="device upstream"):
+        pkr.runtime_env("arena", upstream="simulated", torch=True)
+    with pytest.raises(InvalidArgumentError, match="release_threshold"):
+        pkr.runtime_env("arena", upstream="device", release_threshold=0)
+    with pytest.raises(IntegrationError, match="already has a worker_process_setup_hook"):
+        pkr.runtime_env("arena", upstream="host", base={"worker_process_setup_hook": "mine.hook"})
+
+
+def test_runtime_env_keeps_the_base_and_carries_the_settings():
+    env = pkr.runtime_env("size_class", upstream="host", limit=64 * MiB, classes_per_doubling=2,
+                          base={"env_vars": {"A": "1"}, "pip": ["x"]})
+    assert env["worker_process_setup_hook"] == pkr.HOOK and env["pip"] == ["x"] and env["env_vars"]["A"] == "1"
+    args = json.loads(env["env_vars"][pkr.ENV_VAR])
+    assert args["pool"] == "size_class" and args["limit"] == 64 * MiB and args["classes_per_doubling"] == 2
+
+
+def test_setup_hook_in_process(fresh, monkeypatch, tmp_path):
+    env = pkr.runtime_env("arena", upstream="simulated", log_directory=str(tmp_path), max_backing=16 * MiB)
+    monkeypatch.setenv(pkr.ENV_VAR, env["env_vars"][pkr.ENV_VAR])
+    state = pkr.setup_worker()
+    assert state is not None and pkr.worker_pool() is state.pool
+    pool = pkr.worker_pool()
+    pool.deallocate(pool.allocate(3 * MiB))
+    st = pkr.worker_stats()
+    assert st["pool"] == "Logging(ArenaPool)" and st["pid"] == os.getpid() and st["log_events"] == 2
+    report = pkr.close_worker_pool()
+    assert report["closed"] and report["live_bytes"] == 0
+    r = replay_log(st["log_path"], ["arena"], "host")["pools"]["arena"]
+    assert r["counts"]["allocations"] == 1 and r["peak_live_bytes"] == 3 * MiB
+
+
+def test_device_upstream_waits_for_the_first_worker_pool_call(fresh, monkeypatch):
+    env = pkr.runtime_env("arena", upstream="device")
+    monkeypatch.setenv(pkr.ENV_VAR, env["env_vars"][pkr.ENV_VAR])
+    assert pkr.setup_worker() is None and pkr._STATE is None  # no GPU assigned yet
+    if _has_cuda():
+        pytest.skip("this machine has a CUDA driver")
+    with pytest.raises(IntegrationError, match="cannot host a poolkeeper pool over the 'device' upstream"):
+        pkr.worker_pool()
+
+
+def _has_cuda():
+    import poolkeeper as pk
+
+    try:
+        pk.upstream.CudaDevice(0)
+        return True
+    except pk.PoolkeeperError:
+        return False
+
+
+def test_worker_pool_outside_a_configured_process(fresh, monkeypatch):
+    monkeypatch.delenv(pkr.ENV_VAR, raising=False)
+    with pytest.raises(IntegrationError, match="runtime_env"):
+        pkr.worker_pool()
+
+
+# -- on a local Ray cluster -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    logs = tmp_path_factory.mktemp("raylogs")
+    env = pkr.runtime_env("arena", upstream="simulated", log_directory=str(logs))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=env, logging_level="ERROR",
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield ray, logs
+    finally:
+        ray.shutdown()
+
+
+def test_ray_tasks_and_actors_get_their_worker_pool(ray_cluster):
+    ray, logs = ray_cluster
+
+    @ray.remote
+    def task(n):
+        built_by_hook = pkr._STATE is not None
+        pool = pkr.worker_pool()
+        p = pool.allocate(n)
+        live = pool.stats()["live_bytes"]
+        pool.deallocate(p)
+        return os.getpid(), pool.id, built_by_hook, live
+
+    results = ray.get([task.remote(MiB * (i + 1)) for i in range(6)])
+    assert all(built for _, _, built, _ in results)
+    assert sorted(live for *_, live in results) == [MiB * (i + 1) for i in range(6)]
+    by_pid = {}
+    for pid, pool_id, _, _ in results:
+        by_pid.setdefault(pid, set()).add(pool_id)
+    assert all(len(ids) == 1 for ids in by_pid.values())  # one pool per worker process
+
+    @ray.remote
+    class Holder:
+        def __init__(self):
+            self.pool = pkr.worker_pool()
+            self.held = []
+
+        def grab(self, n):
+            self.held.append(self.pool.allocate(n))
+            return pkr.worker_stats()["live_bytes"]
+
+        def finish(self):
+            for p in self.held:
+                self.pool.deallocate(p)
+            stats = pkr.worker_stats()
+            return stats, pkr.close_worker_pool()
+
+    h = Holder.remote()
+    assert ray.get(h.grab.remote(2 * MiB)) == 2 * MiB
+    assert ray.get(h.grab.remote(MiB)) == 3 * MiB
+    stats, report = ray.get(h.finish.remote())
+    assert report["closed"] and report["live_bytes"] == 0
+    assert stats["peak_live_bytes"] == 3 * MiB and os.path.dirname(stats["log_path"]) == str(logs)
+    r = replay_log(stats["log_path"], ["arena"], "host")["pools"]["arena"]
+    assert r["counts"]["allocations"] == r["counts"]["frees"] == stats["log_events"] // 2
+    assert r["peak_live_bytes"] == 3 * MiB
