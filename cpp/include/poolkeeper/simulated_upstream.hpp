@@ -21,6 +21,10 @@
 //   costs (cuMemCreate+cuMemMap+cuMemSetAccess and cuMemUnmap+cuMemRelease are of the order of
 //   cudaMalloc/cudaFree); reserve/unreserve cost nothing.
 //
+// - A request the device cannot hold fails before any latency is paid; one call never busy-waits
+//   longer than kMaxSimulatedCallUs. enqueue()/advance() refuse negative and non-finite times
+//   (InvalidArgument), which would never complete.
+//
 // Thread safety: all members may be called concurrently (one internal mutex).
 #pragma once
 #include <map>
@@ -85,6 +89,7 @@ class SimulatedUpstream final : public Upstream {
     std::map<std::uintptr_t, std::size_t> pieces;  // mapped: address -> bytes
   };
   double busy_locked(Stream s) const;
+  [[noreturn]] void throw_oom_locked(std::size_t nbytes) const;
   std::uintptr_t place_locked(std::size_t span, std::size_t align);  // a free stretch of fake addresses
   Range* range_of_locked(std::uintptr_t addr, std::size_t bytes);
   std::map<std::uintptr_t, Range> ranges_;  // reserved; their addresses sit in live_ too
@@ -102,5 +107,10 @@ class SimulatedUpstream final : public Upstream {
 };
 
 void busy_wait_us(double us);
+
+// The longest one simulated call busy-waits (1 s): a real cudaMalloc of the whole of an H200
+// costs well under that, and a bound keeps a hostile size (whose modelled cost would be days)
+// from holding a thread -- and Ctrl-C -- hostage. Latencies above it are refused.
+inline constexpr double kMaxSimulatedCallUs = 1e6;
 
 }  // namespace poolkeeper
