@@ -32,8 +32,10 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
     : Pool(std::move(upstream)), opt_(opt), order_(upstream_.get()) {
   // The class table spans every size up to kMaxRequest in steps of the alignment: an alignment
   // near 2^62 overflowed its arithmetic (and a std::bad_alloc followed).
-  if (!is_pow2(opt_.alignment) || opt_.alignment > kMaxSizeClassAlignment)
-    throw InvalidArgument("alignment must be a power of two no larger than 1 GiB; got " + std::to_string(opt_.alignment));
+  if (!is_pow2(opt_.alignment))
+    throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  if (opt_.alignment > kMaxSizeClassAlignment)
+    throw InvalidArgument("alignment must be at most 1 GiB; got " + std::to_string(opt_.alignment));
   const std::size_t k = opt_.classes_per_doubling;
   if (!(k == 1 || k == 2 || k == 4 || k == 8))
     throw InvalidArgument("classes_per_doubling must be 1, 2, 4 or 8; got " + std::to_string(k));

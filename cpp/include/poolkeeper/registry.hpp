@@ -9,6 +9,8 @@
 //   set/clear destroy only pools no hazard names, and retry the rest at the next set/clear).
 // Thread-safe.
 #pragma once
+#include <array>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -31,15 +33,50 @@ Pool* get_fast(int device);
 Pool* get(int device);
 
 namespace detail {
-struct Hazard;
-}
+// One per thread that calls through the C ABI: the pool it is inside right now. Records are never
+// freed (a thread's record is reused by a later thread), so a scan never reads freed memory.
+struct Hazard {
+  std::atomic<Pool*> ptr{nullptr};
+  std::atomic<bool> taken{false};
+  Hazard* next = nullptr;
+};
+extern std::array<std::atomic<Pool*>, kMaxDevices + 1> g_fast;  // [0] = host (-1), [d+1] = device d
+extern __attribute__((tls_model("initial-exec"))) thread_local Hazard* t_hazard;
+// True once set()/clear() can force a memory barrier on every running thread of the process
+// (Linux membarrier, private expedited): then a hazard store needs only a compiler barrier
+// before the re-load, the heavy barrier is paid by the rare writer. False: a seq_cst store.
+extern std::atomic<bool> g_asymmetric;
+Hazard* claim_thread_hazard();                      // a thread's first call
+Pool* pin_slow(int device, Hazard* h, Pool* saved);  // bad index, no pool yet, or replaced meanwhile
+}  // namespace detail
+
 // The device's pool (created through the factory when needed; throws like get()), kept alive
-// for this object's lifetime even if set() or clear() replaces it meanwhile. Costs two atomic
-// stores and a load on the calling thread's own cache line. Not copyable; one thread.
+// for this object's lifetime even if set() or clear() replaces it meanwhile. The hit path is
+// inline: a TLS read, two loads of the slot and two stores to the thread's own hazard record (the
+// first seq_cst, pairing with the scan in set/clear). Not copyable; one thread.
 class Pinned {
  public:
-  explicit Pinned(int device);
-  ~Pinned();
+  explicit Pinned(int device) {
+    detail::Hazard* h = detail::t_hazard;
+    if (!h) h = detail::claim_thread_hazard();
+    hazard_ = h;
+    saved_ = h->ptr.load(std::memory_order_relaxed);  // a nested call restores the outer one's
+    Pool* p = nullptr;
+    if (static_cast<unsigned>(device + 1) < static_cast<unsigned>(kMaxDevices + 1)) {
+      p = detail::g_fast[device + 1].load(std::memory_order_acquire);
+      if (p) {
+        if (detail::g_asymmetric.load(std::memory_order_relaxed)) {
+          h->ptr.store(p, std::memory_order_relaxed);
+          std::atomic_signal_fence(std::memory_order_seq_cst);
+        } else {
+          h->ptr.store(p, std::memory_order_seq_cst);
+        }
+        if (detail::g_fast[device + 1].load(std::memory_order_seq_cst) != p) p = nullptr;
+      }
+    }
+    pool_ = p ? p : detail::pin_slow(device, h, saved_);
+  }
+  ~Pinned() { hazard_->ptr.store(saved_, std::memory_order_release); }
   Pinned(const Pinned&) = delete;
   Pinned& operator=(const Pinned&) = delete;
   Pool* operator->() const { return pool_; }
@@ -50,6 +87,7 @@ class Pinned {
   detail::Hazard* hazard_ = nullptr;
   Pool* saved_ = nullptr;
 };
+
 std::shared_ptr<Pool> get_shared(int device);
 void clear();
 // Every installed pool (for empty_cache / stats).
