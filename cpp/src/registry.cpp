@@ -55,7 +55,10 @@ struct ThreadHazard {
 // The heavy half of the asymmetric barrier (see g_asymmetric): every running thread of the
 // process executes a full memory barrier before this returns.
 bool heavy_barrier() {
-  return syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+  if (syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0) return true;
+  // A forked child starts unregistered (the registration belongs to the address space): register.
+  return syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0 &&
+         syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
 }
 
 // Once, before the first pool is published: switch readers to the light barrier if the kernel
