@@ -107,15 +107,9 @@ def worker():
 # propagate unchanged, as from any Python callback.
 OWN_ERRORS = {"builtins.ValueError": ("bad index", "no stream")}
 
-# Wrong outcomes the generated cases still meet until another helper's item of issue 16 lands
-# (C++ side). Each has an explicit xfail case in KNOWN_OPEN below; after merging, delete the
-# entry here and flip the xfail. (exception class, message fragment or "", issue item)
-TOLERATED = [
-    ("builtins.TypeError", "incompatible function arguments", "item 11: a value of the right type but the wrong "
-                                                              "range gets nanobind's TypeError"),
-    ("builtins.MemoryError", "bad_alloc", "item 11: option arithmetic overflows into std::bad_alloc"),
-    ("builtins.RuntimeError", "std::bad_cast", "item 11: Simulated(latency...) of a wrong type: std::bad_cast"),
-]
+# Wrong outcomes a generated case may still meet while a known item is open: (exception class,
+# message fragment or "", issue item). Each must also have an explicit case in KNOWN_OPEN.
+TOLERATED: list = []  # empty since the C++ items of issue 16 landed; kept for the next round
 tolerated_seen: list = []
 OS_ERRORS = {"FileNotFoundError", "IsADirectoryError", "PermissionError", "NotADirectoryError", "OSError"}
 
@@ -452,59 +446,42 @@ def test_cli_lab_arguments(worker, flag, value):
     clean_cli(worker.run("cli", args), args)
 
 
-# -- known-open inputs (other items of issue 16, C++ side): in the suite, marked until their fix lands -----------------
+# -- inputs that crashed, hung or got untyped errors before issue 16's C++ fixes (regressions) -----------------
 
 KNOWN_OPEN = [
-    pytest.param("stream_arg", {"kind": "arena", "stream": O("stream_self_cuda_stream")}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 1: C++ stream parser recurses"),
+    pytest.param("stream_arg", {"kind": "arena", "stream": O("stream_self_cuda_stream")}, "typed",  # was open: issue 16 item 1: C++ stream parser recurses
                  id="item1-self-cuda_stream"),
-    pytest.param("stream_arg", {"kind": "size_class", "stream": O("stream_self_ptr")}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 1: C++ stream parser recurses"),
+    pytest.param("stream_arg", {"kind": "size_class", "stream": O("stream_self_ptr")}, "typed",  # was open: issue 16 item 1: C++ stream parser recurses
                  id="item1-self-ptr"),
-    pytest.param("stream_arg", {"kind": "direct", "stream": O("stream_self_proto")}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 1: C++ stream parser recurses"),
+    pytest.param("stream_arg", {"kind": "direct", "stream": O("stream_self_proto")}, "typed",  # was open: issue 16 item 1: C++ stream parser recurses
                  id="item1-self-proto"),
-    pytest.param("stream_arg", {"kind": "arena", "stream": O("stream_proto_none")}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: (v, None) taken as no stream"),
+    pytest.param("stream_arg", {"kind": "arena", "stream": O("stream_proto_none")}, "typed",  # was open: issue 16 item 11: (v, None) taken as no stream
                  id="item11-proto-none"),
-    pytest.param("pool_op", {"kind": "arena", "op": "allocate", "args": [O("index_ki")]}, "keyboard_interrupt",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: KeyboardInterrupt in __index__ swallowed"),
+    pytest.param("pool_op", {"kind": "arena", "op": "allocate", "args": [O("index_ki")]}, "keyboard_interrupt",  # was open: issue 16 item 11: KeyboardInterrupt in __index__ swallowed
                  id="item11-index-ki"),
-    pytest.param("pool_op", {"kind": "size_class", "op": "allocate", "args": [I(2**63 + 5)]}, "absurd",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: sizes in [2^63, 2^64) say 'must be positive'"),
+    pytest.param("pool_op", {"kind": "size_class", "op": "allocate", "args": [I(2**63 + 5)]}, "absurd",  # was open: issue 16 item 11: sizes in [2^63, 2^64) say 'must be positive'
                  id="item11-size-2^63"),
-    pytest.param("upstream_ctor", {"cls": "Simulated", "kwargs": {"latency_us": ["str", "1"]}}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: std::bad_cast"),
+    pytest.param("upstream_ctor", {"cls": "Simulated", "kwargs": {"latency_us": ["str", "1"]}}, "typed",  # was open: issue 16 item 11: std::bad_cast
                  id="item11-latency-str"),
-    pytest.param("upstream_ctor", {"cls": "Simulated", "kwargs": {"latency_us": F("inf")}}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: an infinite latency is accepted"),
+    pytest.param("upstream_ctor", {"cls": "Simulated", "kwargs": {"latency_us": F("inf")}}, "typed",  # was open: issue 16 item 11: an infinite latency is accepted
                  id="item11-latency-inf"),
-    pytest.param("upstream_ctor", {"cls": "Host", "kwargs": {"alignment": I(-1)}}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: nanobind TypeError"),
+    pytest.param("upstream_ctor", {"cls": "Host", "kwargs": {"alignment": I(-1)}}, "typed",  # was open: issue 16 item 11: nanobind TypeError
                  id="item11-host-alignment-neg"),
-    pytest.param("upstream_ctor", {"cls": "Faulty", "kwargs": {"inner": NONE}}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: nanobind TypeError"),
+    pytest.param("upstream_ctor", {"cls": "Faulty", "kwargs": {"inner": NONE}}, "typed",  # was open: issue 16 item 11: nanobind TypeError
                  id="item11-faulty-none"),
-    pytest.param("pool_ctor", {"kind": "size_class", "up": "sim", "kwargs": {"alignment": I(2**62)}}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: std::bad_alloc"),
+    pytest.param("pool_ctor", {"kind": "size_class", "up": "sim", "kwargs": {"alignment": I(2**62)}}, "typed",  # was open: issue 16 item 11: std::bad_alloc
                  id="item11-size-class-alignment"),
-    pytest.param("sim_op", {"op": "advance", "args": [F("nan")]}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 11: advance(nan) accepted"),
+    pytest.param("sim_op", {"op": "advance", "args": [F("nan")]}, "typed",  # was open: issue 16 item 11: advance(nan) accepted
                  id="item11-advance-nan"),
-    pytest.param("host_upstream_op", {"op": "deallocate", "args": [I(1 << 40), I(4096)]}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 10: Host frees unknown pointers (glibc abort)"),
+    pytest.param("host_upstream_op", {"op": "deallocate", "args": [I(1 << 40), I(4096)]}, "typed",  # was open: issue 16 item 10: Host frees unknown pointers (glibc abort)
                  id="item10-host-unknown-free"),
-    pytest.param("host_upstream_op", {"op": "deallocate", "args": [I(0), I(1 << 30)], "rel": True}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 10: a wrong size wraps outstanding_bytes"),
+    pytest.param("host_upstream_op", {"op": "deallocate", "args": [I(0), I(1 << 30)], "rel": True}, "typed",  # was open: issue 16 item 10: a wrong size wraps outstanding_bytes
                  id="item10-host-wrong-size"),
-    pytest.param("uninit", {"how": "subclass"}, "type_error",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 2: uninitialized pool subclass segfaults"),
+    pytest.param("uninit", {"how": "subclass"}, "type_error",  # was open: issue 16 item 2: uninitialized pool subclass segfaults
                  id="item2-uninit-subclass"),
-    pytest.param("uninit", {"how": "new"}, "type_error",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 2: Direct.__new__ then deallocate segfaults"),
+    pytest.param("uninit", {"how": "new"}, "type_error",  # was open: issue 16 item 2: Direct.__new__ then deallocate segfaults
                  id="item2-uninit-new"),
-    pytest.param("slow_sim", {}, "typed",
-                 marks=pytest.mark.xfail(strict=False, reason="issue 16 item 3: latency paid before the capacity check"),
+    pytest.param("slow_sim", {}, "typed",  # was open: issue 16 item 3: latency paid before the capacity check
                  id="item3-simulated-2^61"),
 ]
 

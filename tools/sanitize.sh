@@ -47,6 +47,7 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --threads 32 --ops 2000 --seed 2 "${known_stress[@]}"
 "$root/asan/stress" --scenario thread-exit --ops 4000
 "$root/asan/stress" --scenario registry --ops 40000  # pools built while others trace foreign pointers
+"$root/asan/stress" --scenario capi-registry --ops 40000  # C-ABI pools replaced under their callers
 stage "ASan+UBSan: native upload engine (three engines at once, faults, close during an upload)"
 "$root/asan/upload_engine_stress" --rounds 100 --seed 1
 stage "ASan+UBSan: fuzz target on past findings, the seed corpus and random inputs"
@@ -66,6 +67,7 @@ stage "TSan: stress"
 "$root/tsan/stress" --threads 32 --ops 1000 --seed 4 "${known_stress[@]}"
 "$root/tsan/stress" --scenario thread-exit --ops 2000
 "$root/tsan/stress" --scenario registry --ops 4000
+"$root/tsan/stress" --scenario capi-registry --ops 4000
 stage "TSan: native upload engine"
 "$root/tsan/upload_engine_stress" --rounds 60 --seed 1
 if [ $strict = 1 ]; then

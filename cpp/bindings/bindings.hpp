@@ -12,6 +12,8 @@ using namespace nb::literals;
 // Python argument conversion with typed poolkeeper errors (never a bare TypeError/OverflowError).
 std::size_t parse_size(nb::handle h, const char* what = "nbytes");
 std::uintptr_t parse_ptr(nb::handle h);
+// A duration in microseconds: an int or float, finite and >= 0 (InvalidArgument otherwise).
+double parse_duration_us(nb::handle h, const char* what);
 // None -> kNoStream; int; objects with __cuda_stream__ (CUDA stream protocol), .cuda_stream
 // (torch.cuda.Stream) or .ptr (cupy.cuda.Stream).
 Stream parse_stream(nb::handle h);
@@ -19,6 +21,22 @@ nb::object stream_to_py(Stream s);
 nb::dict stats_to_dict(const PoolStats& st);
 nb::dict snapshot_to_dict(const Snapshot& snap);
 nb::dict upstream_counters_to_dict(const UpstreamCounters& c);
+
+// Releases the GIL for a blocking core call; takes it back at scope exit -- except on a
+// non-exiting thread once the interpreter is exiting, which then waits forever instead of being
+// unwound through this destructor (see nogil.cpp). Use it, not nb::gil_scoped_release, and hold
+// no lock of your own across its scope's end.
+class ReleaseGil {
+ public:
+  ReleaseGil();
+  ~ReleaseGil();
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+void install_exit_guard(nb::module_& m);
 
 // Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
 void set_python_error(const std::exception_ptr& p);

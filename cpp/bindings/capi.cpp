@@ -30,7 +30,7 @@ void bind_capi(nb::module_& m) {
       "capi_bench_pair",
       [](int device, std::size_t nbytes, std::size_t iterations, nb::handle stream) {
         const Stream s = parse_stream(stream);
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;
         // Warm the path (first call may grow a backing and fill the thread cache).
         void* w = poolkeeper_malloc(nbytes, device, s);
         if (!w) throw Error(std::string("capi_bench_pair: ") + poolkeeper_last_error());

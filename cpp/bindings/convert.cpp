@@ -1,16 +1,24 @@
 // Argument conversion and result dictionaries.
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
+
 #include "bindings.hpp"
 
 namespace poolkeeper::py {
 
 namespace {
-long long to_ll(nb::handle h, const char* what, bool& overflow) {
-  overflow = false;
+// overflow: 0 when the value fits a long long; +1 at or above 2^63 (the unsigned bits when below
+// 2^64, else 0); -1 below -2^63.
+long long to_ll(nb::handle h, const char* what, int& overflow) {
+  overflow = 0;
   if (PyBool_Check(h.ptr())) throw InvalidArgument(std::string(what) + " must be an integer, not bool");
   PyObject* idx = PyLong_Check(h.ptr()) ? (Py_INCREF(h.ptr()), h.ptr()) : PyNumber_Index(h.ptr());
   if (!idx) {
+    // Only "not an integer" is bad input; KeyboardInterrupt, SystemExit or MemoryError raised
+    // inside __index__ is the user's (or the interpreter's) and must reach them unchanged.
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
+      throw nb::python_error();
     PyErr_Clear();
     throw InvalidArgument(std::string(what) + " must be an integer; got " +
                               nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))))),
@@ -22,17 +30,16 @@ long long to_ll(nb::handle h, const char* what, bool& overflow) {
     // Above 2^63: maybe still a valid unsigned pointer.
     unsigned long long u = PyLong_AsUnsignedLongLong(idx);
     Py_DECREF(idx);
+    overflow = 1;
     if (PyErr_Occurred()) {
       PyErr_Clear();
-      overflow = true;
       return 0;
     }
-    overflow = true;
     return static_cast<long long>(u);
   }
   Py_DECREF(idx);
   if (of < 0) {
-    overflow = true;
+    overflow = -1;
     return -1;
   }
   return v;
@@ -40,29 +47,56 @@ long long to_ll(nb::handle h, const char* what, bool& overflow) {
 }  // namespace
 
 std::size_t parse_size(nb::handle h, const char* what) {
-  bool of;
+  int of;
   long long v = to_ll(h, what, of);
   if (of || v < 0) {
-    if (!of || v < 0)
+    if (of < 0 || (of == 0 && v < 0))
       throw InvalidArgument(std::string(what) + " must be positive; got " + nb::cast<std::string>(nb::repr(h)));
     throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is absurd (above 2^62)");
   }
   return static_cast<std::size_t>(v);
 }
 
+double parse_duration_us(nb::handle h, const char* what) {
+  PyObject* o = h.ptr();
+  if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o)))
+    throw InvalidArgument(std::string(what) + " must be a number of microseconds; got " + nb::cast<std::string>(nb::repr(h)));
+  const double d = PyFloat_AsDouble(o);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is out of range");
+  }
+  // NaN compares false with everything, so a NaN duration never completes: refuse it (and inf)
+  // here rather than wait forever on it later.
+  if (!std::isfinite(d) || d < 0)
+    throw InvalidArgument(std::string(what) + " must be a finite number >= 0; got " + nb::cast<std::string>(nb::repr(h)));
+  return d;
+}
+
 std::uintptr_t parse_ptr(nb::handle h) {
-  bool of;
+  int of;
   long long v = to_ll(h, "ptr", of);
   if (of) {
-    if (v == 0 || v == -1) throw InvalidPointer("pointer " + nb::cast<std::string>(nb::repr(h)) + " is not an address", 0, "unknown");
+    if (of < 0 || v == 0 || v == -1) throw InvalidPointer("pointer " + nb::cast<std::string>(nb::repr(h)) + " is not an address", 0, "unknown");
     return static_cast<std::uintptr_t>(static_cast<unsigned long long>(v));
   }
   if (v < 0) throw InvalidPointer("pointer " + std::to_string(v) + " is negative: not an address", 0, "unknown");
   return static_cast<std::uintptr_t>(v);
 }
 
-Stream parse_stream(nb::handle h) {
-  if (h.is_none()) return kNoStream;
+namespace {
+// Stream objects wrap a handle at most a few levels deep (a framework stream around a driver
+// stream); an object that answers with itself, or with an endless chain, must be refused rather
+// than followed until the C stack overflows.
+constexpr int kMaxStreamNesting = 8;
+
+Stream parse_stream_at(nb::handle h, int depth) {
+  if (h.is_none()) {
+    if (depth == 0) return kNoStream;
+    // None inside a stream object is not "no stream": the object claims to be a stream but has no
+    // handle (a destroyed or not yet created stream).
+    throw InvalidArgument("stream object gave None as its handle: not a stream", true);
+  }
   PyObject* o = h.ptr();
   if (PyLong_Check(o) && !PyBool_Check(o)) {
     int of = 0;
@@ -73,17 +107,24 @@ Stream parse_stream(nb::handle h) {
     PyErr_Clear();
     throw InvalidArgument("stream " + nb::cast<std::string>(nb::repr(h)) + " is not a stream handle", true);
   }
+  if (depth >= kMaxStreamNesting)
+    throw InvalidArgument("stream object nests more than " + std::to_string(kMaxStreamNesting) +
+                              " levels deep (does .cuda_stream, .ptr or __cuda_stream__() return the object itself?)",
+                          true);
   if (nb::hasattr(h, "__cuda_stream__")) {
     nb::object r = h.attr("__cuda_stream__")();
-    if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) return parse_stream(nb::tuple(r)[1]);
+    if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) return parse_stream_at(nb::tuple(r)[1], depth + 1);
     throw InvalidArgument("__cuda_stream__() must return (version, handle)", true);
   }
-  if (nb::hasattr(h, "cuda_stream")) return parse_stream(h.attr("cuda_stream"));  // torch.cuda.Stream
-  if (nb::hasattr(h, "ptr")) return parse_stream(h.attr("ptr"));                  // cupy.cuda.Stream
+  if (nb::hasattr(h, "cuda_stream")) return parse_stream_at(h.attr("cuda_stream"), depth + 1);  // torch.cuda.Stream
+  if (nb::hasattr(h, "ptr")) return parse_stream_at(h.attr("ptr"), depth + 1);                  // cupy.cuda.Stream
   throw InvalidArgument("stream must be None, an int handle, or an object with __cuda_stream__, .cuda_stream or .ptr; got " +
                             nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(o))))),
                         true);
 }
+}  // namespace
+
+Stream parse_stream(nb::handle h) { return parse_stream_at(h, 0); }
 
 nb::object stream_to_py(Stream s) {
   if (s == kNoStream) return nb::none();

@@ -45,16 +45,28 @@ bool parse_args(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, cons
   return true;
 }
 
+// A raw descriptor skips nanobind's argument conversion, and with it the check that self was
+// constructed: a subclass whose __init__ never called the pool's, or Pool.__new__(P) alone, has no
+// C++ object behind it.
+bool check_ready(PyObject* self) {
+  if (nb::inst_ready(self)) return true;
+  PyErr_Format(PyExc_TypeError,
+               "%s object is not initialized: its __init__ must call the pool's __init__ (super().__init__(...))",
+               Py_TYPE(self)->tp_name);
+  return false;
+}
+
 PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   PyObject *a0, *a1;
-  if (!parse_args(args, nargs, kwnames, "nbytes", "stream", a0, a1, false)) return nullptr;
+  if (!check_ready(self) || !parse_args(args, nargs, kwnames, "nbytes", "stream", a0, a1, false)) return nullptr;
   try {
     Pool* pool = nb::inst_ptr<Pool>(self);
+    pool->check_not_forked();
     const std::size_t n = parse_size(a0);
     const Stream s = parse_stream(a1);
     void* r = pool->try_allocate_nowait(n, s);
     if (!r) {
-      nb::gil_scoped_release nogil;
+      ReleaseGil nogil;
       r = pool->allocate(n, s);
     }
     return PyLong_FromSize_t(reinterpret_cast<std::uintptr_t>(r));
@@ -66,13 +78,14 @@ PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
 
 PyObject* fast_deallocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   PyObject *a0, *a1;
-  if (!parse_args(args, nargs, kwnames, "ptr", "stream", a0, a1, false)) return nullptr;
+  if (!check_ready(self) || !parse_args(args, nargs, kwnames, "ptr", "stream", a0, a1, false)) return nullptr;
   try {
     Pool* pool = nb::inst_ptr<Pool>(self);
+    pool->check_not_forked();
     void* p = reinterpret_cast<void*>(parse_ptr(a0));
     const Stream s = parse_stream(a1);
     if (!pool->try_deallocate_nowait(p, s)) {
-      nb::gil_scoped_release nogil;
+      ReleaseGil nogil;
       pool->deallocate(p, s);
     }
     Py_RETURN_NONE;

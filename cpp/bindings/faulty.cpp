@@ -50,13 +50,20 @@ void bind_faulty(nb::module_& m) {
   nb::class_<FaultyUpstream, Upstream>(m, "FaultyUpstream")
       .def(
           "__init__",
-          [](FaultyUpstream* self, std::shared_ptr<Upstream> inner, nb::handle fail_every, nb::handle fail_at,
-             nb::handle fail_bytes_over, bool fail_frees, const std::string& error, bool armed) {
-            FaultPlan plan = read_plan(fail_every, fail_at, fail_bytes_over, fail_frees, error, armed);
-            new (self) FaultyUpstream(std::move(inner), std::move(plan));
+          [](FaultyUpstream* self, nb::handle inner, nb::handle fail_every, nb::handle fail_at,
+             nb::handle fail_bytes_over, bool fail_frees, nb::handle error, bool armed) {
+            // Converted here, not by nanobind, so a wrong inner or error is an InvalidArgumentError.
+            if (!nb::isinstance<Upstream>(inner))
+              throw InvalidArgument("Faulty needs an inner upstream (e.g. poolkeeper.upstream.Host()); got " +
+                                    nb::cast<std::string>(nb::repr(inner)));
+            if (!nb::isinstance<nb::str>(error))
+              throw InvalidArgument("error must be 'oom' or 'upstream'; got " + nb::cast<std::string>(nb::repr(error)));
+            FaultPlan plan =
+                read_plan(fail_every, fail_at, fail_bytes_over, fail_frees, nb::cast<std::string>(error), armed);
+            new (self) FaultyUpstream(nb::cast<std::shared_ptr<Upstream>>(inner), std::move(plan));
           },
-          "inner"_a, "fail_every"_a = nb::none(), "fail_at"_a = nb::none(), "fail_bytes_over"_a = nb::none(),
-          "fail_frees"_a = false, "error"_a = "oom", "armed"_a = true)
+          "inner"_a.none(), "fail_every"_a = nb::none(), "fail_at"_a = nb::none(), "fail_bytes_over"_a = nb::none(),
+          "fail_frees"_a = false, "error"_a.none() = "oom", "armed"_a = true)
       .def_prop_ro("inner", [](FaultyUpstream& f) { return f.inner(); })
       .def_prop_rw("armed", &FaultyUpstream::armed, &FaultyUpstream::set_armed)
       .def_prop_ro("calls", &FaultyUpstream::calls)

@@ -19,6 +19,23 @@ class OptionReader {
     if (allow_zero && nb::isinstance<nb::int_>(v) && !PyBool_Check(v.ptr()) && PyObject_Not(v.ptr()) == 1) return 0;
     return parse_size(v, key);
   }
+  // A byte cap where None (or leaving it out) means "no cap": 0 would read as "nothing may be
+  // reserved" to some and "no cap" to others, so it is refused with the spelling to use.
+  std::size_t cap(const char* key, std::size_t none) {
+    known_.insert(key);
+    if (!dict_.is_valid() || !dict_.contains(key)) return none;
+    nb::handle v = dict_[key];
+    if (v.is_none()) return none;
+    const std::size_t n = parse_size(v, key);
+    if (n == 0)
+      throw InvalidArgument(pool_ + ": option '" + key + "' of 0 would allow nothing; pass " + key +
+                            "=None for no cap");
+    return n;
+  }
+  // Whether the caller gave key (a value other than None).
+  bool given(const char* key) const {
+    return dict_.is_valid() && dict_.contains(key) && !nb::handle(dict_[key]).is_none();
+  }
   double real(const char* key, double def) {
     known_.insert(key);
     if (!dict_.is_valid() || !dict_.contains(key)) return def;

@@ -8,7 +8,7 @@ ArenaOptions arena_options(nb::handle opts) {
   OptionReader r(opts, "ArenaPool");
   ArenaOptions o;
   o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.size("limit", 0);
+  o.limit = r.cap("limit", 0);
   o.initial_backing = r.size("initial_backing", o.initial_backing, false);
   o.max_backing = r.size("max_backing", o.max_backing, false);
   o.growth_factor = r.real("growth_factor", o.growth_factor);
@@ -21,6 +21,12 @@ ArenaOptions arena_options(nb::handle opts) {
   o.va_bytes = r.size("va_bytes", o.va_bytes);
   o.step_fraction = r.real("step_fraction", o.step_fraction);
   o.max_step = r.size("max_step", o.max_step, false);
+  // Options that shape only the expandable range would be ignored without it: a silent no-op is
+  // a misconfiguration the user never hears about.
+  if (!o.expandable)
+    for (const char* k : {"va_bytes", "step_fraction", "max_step"})
+      if (r.given(k))
+        throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();
   return o;
 }
@@ -29,9 +35,9 @@ SizeClassOptions size_class_options(nb::handle opts) {
   OptionReader r(opts, "SizeClassPool");
   SizeClassOptions o;
   o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.size("limit", 0);
+  o.limit = r.cap("limit", 0);
   o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
-  o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
+  o.max_cached_bytes = r.size("max_cached_bytes", SIZE_MAX);  // 0: cache nothing; None: no cap
   r.finish();
   return o;
 }
@@ -40,7 +46,7 @@ DirectOptions direct_options(nb::handle opts) {
   OptionReader r(opts, "Direct");
   DirectOptions o;
   o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.size("limit", 0);
+  o.limit = r.cap("limit", 0);
   r.finish();
   return o;
 }

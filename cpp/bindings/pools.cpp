@@ -14,18 +14,20 @@ namespace poolkeeper::py {
 
 namespace {
 std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
+  p.check_not_forked();
   const std::size_t n = parse_size(nbytes);
   const Stream s = parse_stream(stream);
   if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
-  nb::gil_scoped_release nogil;
+  ReleaseGil nogil;
   return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
 }
 
 void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
+  p.check_not_forked();
   const std::uintptr_t a = parse_ptr(ptr);
   const Stream s = parse_stream(stream);
   if (p.try_deallocate_nowait(reinterpret_cast<void*>(a), s)) return;
-  nb::gil_scoped_release nogil;
+  ReleaseGil nogil;
   p.deallocate(reinterpret_cast<void*>(a), s);
 }
 }  // namespace
@@ -36,57 +38,68 @@ void bind_pools(nb::module_& m) {
       .def(
           "record_stream",
           [](Pool& p, nb::handle ptr, nb::handle stream) {
+            p.check_not_forked();
             const auto a = parse_ptr(ptr);
             const Stream s = parse_stream(stream);
             if (s == kNoStream) throw InvalidArgument("record_stream needs a stream, not None", true);
-            nb::gil_scoped_release nogil;
+            ReleaseGil nogil;
             p.record_stream(reinterpret_cast<void*>(a), s);
           },
           "ptr"_a.none(), "stream"_a.none())
       .def("stats",
            [](Pool& p) {
+             p.check_not_forked();
              PoolStats st;
              {
-               nb::gil_scoped_release nogil;
+               ReleaseGil nogil;
                st = p.stats();
              }
              return stats_to_dict(st);
            })
       .def("validate",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             p.check_not_forked();
+             ReleaseGil nogil;
              p.validate();
            })
       .def("trim",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             p.check_not_forked();
+             ReleaseGil nogil;
              return p.trim();
            })
       .def("process_pending",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             p.check_not_forked();
+             ReleaseGil nogil;
              return p.process_pending();
            })
       .def("synchronize",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             p.check_not_forked();
+             ReleaseGil nogil;
              p.synchronize();
            })
       .def("close",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             if (p.forked()) return;  // already closed (in a forked child): closing again is a no-op
+             ReleaseGil nogil;
              p.close();
            })
       .def("_snapshot_dict",
            [](Pool& p) {
+             p.check_not_forked();
              Snapshot s;
              {
-               nb::gil_scoped_release nogil;
+               ReleaseGil nogil;
                s = p.snapshot();
              }
              return snapshot_to_dict(s);
            })
-      .def("owns", [](Pool& p, nb::handle ptr) { return p.owns_live(parse_ptr(ptr)); }, "ptr"_a.none())
+      .def("owns", [](Pool& p, nb::handle ptr) {
+             p.check_not_forked();
+             return p.owns_live(parse_ptr(ptr));
+           }, "ptr"_a.none())
       .def_prop_ro("closed", &Pool::closed)
       .def_prop_ro("upstream", [](Pool& p) { return p.upstream(); })
       .def_prop_ro("id", &Pool::id)
@@ -94,6 +107,7 @@ void bind_pools(nb::module_& m) {
       .def_prop_ro("alignment", &Pool::alignment);
 
   install_fast_methods(pool_cls);
+  install_exit_guard(m);
   m.def("_slow_allocate", &py_allocate, "pool"_a, "nbytes"_a.none(), "stream"_a.none() = nb::none(),
         "The nanobind-dispatched allocate, kept to measure what the raw descriptor saves.");
   m.def("_slow_deallocate", &py_deallocate, "pool"_a, "ptr"_a.none(), "stream"_a.none() = nb::none());
@@ -108,7 +122,8 @@ void bind_pools(nb::module_& m) {
         new (self) SizeClassPool(std::move(up), size_class_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("release_cached", [](SizeClassPool& p) {
-        nb::gil_scoped_release nogil;
+             p.check_not_forked();
+        ReleaseGil nogil;
         return p.release_cached();
       })
       .def_static("class_size", &SizeClassPool::class_size_for, "nbytes"_a, "alignment"_a = 256,
@@ -119,11 +134,13 @@ void bind_pools(nb::module_& m) {
         new (self) ArenaPool(std::move(up), arena_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("shrink_scan", [](ArenaPool& p) {
-        nb::gil_scoped_release nogil;
+             p.check_not_forked();
+        ReleaseGil nogil;
         return p.shrink_scan();
       }, "Run one automatic shrink scan now; returns bytes released.")
       .def("flush_thread_cache", [](ArenaPool& p) {
-        nb::gil_scoped_release nogil;
+             p.check_not_forked();
+        ReleaseGil nogil;
         p.flush_thread_cache();
       }, "Return the calling thread's cached blocks to the pool.");
 }

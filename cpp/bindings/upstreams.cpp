@@ -13,7 +13,7 @@ namespace {
 template <void (Upstream::*F)(std::uintptr_t, std::size_t)>
 void range_call(Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
   const std::size_t n = parse_size(nbytes, "nbytes");
-  nb::gil_scoped_release nogil;
+  ReleaseGil nogil;
   (u.*F)(addr, n);
 }
 }  // namespace
@@ -24,7 +24,7 @@ void bind_upstreams(nb::module_& m) {
           "allocate",
           [](Upstream& u, nb::handle nbytes) {
             const std::size_t n = check_request(parse_size(nbytes));
-            nb::gil_scoped_release nogil;
+            ReleaseGil nogil;
             return reinterpret_cast<std::uintptr_t>(u.allocate(n));
           },
           "nbytes"_a.none(), "Allocate nbytes of backing memory directly (counted). Returns the address.")
@@ -34,7 +34,7 @@ void bind_upstreams(nb::module_& m) {
             const std::uintptr_t p = parse_ptr(ptr);
             const std::size_t n = parse_size(nbytes);
             if (!p) throw InvalidPointer("cannot free a null pointer", 0, "null");
-            nb::gil_scoped_release nogil;
+            ReleaseGil nogil;
             u.deallocate(reinterpret_cast<void*>(p), n);
           },
           "ptr"_a.none(), "nbytes"_a.none(), "Return memory from allocate() with the same nbytes (counted).")
@@ -54,7 +54,7 @@ void bind_upstreams(nb::module_& m) {
           "reserve",
           [](Upstream& u, nb::handle nbytes) {
             const std::size_t n = parse_size(nbytes, "nbytes");
-            nb::gil_scoped_release nogil;
+            ReleaseGil nogil;
             return u.reserve(n);
           },
           "nbytes"_a.none(), "Reserve a virtual range (granule multiple). Returns its base.")
@@ -73,40 +73,49 @@ void bind_upstreams(nb::module_& m) {
       .def(
           "wait_event",
           [](Upstream& u, EventId e) {
-            nb::gil_scoped_release nogil;
+            ReleaseGil nogil;
             u.wait_event(e);
           },
           "event"_a)
       .def("release_event", &Upstream::release_event, "event"_a)
       .def("synchronize", [](Upstream& u) {
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;
         u.synchronize();
       });
 
+  // Constructor arguments are taken as handles and converted here, so a bad one is an
+  // InvalidArgumentError naming it (nanobind's own conversion would raise a TypeError, or
+  // std::bad_cast for a str where a float belongs).
   nb::class_<HostUpstream, Upstream>(m, "HostUpstream")
-      .def("__init__", [](HostUpstream* self, std::size_t alignment) { new (self) HostUpstream(alignment); },
-           "alignment"_a = 256);
+      .def("__init__",
+           [](HostUpstream* self, nb::handle alignment) { new (self) HostUpstream(parse_size(alignment, "alignment")); },
+           "alignment"_a.none() = 256);
 
   nb::class_<SimulatedUpstream, Upstream>(m, "SimulatedUpstream")
       .def(
           "__init__",
           [](SimulatedUpstream* self, nb::handle latency, nb::handle latency_us, nb::handle capacity,
-             std::size_t alignment) {
+             nb::handle alignment) {
             LatencyModel model;
             if (!latency_us.is_none()) {
-              const double us = nb::cast<double>(latency_us);
-              if (!(us >= 0)) throw InvalidArgument("latency_us must be >= 0");
+              const double us = parse_duration_us(latency_us, "latency_us");
+              if (us > kMaxSimulatedCallUs)
+                throw InvalidArgument("latency_us " + nb::cast<std::string>(nb::repr(latency_us)) +
+                                      " is above the simulated device's bound of one second per call");
               model = LatencyModel::fixed(us);
             } else {
+              if (!latency.is_none() && !nb::isinstance<nb::str>(latency))
+                throw InvalidArgument("latency must be 'h200' or 'none' (or give latency_us); got " +
+                                      nb::cast<std::string>(nb::repr(latency)));
               const std::string name = latency.is_none() ? "h200" : nb::cast<std::string>(latency);
               if (name == "h200") model = LatencyModel::h200();
               else if (name == "none") model = LatencyModel::none();
               else throw InvalidArgument("latency must be 'h200' or 'none' (or give latency_us); got '" + name + "'");
             }
             const std::size_t cap = capacity.is_none() ? (std::size_t{140} << 30) : parse_size(capacity, "capacity");
-            new (self) SimulatedUpstream(model, cap, alignment);
+            new (self) SimulatedUpstream(model, cap, parse_size(alignment, "alignment"));
           },
-          "latency"_a = nb::none(), "latency_us"_a = nb::none(), "capacity"_a = nb::none(), "alignment"_a = 256)
+          "latency"_a = nb::none(), "latency_us"_a = nb::none(), "capacity"_a = nb::none(), "alignment"_a.none() = 256)
       .def("stream", &SimulatedUpstream::new_stream, "A new simulated stream (an int handle).")
       .def(
           "destroy_stream", [](SimulatedUpstream& u, nb::handle s) { u.destroy_stream(parse_stream(s)); }, "stream"_a,
@@ -114,9 +123,14 @@ void bind_upstreams(nb::module_& m) {
           "fails with CUDA_ERROR_INVALID_HANDLE from now on.")
       .def_prop_ro("events_recorded", &SimulatedUpstream::events_recorded, "Events recorded so far (all streams).")
       .def(
-          "enqueue", [](SimulatedUpstream& u, nb::handle s, double us) { u.enqueue(parse_stream(s), us); }, "stream"_a.none(),
-          "work_us"_a, "Enqueue work_us of device work on stream.")
-      .def("advance", &SimulatedUpstream::advance, "us"_a, "Move the virtual clock forward.")
+          "enqueue",
+          [](SimulatedUpstream& u, nb::handle s, nb::handle us) {
+            u.enqueue(parse_stream(s), parse_duration_us(us, "work_us"));
+          },
+          "stream"_a.none(), "work_us"_a.none(), "Enqueue work_us of device work on stream.")
+      .def(
+          "advance", [](SimulatedUpstream& u, nb::handle us) { u.advance(parse_duration_us(us, "us")); }, "us"_a.none(),
+          "Move the virtual clock forward.")
       .def_prop_ro("now", &SimulatedUpstream::now, "The virtual clock, in microseconds.")
       .def(
           "busy_until", [](SimulatedUpstream& u, nb::handle s) { return u.stream_busy_until(parse_stream(s)); },

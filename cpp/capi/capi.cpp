@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "poolkeeper/graph_registry.hpp"
 #include "poolkeeper/registry.hpp"
@@ -55,7 +56,8 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
       out = gp->allocate(size, stream);
       return;
     }
-    poolkeeper::Pool* p = poolkeeper::registry::get(device);
+    const poolkeeper::registry::Pinned p(device);  // stays alive even if replaced meanwhile
+    p->check_not_forked();
     out = p->try_allocate_fast(size, stream);
     if (!out) out = p->allocate(size, stream);
   });
@@ -68,7 +70,8 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
       gp->deallocate(ptr, stream);  // a graph's block goes back to its private pool
       return;
     }
-    poolkeeper::Pool* p = poolkeeper::registry::get(device);
+    const poolkeeper::registry::Pinned p(device);
+    p->check_not_forked();
     if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
   });
 }
@@ -89,15 +92,22 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
       gp->record_stream(ptr, torch_stream(stream));
       return;
     }
-    poolkeeper::registry::get(device)->record_stream(ptr, torch_stream(stream));
+    const poolkeeper::registry::Pinned p(device);
+    p->check_not_forked();
+    p->record_stream(ptr, torch_stream(stream));
   });
 }
 
 PK_EXPORT int64_t poolkeeper_empty_cache(void) {
   std::size_t total = 0;
-  guarded([&] {
-    for (auto& [d, p] : poolkeeper::registry::all()) total += p->trim();
-  });
+  // Each pool on its own: a closed (or failing) pool must not keep the others from trimming. The
+  // last failure stays readable through poolkeeper_last_error().
+  std::vector<std::pair<int, std::shared_ptr<poolkeeper::Pool>>> pools;
+  guarded([&] { pools = poolkeeper::registry::all(); });
+  for (auto& [d, p] : pools) {
+    if (p->closed()) continue;  // (a forked pool is closed too)
+    guarded([&] { total += p->trim(); });
+  }
   return total > static_cast<std::size_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(total);
 }
 

@@ -54,6 +54,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
 
 ArenaPool::~ArenaPool() {
   unregister();
+  if (forked()) return;  // its lock may have been held at the fork (the child forgot it, see arena_registry_add)
   // First: no exiting thread may flush into us any more.
   detail::arena_registry_remove(id_);
   try {

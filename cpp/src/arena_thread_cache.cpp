@@ -1,5 +1,7 @@
 // ArenaPool's thread cache: the lock-free hit paths, and moving blocks between a thread's cache
 // and the pool (under the pool's lock).
+#include <pthread.h>
+
 #include <mutex>
 #include <unordered_map>
 
@@ -66,7 +68,21 @@ void tls_prune() {
   t_last = t.entries.empty() ? TlsEntry{} : t.entries.back();
 }
 
+namespace {
+// fork(): a child must not fold a thread's cache into an inherited arena at thread exit (its lock
+// may have been held at the fork; the pool is closed there, see Pool::forked): the registry lock
+// is held across the fork and the child forgets every arena.
+void fork_prepare() { g_arena_mu.lock(); }
+void fork_parent() { g_arena_mu.unlock(); }
+void fork_child() {
+  arenas().clear();
+  g_arena_mu.unlock();
+}
+}  // namespace
+
 void arena_registry_add(std::uint64_t id, ArenaPool* pool) {
+  static const int atfork = pthread_atfork(fork_prepare, fork_parent, fork_child);
+  (void)atfork;
   std::lock_guard<std::mutex> g(g_arena_mu);
   arenas()[id] = pool;
 }

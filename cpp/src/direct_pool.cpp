@@ -12,6 +12,7 @@ DirectPool::DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt) : 
 
 DirectPool::~DirectPool() {
   unregister();
+  if (forked()) return;  // its lock may have been held at the fork
   // Live blocks at destruction stay with the user (never freed under them); the rest is gone.
   std::lock_guard<std::mutex> g(mu_);
   table_.for_each([&](std::uintptr_t, BlockRecord* b) { b->drop_used_on(); });

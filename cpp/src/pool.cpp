@@ -1,5 +1,7 @@
 #include "poolkeeper/pool.hpp"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <mutex>
 #include <sstream>
@@ -24,13 +26,36 @@ std::vector<Pool*>& directory() {
   return d;
 }
 std::atomic<std::uint64_t> g_next_id{1};
+
+// fork(): the child has only the forking thread. Holding the directory lock across the fork keeps
+// the list whole; in the child every pool on it is marked forked (see Pool::forked) before anyone
+// can call into one whose lock a vanished thread held.
+void fork_prepare() { g_dir_mu.lock(); }
+void fork_parent() { g_dir_mu.unlock(); }
+void fork_child() {
+  for (Pool* p : directory()) p->mark_forked();
+  g_dir_mu.unlock();
+}
 }  // namespace
+
+void Pool::mark_forked() {
+  forked_.store(true, std::memory_order_relaxed);
+  closed_.store(true, std::memory_order_release);
+}
+
+void Pool::throw_forked() const {
+  throw PoolClosed(name() + " #" + std::to_string(id_) +
+                   " was inherited through fork(): it is closed in the child process (another thread may have "
+                   "held its lock at the fork); make a new pool in the child");
+}
 
 Pool::Pool(std::shared_ptr<Upstream> upstream) : upstream_(std::move(upstream)), id_(g_next_id++) {
   if (!upstream_) throw InvalidArgument("a pool needs an upstream");
 }
 
 void Pool::join_directory() {
+  static const int atfork = pthread_atfork(fork_prepare, fork_parent, fork_child);
+  (void)atfork;
   std::lock_guard<std::mutex> g(g_dir_mu);
   directory().push_back(this);
 }

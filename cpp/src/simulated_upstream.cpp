@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 
 namespace poolkeeper {
 
 void busy_wait_us(double us) {
-  if (us <= 0) return;
+  if (!(us > 0)) return;
+  us = std::min(us, kMaxSimulatedCallUs);
   // A busy-wait, not a sleep: a sleep of 40 us costs 50-100 us on a loaded 2-core machine, and
   // cudaMalloc itself keeps its thread busy.
   const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(static_cast<long long>(us * 1000.0));
@@ -28,23 +30,36 @@ std::uintptr_t next_base() { return kFirst + (g_instances.fetch_add(1) % 4096) *
 SimulatedUpstream::SimulatedUpstream(LatencyModel model, std::size_t capacity, std::size_t alignment)
     : model_(model), capacity_(capacity), alignment_(alignment), base_(next_base()), next_addr_(base_) {
   if (!is_pow2(alignment)) throw InvalidArgument("Simulated alignment must be a power of two");
+  const double worst = std::max(model.alloc_us(0), model.free_us(0));
+  if (!std::isfinite(worst) || worst < 0 || worst > kMaxSimulatedCallUs)
+    throw InvalidArgument("Simulated latency must be finite, >= 0 and at most one second per call");
   if (capacity == 0) throw InvalidArgument("Simulated capacity must be positive");
 }
 
 void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
+  // Refuse what can never fit before paying its latency: the modelled cost of a 2^62-byte request
+  // is days of busy-waiting. (Racing allocations are checked again below, under the lock.)
+  if (nbytes == 0 || nbytes > kMaxRequest || align_up(nbytes, alignment_) > capacity_) {
+    std::lock_guard<std::mutex> g(mu_);
+    throw_oom_locked(nbytes);
+  }
   busy_wait_us(model_.alloc_us(nbytes));
   std::lock_guard<std::mutex> g(mu_);
   check_capture_locked("allocate (cuMemAlloc)", false);
   const std::size_t n = align_up(nbytes, alignment_);
-  if (nbytes == 0 || nbytes > kMaxRequest || used_ + n > capacity_)
-    throw UpstreamOutOfMemory("simulated device out of memory: asked " + format_bytes(nbytes) + ", " +
-                                  format_bytes(capacity_ - std::min(capacity_, used_)) + " of " +
-                                  format_bytes(capacity_) + " left",
-                              "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
+  if (used_ + n > capacity_) throw_oom_locked(nbytes);
   const std::uintptr_t a = place_locked(align_up(n, 4096), 4096);
   live_.emplace(a, nbytes);
   used_ += n;
   return reinterpret_cast<void*>(a);
+}
+
+void SimulatedUpstream::throw_oom_locked(std::size_t nbytes) const {
+  const std::size_t used = used_;
+  throw UpstreamOutOfMemory("simulated device out of memory: asked " + format_bytes(nbytes) + ", " +
+                                format_bytes(capacity_ - std::min(capacity_, used)) + " of " + format_bytes(capacity_) +
+                                " left",
+                            "Simulated", "CUDA_ERROR_OUT_OF_MEMORY", 2);
 }
 
 std::uintptr_t SimulatedUpstream::place_locked(std::size_t span, std::size_t align) {
@@ -105,6 +120,10 @@ SimulatedUpstream::Range* SimulatedUpstream::range_of_locked(std::uintptr_t addr
 }
 
 void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
+  if (bytes > capacity_) {
+    std::lock_guard<std::mutex> g(mu_);
+    throw_oom_locked(bytes);
+  }
   busy_wait_us(model_.alloc_us(bytes));
   std::lock_guard<std::mutex> g(mu_);
   check_capture_locked("map (cuMemMap)", false);
@@ -193,14 +212,15 @@ double SimulatedUpstream::busy_locked(Stream s) const {
 }
 
 void SimulatedUpstream::enqueue(Stream s, double work_us) {
-  if (work_us < 0) throw InvalidArgument("enqueue: work_us must be >= 0");
+  if (!std::isfinite(work_us) || work_us < 0) throw InvalidArgument("enqueue: work_us must be finite and >= 0");
   std::lock_guard<std::mutex> g(mu_);
   if (destroyed_.count(s)) dead_stream(s, "enqueue");
   busy_[s] = std::max(busy_locked(s), now_) + work_us;
 }
 
 void SimulatedUpstream::advance(double us) {
-  if (us < 0) throw InvalidArgument("advance: the virtual clock only moves forward");
+  if (!std::isfinite(us) || us < 0)
+    throw InvalidArgument("advance: the virtual clock only moves forward, by a finite step");
   std::lock_guard<std::mutex> g(mu_);
   now_ += us;
 }

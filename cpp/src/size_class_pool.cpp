@@ -30,8 +30,12 @@ std::size_t SizeClassPool::class_index(std::size_t c) const {
 
 SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOptions opt)
     : Pool(std::move(upstream)), opt_(opt), order_(upstream_.get()) {
+  // The class table spans every size up to kMaxRequest in steps of the alignment: an alignment
+  // near 2^62 overflowed its arithmetic (and a std::bad_alloc followed).
   if (!is_pow2(opt_.alignment))
     throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  if (opt_.alignment > kMaxSizeClassAlignment)
+    throw InvalidArgument("alignment must be at most 1 GiB; got " + std::to_string(opt_.alignment));
   const std::size_t k = opt_.classes_per_doubling;
   if (!(k == 1 || k == 2 || k == 4 || k == 8))
     throw InvalidArgument("classes_per_doubling must be 1, 2, 4 or 8; got " + std::to_string(k));
@@ -42,14 +46,23 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
 
 SizeClassPool::~SizeClassPool() {
   unregister();
-  if (closed()) return;
+  if (closed()) return;  // (also in a forked child: nothing of it may be touched there)
   // Free what the pool holds; live blocks stay with their owner (never freed under them).
   std::vector<std::pair<void*, std::size_t>> out;
   {
     std::lock_guard<std::mutex> g(mu_);
-    order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); }, true);
-    for (std::size_t c = 0; c < free_.size(); ++c)
-      while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(b, out);
+    // A destructor must not throw (it runs from garbage collection, interpreter exit, a registry
+    // clear): a driver error while settling (a failed event record) leaves the pending blocks with
+    // the device -- never freed under work that may still use them -- and the free ones go back.
+    try {
+      order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); }, true);
+    } catch (...) {
+    }
+    try {
+      for (std::size_t c = 0; c < free_.size(); ++c)
+        while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(b, out);
+    } catch (...) {
+    }
   }
   for (auto& [p, n] : out) {
     try {
@@ -252,7 +265,7 @@ bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   if (!g.owns_lock()) return false;
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
-  if (s == kNoStream && opt_.max_cached_bytes && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
+  if (s == kNoStream && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
   if (s != kNoStream && StreamOrder::defer_records_events(b, s)) return false;  // an upstream call
   live_ -= b->requested;
   overhead_ -= b->size - b->requested;
@@ -281,7 +294,7 @@ void SizeClassPool::deallocate(void* p, Stream s) {
       overhead_ -= b->size - b->requested;
       --live_blocks_;
       if (s == kNoStream) {
-        if (opt_.max_cached_bytes && free_bytes_ + b->size > opt_.max_cached_bytes) {
+        if (free_bytes_ + b->size > opt_.max_cached_bytes) {
           b->drop_used_on();
           retire_locked(b, detached);
         } else {

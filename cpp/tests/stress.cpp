@@ -20,7 +20,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|capi-registry|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -42,6 +42,7 @@
 #include "poolkeeper/logging_pool.hpp"
 #include "poolkeeper/direct_pool.hpp"
 #include "poolkeeper/host_upstream.hpp"
+#include "poolkeeper/registry.hpp"
 #include "poolkeeper/simulated_upstream.hpp"
 #include "poolkeeper/size_class_pool.hpp"
 
@@ -623,10 +624,53 @@ void scenario_thread_exit(const Options& o) {
   if (up->counters().outstanding_bytes) fail("thread-exit: upstream still holds memory");
 }
 
+// capi-registry: threads allocate and free through registry::Pinned (as every C ABI call does)
+// while another thread replaces and clears the device's pool: each pool must outlive every call
+// that started in it (before Pinned, a replaced pool was destroyed under its callers).
+void scenario_capi_registry(const Options& o) {
+  auto up = std::make_shared<HostUpstream>();
+  constexpr int kDevice = 3;
+  ArenaOptions ao;
+  ao.initial_backing = 64 << 10;
+  registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
+  const std::uint64_t rounds = std::max<std::uint64_t>(64, o.ops / 8);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> users;
+  for (int t = 0; t < 3; ++t)
+    users.emplace_back([&, t] {
+      std::uint64_t i = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        try {
+          const registry::Pinned p(kDevice);
+          const std::size_t n = 512 + (i++ * 977 + t * 131) % 8192;
+          void* b = pool_alloc(*p.get(), n, kNoStream);
+          write_cookie(b, n, static_cast<std::uint32_t>(t));
+          if (!check_cookie(b, n, static_cast<std::uint32_t>(t))) fail("capi-registry: block overwritten");
+          pool_free(*p.get(), b, kNoStream);
+          g_counts.ops.fetch_add(2, std::memory_order_relaxed);
+        } catch (const InvalidArgument&) {  // cleared just now: no pool installed
+        }
+      }
+    });
+  for (std::uint64_t i = 0; i < rounds; ++i) {
+    switch (i % 4) {
+      case 0: registry::set(kDevice, std::make_shared<DirectPool>(up)); break;
+      case 1: registry::set(kDevice, std::make_shared<SizeClassPool>(up)); break;
+      case 2: registry::set(kDevice, std::make_shared<ArenaPool>(up, ao)); break;
+      default: registry::clear(); break;
+    }
+    if (i % 16 == 0) std::this_thread::yield();
+  }
+  stop = true;
+  for (auto& u : users) u.join();
+  registry::clear();
+  if (up->counters().outstanding_bytes) fail("capi-registry: upstream still holds memory");
+}
+
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|capi-registry|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -663,7 +707,8 @@ int main(int argc, char** argv) {
     } else return usage();
   }
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
-  if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" && o.scenario != "all")
+  if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
+      o.scenario != "capi-registry" && o.scenario != "all")
     return usage();
 
   int ran = 0;
@@ -680,6 +725,7 @@ int main(int argc, char** argv) {
   }
   if (o.scenario == "registry" || o.scenario == "all") scenario_registry(o);
   if (o.scenario == "thread-exit" || o.scenario == "all") scenario_thread_exit(o);
+  if (o.scenario == "capi-registry" || o.scenario == "all") scenario_capi_registry(o);
 
   auto& k = g_counts;
   std::printf(

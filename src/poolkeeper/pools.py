@@ -89,7 +89,7 @@ class Direct(_PoolAPI, _core.DirectPool):
     Args:
         upstream: where memory comes from.
         alignment: power of two (default 256).
-        limit: cap on reserved bytes (None: no cap).
+        limit: cap on reserved bytes (None: no cap; 0 is refused, since it would allow nothing).
     """
 
     def __init__(
@@ -107,10 +107,11 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
 
     Args:
         upstream: where memory comes from.
-        alignment: power of two (default 256).
+        alignment: power of two, at most 1 GiB (default 256).
         classes_per_doubling: 1, 2, 4 or 8 (default 4).
-        max_cached_bytes: cap on cached free bytes; a release beyond it frees upstream (None: no cap).
-        limit: cap on reserved bytes (None: no cap).
+        max_cached_bytes: cap on cached free bytes; a release beyond it frees upstream (None: no cap;
+            0: cache nothing, every release goes upstream).
+        limit: cap on reserved bytes (None: no cap; 0 is refused, since it would allow nothing).
 
     ``release_cached()`` returns every cached block to the upstream (detached under the lock, freed
     outside it); ``trim()`` is the same.
@@ -159,7 +160,9 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
     (1.5), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
     ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
     0 disables automatic scans), ``oversize_threshold`` (32 MiB, clamped to ``max_backing``;
-    requests above it get an oversize backing of their own), ``limit`` (None).
+    requests above it get an oversize backing of their own), ``limit`` (None: no cap; 0 is refused).
+    With ``expandable=True`` (docs/expandable.md) also ``va_bytes``, ``step_fraction`` and
+    ``max_step``; given without it they are an ``InvalidArgumentError``.
     """
 
     def __init__(

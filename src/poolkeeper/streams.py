@@ -72,7 +72,7 @@ def as_handle(stream: StreamLike) -> Optional[int]:
         except Exception as e:  # a wrapper whose attribute raises is not a stream (KeyboardInterrupt passes)
             raise InvalidStreamError(f"reading the stream handle of {type(stream).__name__} raised {e!r}") from e
     raise InvalidStreamError(
-        f"{type(outer).__name__} does not unwrap to a stream handle within {MAX_UNWRAP} levels "
+        f"{type(outer).__name__} nests more than {MAX_UNWRAP} levels without reaching a stream handle "
         "(does its __cuda_stream__ / .cuda_stream / .ptr return itself?)"
     )
 

@@ -21,6 +21,10 @@ Upstream = _core.Upstream
 class Host(_core.HostUpstream):
     """Aligned host memory from the C heap.
 
+    It remembers its live allocations: a raw ``deallocate`` of a pointer it does not hold (unknown,
+    already freed, inside a pool's block) or with another size is an ``UpstreamError`` and changes
+    nothing.
+
     Args:
         alignment: power of two, at least the pointer size (default 256).
     """
@@ -41,7 +45,9 @@ class Simulated(_core.SimulatedUpstream):
     Latency: ``latency="h200"`` (default) busy-waits the H200-calibrated cost of cudaMalloc /
     cudaFree (a pair costs 86.1 us + 0.787 us per MiB, fitted on ``shared/anchors/native.txt``);
     ``latency_us=x`` makes every call cost ``x`` microseconds (``0`` for fast tests);
-    ``latency="none"`` is the same as ``latency_us=0``.
+    ``latency="none"`` is the same as ``latency_us=0``. A request above the capacity fails before any
+    latency is paid, and one call never busy-waits more than one second (``latency_us`` above
+    ``1e6`` is refused), so a hostile size cannot hold a thread, or Ctrl-C, for long.
 
     The virtual device (deterministic, in microseconds):
 
@@ -49,6 +55,9 @@ class Simulated(_core.SimulatedUpstream):
     - ``enqueue(stream, work_us)``: the stream is busy until ``max(now, busy) + work_us``.
     - ``record_event(stream)``: an event completing when the clock reaches the stream's busy time.
     - ``query_event(event)``, ``wait_event(event)``, ``advance(us)``, ``synchronize()``, ``now``.
+
+    Times must be finite and >= 0 (``InvalidArgumentError`` otherwise: a NaN or infinite time would
+    never complete).
     """
 
     def __init__(

@@ -1,6 +1,14 @@
 // Host: aligned host memory from the C heap. For tests, host-side pools and the staging pool's
 // CI path. Thread-safe; throws UpstreamOutOfMemory when the heap refuses.
+//
+// It remembers every live allocation and its size, so a raw deallocate() of a pointer it did not
+// hand out (or no longer holds), or with another size, is an UpstreamFailure (EINVAL) and changes
+// nothing -- as on Simulated -- instead of corrupting the C heap (glibc aborts the process) or
+// wrapping the outstanding-bytes counter.
 #pragma once
+#include <mutex>
+#include <unordered_map>
+
 #include "poolkeeper/upstream.hpp"
 
 namespace poolkeeper {
@@ -18,6 +26,8 @@ class HostUpstream final : public Upstream {
 
  private:
   std::size_t alignment_;
+  std::mutex mu_;
+  std::unordered_map<std::uintptr_t, std::size_t> live_;  // address -> requested bytes
 };
 
 }  // namespace poolkeeper

@@ -116,12 +116,26 @@ class Pool {
   virtual std::size_t alignment() const = 0;
 
   bool closed() const { return closed_.load(std::memory_order_acquire); }
+  // True in a child process for every pool inherited through fork(): another thread of the parent
+  // may have held its lock, or been half-way through an update, at the fork. Such a pool is closed
+  // there and refuses every call before touching a lock (the bindings and the C ABI check this,
+  // since the pools' own slow paths take their lock first); its destructor frees nothing.
+  bool forked() const { return forked_.load(std::memory_order_relaxed); }
+  // PoolClosed naming the fork, if forked().
+  void check_not_forked() const {
+    if (forked()) throw_forked();
+  }
   const std::shared_ptr<Upstream>& upstream() const { return upstream_; }
+  // The fork child handler's step (pool.cpp): closed, and forked() from now on.
+  void mark_forked();
   std::uint64_t id() const { return id_; }
 
  protected:
   void check_open() const {
-    if (closed_.load(std::memory_order_relaxed)) throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
+    if (closed_.load(std::memory_order_relaxed)) {
+      check_not_forked();
+      throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
+    }
   }
   // Join the directory of open pools. Each most-derived constructor calls it last: a pool in the
   // directory may be asked owns_live() by another thread at any moment, so it must be whole.
@@ -151,6 +165,8 @@ class Pool {
 
   std::shared_ptr<Upstream> upstream_;
   std::atomic<bool> closed_{false};
+  std::atomic<bool> forked_{false};
+  [[noreturn]] void throw_forked() const;
   std::uint64_t id_;
 };
 

@@ -32,6 +32,10 @@
 //   capture is active and the calling thread is not in relaxed mode; deallocate/unmap/synchronize
 //   (they synchronize the device) during any capture; record_event on a capturing stream.
 //
+// - A request the device cannot hold fails before any latency is paid; one call never busy-waits
+//   longer than kMaxSimulatedCallUs. enqueue()/advance() refuse negative and non-finite times
+//   (InvalidArgument), which would never complete.
+//
 // Thread safety: all members may be called concurrently (one internal mutex).
 #pragma once
 #include <map>
@@ -110,6 +114,7 @@ class SimulatedUpstream final : public Upstream {
   double busy_locked(Stream s) const;
   // A call that would invalidate an active capture on a GPU: record it (under mu_).
   void check_capture_locked(const char* call, bool synchronizes);
+  [[noreturn]] void throw_oom_locked(std::size_t nbytes) const;
   std::uintptr_t place_locked(std::size_t span, std::size_t align);  // a free stretch of fake addresses
   Range* range_of_locked(std::uintptr_t addr, std::size_t bytes);
   std::map<std::uintptr_t, Range> ranges_;  // reserved; their addresses sit in live_ too
@@ -136,5 +141,10 @@ class SimulatedUpstream final : public Upstream {
 };
 
 void busy_wait_us(double us);
+
+// The longest one simulated call busy-waits (1 s): a real cudaMalloc of the whole of an H200
+// costs well under that, and a bound keeps a hostile size (whose modelled cost would be days)
+// from holding a thread -- and Ctrl-C -- hostage. Latencies above it are refused.
+inline constexpr double kMaxSimulatedCallUs = 1e6;
 
 }  // namespace poolkeeper

@@ -23,10 +23,14 @@
 
 namespace poolkeeper {
 
+// Largest alignment a SizeClassPool accepts (its class table is sized from it).
+inline constexpr std::size_t kMaxSizeClassAlignment = std::size_t{1} << 30;
+
 struct SizeClassOptions {
   std::size_t alignment = 256;
   std::size_t classes_per_doubling = 4;
-  std::size_t max_cached_bytes = 0;  // 0: no cap
+  // Cap on cached free bytes: 0 caches nothing (every release goes upstream), SIZE_MAX: no cap.
+  std::size_t max_cached_bytes = SIZE_MAX;
   std::size_t limit = 0;             // 0: none
 };
 

@@ -1,0 +1,60 @@
+// ReleaseGil and the interpreter-exit guard behind it.
+//
+// Why: at interpreter exit CPython (before 3.14) ends a daemon thread that tries to take the GIL
+// back by unwinding it with pthread_exit. A thread inside a pool call takes the GIL back in a
+// C++ destructor (nothrow), so that unwinding ends in std::terminate: the process aborted at exit
+// whenever a daemon thread was inside allocate/deallocate. The guard below makes such a thread
+// wait forever instead (the process is ending; it holds no pool lock by then), and makes sure no
+// thread is caught between "not exiting yet" and holding the GIL when finalization starts.
+#include <chrono>
+#include <thread>
+
+#include "bindings.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+std::atomic<bool> g_exiting{false};
+std::atomic<int> g_restoring{0};  // threads past the exit check, not yet holding the GIL
+std::atomic<unsigned long> g_exit_thread{0};
+
+[[noreturn]] void park_forever() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// Runs as the first atexit callback to matter (registered when _core loads): the interpreter is
+// still whole, only the exiting thread will run Python from here on.
+void begin_exit() {
+  g_exit_thread.store(PyThread_get_thread_ident(), std::memory_order_relaxed);
+  g_exiting.store(true, std::memory_order_seq_cst);
+  // Let every thread already between its check and the GIL finish taking it, so none is inside
+  // PyEval_RestoreThread when finalization begins. Bounded: exit never hangs on this.
+  PyThreadState* st = PyEval_SaveThread();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (g_restoring.load(std::memory_order_seq_cst) != 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  PyEval_RestoreThread(st);
+}
+}  // namespace
+
+ReleaseGil::ReleaseGil() : state_(PyEval_SaveThread()) {}
+
+ReleaseGil::~ReleaseGil() {
+  // seq_cst pairs with begin_exit: either this thread sees g_exiting, or begin_exit sees it in
+  // g_restoring and waits until it holds the GIL.
+  g_restoring.fetch_add(1, std::memory_order_seq_cst);
+  if (g_exiting.load(std::memory_order_seq_cst) &&
+      PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
+    g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+    park_forever();
+  }
+  PyEval_RestoreThread(state_);
+  g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void install_exit_guard(nb::module_& m) {
+  m.def("_begin_exit", &begin_exit, "Interpreter exit: threads leaving a core call from now on wait instead.");
+  nb::module_::import_("atexit").attr("register")(m.attr("_begin_exit"));
+}
+
+}  // namespace poolkeeper::py

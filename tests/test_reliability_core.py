@@ -1,0 +1,521 @@
+"""Reliability, second round: crashes, hangs and wrong error types of the native core and its
+bindings, each found by probing the library as a hostile user would.
+
+Every test is named after what broke. Anything that crashed or hung the interpreter runs in a child
+process with a timeout, so a regression fails one test instead of killing (or stalling) the session.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.errors import (
+    InvalidArgumentError,
+    InvalidStreamError,
+    PoolClosedError,
+    PoolkeeperError,
+    UpstreamError,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+TESTS = Path(__file__).parent
+PRELUDE = "import os, sys, threading, time\nimport poolkeeper as pk\nfrom poolkeeper import _core\n"
+
+
+def child(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter; a hang past timeout is a test failure, not a CI stall."""
+    e = dict(os.environ, PYTHONFAULTHANDLER="1", **env)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), e.get("PYTHONPATH", "")) if p)
+    try:
+        return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], capture_output=True,
+                              text=True, timeout=timeout, env=e)
+    except subprocess.TimeoutExpired as ex:
+        pytest.fail(f"child hung past {timeout}s:\n{ex.stdout}\n{ex.stderr}")
+
+
+def ok(r: subprocess.CompletedProcess, marker: str = "CHILD-OK") -> None:
+    assert r.returncode == 0 and marker in r.stdout, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------ 1: self-referential streams
+
+SELF_REFERENTIAL = {
+    "cuda_stream": "class S:\n    @property\n    def cuda_stream(self):\n        return self\n",
+    "ptr": "class S:\n    @property\n    def ptr(self):\n        return self\n",
+    "__cuda_stream__": "class S:\n    def __cuda_stream__(self):\n        return (0, self)\n",
+    "a_long_chain": (
+        "class S:\n    def __init__(self, n=100000):\n        self.n = n\n"
+        "    @property\n    def ptr(self):\n        return S(self.n - 1) if self.n else 5\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(SELF_REFERENTIAL))
+def test_self_referential_stream_object_is_invalid_stream_not_segfault(how):
+    r = child(SELF_REFERENTIAL[how] + textwrap.dedent("""
+        from poolkeeper.errors import InvalidStreamError
+        from poolkeeper import streams
+        pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+        for call in (lambda: pool.allocate(64, S()), lambda: pool.deallocate(pool.allocate(64), S()),
+                     lambda: streams.as_handle(S())):
+            try:
+                call()
+                print("accepted")
+            except InvalidStreamError as e:
+                assert "nest" in str(e), e
+        print("CHILD-OK")
+    """))
+    ok(r)
+    assert "accepted" not in r.stdout
+
+
+def test_cuda_stream_protocol_returning_no_handle_is_an_invalid_stream_not_no_stream():
+    from poolkeeper import streams
+
+    class NoHandle:
+        def __cuda_stream__(self):
+            return (0, None)
+
+    class NoPtr:
+        ptr = None
+
+    pool = pk.Direct(pk.upstream.Host())
+    for bad in (NoHandle(), NoPtr()):
+        with pytest.raises(InvalidStreamError, match="None"):
+            pool.allocate(64, bad)
+        with pytest.raises(InvalidStreamError, match="None"):
+            streams.as_handle(bad)
+    assert pool.stats()["live_blocks"] == 0
+
+
+# ------------------------------------------------------------------ 2: uninitialized instances
+
+def test_pool_whose_init_never_ran_is_type_error_not_segfault():
+    r = child("""
+        class P(pk.ArenaPool):
+            def __init__(self):
+                pass
+        import warnings
+        warnings.simplefilter("ignore")
+        calls = [lambda: P().allocate(10), lambda: P().deallocate(1), lambda: P().allocate(10, stream=3),
+                 lambda: pk.Direct.__new__(pk.Direct).deallocate(1),
+                 lambda: pk.Direct.__new__(pk.Direct).allocate(1),
+                 lambda: _core.SizeClassPool.__new__(_core.SizeClassPool).allocate(8),
+                 lambda: P().stats()]
+        for call in calls:
+            try:
+                call()
+                print("accepted")
+            except TypeError as e:
+                assert "init" in str(e) or "incompatible" in str(e), e
+        print("CHILD-OK")
+    """)
+    ok(r)
+    assert "accepted" not in r.stdout
+
+
+# ------------------------------------------------------------------ 3: the simulated device's latency
+
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_simulated_request_above_capacity_is_an_oom_at_once_not_a_days_long_spin(kind):
+    r = child(f"""
+        pool = pk.make_pool({kind!r}, pk.upstream.Simulated())   # the h200 latency model
+        for n in (2**62, 2**61, 200 << 30):
+            try:
+                pool.allocate(n)
+                print("accepted", n)
+            except pk.OutOfMemoryError:
+                pass
+        print("CHILD-OK")
+    """, timeout=30)
+    ok(r)
+    assert "accepted" not in r.stdout
+
+
+def test_simulated_latency_is_bounded_and_absurd_latencies_are_refused():
+    with pytest.raises(InvalidArgumentError, match="latency_us"):
+        pk.upstream.Simulated(latency_us=1e12)
+    # A capacity that admits a huge request: its modelled cost (days) is capped per call.
+    r = child("""
+        pool = pk.Direct(pk.upstream.Simulated(capacity=2**62))
+        t0 = time.monotonic()
+        try:
+            pool.deallocate(pool.allocate(2**50))   # modelled at days; more than the fake address range
+        except pk.OutOfMemoryError:
+            pass
+        print("CHILD-OK")
+    """, timeout=30)
+    ok(r)
+
+
+def test_ctrl_c_reaches_a_loop_of_huge_simulated_requests():
+    code = PRELUDE + textwrap.dedent("""
+        pool = pk.Direct(pk.upstream.Simulated(capacity=2**62))
+        print("READY", flush=True)
+        try:
+            while True:
+                try:
+                    pool.allocate(2**50)   # modelled at days of latency
+                except pk.OutOfMemoryError:
+                    pass
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "READY"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("Ctrl-C did not get through a simulated upstream call")
+    assert "INTERRUPTED" in out, out + err
+
+
+def test_replay_of_a_trace_with_an_absurd_size_finishes(tmp_path):
+    trace = tmp_path / "huge.csv"
+    trace.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000000,allocate,7f0000000000,"
+                     f"{2**62},0\n")
+    r = child(f"""
+        from poolkeeper.cli import main
+        rc = main(["replay", {str(trace)!r}, "--pool", "direct"])
+        print("CHILD-OK", rc)
+    """, timeout=60)
+    ok(r)
+
+
+# ------------------------------------------------------------------ 4: the C ABI registry
+
+def test_replacing_the_registry_pool_while_threads_allocate_through_the_c_abi_is_not_a_use_after_free():
+    # capi_bench_pair loops poolkeeper_malloc/free natively without the GIL, so the C ABI calls
+    # overlap the replacements (before the fix: "pure virtual method called" or a segfault).
+    r = child("""
+        HOST = -1
+        stop = False
+        def worker(n):
+            while not stop:
+                try:
+                    _core.capi_bench_pair(HOST, n, 20000)
+                except pk.PoolkeeperError:
+                    pass
+        kinds = [pk.Direct, pk.SizeClassPool, pk.ArenaPool]
+        _core.registry_set(HOST, pk.ArenaPool(pk.upstream.Host()))
+        ts = [threading.Thread(target=worker, args=(n,)) for n in (4096, 3 << 20, 100)]
+        for t in ts:
+            t.start()
+        t0, i = time.monotonic(), 0
+        while time.monotonic() - t0 < 1.5:
+            _core.registry_set(HOST, kinds[i % 3](pk.upstream.Host()))
+            if i % 7 == 0:
+                _core.registry_clear()
+            i += 1
+        stop = True
+        for t in ts:
+            t.join()
+        _core.registry_clear()
+        print("CHILD-OK")
+    """, timeout=120)
+    ok(r)
+
+
+# ------------------------------------------------------------------ 5: interpreter exit
+
+@pytest.mark.parametrize("kind", ["direct", "arena", "size_class"])
+def test_interpreter_exit_with_daemon_threads_inside_allocate_does_not_abort(kind):
+    code = f"""
+        pool = pk.make_pool({kind!r}, pk.upstream.Simulated(latency_us=1))
+        def loop():
+            while True:
+                ps = [pool.allocate(n) for n in (40 << 20, 3000, 64 << 20)]
+                for p in ps:
+                    pool.deallocate(p)
+        for _ in range(4):
+            threading.Thread(target=loop, daemon=True).start()
+        time.sleep(0.05)
+        print("CHILD-OK")
+    """
+    for i in range(10):
+        ok(child(code, timeout=60))
+
+
+# ------------------------------------------------------------------ 9: empty_cache
+
+def test_empty_cache_trims_every_pool_past_a_closed_one():
+    import capi_lib
+
+    lib = capi_lib.load()
+    closed = pk.ArenaPool(pk.upstream.Host())
+    closed.close()
+    live = pk.SizeClassPool(pk.upstream.Host())
+    live.deallocate(live.allocate(64 * KiB))
+    assert live.stats()["free_bytes"] > 0
+    _core.registry_set(-1, closed)
+    _core.registry_set(0, live)
+    try:
+        assert lib.poolkeeper_empty_cache() >= 64 * KiB
+        assert live.stats()["free_bytes"] == 0
+    finally:
+        _core.registry_clear()
+
+
+# ------------------------------------------------------------------ 10: raw calls on Host
+
+def test_raw_host_upstream_double_free_unknown_pointer_and_wrong_size_are_typed_errors_not_glibc_aborts():
+    r = child("""
+        from poolkeeper.errors import UpstreamError
+        up = pk.upstream.Host()
+        p = up.allocate(1000)
+        q = up.allocate(5000)
+        refused = 0
+        for bad in ((p, 999), (p, 4096), (p + 256, 744), (12345 << 12, 64)):
+            try:
+                up.deallocate(*bad)
+                print("accepted", bad)
+            except UpstreamError:
+                refused += 1
+        assert up.counters()["outstanding_bytes"] == 6000, up.counters()
+        up.deallocate(p, 1000)
+        try:
+            up.deallocate(p, 1000)
+            print("accepted double free")
+        except UpstreamError:
+            refused += 1
+        pool = pk.ArenaPool(up)
+        b = pool.allocate(100)
+        try:
+            up.deallocate(b, 100)            # the pool's own block (inside its backing)
+            print("accepted the pool's block")
+        except UpstreamError:
+            refused += 1
+        pool.deallocate(b)
+        pool.close()
+        up.deallocate(q, 5000)
+        assert up.counters()["outstanding_bytes"] == 0, up.counters()
+        assert refused == 6, refused
+        print("CHILD-OK")
+    """)
+    ok(r)
+    assert "accepted" not in r.stdout
+
+
+# ------------------------------------------------------------------ 11: wrong error types
+
+def test_size_class_alignment_that_overflows_is_invalid_argument_not_bad_alloc():
+    for a in (2**62, 2**40):
+        with pytest.raises(InvalidArgumentError, match="alignment"):
+            pk.SizeClassPool(pk.upstream.Host(), alignment=a)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: pk.upstream.Simulated(latency_us="1"),
+    lambda: pk.upstream.Simulated(latency_us=float("nan")),
+    lambda: pk.upstream.Simulated(latency_us=float("inf")),
+    lambda: pk.upstream.Simulated(latency=3),
+    lambda: pk.upstream.Simulated(alignment=2**70),
+    lambda: pk.upstream.Simulated(alignment=-1),
+    lambda: pk.upstream.Simulated(alignment="256"),
+    lambda: pk.upstream.Host(alignment=-1),
+    lambda: pk.upstream.Host(alignment=2**70),
+    lambda: pk.upstream.Host(alignment=None),
+    lambda: pk.upstream.Faulty(None),
+    lambda: pk.upstream.Faulty("host"),
+    lambda: pk.upstream.Faulty(pk.upstream.Host(), error=3),
+], ids=["latency_us-str", "latency_us-nan", "latency_us-inf", "latency-int", "sim-align-2^70", "sim-align-neg",
+        "sim-align-str", "host-align-neg", "host-align-2^70", "host-align-None", "faulty-None", "faulty-str",
+        "faulty-error-int"])
+def test_bad_upstream_constructor_arguments_are_invalid_argument_not_type_error_or_bad_cast(make):
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "1"])
+def test_non_finite_simulated_work_or_clock_step_is_refused_not_a_forever_wait(bad):
+    up = pk.upstream.Simulated(latency_us=0)
+    s = up.stream()
+    with pytest.raises(InvalidArgumentError):
+        up.enqueue(s, bad)
+    with pytest.raises(InvalidArgumentError):
+        up.advance(bad)
+    assert math.isfinite(up.now) and math.isfinite(up.busy_until(s))
+    up.synchronize()
+
+
+def test_keyboard_interrupt_inside_index_propagates_not_invalid_argument():
+    class Interrupting:
+        def __index__(self):
+            raise KeyboardInterrupt
+
+    pool = pk.Direct(pk.upstream.Host())
+    with pytest.raises(KeyboardInterrupt):
+        pool.allocate(Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        pool.deallocate(Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        pk.upstream.Host().allocate(Interrupting())
+
+    class Broken:
+        def __index__(self):
+            raise TypeError("not today")
+
+    with pytest.raises(InvalidArgumentError, match="integer"):
+        pool.allocate(Broken())
+
+
+@pytest.mark.parametrize("n", [2**63, 2**64 - 1, 2**63 + 12345])
+def test_sizes_between_2_63_and_2_64_are_called_absurd_not_negative(n):
+    pool = pk.ArenaPool(pk.upstream.Host())
+    with pytest.raises(InvalidArgumentError) as e:
+        pool.allocate(n)
+    assert "positive" not in str(e.value) and "2^62" in str(e.value)
+    with pytest.raises(InvalidArgumentError, match="2\\^62"):
+        pk.upstream.Host().allocate(n)
+
+
+# ------------------------------------------------------------------ 12: fork
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_fork_while_another_thread_holds_the_pool_lock_gives_a_typed_error_not_a_deadlock(kind):
+    # Native loops (no GIL) keep the pool's lock busy while the main thread forks; in the child the
+    # inherited pool must refuse with a typed error (never wait on a lock no thread will release),
+    # and a new pool must work.
+    r = child(f"""
+        import signal
+        from poolkeeper.errors import PoolkeeperError
+        pool = pk.make_pool({kind!r}, pk.upstream.Host())
+        _core.registry_set(-1, pool)
+        stop = False
+        def churn(n):
+            while not stop:
+                _core.capi_bench_pair(-1, n, 2000)
+        ts = [threading.Thread(target=churn, args=(n,)) for n in (3000, 3 << 20)]
+        for t in ts:
+            t.start()
+        hung = bad = 0
+        for i in range(30):
+            time.sleep(0.002)
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                for call in (lambda: pool.deallocate(pool.allocate(3000)), pool.stats, pool.validate, pool.trim,
+                             pool.close):
+                    try:
+                        call()
+                    except PoolkeeperError:
+                        pass
+                    except BaseException as e:
+                        code = 3
+                fresh = pk.make_pool({kind!r}, pk.upstream.Host())
+                fresh.deallocate(fresh.allocate(5000))
+                fresh.validate()
+                os._exit(code)
+            deadline = time.monotonic() + 10
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    bad += os.waitstatus_to_exitcode(status) != 0
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    hung += 1
+                    break
+                time.sleep(0.005)
+        stop = True
+        for t in ts:
+            t.join()
+        _core.registry_clear()
+        print("hung", hung, "bad", bad)
+        assert hung == 0 and bad == 0
+        pool.validate()
+        print("CHILD-OK")
+    """, timeout=400)
+    ok(r)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_pool_inherited_through_fork_says_so():
+    r = child("""
+        from poolkeeper.errors import PoolClosedError
+        pool = pk.ArenaPool(pk.upstream.Host())
+        pid = os.fork()
+        if pid == 0:
+            try:
+                pool.allocate(10)
+                os._exit(2)
+            except PoolClosedError as e:
+                os._exit(0 if "fork" in str(e) else 3)
+        _, st = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(st) == 0, st
+        pool.deallocate(pool.allocate(10))     # the parent's pool is untouched
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
+# ------------------------------------------------------------------ 13: destructors
+
+def test_size_class_pool_destructor_survives_a_failed_event_record():
+    """A driver error while the destructor settles pending blocks ended in std::terminate."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake driver")
+    lib = Path(os.environ.get("TMPDIR", "/tmp")) / f"pk-fakecuda-{os.getpid()}" / "libcuda.so.1"
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(TESTS / "fake_cuda" / "fake_libcuda.c"),
+                    "-lpthread"], check=True)
+    r = child("""
+        import gc
+        up = pk.upstream.CudaDevice()
+        pool = pk.SizeClassPool(up)
+        stream = 0
+        p = pool.allocate(4096, stream)
+        pool.deallocate(p, stream)      # pending on the stream: the destructor must settle it
+        del pool
+        gc.collect()
+        print("CHILD-OK")
+    """, POOLKEEPER_LIBCUDA=str(lib), FAKE_CUDA_FAIL_EVENT_RECORD_AT="1")
+    ok(r)
+
+
+# ------------------------------------------------------------------ options that did not mean what they say
+
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_limit_zero_is_refused_not_silently_no_cap(kind):
+    with pytest.raises(InvalidArgumentError, match="None"):
+        pk.make_pool(kind, pk.upstream.Host(), limit=0)
+    pk.make_pool(kind, pk.upstream.Host(), limit=None).close()
+
+
+def test_max_cached_bytes_zero_caches_nothing_like_one():
+    for cap in (0, 1):
+        up = pk.upstream.Host()
+        pool = pk.SizeClassPool(up, max_cached_bytes=cap)
+        pool.deallocate(pool.allocate(4096))
+        assert pool.stats()["free_bytes"] == 0, cap
+        assert up.counters()["deallocations"] == 1, cap
+    up = pk.upstream.Host()
+    pool = pk.SizeClassPool(up, max_cached_bytes=None)
+    pool.deallocate(pool.allocate(4096))
+    assert pool.stats()["free_bytes"] == 4096
+
+
+@pytest.mark.parametrize("opt,value", [("va_bytes", 1 << 30), ("step_fraction", 0.5), ("max_step", 4 * MiB)])
+def test_expandable_only_options_are_refused_without_expandable(opt, value):
+    with pytest.raises(InvalidArgumentError, match="expandable"):
+        pk.ArenaPool(pk.upstream.Simulated(latency_us=0), **{opt: value})
+    pk.ArenaPool(pk.upstream.Simulated(latency_us=0), expandable=True, **{opt: value}).close()
