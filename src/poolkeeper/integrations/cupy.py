@@ -78,16 +78,14 @@ class _PinnedBlock:
 class _DevicePools:
     """Device index -> pool, made on first use (or one given pool for its own device)."""
 
-    def __init__(self, pool: Any, upstream: str, options: Dict[str, Any]) -> None:
+    def __init__(self, pool: Any, upstream: Optional[str], options: Dict[str, Any]) -> None:
         self._lock = threading.Lock()
         self._pools: Dict[int, Any] = {}
         self._any: Any = None  # a pool without a device (simulated/host) serves every device
         if isinstance(pool, str):
-            from poolkeeper.pools import POOL_KINDS
-            from poolkeeper.errors import InvalidArgumentError
+            from poolkeeper.pools import resolve_cuda_upstream
 
-            if pool not in POOL_KINDS:
-                raise InvalidArgumentError(f"unknown pool kind {pool!r} (valid: {', '.join(POOL_KINDS)})")
+            upstream = resolve_cuda_upstream(pool, upstream)  # validates the kind and the pair
             self._kind, self._upstream, self._options = pool, upstream, dict(options)
         else:
             if options:
@@ -117,11 +115,9 @@ class _DevicePools:
             return p
 
     def _make(self, device: int) -> Any:
-        from poolkeeper.cuda.upstreams import CudaAsync, CudaDevice
-        from poolkeeper.pools import make_pool
+        from poolkeeper.pools import make_device_pool
 
-        up = {"device": CudaDevice, "async": CudaAsync}[self._upstream](device)
-        return make_pool(self._kind, up, **self._options)
+        return make_device_pool(self._kind, device, self._upstream, **self._options)
 
     def all(self) -> Dict[int, Any]:
         with self._lock:
@@ -218,15 +214,17 @@ def install(
     pool: Any = "arena",
     *,
     pinned: Any = True,
-    upstream: str = "device",
+    upstream: Optional[str] = None,
     **options: Any,
 ) -> CupyInstallation:
     """Make poolkeeper CuPy's allocator.
 
     Args:
-        pool: a pool kind (``"arena"``, ``"size_class"``, ``"direct"``): one pool per device,
-            made on first use over ``upstream`` (``"device"``: CudaDevice, ``"async"``:
-            CudaAsync) with ``options``; or an existing pool, serving its own device.
+        pool: a pool kind (``"arena"``, ``"arena_expandable"``, ``"size_class"``, ``"direct"``;
+            see :data:`poolkeeper.pools.KINDS`): one pool per device, made on first use over
+            ``upstream`` (``"device"``: CudaDevice, ``"async"``: CudaAsync, ``"virtual"``:
+            CudaVirtual; None: the kind's default -- ``"virtual"`` for ``arena_expandable``,
+            ``"device"`` otherwise) with ``options``; or an existing pool, serving its own device.
         pinned: True (default): also CuPy's pinned allocator, over :func:`default_pinned_pool`;
             a pool: use that one (its upstream should be CudaPinned); False: leave pinned
             memory to CuPy.
