@@ -3,6 +3,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+
 #include "poolkeeper/pool.hpp"
 
 namespace poolkeeper::py {
@@ -22,6 +24,31 @@ nb::dict upstream_counters_to_dict(const UpstreamCounters& c);
 
 // Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
 void set_python_error(const std::exception_ptr& p);
+
+// Set by poolkeeper's interpreter-exit hook (poolkeeper._exit), before Python finalizes.
+extern std::atomic<bool> g_interpreter_exiting;
+// True on any thread but the exiting one once the exit hook ran.
+bool interpreter_exiting() noexcept;
+[[noreturn]] void park_forever() noexcept;
+
+// Releases the GIL around a blocking native call, like nb::gil_scoped_release, except that a
+// thread finishing its call once the interpreter is exiting never takes the GIL back: it parks
+// until the process ends. Why: during finalization CPython (3.11-3.13) ends a thread that asks
+// for the GIL with pthread_exit, whose forced unwind through a destructor (noexcept) calls
+// std::terminate -- a daemon thread inside a pool call at exit would abort the process.
+class GilRelease {
+ public:
+  GilRelease() noexcept : state_(PyEval_SaveThread()) {}
+  ~GilRelease() {
+    if (interpreter_exiting()) park_forever();
+    PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 void bind_errors(nb::module_& m);
 void bind_upstreams(nb::module_& m);

@@ -17,6 +17,21 @@ void bind_capi(nb::module_& m) {
         return nb::cast(registry::get_shared(device));
       }, "device"_a);
   m.def("registry_clear", &registry::clear);
+  m.def(
+      "registry_python_owned",
+      []() {
+        // Devices whose pool has a live Python object. Such a pool is held by a Python reference
+        // inside the registry's shared_ptr (a pool made in Python), or holds one (a wrapper made by
+        // registry_get); the exit hook drops those entries so Python frees them before nanobind's
+        // leak check, instead of a C++ static destroyed after the interpreter is gone.
+        nb::list l;
+        for (auto& [d, p] : registry::all())
+          if (nb::find(p.get()).is_valid()) l.append(d);
+        return l;
+      },
+      "Devices whose registry pool has a Python object (the interpreter-exit hook releases them).");
+  m.def("_set_leak_warnings", [](bool on) { nb::set_leak_warnings(on); }, "on"_a,
+        "nanobind's report of instances alive at interpreter exit (see poolkeeper._exit).");
   m.def("registry_devices", []() {
     nb::list l;
     for (auto& [d, p] : registry::all()) l.append(d);
@@ -26,7 +41,7 @@ void bind_capi(nb::module_& m) {
       "capi_bench_pair",
       [](int device, std::size_t nbytes, std::size_t iterations, nb::handle stream) {
         const Stream s = parse_stream(stream);
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         // Warm the path (first call may grow a backing and fill the thread cache).
         void* w = poolkeeper_malloc(nbytes, device, s);
         if (!w) throw Error(std::string("capi_bench_pair: ") + poolkeeper_last_error());

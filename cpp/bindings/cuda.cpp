@@ -92,7 +92,7 @@ void bind_driver_helpers(nb::module_& m) {
   m.def("cuda_stream_destroy", &cuda::stream_destroy, "stream"_a);
   m.def("cuda_stream_synchronize", [](nb::handle s) {
     const std::uintptr_t h = stream_arg(s);
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::stream_synchronize(h);
   }, "stream"_a);
   m.def("cuda_event_record_new", [](nb::handle s) { return cuda::event_record_new(stream_arg(s)); }, "stream"_a);
@@ -100,42 +100,42 @@ void bind_driver_helpers(nb::module_& m) {
         "stream"_a);
   m.def("cuda_event_query", &cuda::event_query, "event"_a);
   m.def("cuda_event_synchronize", [](std::uintptr_t e) {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::event_synchronize(e);
   }, "event"_a);
   m.def("cuda_event_destroy", &cuda::event_destroy, "event"_a);
 
   m.def("cuda_memcpy_htod", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::memcpy_htod(dst, reinterpret_cast<const void*>(src), n);
   }, "dst"_a, "src"_a, "nbytes"_a);
   m.def("cuda_memcpy_htod_async", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n, nb::handle s) {
     const std::uintptr_t h = stream_arg(s);
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::memcpy_htod_async(dst, reinterpret_cast<const void*>(src), n, h);
   }, "dst"_a, "src"_a, "nbytes"_a, "stream"_a);
   m.def("cuda_memcpy_dtoh", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::memcpy_dtoh(reinterpret_cast<void*>(dst), src, n);
   }, "dst"_a, "src"_a, "nbytes"_a);
   m.def("cuda_memcpy_dtoh_async", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n, nb::handle s) {
     const std::uintptr_t h = stream_arg(s);
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::memcpy_dtoh_async(reinterpret_cast<void*>(dst), src, n, h);
   }, "dst"_a, "src"_a, "nbytes"_a, "stream"_a);
   m.def("cuda_memset_d8", [](std::uintptr_t dst, unsigned value, std::size_t n, nb::handle s) {
     if (value > 255) throw InvalidArgument("memset value must be 0..255; got " + std::to_string(value));
     if (s.is_none()) {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       cuda::memset_d8(dst, static_cast<unsigned char>(value), n);
     } else {
       const std::uintptr_t h = stream_arg(s);
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       cuda::memset_d8_async(dst, static_cast<unsigned char>(value), n, h);
     }
   }, "dst"_a, "value"_a, "nbytes"_a, "stream"_a = nb::none());
   m.def("cuda_device_synchronize", [](int device) {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda::device_synchronize(device);
   }, "device"_a);
   // Benchmark helper: the allocate + free + stream-synchronize cycle timed in C++ (no Python in the
@@ -143,7 +143,7 @@ void bind_driver_helpers(nb::module_& m) {
   m.def("cuda_time_upstream_cycle", [](Upstream& up, std::size_t nbytes, std::size_t iters, nb::handle s) {
     const std::uintptr_t h = stream_arg(s);
     const std::size_t n = check_request(nbytes);
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     const auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < iters; ++i) {
       void* p = up.allocate(n);
@@ -206,7 +206,7 @@ void bind_warm_pool(nb::module_& m) {
     cuda_mempool_reset_high(device, mempool_attr_id(name));
   }, "device"_a, "name"_a);
   m.def("cuda_mempool_trim_to", [](int device, std::uint64_t keep) {
-    nb::gil_scoped_release nogil;
+    GilRelease nogil;
     cuda_mempool_trim_to(device, keep);
   }, "device"_a, "keep_bytes"_a);
 
@@ -228,11 +228,11 @@ void bind_warm_pool(nb::module_& m) {
            },
            "control"_a, "log_to_stderr"_a = false)
       .def("acquire", [](WarmPoolManager& w, int device) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         w.acquire(device);
       }, "device"_a)
       .def("release", [](WarmPoolManager& w, int device) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         w.release(device);
       }, "device"_a)
       .def("state", [](const WarmPoolManager& w) { return warm_state_to_dict(w.state()); });

@@ -54,7 +54,7 @@ PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     const Stream s = parse_stream(a1);
     void* r = pool->try_allocate_nowait(n, s);
     if (!r) {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       r = pool->allocate(n, s);
     }
     return PyLong_FromSize_t(reinterpret_cast<std::uintptr_t>(r));
@@ -72,7 +72,7 @@ PyObject* fast_deallocate(PyObject* self, PyObject* const* args, Py_ssize_t narg
     void* p = reinterpret_cast<void*>(parse_ptr(a0));
     const Stream s = parse_stream(a1);
     if (!pool->try_deallocate_nowait(p, s)) {
-      nb::gil_scoped_release nogil;
+      GilRelease nogil;
       pool->deallocate(p, s);
     }
     Py_RETURN_NONE;

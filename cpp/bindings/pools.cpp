@@ -17,7 +17,7 @@ std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
   const std::size_t n = parse_size(nbytes);
   const Stream s = parse_stream(stream);
   if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
-  nb::gil_scoped_release nogil;
+  GilRelease nogil;
   return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
 }
 
@@ -25,7 +25,7 @@ void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
   const std::uintptr_t a = parse_ptr(ptr);
   const Stream s = parse_stream(stream);
   if (p.try_deallocate_nowait(reinterpret_cast<void*>(a), s)) return;
-  nb::gil_scoped_release nogil;
+  GilRelease nogil;
   p.deallocate(reinterpret_cast<void*>(a), s);
 }
 }  // namespace
@@ -39,7 +39,7 @@ void bind_pools(nb::module_& m) {
             const auto a = parse_ptr(ptr);
             const Stream s = parse_stream(stream);
             if (s == kNoStream) throw InvalidArgument("record_stream needs a stream, not None", true);
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             p.record_stream(reinterpret_cast<void*>(a), s);
           },
           "ptr"_a.none(), "stream"_a.none())
@@ -47,47 +47,47 @@ void bind_pools(nb::module_& m) {
            [](Pool& p) {
              PoolStats st;
              {
-               nb::gil_scoped_release nogil;
+               GilRelease nogil;
                st = p.stats();
              }
              return stats_to_dict(st);
            })
       .def("reset_peaks",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              p.reset_peaks();
            },
            "Restart peak_reserved_bytes and peak_live_bytes from the current reserved and live bytes.")
       .def("validate",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              p.validate();
            })
       .def("trim",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              return p.trim();
            })
       .def("process_pending",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              return p.process_pending();
            })
       .def("synchronize",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              p.synchronize();
            })
       .def("close",
            [](Pool& p) {
-             nb::gil_scoped_release nogil;
+             GilRelease nogil;
              p.close();
            })
       .def("_snapshot_dict",
            [](Pool& p) {
              Snapshot s;
              {
-               nb::gil_scoped_release nogil;
+               GilRelease nogil;
                s = p.snapshot();
              }
              return snapshot_to_dict(s);
@@ -114,7 +114,7 @@ void bind_pools(nb::module_& m) {
         new (self) SizeClassPool(std::move(up), size_class_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("release_cached", [](SizeClassPool& p) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         return p.release_cached();
       })
       .def_static("class_size", &SizeClassPool::class_size_for, "nbytes"_a, "alignment"_a = 256,
@@ -125,11 +125,11 @@ void bind_pools(nb::module_& m) {
         new (self) ArenaPool(std::move(up), arena_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
       .def("shrink_scan", [](ArenaPool& p) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         return p.shrink_scan();
       }, "Run one automatic shrink scan now; returns bytes released.")
       .def("flush_thread_cache", [](ArenaPool& p) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         p.flush_thread_cache();
       }, "Return the calling thread's cached blocks to the pool.");
 }

@@ -13,7 +13,7 @@ namespace {
 template <void (Upstream::*F)(std::uintptr_t, std::size_t)>
 void range_call(Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
   const std::size_t n = parse_size(nbytes, "nbytes");
-  nb::gil_scoped_release nogil;
+  GilRelease nogil;
   (u.*F)(addr, n);
 }
 }  // namespace
@@ -24,7 +24,7 @@ void bind_upstreams(nb::module_& m) {
           "allocate",
           [](Upstream& u, nb::handle nbytes) {
             const std::size_t n = check_request(parse_size(nbytes));
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             return reinterpret_cast<std::uintptr_t>(u.allocate(n));
           },
           "nbytes"_a.none(), "Allocate nbytes of backing memory directly (counted). Returns the address.")
@@ -34,7 +34,7 @@ void bind_upstreams(nb::module_& m) {
             const std::uintptr_t p = parse_ptr(ptr);
             const std::size_t n = parse_size(nbytes);
             if (!p) throw InvalidPointer("cannot free a null pointer", 0, "null");
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             u.deallocate(reinterpret_cast<void*>(p), n);
           },
           "ptr"_a.none(), "nbytes"_a.none(), "Return memory from allocate() with the same nbytes (counted).")
@@ -54,7 +54,7 @@ void bind_upstreams(nb::module_& m) {
           "reserve",
           [](Upstream& u, nb::handle nbytes) {
             const std::size_t n = parse_size(nbytes, "nbytes");
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             return u.reserve(n);
           },
           "nbytes"_a.none(), "Reserve a virtual range (granule multiple). Returns its base.")
@@ -73,13 +73,13 @@ void bind_upstreams(nb::module_& m) {
       .def(
           "wait_event",
           [](Upstream& u, EventId e) {
-            nb::gil_scoped_release nogil;
+            GilRelease nogil;
             u.wait_event(e);
           },
           "event"_a)
       .def("release_event", &Upstream::release_event, "event"_a)
       .def("synchronize", [](Upstream& u) {
-        nb::gil_scoped_release nogil;
+        GilRelease nogil;
         u.synchronize();
       });
 
