@@ -464,3 +464,12 @@ def test_shim_built_against_the_installed_torch_throws_c10_out_of_memory(tmp_pat
         assert _core.registry_get(0).stats()["live_bytes"] == 0
     finally:
         _core.registry_clear()
+
+
+def test_eager_device_pools_are_made_in_cpp_so_nothing_outlives_the_interpreter(fake_torch):
+    fake_torch()
+    inst = pkt.install("arena", device=[0, 2], upstream="simulated")
+    assert inst.devices == [0, 2]
+    assert _core.registry_devices() == [0, 2]
+    assert _core.registry_python_owned() == []  # no Python object in the registry for the exit hook to drop
+    assert set(pkt.pools()) == {0, 2}

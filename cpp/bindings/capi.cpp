@@ -16,6 +16,9 @@ void bind_capi(nb::module_& m) {
         if (!p) return nb::none();
         return nb::cast(registry::get_shared(device));
       }, "device"_a);
+  m.def("registry_ensure", [](int device) { registry::get_shared(device); }, "device"_a,
+        "Make device's pool now through the factory (in C++, so no Python object holds it: the "
+        "interpreter-exit hook has nothing to release). Raises when there is no factory.");
   m.def("registry_clear", &registry::clear);
   m.def(
       "registry_python_owned",

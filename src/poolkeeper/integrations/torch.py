@@ -231,7 +231,9 @@ def install(
         try:
             if isinstance(pool, str):
                 for d in _devices(device):
-                    _core.registry_set(d, _make_device_pool(kind, d, upstream, options))
+                    # Made by the factory in C++, like the lazy ones: a Python-made pool in the
+                    # registry would outlive the interpreter (poolkeeper._exit).
+                    _core.registry_ensure(d)
                     made.append(d)
             oom_lib, malloc_symbol, free_symbol, oom_type, oom_note = _oom_allocator(torch)
             allocator = torch.cuda.memory.CUDAPluggableAllocator(oom_lib, malloc_symbol, free_symbol)
@@ -257,12 +259,6 @@ def install(
             oom_note=oom_note,
         )
         return _INSTALLED
-
-
-def _make_device_pool(kind: str, device: int, upstream: str, options: Dict[str, Any]):
-    from poolkeeper.pools import make_device_pool
-
-    return make_device_pool(kind, device, upstream, **options)
 
 
 def _oom_allocator(torch: Any):
