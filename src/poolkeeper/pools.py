@@ -225,6 +225,8 @@ class PoolKind:
 
 
 KINDS: Dict[str, PoolKind] = {
+    "direct": PoolKind("direct", "direct", description="the upstream itself: one upstream call per allocate and per deallocate"),
+    "size_class": PoolKind("size_class", "size_class", description="SizeClassPool: size classes with per-class free lists"),
     "arena": PoolKind("arena", "arena", description="ArenaPool: large backings sliced with split/coalesce, per-thread cache"),
     "arena_expandable": PoolKind(
         "arena_expandable",
@@ -234,8 +236,6 @@ KINDS: Dict[str, PoolKind] = {
         cuda_upstreams=("virtual",),
         description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     ),
-    "size_class": PoolKind("size_class", "size_class", description="SizeClassPool: size classes with per-class free lists"),
-    "direct": PoolKind("direct", "direct", description="the upstream itself: one upstream call per allocate and per deallocate"),
 }
 
 # CUDA upstream names accepted by the per-device entry points -> class name in poolkeeper.upstream.
