@@ -59,6 +59,27 @@ class BufferExportError(PoolkeeperError, BufferError):
     requested, a device the memory is not on, a stream number DLPack disallows)."""
 
 
+# Guards every buffer's _owned/_exports/_consumer_streams. Taken only on release() and when a view
+# is exported or dropped, never on the create-and-drop path; one lock for all buffers instead of
+# one per buffer, whose construction was a measurable part of pool.buffer(n).
+_CLAIMS = threading.Lock()
+
+
+def _pool_meta(pool: Any) -> Tuple[str, int]:
+    """(upstream kind, device) of ``pool``: fixed for its life, so cached on the pool object
+    (reading them costs two native property calls and an upstream wrapper lookup)."""
+    try:
+        return pool._pk_buffer_meta
+    except AttributeError:
+        up = pool.upstream
+        meta = (up.kind, up.device)
+        try:
+            pool._pk_buffer_meta = meta
+        except AttributeError:  # a bare native pool object (no __dict__): recompute next time
+            pass
+        return meta
+
+
 def _is_real_cuda(upstream: Any) -> bool:
     base = getattr(_core, "CudaDeviceUpstreamBase", None)
     return base is not None and isinstance(upstream, base)
@@ -86,21 +107,18 @@ class PoolBuffer:
     """
 
     __slots__ = ("pool", "ptr", "nbytes", "kind", "device", "stream", "_owned", "_exports", "_consumer_streams",
-                 "_freed", "_lock", "__weakref__")
+                 "_freed", "__weakref__")
 
     def __init__(self, pool: Any, nbytes: int, stream: Any = None) -> None:
         self._freed = True  # until the allocation below succeeds, there is nothing to free
-        self.stream = as_handle(stream)
-        up = pool.upstream
-        self.kind = up.kind
-        self.device = up.device
+        self.stream = None if stream is None else as_handle(stream)
+        self.kind, self.device = _pool_meta(pool)
         self.pool = pool
         self.ptr = pool.allocate(nbytes, stream)
         self.nbytes = int(nbytes)
         self._owned = True
         self._exports = 0
-        self._consumer_streams: list = []
-        self._lock = threading.Lock()
+        self._consumer_streams: Optional[list] = None  # made when a consumer on another stream appears
         self._freed = False
 
     # -- lifetime ---------------------------------------------------------------------------------
@@ -113,7 +131,7 @@ class PoolBuffer:
         """Give the memory back to the pool (stream-ordered on the buffer's stream). Views still
         alive from DLPack or the buffer protocol keep it until they go. Calling it again does
         nothing."""
-        with self._lock:
+        with _CLAIMS:
             if not self._owned:
                 return
             self._owned = False
@@ -122,13 +140,13 @@ class PoolBuffer:
             self._free()
 
     def _claim(self) -> None:
-        with self._lock:
+        with _CLAIMS:
             if not self._owned:
                 raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
             self._exports += 1
 
     def _unclaim(self) -> None:
-        with self._lock:
+        with _CLAIMS:
             self._exports -= 1
             free_now = self._exports == 0 and not self._owned
         if free_now:
@@ -153,11 +171,15 @@ class PoolBuffer:
 
     def __del__(self) -> None:
         # Views hold a reference to the buffer, so collection means nobody uses the memory.
-        if getattr(self, "_freed", True):
-            return
         try:
-            self._free()
-        except Exception:  # the pool was closed or the interpreter is going away
+            if self._freed:
+                return
+            self._freed = True
+            stream = self.stream
+            if stream is None and self._consumer_streams:
+                stream = self._consumer_streams[0]
+            self.pool.deallocate(self.ptr, stream)
+        except Exception:  # never initialized, the pool was closed, or the interpreter is going away
             pass
 
     def _check_live(self) -> None:
@@ -267,7 +289,9 @@ class PoolBuffer:
             finally:
                 ev.close()
         self.pool.record_stream(self.ptr, consumer)
-        with self._lock:
+        with _CLAIMS:
+            if self._consumer_streams is None:
+                self._consumer_streams = []
             if consumer not in self._consumer_streams:
                 self._consumer_streams.append(consumer)
 

@@ -30,6 +30,17 @@ if TYPE_CHECKING:  # pragma: no cover
 MiB = 1 << 20
 
 
+_BUFFER_CLASS: Any = None
+
+
+def _buffer_class() -> Any:
+    global _BUFFER_CLASS
+    from poolkeeper.buffers import PoolBuffer
+
+    _BUFFER_CLASS = PoolBuffer
+    return PoolBuffer
+
+
 class _PoolAPI:
     """Python conveniences shared by every pool (mixed into the native classes)."""
 
@@ -41,9 +52,8 @@ class _PoolAPI:
 
     def buffer(self, nbytes: int, stream: Any = None):
         """An owning buffer of ``nbytes`` (see :mod:`poolkeeper.buffers`)."""
-        from poolkeeper.buffers import PoolBuffer
-
-        return PoolBuffer(self, nbytes, stream)
+        # The class is looked up once: an import statement here cost more than the pool pair.
+        return (_BUFFER_CLASS or _buffer_class())(self, nbytes, stream)
 
     def __enter__(self):
         return self
