@@ -473,3 +473,28 @@ def test_eager_device_pools_are_made_in_cpp_so_nothing_outlives_the_interpreter(
     assert _core.registry_devices() == [0, 2]
     assert _core.registry_python_owned() == []  # no Python object in the registry for the exit hook to drop
     assert set(pkt.pools()) == {0, 2}
+
+
+# -- pool.buffer as a native owning object ------------------------------------------------------------
+
+
+def test_pool_buffer_is_native_owning_with_no_python_finalizer():
+    from poolkeeper.buffers import PoolBuffer
+
+    assert issubclass(PoolBuffer, _core.BufferCore)
+    assert "__del__" not in vars(PoolBuffer) and "__dict__" not in dir(PoolBuffer)
+    pool = _pool("arena")
+    s = pool.upstream.stream()
+    b = pool.buffer(5000, stream=s)
+    assert (b.nbytes, b.stream, b.kind, b.pool) == (5000, s, "device", pool)
+    assert pool.stats()["live_bytes"] == 5000
+    del b  # the C++ destructor returns the block, ordered on s
+    assert pool.stats()["live_bytes"] == 0
+    with pytest.raises(InvalidArgumentError, match="pool must be a poolkeeper pool"):
+        PoolBuffer(object(), 10)
+    with pytest.raises(InvalidArgumentError):
+        pool.buffer(0)
+    with pytest.raises(pk.OutOfMemoryError):
+        _pool("arena", limit=MiB).buffer(4 * MiB)  # a failed buffer leaves nothing to free
+    pool.synchronize()
+    pool.validate()

@@ -32,6 +32,7 @@ NB_MODULE(_core, m) {
   bind_torch_factory(m);
   { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
   { void bind_upload_engine(nanobind::module_&); bind_upload_engine(m); }  // cpp/bindings/upload_engine.cpp
+  { void bind_buffer_core(nanobind::module_&); bind_buffer_core(m); }  // cpp/bindings/buffer_core.cpp
   m.def("_begin_exit",
         []() {
           g_exit_thread = std::this_thread::get_id();

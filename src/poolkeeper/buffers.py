@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import threading
 import weakref
 from typing import Any, Optional, Tuple
 
 from poolkeeper import _core, _dlpack
 from poolkeeper.errors import PoolkeeperError
-from poolkeeper.streams import as_handle
 
 # DLPack / CUDA-array-interface stream numbers (the CUDA driver's CU_STREAM_LEGACY and
 # CU_STREAM_PER_THREAD have the same values). poolkeeper, like PyTorch, names the legacy default
@@ -57,27 +55,6 @@ class BufferReleasedError(PoolkeeperError, ValueError):
 class BufferExportError(PoolkeeperError, BufferError):
     """A view cannot be exported as asked (wrong protocol for the memory kind, a copy was
     requested, a device the memory is not on, a stream number DLPack disallows)."""
-
-
-# Guards every buffer's _owned/_exports/_consumer_streams. Taken only on release() and when a view
-# is exported or dropped, never on the create-and-drop path; one lock for all buffers instead of
-# one per buffer, whose construction was a measurable part of pool.buffer(n).
-_CLAIMS = threading.Lock()
-
-
-def _pool_meta(pool: Any) -> Tuple[str, int]:
-    """(upstream kind, device) of ``pool``: fixed for its life, so cached on the pool object
-    (reading them costs two native property calls and an upstream wrapper lookup)."""
-    try:
-        return pool._pk_buffer_meta
-    except AttributeError:
-        up = pool.upstream
-        meta = (up.kind, up.device)
-        try:
-            pool._pk_buffer_meta = meta
-        except AttributeError:  # a bare native pool object (no __dict__): recompute next time
-            pass
-        return meta
 
 
 def _is_real_cuda(upstream: Any) -> bool:
@@ -98,70 +75,26 @@ def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
     return s
 
 
-class PoolBuffer:
+class PoolBuffer(_core.BufferCore):
     """``nbytes`` bytes from ``pool``, owned by this object (see the module docstring).
 
     Attributes: ``ptr`` (address), ``nbytes``, ``kind`` (``"device"``, ``"pinned"``, ``"host"``),
     ``device`` (device index, -1 for host memory), ``stream`` (the handle it is ordered on, or
     ``None``), ``pool``, ``released``.
+
+    The owning part is native (``_core.BufferCore``): construction allocates in one call and the
+    block goes back to the pool in the C++ destructor when the buffer is collected, with no Python
+    finalizer (a Python class with ``__init__`` and ``__del__`` cost microseconds per buffer against
+    ~100 ns for the pool pair). ``release()``, claims by views and the stream the release is ordered
+    on live there too; the protocols below are Python.
     """
 
-    __slots__ = ("pool", "ptr", "nbytes", "kind", "device", "stream", "_owned", "_exports", "_consumer_streams",
-                 "_freed", "__weakref__")
-
-    def __init__(self, pool: Any, nbytes: int, stream: Any = None) -> None:
-        self._freed = True  # until the allocation below succeeds, there is nothing to free
-        self.stream = None if stream is None else as_handle(stream)
-        self.kind, self.device = _pool_meta(pool)
-        self.pool = pool
-        self.ptr = pool.allocate(nbytes, stream)
-        self.nbytes = int(nbytes)
-        self._owned = True
-        self._exports = 0
-        self._consumer_streams: Optional[list] = None  # made when a consumer on another stream appears
-        self._freed = False
+    __slots__ = ()
 
     # -- lifetime ---------------------------------------------------------------------------------
-    @property
-    def released(self) -> bool:
-        """True once ``release()`` was called (the memory may still be held by live views)."""
-        return not self._owned
-
-    def release(self) -> None:
-        """Give the memory back to the pool (stream-ordered on the buffer's stream). Views still
-        alive from DLPack or the buffer protocol keep it until they go. Calling it again does
-        nothing."""
-        with _CLAIMS:
-            if not self._owned:
-                return
-            self._owned = False
-            free_now = self._exports == 0
-        if free_now:
-            self._free()
-
     def _claim(self) -> None:
-        with _CLAIMS:
-            if not self._owned:
-                raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
-            self._exports += 1
-
-    def _unclaim(self) -> None:
-        with _CLAIMS:
-            self._exports -= 1
-            free_now = self._exports == 0 and not self._owned
-        if free_now:
-            self._free()
-
-    def _free(self) -> None:
-        if self._freed:
-            return
-        self._freed = True
-        stream = self.stream
-        if stream is None and self._consumer_streams:
-            # No stream of our own, but a consumer used it on one: order the release there (the
-            # other consumer streams were recorded on the block).
-            stream = self._consumer_streams[0]
-        self.pool.deallocate(self.ptr, stream)
+        if not self._try_claim():
+            raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
 
     def __enter__(self) -> "PoolBuffer":
         return self
@@ -169,21 +102,8 @@ class PoolBuffer:
     def __exit__(self, *exc: Any) -> None:
         self.release()
 
-    def __del__(self) -> None:
-        # Views hold a reference to the buffer, so collection means nobody uses the memory.
-        try:
-            if self._freed:
-                return
-            self._freed = True
-            stream = self.stream
-            if stream is None and self._consumer_streams:
-                stream = self._consumer_streams[0]
-            self.pool.deallocate(self.ptr, stream)
-        except Exception:  # never initialized, the pool was closed, or the interpreter is going away
-            pass
-
     def _check_live(self) -> None:
-        if not self._owned:
+        if self.released:
             raise BufferReleasedError(f"buffer at {self.ptr:#x} was released")
 
     # -- CUDA array interface (device memory) -------------------------------------------------------
@@ -289,17 +209,13 @@ class PoolBuffer:
             finally:
                 ev.close()
         self.pool.record_stream(self.ptr, consumer)
-        with _CLAIMS:
-            if self._consumer_streams is None:
-                self._consumer_streams = []
-            if consumer not in self._consumer_streams:
-                self._consumer_streams.append(consumer)
+        self._add_consumer_stream(consumer)
 
     def __len__(self) -> int:
         return self.nbytes
 
     def __repr__(self) -> str:
-        state = "released" if not self._owned else "live"
+        state = "released" if self.released else "live"
         return f"<PoolBuffer {self.nbytes} bytes of {self.kind} memory at {self.ptr:#x} ({state})>"
 
 

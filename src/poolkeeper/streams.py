@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Union
 
+from poolkeeper.errors import InvalidStreamError
+
 
 class CudaStreamLike(Protocol):
     def __cuda_stream__(self) -> tuple[int, int]: ...
@@ -26,8 +28,6 @@ StreamLike = Union[None, int, CudaStreamLike, Any]
 
 def as_handle(stream: StreamLike) -> Optional[int]:
     """The raw handle poolkeeper will use for ``stream`` (``None`` for no stream)."""
-    from poolkeeper.errors import InvalidStreamError
-
     if stream is None:
         return None
     if isinstance(stream, bool):
