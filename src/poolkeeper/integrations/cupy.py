@@ -5,8 +5,9 @@ default, its pinned-memory allocator (``cupy.cuda.set_pinned_memory_allocator``)
 :func:`uninstall` puts the previous ones back.
 
 Device memory. CuPy calls the allocator with a size on the current device; poolkeeper answers
-``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner returns the block to
-the pool when CuPy drops the memory (the array and its views are collected), ordered on the
+``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner (a native
+``_core.BufferCore``: it allocates in its constructor and frees in its C++ destructor, so no Python
+finalizer runs per array) returns the block to the pool when CuPy drops the memory (the array and its views are collected), ordered on the
 stream that was current when CuPy asked for it -- the same rule CuPy's own pool follows: reusable
 at once on that stream, by other streams once that stream's work is done.
 
@@ -31,6 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
+from poolkeeper._core import BufferCore as _Owner  # owner of one device block (native: no finalizer)
 from poolkeeper.errors import OutOfMemoryError
 from poolkeeper.integrations._common import IntegrationError, import_optional
 
@@ -39,21 +41,6 @@ MiB = 1 << 20
 
 def _cupy():
     return import_optional("cupy", "poolkeeper.integrations.cupy", "cupy")
-
-
-class _Block:
-    """Owner of one device block: frees it, stream-ordered, when CuPy lets go of the memory."""
-
-    __slots__ = ("pool", "ptr", "stream", "__weakref__")
-
-    def __init__(self, pool: Any, ptr: int, stream: int) -> None:
-        self.pool, self.ptr, self.stream = pool, ptr, stream
-
-    def __del__(self) -> None:
-        try:
-            self.pool.deallocate(self.ptr, self.stream)
-        except Exception:  # pool closed or interpreter shutting down: nothing safe to do
-            pass
 
 
 class _PinnedBlock:
@@ -148,13 +135,15 @@ class _DeviceAllocator:
         pool = self.pools.get(device)
         stream = self._current_stream().ptr
         try:
-            ptr = pool.allocate(size, stream)
+            # The owner is native: it allocated the block and returns it, ordered on `stream`, from
+            # its C++ destructor when CuPy drops the memory (no Python __init__/__del__ per array).
+            owner = _Owner(pool, size, stream)
         except OutOfMemoryError as e:
             err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
             err.poolkeeper_diagnosis = str(e)
             raise err from e
         self.calls += 1
-        return self._MemoryPointer(self._UnownedMemory(ptr, size, _Block(pool, ptr, stream), device), 0)
+        return self._MemoryPointer(self._UnownedMemory(owner.ptr, size, owner, device), 0)
 
 
 class _PinnedAllocator:
