@@ -10,6 +10,8 @@ Common API (every pool):
   (``reserved == live + free + pending + overhead``), ``thread_cached_bytes`` (part of free),
   ``largest_free_block``, ``fragmentation`` (1 - largest_free / free), peaks, upstream calls, and
   per-pool extras.
+- ``reset_peaks()``: peaks restart from the current reserved and live bytes (PyTorch's
+  ``reset_peak_memory_stats``); ``stats()["ooms"]`` counts the OutOfMemory errors raised.
 - ``validate()``: raises :class:`~poolkeeper.errors.InvariantError` on any broken invariant.
 - ``trim()``, ``process_pending()``, ``synchronize()``, ``snapshot()``, ``close()`` / ``with``.
 - ``upstream``: the upstream, with its own call counters.
@@ -50,7 +52,7 @@ class _PoolAPI:
 
         return Snapshot.from_dict(self._snapshot_dict())
 
-    def buffer(self, nbytes: int, stream: Any = None):
+    def buffer(self, nbytes: int, stream: Any = None) -> Any:
         """An owning buffer of ``nbytes`` (see :mod:`poolkeeper.buffers`)."""
         # The class is looked up once: an import statement here cost more than the pool pair.
         return (_BUFFER_CLASS or _buffer_class())(self, nbytes, stream)
