@@ -322,7 +322,7 @@ def test_a_pool_needs_an_upstream(pool_kind, bad_upstream):
 
 
 def test_unknown_pool_kind():
-    with pytest.raises(InvalidArgumentError, match=r"unknown pool kind 'slab' \(valid: direct, size_class, arena\)"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown pool kind 'slab' \(valid: direct, size_class, arena, arena_expandable\)"):
         pk.make_pool("slab", pk.upstream.Host())
 
 

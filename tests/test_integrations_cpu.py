@@ -126,6 +126,8 @@ def make_fake_torch(initialized=False, swap_error=None, with_hooks=True):
 
 @pytest.fixture
 def fake_torch(monkeypatch):
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "0")  # the stand-in has no headers to build a shim against
+
     def use(**kw):
         t = make_fake_torch(**kw)
         monkeypatch.setitem(sys.modules, "torch", t)

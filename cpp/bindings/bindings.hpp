@@ -3,6 +3,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
+
 #include "poolkeeper/pool.hpp"
 
 namespace poolkeeper::py {

@@ -17,10 +17,28 @@ void bind_capi(nb::module_& m) {
         if (!p) return nb::none();
         return nb::cast(registry::get_shared(device));
       }, "device"_a);
+  m.def("registry_ensure", [](int device) { registry::get_shared(device); }, "device"_a,
+        "Make device's pool now through the factory (in C++, so no Python object holds it: the "
+        "interpreter-exit hook has nothing to release). Raises when there is no factory.");
   m.def("registry_clear", []() {
     graph_registry::clear();  // the device pools' graph pools go with them
     registry::clear();
   });
+  m.def(
+      "registry_python_owned",
+      []() {
+        // Devices whose pool has a live Python object. Such a pool is held by a Python reference
+        // inside the registry's shared_ptr (a pool made in Python), or holds one (a wrapper made by
+        // registry_get); the exit hook drops those entries so Python frees them before nanobind's
+        // leak check, instead of a C++ static destroyed after the interpreter is gone.
+        nb::list l;
+        for (auto& [d, p] : registry::all())
+          if (nb::find(p.get()).is_valid()) l.append(d);
+        return l;
+      },
+      "Devices whose registry pool has a Python object (the interpreter-exit hook releases them).");
+  m.def("_set_leak_warnings", [](bool on) { nb::set_leak_warnings(on); }, "on"_a,
+        "nanobind's report of instances alive at interpreter exit (see poolkeeper._exit).");
   m.def("registry_devices", []() {
     nb::list l;
     for (auto& [d, p] : registry::all()) l.append(d);

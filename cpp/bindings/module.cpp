@@ -15,4 +15,5 @@ NB_MODULE(_core, m) {
   { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
   { void bind_logging(nanobind::module_&); bind_logging(m); }  // cpp/bindings/logging.cpp
   { void bind_upload_engine(nanobind::module_&); bind_upload_engine(m); }  // cpp/bindings/upload_engine.cpp
+  { void bind_buffer_core(nanobind::module_&); bind_buffer_core(m); }  // cpp/bindings/buffer_core.cpp
 }

@@ -56,6 +56,12 @@ void bind_pools(nb::module_& m) {
              }
              return stats_to_dict(st);
            })
+      .def("reset_peaks",
+           [](Pool& p) {
+             ReleaseGil nogil;
+             p.reset_peaks();
+           },
+           "Restart peak_reserved_bytes and peak_live_bytes from the current reserved and live bytes.")
       .def("validate",
            [](Pool& p) {
              p.check_not_forked();

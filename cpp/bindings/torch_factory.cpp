@@ -26,6 +26,13 @@ PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
     const ArenaOptions o = arena_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<ArenaPool>(std::move(up), o); };
   }
+  if (kind == "arena_expandable") {
+    // The expandable arena is an arena kind of its own everywhere (install, make_pool, bench,
+    // replay), so its one fixed option is set here rather than asked of the caller.
+    ArenaOptions o = arena_options(opts);
+    o.expandable = true;
+    return [o](std::shared_ptr<Upstream> up) { return std::make_shared<ArenaPool>(std::move(up), o); };
+  }
   if (kind == "size_class") {
     const SizeClassOptions o = size_class_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<SizeClassPool>(std::move(up), o); };
@@ -34,16 +41,17 @@ PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
     const DirectOptions o = direct_options(opts);
     return [o](std::shared_ptr<Upstream> up) { return std::make_shared<DirectPool>(std::move(up), o); };
   }
-  throw InvalidArgument("unknown pool kind '" + kind + "' (valid: arena, size_class, direct)");
+  throw InvalidArgument("unknown pool kind '" + kind + "' (valid: arena, arena_expandable, size_class, direct)");
 }
 
 UpstreamMaker upstream_maker(const std::string& upstream) {
   if (upstream == "device") return [](int d) { return std::make_shared<CudaDeviceUpstream>(d); };
   if (upstream == "async") return [](int d) { return std::make_shared<CudaAsyncUpstream>(d); };
+  if (upstream == "virtual") return [](int d) { return std::make_shared<CudaVirtualUpstream>(d); };
   // A simulated device per index: lets CPU tests drive the lazy per-device path through the C ABI.
   if (upstream == "simulated")
     return [](int) { return std::make_shared<SimulatedUpstream>(LatencyModel::none()); };
-  throw InvalidArgument("unknown factory upstream '" + upstream + "' (valid: device, async, simulated)");
+  throw InvalidArgument("unknown factory upstream '" + upstream + "' (valid: device, async, virtual, simulated)");
 }
 
 }  // namespace
@@ -54,6 +62,11 @@ void bind_torch_factory(nb::module_& m) {
       [](const std::string& kind, nb::handle options, const std::string& upstream) {
         PoolMaker make_pool = pool_maker(kind, options);  // throws on a bad kind or option, changing nothing
         UpstreamMaker make_up = upstream_maker(upstream);
+        // An expandable arena maps pages into one reserved range: only the virtual-memory
+        // upstream (or the simulated device, which has that interface) can back it.
+        if (kind == "arena_expandable" && upstream != "virtual" && upstream != "simulated")
+          throw InvalidArgument("pool kind 'arena_expandable' needs upstream 'virtual' (CudaVirtual: reserve a "
+                                "range, map pages at its end); got upstream '" + upstream + "'");
         registry::set_factory([make_pool, make_up](int device) -> std::shared_ptr<Pool> {
           if (device < 0)
             throw InvalidArgument("the pool factory makes device pools; no host pool for device " +
@@ -63,8 +76,9 @@ void bind_torch_factory(nb::module_& m) {
       },
       "kind"_a, "options"_a = nb::none(), "upstream"_a = "device",
       "Create each device's pool lazily, on its first request through the C ABI: a pool of `kind` "
-      "('arena', 'size_class', 'direct') with `options` over a `upstream` ('device': CudaDevice, "
-      "'async': CudaAsync, 'simulated': a simulated device, for tests). Options are validated now.");
+      "('arena', 'arena_expandable', 'size_class', 'direct') with `options` over a `upstream` ('device': "
+      "CudaDevice, 'async': CudaAsync, 'virtual': CudaVirtual, 'simulated': a simulated device, for "
+      "tests). Options are validated now.");
   m.def("registry_clear_factory", []() { registry::set_factory(nullptr); },
         "Remove the factory (pools it already made stay installed).");
   m.def("registry_has_factory", &registry::has_factory);

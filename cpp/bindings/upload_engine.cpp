@@ -46,13 +46,13 @@ void bind_upload_engine(nb::module_& m) {
   m.def("stream_copy_isa", []() { return std::string(stream_copy_isa()); },
         "The non-temporal store ISA the engine's NT fill uses here ('avx2', 'sse2', or '' for memcpy).");
   m.def("stream_copy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {
-    nb::gil_scoped_release nogil;
+    ReleaseGil nogil;
     stream_copy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
   }, "dst"_a, "src"_a, "nbytes"_a, "The engine's non-temporal copy, exposed for tests.");
 
   nb::class_<UploadEngine>(m, "UploadEngine")
       .def("__init__", [](UploadEngine* self, unsigned threads) {
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;
         new (self) UploadEngine(threads);
       }, "threads"_a)
       .def("start",
@@ -75,7 +75,7 @@ void bind_upload_engine(nb::module_& m) {
              r.fail_fill_at = fail_fill_at;
              r.fail_copy_at = fail_copy_at;
              r.fail_record_at = fail_record_at;
-             nb::gil_scoped_release nogil;
+             ReleaseGil nogil;
              e.start(std::move(r));
            },
            "src"_a, "nbytes"_a, "dst"_a, "buffers"_a, "chunk"_a, "ramp"_a = true, "backend"_a = "host",
@@ -83,7 +83,7 @@ void bind_upload_engine(nb::module_& m) {
            "fail_record_at"_a = -1, "tail_ramp"_a = false,
            "Start an upload and return at once. buffers: [(ptr, capacity)], at least 2.")
       .def("wait", [](UploadEngine& e, double timeout_s) {
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;
         return e.wait(timeout_s);
       }, "timeout_s"_a, "Wait up to timeout_s (negative: until finished); return the bytes landed so far.")
       .def_prop_ro("finished", &UploadEngine::finished)
@@ -100,7 +100,7 @@ void bind_upload_engine(nb::module_& m) {
         if (o.error) std::rethrow_exception(o.error);
       }, "Raise the finished upload's error (a typed poolkeeper error), if it failed.")
       .def("close", [](UploadEngine& e) {
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;
         e.close();
       }, "Cancel a running upload, wait for it, join the threads. Idempotent.");
 }

@@ -97,6 +97,19 @@ PoolStats ArenaPool::stats_locked() {
   return st;
 }
 
+void ArenaPool::reset_peaks() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
+  for (auto& tc : caches_) {
+    live += tc->read().live_delta;
+    // The owner compares its estimate against the published peak, so zeroing it restarts the
+    // owner's tracking too (no owner-private copy survives the reset).
+    tc->peak_live_pub.store(0, std::memory_order_relaxed);
+  }
+  peak_live_ = static_cast<std::size_t>(std::max<std::int64_t>(live, 0));
+  peak_reserved_ = reserved_;
+}
+
 PoolStats ArenaPool::stats() {
   std::lock_guard<std::mutex> g(mu_);
   return stats_locked();

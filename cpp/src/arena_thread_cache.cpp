@@ -136,10 +136,10 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (ncaches_.load(std::memory_order_relaxed) != 1) return reinterpret_cast<void*>(c->addr);
   const auto est = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed)) +
                    tc->live_delta.load(std::memory_order_relaxed);
-  if (est > static_cast<std::int64_t>(tc->peak_live)) {
-    tc->peak_live = static_cast<std::size_t>(est);
-    tc->peak_live_pub.store(tc->peak_live, std::memory_order_relaxed);
-  }
+  // Compared against the published value (not an owner-private copy) so reset_peaks(), which
+  // zeroes it from another thread, restarts this cache's tracking as well.
+  if (est > static_cast<std::int64_t>(tc->peak_live_pub.load(std::memory_order_relaxed)))
+    tc->peak_live_pub.store(static_cast<std::size_t>(est), std::memory_order_relaxed);
   return reinterpret_cast<void*>(c->addr);
 }
 

@@ -121,6 +121,12 @@ void DirectPool::record_stream(void* p, Stream s) {
   b->last_stream = s;
 }
 
+void DirectPool::reset_peaks() {
+  std::lock_guard<std::mutex> g(mu_);
+  peak_reserved_ = reserved_;
+  peak_live_ = live_;
+}
+
 PoolStats DirectPool::stats() {
   std::lock_guard<std::mutex> g(mu_);
   PoolStats st;

@@ -89,6 +89,7 @@ void Pool::throw_foreign_pointer(std::uintptr_t p, const std::string& what_we_kn
 }
 
 void Pool::throw_oom(OomFigures f) {
+  ooms_.fetch_add(1, std::memory_order_relaxed);
   f.pool = name() + " #" + std::to_string(id_);
   f.upstream = upstream_->name();
   std::ostringstream d;

@@ -356,6 +356,12 @@ std::size_t SizeClassPool::release_cached() {
   return bytes;
 }
 
+void SizeClassPool::reset_peaks() {
+  std::lock_guard<std::mutex> g(mu_);
+  peak_reserved_ = reserved_;
+  peak_live_ = live_;
+}
+
 PoolStats SizeClassPool::stats() {
   std::lock_guard<std::mutex> g(mu_);
   PoolStats st;

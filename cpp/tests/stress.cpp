@@ -425,6 +425,14 @@ class Run {
         fail(c_.name + ": concurrent stats(): reserved " + std::to_string(st.reserved) + " != live " +
              std::to_string(st.live) + " + free " + std::to_string(st.free) + " + pending " + std::to_string(st.pending) +
              " + overhead " + std::to_string(st.overhead));
+      // Peaks restart from current figures while other threads allocate (thread-cache fast paths
+      // included): a peak is never below what is live at its observation point.
+      if (r % 16 == 0) pool_->reset_peaks();
+      const PoolStats after = pool_->stats();
+      if (after.peak_live < after.live || after.peak_reserved < after.reserved)
+        fail(c_.name + ": peak below current after reset_peaks(): peak_live " + std::to_string(after.peak_live) +
+             " < live " + std::to_string(after.live) + " or peak_reserved " + std::to_string(after.peak_reserved) +
+             " < reserved " + std::to_string(after.reserved));
       g_counts.stats_checks.fetch_add(1, std::memory_order_relaxed);
       return;
     }

@@ -27,6 +27,10 @@ from poolkeeper.pools import ArenaPool, Direct, LoggingPool, SizeClassPool, make
 
 __version__ = "0.1.0"
 
+from poolkeeper import _exit as _exit_hook
+
+_exit_hook.register()
+
 
 def __getattr__(name: str):
     # Heavier or optional parts load on first use: importing poolkeeper stays cheap and never

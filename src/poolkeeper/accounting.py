@@ -165,6 +165,15 @@ class Snapshot:
         return str(path)
 
     # -- figures derived from the chunks alone --
+    def to_torch(self, path: Union[str, os.PathLike], device: int = 0) -> str:
+        """Write this snapshot as PyTorch's memory-snapshot pickle (``torch.cuda.memory._dump_snapshot``'s
+        format) for ``device``: one segment per backing, blocks ``active_allocated`` /
+        ``active_pending_free`` / ``inactive``. ``torch.cuda._memory_viz`` and ``poolkeeper replay``
+        read it. Returns the path."""
+        from poolkeeper.integrations.torch_memory import write_torch_snapshot
+
+        return write_torch_snapshot({device: self}, path)
+
     def chunks(self) -> Iterable[tuple[Backing, Chunk]]:
         for b in self.backings:
             for c in b.chunks:

@@ -10,6 +10,8 @@ Common API (every pool):
   (``reserved == live + free + pending + overhead``), ``thread_cached_bytes`` (part of free),
   ``largest_free_block``, ``fragmentation`` (1 - largest_free / free), peaks, upstream calls, and
   per-pool extras.
+- ``reset_peaks()``: peaks restart from the current reserved and live bytes (PyTorch's
+  ``reset_peak_memory_stats``); ``stats()["ooms"]`` counts the OutOfMemory errors raised.
 - ``validate()``: raises :class:`~poolkeeper.errors.InvariantError` on any broken invariant.
 - ``trim()``, ``process_pending()``, ``synchronize()``, ``snapshot()``, ``close()`` / ``with``.
 - ``upstream``: the upstream, with its own call counters.
@@ -19,7 +21,8 @@ Thread-safe. Bad input raises a typed :mod:`poolkeeper.errors` exception and cha
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from poolkeeper import _core
 from poolkeeper.errors import LiveBlocksError
@@ -28,6 +31,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from poolkeeper.accounting import Snapshot
 
 MiB = 1 << 20
+
+
+_BUFFER_CLASS: Any = None
+
+
+def _buffer_class() -> Any:
+    global _BUFFER_CLASS
+    from poolkeeper.buffers import PoolBuffer
+
+    _BUFFER_CLASS = PoolBuffer
+    return PoolBuffer
 
 
 class _PoolAPI:
@@ -39,11 +53,10 @@ class _PoolAPI:
 
         return Snapshot.from_dict(self._snapshot_dict())
 
-    def buffer(self, nbytes: int, stream: Any = None):
+    def buffer(self, nbytes: int, stream: Any = None) -> Any:
         """An owning buffer of ``nbytes`` (see :mod:`poolkeeper.buffers`)."""
-        from poolkeeper.buffers import PoolBuffer
-
-        return PoolBuffer(self, nbytes, stream)
+        # The class is looked up once: an import statement here cost more than the pool pair.
+        return (_BUFFER_CLASS or _buffer_class())(self, nbytes, stream)
 
     def __enter__(self):
         return self
@@ -230,22 +243,103 @@ class LoggingPool(_PoolAPI, _core.LoggingPool):
 
 
 Pool = _core.Pool
-POOL_KINDS = {"direct": Direct, "size_class": SizeClassPool, "arena": ArenaPool}
+# Pool classes by base kind name (what a kind builds; bench/option introspection reads these).
+POOL_KINDS = {"direct": Direct, "size_class": SizeClassPool, "arena": ArenaPool, "arena_expandable": ArenaPool}
+
+
+@dataclass(frozen=True)
+class PoolKind:
+    """One pool kind name as every entry point spells it (``make_pool``, ``integrations.torch.install``,
+    ``integrations.cupy.install``, ``poolkeeper bench`` arms, ``poolkeeper replay --pool``).
+
+    ``fixed``: options the kind sets itself (an ``arena_expandable`` is an ``ArenaPool`` with
+    ``expandable=True``). ``cuda_upstream``: the upstream a per-device pool of this kind draws from
+    when none is named (the expandable arena needs ``CudaVirtual``'s reserve-and-map interface).
+    ``cuda_upstreams``: the upstream names it can run over.
+    """
+
+    name: str
+    base: str
+    fixed: Dict[str, Any] = field(default_factory=dict)
+    cuda_upstream: str = "device"
+    cuda_upstreams: Tuple[str, ...] = ("device", "async")
+    description: str = ""
+
+    @property
+    def cls(self) -> type:
+        return POOL_KINDS[self.base]
+
+
+KINDS: Dict[str, PoolKind] = {
+    "direct": PoolKind("direct", "direct", description="the upstream itself: one upstream call per allocate and per deallocate"),
+    "size_class": PoolKind("size_class", "size_class", description="SizeClassPool: size classes with per-class free lists"),
+    "arena": PoolKind("arena", "arena", description="ArenaPool: large backings sliced with split/coalesce, per-thread cache"),
+    "arena_expandable": PoolKind(
+        "arena_expandable",
+        "arena",
+        {"expandable": True},
+        cuda_upstream="virtual",
+        cuda_upstreams=("virtual",),
+        description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
+    ),
+}
+
+# CUDA upstream names accepted by the per-device entry points -> class name in poolkeeper.upstream.
+CUDA_UPSTREAMS = {"device": "CudaDevice", "async": "CudaAsync", "virtual": "CudaVirtual"}
+
+
+def pool_kind(kind: str) -> PoolKind:
+    """The :class:`PoolKind` named ``kind``; :class:`~poolkeeper.errors.InvalidArgumentError` if none."""
+    try:
+        return KINDS[kind]
+    except (KeyError, TypeError):
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(KINDS)})") from None
+
+
+def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
+    """The CUDA upstream name a per-device pool of ``kind`` uses: ``upstream``, or the kind's default
+    when None. Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a pair that cannot work
+    (``"simulated"`` passes: the test upstream has every interface)."""
+    from poolkeeper.errors import InvalidArgumentError
+
+    k = pool_kind(kind)
+    if upstream is None:
+        return k.cuda_upstream
+    if upstream == "simulated":
+        return upstream
+    if upstream not in CUDA_UPSTREAMS:
+        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(CUDA_UPSTREAMS)})")
+    if upstream not in k.cuda_upstreams:
+        raise InvalidArgumentError(
+            f"pool kind {kind!r} cannot run over upstream {upstream!r} (valid for it: {', '.join(k.cuda_upstreams)})"
+        )
+    return upstream
+
+
+def make_device_pool(kind: str, device: int, upstream: Optional[str] = None, **options: Any) -> _core.Pool:
+    """A pool of ``kind`` over a CUDA upstream of ``device`` (``upstream``: ``"device"``,
+    ``"async"``, ``"virtual"``; None: the kind's default)."""
+    from poolkeeper import upstream as up_mod
+
+    name = resolve_cuda_upstream(kind, upstream)
+    return make_pool(kind, getattr(up_mod, CUDA_UPSTREAMS[name])(device), **options)
 
 
 def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.PathLike[str]]" = None,
               **options: Any) -> _core.Pool:
-    """Build a pool by name: ``"direct"``, ``"size_class"`` or ``"arena"``.
+    """Build a pool by name: ``"arena"``, ``"arena_expandable"``, ``"size_class"`` or ``"direct"``.
 
     ``log``: a path; the pool is then wrapped in a :class:`LoggingPool` writing that file.
     """
-    try:
-        cls = POOL_KINDS[kind]
-    except KeyError:
-        from poolkeeper.errors import InvalidArgumentError
+    k = pool_kind(kind)
+    for key, value in k.fixed.items():
+        if key in options and options[key] != value:
+            from poolkeeper.errors import InvalidArgumentError
 
-        raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(POOL_KINDS)})") from None
-    pool = cls(upstream, **options)
+            raise InvalidArgumentError(f"pool kind {kind!r} fixes {key}={value!r}; got {key}={options[key]!r}")
+    pool = k.cls(upstream, **{**options, **k.fixed})
     if log is not None:
         try:
             return LoggingPool(pool, log)
@@ -255,4 +349,18 @@ def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.Pa
     return pool
 
 
-__all__ = ["Pool", "Direct", "SizeClassPool", "ArenaPool", "LoggingPool", "POOL_KINDS", "make_pool"]
+__all__ = [
+    "Pool",
+    "Direct",
+    "SizeClassPool",
+    "ArenaPool",
+    "LoggingPool",
+    "POOL_KINDS",
+    "KINDS",
+    "PoolKind",
+    "pool_kind",
+    "CUDA_UPSTREAMS",
+    "resolve_cuda_upstream",
+    "make_device_pool",
+    "make_pool",
+]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Union
 
+from poolkeeper.errors import InvalidStreamError
+
 
 class CudaStreamLike(Protocol):
     def __cuda_stream__(self) -> tuple[int, int]: ...

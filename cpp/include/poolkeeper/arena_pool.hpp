@@ -91,6 +91,7 @@ class ArenaPool final : public Pool {
   bool try_deallocate_locked_nowait(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
+  void reset_peaks() override;
   void validate() override;
   std::size_t trim() override;
   std::size_t process_pending() override;

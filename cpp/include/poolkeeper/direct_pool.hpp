@@ -29,6 +29,7 @@ class DirectPool final : public Pool {
   void deallocate(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
+  void reset_peaks() override;
   void validate() override;
   std::size_t trim() override {
     check_open();

@@ -47,6 +47,7 @@ class LoggingPool final : public Pool {
   bool try_deallocate_locked_nowait(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override { inner_->record_stream(p, s); }
   PoolStats stats() override;
+  void reset_peaks() override { inner_->reset_peaks(); }
   void validate() override { inner_->validate(); }
   std::size_t trim() override { return inner_->trim(); }
   std::size_t process_pending() override { return inner_->process_pending(); }

@@ -100,6 +100,10 @@ class Pool {
   virtual void record_stream(void* p, Stream s) = 0;
 
   virtual PoolStats stats() = 0;
+  // Restart peak_reserved and peak_live from the current reserved and live bytes (what
+  // torch.cuda.reset_peak_memory_stats does). Thread-safe; a peak set by a concurrent allocation
+  // on another thread's cache may land on either side of the reset.
+  virtual void reset_peaks() = 0;
   virtual void validate() = 0;
   // Return every wholly free backing (except a resident one) to the upstream. Returns bytes freed.
   virtual std::size_t trim() = 0;
@@ -158,8 +162,10 @@ class Pool {
   void fill_upstream_counts(PoolStats& st) const {
     st.extra.emplace_back("upstream_allocations", up_allocs_.load(std::memory_order_relaxed));
     st.extra.emplace_back("upstream_deallocations", up_frees_.load(std::memory_order_relaxed));
+    st.extra.emplace_back("ooms", ooms_.load(std::memory_order_relaxed));
   }
   std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0};
+  std::atomic<std::uint64_t> ooms_{0};  // OutOfMemory errors raised (PyTorch's num_ooms)
   // Build the OOM error once recovery has failed.
   [[noreturn]] void throw_oom(OomFigures f);
 

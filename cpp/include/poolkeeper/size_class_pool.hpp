@@ -47,6 +47,7 @@ class SizeClassPool final : public Pool {
   bool try_deallocate_fast(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
+  void reset_peaks() override;
   void validate() override;
   std::size_t trim() override { return release_cached(); }
   std::size_t process_pending() override;

@@ -71,10 +71,19 @@ class Arm:
         return self.name + (STREAM_ORDERED_MARK if self.stream_ordered else "")
 
 
+def _pool_kinds() -> Dict[str, Any]:
+    from poolkeeper.pools import KINDS
+
+    return KINDS
+
+
 ARM_NAMES = ("direct", "size_class", "arena", "arena_expandable", "cuda_async")
 
-# Arms that are a pool kind with fixed options: name -> (pool kind, options).
-ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {"arena_expandable": ("arena", {"expandable": True})}
+# Arms that are a pool kind with fixed options: name -> (base pool kind, options), from the one
+# table of pool kinds that install(), make_pool and replay read too.
+ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    n: (k.base, dict(k.fixed)) for n, k in _pool_kinds().items() if k.fixed
+}
 # Options such an arm accepts beyond its pool kind's keyword arguments.
 ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {"arena_expandable": ("va_bytes", "step_fraction", "max_step")}
 
@@ -91,7 +100,8 @@ def virtual_upstream(name: str, upstream_factory: Callable[[], Any]) -> Any:
     """A fresh upstream for arm ``name``: ``arena_expandable`` on the cuda backend needs the
     virtual-memory CUDA upstream instead of the factory's ``CudaDevice``."""
     upstream = upstream_factory()
-    if name == "arena_expandable" and not getattr(upstream, "supports_virtual", False):
+    kind = _pool_kinds().get(name)
+    if kind is not None and kind.cuda_upstream == "virtual" and not getattr(upstream, "supports_virtual", False):
         cls = _cuda_virtual_class()
         if cls is not None and getattr(upstream, "name", "").startswith("Cuda"):
             return cls()

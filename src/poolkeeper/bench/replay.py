@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-POOLS = ("arena", "arena_expandable", "size_class", "direct")
+POOLS = ("arena", "arena_expandable", "size_class", "direct")  # = poolkeeper.pools.KINDS (a test keeps them equal)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

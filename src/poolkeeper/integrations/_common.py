@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from poolkeeper.errors import PoolkeeperError
+from poolkeeper.errors import CudaUnavailableError, PoolkeeperError
 
 
 class IntegrationError(PoolkeeperError, RuntimeError):
@@ -17,6 +17,16 @@ class MissingDependencyError(IntegrationError, ImportError):
 
 class AllocatorInitializedError(IntegrationError):
     """The framework's allocator is already in use and can no longer be replaced."""
+
+
+class FrameworkCudaUnavailableError(IntegrationError, CudaUnavailableError):
+    """The framework is installed but cannot use CUDA here (a CPU-only build, or no device or
+    driver visible), so there is no device allocator to replace."""
+
+
+class PluggableAllocatorUnavailableError(IntegrationError):
+    """The installed framework has no interface for an external allocator (too old, or built
+    without it)."""
 
 
 def import_optional(name: str, feature: str, extra: str) -> ModuleType:
@@ -33,4 +43,11 @@ def import_optional(name: str, feature: str, extra: str) -> ModuleType:
         ) from e
 
 
-__all__ = ["IntegrationError", "MissingDependencyError", "AllocatorInitializedError", "import_optional"]
+__all__ = [
+    "IntegrationError",
+    "MissingDependencyError",
+    "AllocatorInitializedError",
+    "FrameworkCudaUnavailableError",
+    "PluggableAllocatorUnavailableError",
+    "import_optional",
+]

@@ -5,8 +5,9 @@ default, its pinned-memory allocator (``cupy.cuda.set_pinned_memory_allocator``)
 :func:`uninstall` puts the previous ones back.
 
 Device memory. CuPy calls the allocator with a size on the current device; poolkeeper answers
-``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner returns the block to
-the pool when CuPy drops the memory (the array and its views are collected), ordered on the
+``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner (a native
+``_core.BufferCore``: it allocates in its constructor and frees in its C++ destructor, so no Python
+finalizer runs per array) returns the block to the pool when CuPy drops the memory (the array and its views are collected), ordered on the
 stream that was current when CuPy asked for it -- the same rule CuPy's own pool follows: reusable
 at once on that stream, by other streams once that stream's work is done.
 
@@ -34,6 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
+from poolkeeper._core import BufferCore as _Owner  # owner of one device block (native: no finalizer)
 from poolkeeper.errors import OutOfMemoryError
 from poolkeeper.integrations._common import IntegrationError, import_optional
 
@@ -42,21 +44,6 @@ MiB = 1 << 20
 
 def _cupy():
     return import_optional("cupy", "poolkeeper.integrations.cupy", "cupy")
-
-
-class _Block:
-    """Owner of one device block: frees it, stream-ordered, when CuPy lets go of the memory."""
-
-    __slots__ = ("pool", "ptr", "stream", "__weakref__")
-
-    def __init__(self, pool: Any, ptr: int, stream: int) -> None:
-        self.pool, self.ptr, self.stream = pool, ptr, stream
-
-    def __del__(self) -> None:
-        try:
-            self.pool.deallocate(self.ptr, self.stream)
-        except Exception:  # pool closed or interpreter shutting down: nothing safe to do
-            pass
 
 
 class _PinnedBlock:
@@ -81,16 +68,14 @@ class _PinnedBlock:
 class _DevicePools:
     """Device index -> pool, made on first use (or one given pool for its own device)."""
 
-    def __init__(self, pool: Any, upstream: str, options: Dict[str, Any]) -> None:
+    def __init__(self, pool: Any, upstream: Optional[str], options: Dict[str, Any]) -> None:
         self._lock = threading.Lock()
         self._pools: Dict[int, Any] = {}
         self._any: Any = None  # a pool without a device (simulated/host) serves every device
         if isinstance(pool, str):
-            from poolkeeper.pools import POOL_KINDS
-            from poolkeeper.errors import InvalidArgumentError
+            from poolkeeper.pools import resolve_cuda_upstream
 
-            if pool not in POOL_KINDS:
-                raise InvalidArgumentError(f"unknown pool kind {pool!r} (valid: {', '.join(POOL_KINDS)})")
+            upstream = resolve_cuda_upstream(pool, upstream)  # validates the kind and the pair
             self._kind, self._upstream, self._options = pool, upstream, dict(options)
         else:
             if options:
@@ -120,11 +105,9 @@ class _DevicePools:
             return p
 
     def _make(self, device: int) -> Any:
-        from poolkeeper.cuda.upstreams import CudaAsync, CudaDevice
-        from poolkeeper.pools import make_pool
+        from poolkeeper.pools import make_device_pool
 
-        up = {"device": CudaDevice, "async": CudaAsync}[self._upstream](device)
-        return make_pool(self._kind, up, **self._options)
+        return make_device_pool(self._kind, device, self._upstream, **self._options)
 
     def all(self) -> Dict[int, Any]:
         with self._lock:
@@ -169,13 +152,15 @@ class _DeviceAllocator:
             pool = gp  # routes to a capture's private pool while one is open, else to the pool
         stream = self._current_stream().ptr
         try:
-            ptr = pool.allocate(size, stream)
+            # The owner is native: it allocated the block and returns it, ordered on `stream`, from
+            # its C++ destructor when CuPy drops the memory (no Python __init__/__del__ per array).
+            owner = _Owner(pool, size, stream)
         except OutOfMemoryError as e:
             err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
             err.poolkeeper_diagnosis = str(e)
             raise err from e
         self.calls += 1
-        return self._MemoryPointer(self._UnownedMemory(ptr, size, _Block(pool, ptr, stream), device), 0)
+        return self._MemoryPointer(self._UnownedMemory(owner.ptr, size, owner, device), 0)
 
 
 class _PinnedAllocator:
@@ -235,15 +220,17 @@ def install(
     pool: Any = "arena",
     *,
     pinned: Any = True,
-    upstream: str = "device",
+    upstream: Optional[str] = None,
     **options: Any,
 ) -> CupyInstallation:
     """Make poolkeeper CuPy's allocator.
 
     Args:
-        pool: a pool kind (``"arena"``, ``"size_class"``, ``"direct"``): one pool per device,
-            made on first use over ``upstream`` (``"device"``: CudaDevice, ``"async"``:
-            CudaAsync) with ``options``; or an existing pool, serving its own device.
+        pool: a pool kind (``"arena"``, ``"arena_expandable"``, ``"size_class"``, ``"direct"``;
+            see :data:`poolkeeper.pools.KINDS`): one pool per device, made on first use over
+            ``upstream`` (``"device"``: CudaDevice, ``"async"``: CudaAsync, ``"virtual"``:
+            CudaVirtual; None: the kind's default -- ``"virtual"`` for ``arena_expandable``,
+            ``"device"`` otherwise) with ``options``; or an existing pool, serving its own device.
         pinned: True (default): also CuPy's pinned allocator, over :func:`default_pinned_pool`;
             a pool: use that one (its upstream should be CudaPinned); False: leave pinned
             memory to CuPy.

@@ -4,17 +4,23 @@ Two ways in:
 
 - :func:`install` replaces PyTorch's CUDA caching allocator for the whole process, through
   ``torch.cuda.memory.CUDAPluggableAllocator`` over the C functions the core exports
-  (``poolkeeper_torch_malloc_raising`` / ``poolkeeper_torch_free`` in ``poolkeeper/_core*.so``;
-  the raising variant because PyTorch does not check malloc's result for NULL: an allocation the
-  pool cannot serve raises ``RuntimeError`` with the pool's diagnosis). Every
+  (``poolkeeper_torch_malloc`` / ``poolkeeper_torch_free`` in ``poolkeeper/_core*.so``, reached
+  through a small shim built against the installed torch on first use, because PyTorch does not
+  check malloc's result for NULL: an allocation the pool cannot serve raises
+  ``torch.OutOfMemoryError`` with the pool's diagnosis; without a compiler, the core's
+  ``poolkeeper_torch_malloc_raising`` raises ``RuntimeError`` instead). Every
   CUDA tensor then comes from a poolkeeper pool, one per device, created in the core on that
   device's first allocation. It must run before CUDA is initialized in the process.
 - :func:`mempool` / :func:`use_mempool` keep PyTorch's own allocator and route only the
   allocations made inside a ``with`` block to a ``torch.cuda.MemPool`` whose segments come from
   poolkeeper. This works at any time.
 
-While installed, :func:`stats`, :func:`snapshot` and :func:`pools` read poolkeeper's own pools
-(PyTorch's ``memory_stats``/``memory_snapshot`` are not available for a pluggable allocator).
+While installed, :func:`stats`, :func:`snapshot` and :func:`pools` read poolkeeper's own pools.
+PyTorch's ``torch.cuda.memory_stats``/``memory_snapshot`` raise for a pluggable allocator (it
+offers no hook for them), so the same names are served here from the pools:
+:func:`memory_stats`, :func:`max_memory_allocated`, :func:`max_memory_reserved`,
+:func:`reset_peak_memory_stats`, :func:`memory_summary`, :func:`dump_snapshot` (PyTorch's snapshot
+pickle, for ``torch.cuda._memory_viz`` and pytorch.org/memory_viz).
 
 Hooks: PyTorch's pluggable allocator (2.x, checked against 2.11) lets an allocator take
 ``record_stream`` (``set_record_stream_fn``), ``empty_cache`` (``set_reset_fn``) and the three
@@ -39,7 +45,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from poolkeeper import _core
-from poolkeeper.integrations._common import AllocatorInitializedError, IntegrationError, import_optional
+from poolkeeper.integrations._common import (
+    AllocatorInitializedError,
+    FrameworkCudaUnavailableError,
+    IntegrationError,
+    PluggableAllocatorUnavailableError,
+    import_optional,
+)
 
 MALLOC_SYMBOL = "poolkeeper_torch_malloc_raising"  # install(): a failure raises instead of NULL
 MEMPOOL_MALLOC_SYMBOL = "poolkeeper_torch_malloc"  # mempool(): NULL, which PyTorch's pool checks
@@ -83,6 +95,10 @@ class Installation:
     hooks: Dict[str, bool] = field(default_factory=dict)  # hook -> wired?
     devices: List[int] = field(default_factory=list)  # pools made eagerly at install
     pool: Any = None  # the existing pool passed to install(pool), if one was
+    # What an allocation that fails inside PyTorch raises: "torch.OutOfMemoryError" through the
+    # shim built against this torch (see _torch_oom_shim), else "RuntimeError"; oom_note says why.
+    oom_type: str = "RuntimeError"
+    oom_note: str = ""
 
 
 _LOCK = threading.Lock()
@@ -133,6 +149,37 @@ def _check_device_pool(pool: Any) -> int:
     return device
 
 
+def _require_cuda_torch(torch: Any, what: str, mempool: bool = False) -> None:
+    """Refuse, with what to do, a torch that cannot take an external CUDA allocator."""
+    version = getattr(torch, "__version__", "?")
+    mem = getattr(getattr(torch, "cuda", None), "memory", None)
+    needed = ["CUDAPluggableAllocator"] + (["MemPool"] if mempool else ["change_current_allocator"])
+    where = {"MemPool": getattr(torch, "cuda", None)}
+    missing = [n for n in needed if not hasattr(where.get(n, mem), n)]
+    if missing:
+        raise PluggableAllocatorUnavailableError(
+            f"{what} needs PyTorch's pluggable-allocator interface, but torch {version} has no "
+            f"{', '.join('torch.cuda.' + ('' if n == 'MemPool' else 'memory.') + n for n in missing)}. "
+            "Upgrade PyTorch (2.1 or newer for install(), 2.5 or newer for mempool()), or use poolkeeper's "
+            "pools directly (poolkeeper.ArenaPool(poolkeeper.upstream.CudaDevice(0)))."
+        )
+    c = getattr(torch, "_C", None)
+    if c is not None and not hasattr(c, "_cuda_customAllocator"):
+        raise FrameworkCudaUnavailableError(
+            f"{what}: torch {version} is a CPU-only build (torch._C has no _cuda_customAllocator, "
+            f"torch.version.cuda is {getattr(getattr(torch, 'version', None), 'cuda', None)!r}), so it has no CUDA "
+            "allocator to replace. Install a CUDA build of PyTorch (see pytorch.org's install selector) to use "
+            "poolkeeper inside PyTorch; poolkeeper's own pools work without torch."
+        )
+    available = getattr(getattr(torch, "cuda", None), "is_available", None)
+    if available is not None and not available():
+        raise FrameworkCudaUnavailableError(
+            f"{what}: torch.cuda.is_available() is False: PyTorch sees no CUDA device or driver (check "
+            "nvidia-smi, CUDA_VISIBLE_DEVICES, and that the driver supports torch's CUDA version "
+            f"{getattr(getattr(torch, 'version', None), 'cuda', None)!r})."
+        )
+
+
 def installation() -> Optional[Installation]:
     """The current :class:`Installation`, or None when :func:`install` has not run."""
     return _INSTALLED
@@ -142,17 +189,20 @@ def install(
     pool: Any = "arena",
     device: Union[None, int, Sequence[int]] = None,
     *,
-    upstream: str = "device",
+    upstream: Optional[str] = None,
     **options: Any,
 ) -> Installation:
     """Make poolkeeper PyTorch's CUDA allocator for this process.
 
     Args:
-        pool: the pool kind made for each device (``"arena"``, ``"size_class"``, ``"direct"``),
-            or an existing device pool to serve its own device.
+        pool: the pool kind made for each device (``"arena"``, ``"arena_expandable"``,
+            ``"size_class"``, ``"direct"``: :data:`poolkeeper.pools.KINDS`), or an existing
+            device pool to serve its own device.
         device: devices whose pools are made now rather than on first use (None: all lazily).
-        upstream: where each device pool gets memory: ``"device"`` (``cuMemAlloc``, default) or
-            ``"async"`` (``cuMemAllocAsync``).
+        upstream: where each device pool gets memory: ``"device"`` (``cuMemAlloc``), ``"async"``
+            (``cuMemAllocAsync``) or ``"virtual"`` (``CudaVirtual``: reserve and map, what
+            ``arena_expandable`` needs). None (default): the kind's own default, ``"virtual"``
+            for ``arena_expandable`` and ``"device"`` for the others.
         **options: the pool's options (see :class:`poolkeeper.ArenaPool` etc.), e.g.
             ``max_backing=1 << 30`` or ``limit=64 << 30``. Checked now: an unknown option raises
             :class:`~poolkeeper.errors.InvalidArgumentError` and installs nothing.
@@ -161,16 +211,28 @@ def install(
     and options, or the very same pool object) returns the same installation; with different ones
     it raises :class:`IntegrationError` (PyTorch cannot swap a used allocator).
 
+    An allocation that fails inside PyTorch raises ``torch.OutOfMemoryError`` carrying the pool's
+    diagnosis when the small shim built against this torch on first use is available (a C++
+    compiler and torch's headers are needed; cached afterwards), else ``RuntimeError`` with the
+    same text, with a warning; :attr:`Installation.oom_type` says which.
+
     Raises:
         InvalidArgumentError: ``pool`` is a pool whose upstream is not CUDA device memory
             (``CudaPinned``, ``Host``, ``Simulated``...), or not a pool at all.
         MissingDependencyError: torch is not installed.
+        PluggableAllocatorUnavailableError: this torch has no pluggable-allocator interface.
+        FrameworkCudaUnavailableError: a CPU-only torch, or no CUDA device visible to it.
         AllocatorInitializedError: CUDA is already initialized (see the message for what to do).
     """
     global _INSTALLED
     if not isinstance(pool, str):
         _check_device_pool(pool)  # before torch is even imported: a wrong pool is wrong anywhere
     torch = _torch()
+    _require_cuda_torch(torch, "poolkeeper.integrations.torch.install()")
+    if isinstance(pool, str):
+        from poolkeeper.pools import resolve_cuda_upstream
+
+        upstream = resolve_cuda_upstream(pool, upstream)
     with _LOCK:
         if _INSTALLED is not None:
             if isinstance(pool, str):
@@ -208,9 +270,12 @@ def install(
         try:
             if isinstance(pool, str):
                 for d in _devices(device):
-                    _core.registry_set(d, _make_device_pool(kind, d, upstream, options))
+                    # Made by the factory in C++, like the lazy ones: a Python-made pool in the
+                    # registry would outlive the interpreter (poolkeeper._exit).
+                    _core.registry_ensure(d)
                     made.append(d)
-            allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
+            oom_lib, malloc_symbol, free_symbol, oom_type, oom_note = _oom_allocator(torch)
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(oom_lib, malloc_symbol, free_symbol)
             hooks = _wire_hooks(allocator)
             torch.cuda.memory.change_current_allocator(allocator)
         except RuntimeError as e:
@@ -231,6 +296,8 @@ def install(
             hooks=hooks,
             devices=made,
             pool=None if isinstance(pool, str) else pool,
+            oom_type=oom_type,
+            oom_note=oom_note,
         )
         return _INSTALLED
 
@@ -294,12 +361,26 @@ def _provide_pool_live_check(torch: Any) -> None:
             setattr(c, name, fn)
 
 
-def _make_device_pool(kind: str, device: int, upstream: str, options: Dict[str, Any]):
-    from poolkeeper.cuda.upstreams import CudaAsync, CudaDevice
-    from poolkeeper.pools import make_pool
+def _oom_allocator(torch: Any):
+    """(library, malloc symbol, free symbol, oom type, note) for the pluggable allocator: the shim
+    that raises torch.OutOfMemoryError when it builds, else the core's raising symbol."""
+    import warnings
 
-    up = {"device": CudaDevice, "async": CudaAsync}[upstream](device)
-    return make_pool(kind, up, **options)
+    from poolkeeper.integrations import _torch_oom_shim as shim
+
+    b = shim.load(torch, library_path())
+    if b.path is not None:
+        return b.path, shim.MALLOC, shim.FREE, "torch.OutOfMemoryError", f"shim {b.reason}: {b.path}"
+    note = f"no torch.OutOfMemoryError shim ({b.reason}); out of memory raises RuntimeError"
+    if b.reason.startswith("disabled"):  # the user chose it: no warning
+        return library_path(), MALLOC_SYMBOL, FREE_SYMBOL, "RuntimeError", note
+    warnings.warn(
+        "poolkeeper: out of memory inside PyTorch will raise RuntimeError, not torch.OutOfMemoryError: "
+        f"{b.reason}. `except torch.OutOfMemoryError` blocks will not fire.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return library_path(), MALLOC_SYMBOL, FREE_SYMBOL, "RuntimeError", note
 
 
 def _wire_hooks(allocator: Any) -> Dict[str, bool]:
@@ -366,6 +447,64 @@ def snapshot(device: Optional[int] = None):
     return Snapshot.from_dict(_pool_for(device)._snapshot_dict())
 
 
+# -- PyTorch's memory API names, read from our pools (see integrations.torch_memory) -------------
+
+
+def memory_stats(device: Optional[int] = None) -> Dict[str, int]:
+    """``torch.cuda.memory_stats()``'s keys for ``device``'s pool (default: the current device),
+    where they map (table in :mod:`poolkeeper.integrations.torch_memory`). PyTorch's own
+    ``torch.cuda.memory_stats`` raises under a pluggable allocator; call this one instead."""
+    from poolkeeper.integrations.torch_memory import memory_stats_from
+
+    return memory_stats_from(_pool_for(device).stats())
+
+
+def memory_allocated(device: Optional[int] = None) -> int:
+    """Live bytes (``allocated_bytes.all.current``)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def memory_reserved(device: Optional[int] = None) -> int:
+    """Bytes held from the driver (``reserved_bytes.all.current``)."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_allocated(device: Optional[int] = None) -> int:
+    """Peak live bytes since the pool was made or :func:`reset_peak_memory_stats`."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def max_memory_reserved(device: Optional[int] = None) -> int:
+    """Peak reserved bytes since the pool was made or :func:`reset_peak_memory_stats`."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Optional[int] = None) -> None:
+    """Restart the peaks of ``device``'s pool (default: the current device) from the current
+    live and reserved bytes."""
+    _pool_for(device).reset_peaks()
+
+
+def memory_summary(device: Optional[int] = None, abbreviated: bool = False) -> str:
+    """Readable text like ``torch.cuda.memory_summary()``: ``device``'s pool, or every device pool
+    when ``device`` is None. ``abbreviated`` is accepted for PyTorch's signature and ignored."""
+    from poolkeeper.integrations.torch_memory import summary_text
+
+    ps = pools() if device is None else {device: _pool_for(device)}
+    return summary_text({d: p.stats() for d, p in ps.items()}, {d: repr(p) for d, p in ps.items()})
+
+
+def dump_snapshot(path: str = "dump_snapshot.pickle", device: Optional[int] = None) -> str:
+    """Write every device pool (or ``device``'s) as PyTorch's memory-snapshot pickle, the format
+    of ``torch.cuda.memory._dump_snapshot``: ``torch.cuda._memory_viz``, pytorch.org/memory_viz
+    and ``poolkeeper replay`` read it. Returns the path."""
+    from poolkeeper.accounting import Snapshot
+    from poolkeeper.integrations.torch_memory import write_torch_snapshot
+
+    ps = pools() if device is None else {device: _pool_for(device)}
+    return write_torch_snapshot({d: Snapshot.from_dict(p._snapshot_dict()) for d, p in ps.items()}, path)
+
+
 def empty_cache() -> int:
     """Wait for pending releases and return every wholly free backing of every device pool to the
     driver (what ``torch.cuda.empty_cache()`` does through the hook). Returns bytes released."""
@@ -399,7 +538,7 @@ def hook_counters() -> Dict[str, int]:
 # -- scoped use through torch.cuda.MemPool --------------------------------------------------------
 
 
-def mempool(pool: str = "arena", *, upstream: str = "device", use_on_oom: bool = False, **options: Any):
+def mempool(pool: str = "arena", *, upstream: Optional[str] = None, use_on_oom: bool = False, **options: Any):
     """A ``torch.cuda.MemPool`` whose segments come from poolkeeper (PyTorch's own allocator
     stays in charge of everything else, and of splitting those segments).
 
@@ -409,6 +548,10 @@ def mempool(pool: str = "arena", *, upstream: str = "device", use_on_oom: bool =
     """
     global _MEMPOOL_ALLOCATOR
     torch = _torch()
+    _require_cuda_torch(torch, "poolkeeper.integrations.torch.mempool()", mempool=True)
+    from poolkeeper.pools import resolve_cuda_upstream
+
+    upstream = resolve_cuda_upstream(pool, upstream)
     with _LOCK:
         if _INSTALLED is not None:
             raise IntegrationError(
@@ -435,6 +578,13 @@ def use_mempool(mem_pool: Any = None, device: Any = None, **kwargs: Any) -> Iter
     """Route the CUDA allocations of this thread inside the block to ``mem_pool`` (default: a new
     :func:`mempool` made with ``kwargs``). Yields the ``torch.cuda.MemPool``."""
     torch = _torch()
+    if mem_pool is None or not hasattr(torch.cuda, "use_mem_pool"):
+        _require_cuda_torch(torch, "poolkeeper.integrations.torch.use_mempool()", mempool=True)
+    if not hasattr(torch.cuda, "use_mem_pool"):
+        raise PluggableAllocatorUnavailableError(
+            f"use_mempool() needs torch.cuda.use_mem_pool (PyTorch 2.5 or newer); torch "
+            f"{getattr(torch, '__version__', '?')} has none. Upgrade PyTorch, or use install()."
+        )
     mp = mem_pool if mem_pool is not None else mempool(**kwargs)
     with torch.cuda.use_mem_pool(mp, device=device):
         yield mp
@@ -459,6 +609,14 @@ __all__ = [
     "stats",
     "snapshot",
     "empty_cache",
+    "memory_stats",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "memory_summary",
+    "dump_snapshot",
     "hook_counters",
     "graph_pools",
     "mempool",

@@ -49,7 +49,6 @@ class ThreadCache {
   Bin bins[kBins];
   int hint = 0;                   // the bin the last hit used: a steady loop skips the scan
   std::size_t bytes = 0;          // cached bytes (owner's view of cached_free + cached_pending)
-  std::size_t peak_live = 0;      // best local estimate of the pool's live peak
   void begin() {
     seq_.store(seq_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
@@ -61,7 +60,7 @@ class ThreadCache {
 
   std::atomic<std::int64_t> live_delta{0}, overhead_delta{0}, blocks_delta{0}, cached_free{0}, cached_pending{0};
   std::atomic<std::uint64_t> hits{0}, frees{0};
-  std::atomic<std::size_t> peak_live_pub{0};
+  std::atomic<std::size_t> peak_live_pub{0};  // the owner's estimate of the pool's live peak
 
   // --- owner (fast paths) and reclaimer (under the pool's lock) ---
   bool try_enter() { return !busy_.exchange(true, std::memory_order_acquire); }

@@ -1,0 +1,134 @@
+// _core.BufferCore: the owning part of poolkeeper.buffers.PoolBuffer, native.
+//
+// Why native: pool.buffer(n) plus drop cost microseconds as a Python class with __init__ and a
+// finalizer, while the pool pair underneath costs ~100 ns. Here construction is one call that
+// allocates, and the drop is the C++ destructor returning the block (no Python finalizer). The
+// protocols (CUDA array interface, DLPack, buffer protocol) stay in the Python subclass.
+//
+// State (all read and written with the GIL held; the only GIL release is inside the final
+// deallocate, after the state says "freed", so no other thread can free twice):
+// - owned: release() not called yet; exports: live views holding a claim;
+// - freed: the block went back to the pool (once owned == false and exports == 0, or on drop).
+#include <vector>
+
+#include "bindings.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+
+struct BufferCore {
+  nb::object pool_obj;  // keeps the Python pool alive as long as the buffer
+  Pool* pool = nullptr;
+  std::uintptr_t ptr = 0;
+  std::size_t nbytes = 0;
+  Stream stream = kNoStream;
+  int device = -1;
+  MemoryKind kind = MemoryKind::Host;
+  bool owned = true, freed = false;
+  std::size_t exports = 0;
+  std::vector<Stream> consumers;  // other streams that used the memory (record_stream was called)
+
+  // Return the block, ordered on the buffer's stream, or on the first consumer's stream when the
+  // buffer has none (the other consumer streams were recorded on the block).
+  void free_block() {
+    if (freed) return;
+    freed = true;
+    Stream s = stream;
+    if (s == kNoStream && !consumers.empty()) s = consumers.front();
+    void* p = reinterpret_cast<void*>(ptr);
+    if (!pool->try_deallocate_nowait(p, s)) {
+      ReleaseGil nogil;
+      pool->deallocate(p, s);
+    }
+  }
+
+  ~BufferCore() {
+    // Views hold a reference to the buffer, so destruction means nobody uses the memory.
+    try {
+      free_block();
+    } catch (...) {
+      // The pool was closed (its memory is gone already) or the interpreter is going away.
+    }
+  }
+};
+
+}  // namespace
+
+void bind_buffer_core_impl(nb::module_& m) {
+  nb::class_<BufferCore>(m, "BufferCore", nb::is_weak_referenceable(),
+                         "The owning part of poolkeeper.buffers.PoolBuffer (allocation, release, claims).")
+      .def(
+          "__init__",
+          [](BufferCore* self, nb::handle pool, nb::handle nbytes, nb::handle stream) {
+            Pool* p = nullptr;
+            if (!nb::try_cast<Pool*>(pool, p) || !p)
+              throw InvalidArgument("pool must be a poolkeeper pool; got " +
+                                    nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(pool.ptr()))).attr("__name__"))));
+            const std::size_t n = parse_size(nbytes);
+            const Stream s = parse_stream(stream);
+            void* r = p->try_allocate_nowait(n, s);
+            if (!r) {
+              ReleaseGil nogil;
+              r = p->allocate(n, s);
+            }
+            // Constructed only once the block exists: a failed __init__ leaves nothing to destroy.
+            BufferCore* b = new (self) BufferCore();
+            b->pool_obj = nb::borrow(pool);
+            b->pool = p;
+            b->ptr = reinterpret_cast<std::uintptr_t>(r);
+            b->nbytes = n;
+            b->stream = s;
+            b->kind = p->upstream()->kind();
+            b->device = p->upstream()->device();
+          },
+          "pool"_a, "nbytes"_a, "stream"_a = nb::none())
+      .def_prop_ro("pool", [](BufferCore& b) { return b.pool_obj; })
+      .def_prop_ro("ptr", [](BufferCore& b) { return nb::int_(b.ptr); })
+      .def_prop_ro("nbytes", [](BufferCore& b) { return b.nbytes; })
+      .def_prop_ro("stream", [](BufferCore& b) { return stream_to_py(b.stream); })
+      .def_prop_ro("device", [](BufferCore& b) { return b.device; })
+      .def_prop_ro("kind", [](BufferCore& b) { return std::string(memory_kind_name(b.kind)); })
+      .def_prop_ro("released", [](BufferCore& b) { return !b.owned; },
+                   "True once release() was called (the memory may still be held by live views).")
+      .def(
+          "release",
+          [](BufferCore& b) {
+            if (!b.owned) return;
+            b.owned = false;
+            if (b.exports == 0) b.free_block();
+          },
+          "Give the memory back to the pool (stream-ordered on the buffer's stream). Views still alive "
+          "from DLPack or the buffer protocol keep it until they go. Calling it again does nothing.")
+      .def(
+          "_try_claim",
+          [](BufferCore& b) {
+            if (!b.owned) return false;
+            ++b.exports;
+            return true;
+          },
+          "A view takes a claim on the memory; False when the buffer was released.")
+      .def("_unclaim",
+           [](BufferCore& b) {
+             if (b.exports) --b.exports;
+             if (b.exports == 0 && !b.owned) b.free_block();
+           })
+      .def_prop_ro("_consumer_streams",
+                   [](BufferCore& b) {
+                     nb::list l;
+                     for (Stream s : b.consumers) l.append(stream_to_py(s));
+                     return l;
+                   })
+      .def("_add_consumer_stream", [](BufferCore& b, nb::handle s) {
+        const Stream st = parse_stream(s);
+        for (Stream c : b.consumers)
+          if (c == st) return;
+        b.consumers.push_back(st);
+      });
+}
+
+}  // namespace poolkeeper::py
+
+// Called from NB_MODULE through a block-scope declaration (global namespace), as the other late
+// additions are, so module.cpp needs no header change.
+void bind_buffer_core(nanobind::module_& m) { poolkeeper::py::bind_buffer_core_impl(m); }

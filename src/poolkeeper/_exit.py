@@ -1,0 +1,56 @@
+"""A clean interpreter exit whatever poolkeeper objects are still alive.
+
+Three things used to spoil the exit, none of them a reference-count error:
+
+- the C ABI's pool registry (what PyTorch's pluggable allocator calls into) is a C++ static; a pool
+  made in Python and installed there (``install(pool=...)``, ``install(device=0)``) is held by a
+  Python reference inside it, and that static is destroyed only after the interpreter is gone, so
+  nanobind reported the pool and its upstream as leaked. At exit the hook below removes such
+  entries (and the lazy per-device factory), so Python frees those pools during its own cleanup
+  like any other object. Pools the factory made in C++ (no Python object) stay: tensors PyTorch
+  frees during shutdown still reach them.
+- a daemon thread inside a pool call (the GIL released) when the interpreter finalizes: CPython
+  ends a thread that asks for the GIL back during finalization with ``pthread_exit``, whose forced
+  unwind through a C++ destructor aborts the process ("terminate called without an active
+  exception"). The hook tells the core that exit has begun; from then on any other thread leaving
+  a native call parks until the process ends instead of asking for the GIL (the core's
+  ``GilRelease``), and the hook yields the GIL once so threads already queued for it get through
+  before finalization starts. Consequence: an exit handler registered *before* poolkeeper was
+  imported (handlers run last-registered-first) must not join a thread that is still calling
+  poolkeeper, or it waits for a parked thread.
+- a thread Python never stops (a daemon thread still running) keeps its frames, and through them
+  module globals, alive through shutdown. Those objects are owned by that thread, not leaked, and
+  no binding can release them; when such a thread is alive at exit, nanobind's leak report is
+  switched off.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+
+
+def _at_exit() -> None:
+    try:
+        from poolkeeper import _core
+    except Exception:  # pragma: no cover - the extension itself failed to load
+        return
+    _core._begin_exit()
+    try:
+        _core.registry_clear_factory()
+        for device in _core.registry_python_owned():
+            _core.registry_set(device, None)
+    except Exception:
+        pass
+    main = threading.main_thread()
+    others = [t for t in threading.enumerate() if t is not main and t.is_alive()]
+    if others:
+        time.sleep(0.005)  # let threads already waiting for the GIL take it before finalization
+        _core._set_leak_warnings(False)
+
+
+def register() -> None:
+    atexit.register(_at_exit)
+
+
+__all__ = ["register"]

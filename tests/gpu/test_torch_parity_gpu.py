@@ -1,0 +1,139 @@
+"""Framework parity on a real GPU (issue 14): torch.OutOfMemoryError from poolkeeper inside
+PyTorch, PyTorch's memory API names and snapshot, the expandable arena by name, a clean exit.
+Each case runs in a fresh process (see isolated.py)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from isolated import run_isolated
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+]
+
+PRELUDE = """
+import gc, torch
+import poolkeeper as pk
+from poolkeeper.integrations import torch as pkt
+"""
+
+
+def test_filling_the_device_raises_torch_oom_with_the_pools_diagnosis_and_recovers():
+    out = run_isolated(
+        PRELUDE
+        + """
+inst = pkt.install("arena")
+assert inst.oom_type == "torch.OutOfMemoryError", inst.oom_note
+held = []
+GiB = 1 << 30
+try:
+    while True:
+        held.append(torch.empty(GiB, dtype=torch.uint8, device="cuda"))
+        assert len(held) < 4096, "never ran out"
+except torch.OutOfMemoryError as e:  # what batch-size finders and retry loops catch
+    msg = str(e)
+    print("raised torch.OutOfMemoryError after", len(held), "GiB:", msg[:300])
+    assert "poolkeeper: cannot allocate" in msg and "out of memory in" in msg, msg
+assert isinstance(e, RuntimeError)  # PyTorch's OOM is a RuntimeError subclass; older except clauses still work
+assert len(held) > 8
+assert pkt.memory_stats()["num_ooms"] >= 1
+# The process keeps working: free half, allocate again, compute.
+del held[: len(held) // 2]
+gc.collect()
+again = [torch.ones(GiB, dtype=torch.uint8, device="cuda") for _ in range(4)]
+assert sum(int(t[:1024].sum()) for t in again) == 4 * 1024
+torch.cuda.synchronize()
+for p in pkt.pools().values():
+    p.validate()
+print("recovered")
+""",
+        timeout=600,
+    )
+    assert "raised torch.OutOfMemoryError" in out and "recovered" in out
+
+
+def test_a_pool_limit_is_torch_oom_too():
+    run_isolated(
+        PRELUDE
+        + """
+pkt.install("arena", limit=64 << 20)
+x = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+try:
+    torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+except torch.OutOfMemoryError as e:
+    assert "limit" in str(e), str(e)
+else:
+    raise AssertionError("no error")
+y = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+assert int(x.sum()) + int(y.sum()) == 2 << 20
+"""
+    )
+
+
+def test_memory_api_names_and_snapshot_on_the_device(tmp_path):
+    path = tmp_path / "snap.pickle"
+    run_isolated(
+        PRELUDE
+        + f"""
+import pickle
+from torch.cuda import _memory_viz as viz
+pkt.install("arena")
+xs = [torch.ones(n, device="cuda") for n in (10, 1000, 1 << 20, 3 << 20)]
+m = pkt.memory_stats()
+assert m["allocated_bytes.all.current"] == pkt.memory_allocated() == sum(x.numel() * 4 for x in xs), m
+assert pkt.max_memory_allocated() >= pkt.memory_allocated()
+assert pkt.memory_reserved() >= pkt.memory_allocated()
+del xs[-1]
+pkt.reset_peak_memory_stats()
+assert pkt.max_memory_allocated() == pkt.memory_allocated()
+print(pkt.memory_summary())
+pkt.dump_snapshot({str(path)!r})
+data = pickle.load(open({str(path)!r}, "rb"))
+assert sum(s["total_size"] for s in data["segments"]) == pkt.memory_reserved()
+print(viz.segsum(data))
+"""
+    )
+
+
+def test_install_the_expandable_arena_by_name():
+    run_isolated(
+        PRELUDE
+        + """
+inst = pkt.install("arena_expandable")
+assert inst.upstream == "virtual"
+a = torch.randn(1024, 1024, device="cuda")
+b = a @ a
+torch.cuda.synchronize()
+st = pkt.stats()
+assert st["expandable"] == 1 and st["live_bytes"] >= 2 * 4 * 1024 * 1024, st
+for p in pkt.pools().values():
+    p.validate()
+"""
+    )
+
+
+def test_process_with_poolkeeper_installed_exits_cleanly():
+    body = textwrap.dedent(
+        PRELUDE
+        + """
+import threading
+pkt.install("arena", device=0)   # an eagerly made pool in the C ABI registry
+x = torch.ones(1 << 20, device="cuda")
+buf = pkt.pools()[0].buffer(1 << 20)
+import time
+threading.Thread(target=lambda: ([torch.ones(1 << 16, device="cuda") for _ in range(100)], time.sleep(600)), daemon=True).start()
+user_pool = pk.ArenaPool(pk.upstream.CudaDevice(0))
+staged = user_pool.buffer(4096)
+print("done")
+"""
+    )
+    r = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert "nanobind" not in r.stderr and "terminate" not in r.stderr, r.stderr

@@ -1,0 +1,500 @@
+"""Framework parity (issue 14) without a GPU: PyTorch's memory API names over poolkeeper's pools,
+the PyTorch snapshot export, one table of pool kinds, typed errors for a torch that cannot take
+an allocator, a clean interpreter exit, and the torch.OutOfMemoryError shim.
+
+PyTorch is played by the stand-in of test_integrations_cpu; tests that need the real torch (its
+headers for the shim, its _memory_viz for the snapshot) skip cleanly without it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.errors import CudaUnavailableError, InvalidArgumentError, PoolkeeperError
+from poolkeeper.integrations import _common
+from poolkeeper.integrations import cupy as pk_cupy
+from poolkeeper.integrations import torch as pkt
+from poolkeeper.integrations.torch_memory import memory_stats_from, summary_text, torch_snapshot_dict
+
+from test_integrations_cpu import MALLOC_T, FREE_T, make_fake_cupy, make_fake_torch
+
+MiB = 1 << 20
+
+
+def _torch_or_skip():
+    try:
+        import torch  # noqa: F401
+    except Exception:
+        pytest.skip("torch is not installed")
+    return torch
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "0")  # the stand-in has no headers to build against
+
+    def use(**kw):
+        t = make_fake_torch(**kw)
+        monkeypatch.setitem(sys.modules, "torch", t)
+        monkeypatch.setitem(sys.modules, "torch.cuda", t.cuda)
+        monkeypatch.setitem(sys.modules, "torch.cuda.memory", t.cuda.memory)
+        return t
+
+    pkt._forget_for_tests()
+    yield use
+    pkt._forget_for_tests()
+
+
+def _pool(kind="arena", **kw):
+    return pk.make_pool(kind, pk.upstream.Simulated(), **kw)
+
+
+# -- the stats mapping ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["arena", "arena_expandable", "size_class", "direct"])
+def test_memory_stats_keys_read_the_pool_figures(kind):
+    pool = _pool(kind)
+    s = pool.stream() if hasattr(pool, "stream") else pool.upstream.stream()
+    a = pool.allocate(3 * MiB + 100)
+    b = pool.allocate(5000, stream=s)
+    pool.deallocate(b, stream=s)  # pending on s for the pools that order releases
+    st = pool.stats()
+    m = memory_stats_from(st)
+    assert m["allocated_bytes.all.current"] == st["live_bytes"] == 3 * MiB + 100
+    assert m["allocated_bytes.all.peak"] == st["peak_live_bytes"]
+    assert m["requested_bytes.all.current"] == st["live_bytes"]
+    assert m["reserved_bytes.all.current"] == st["reserved_bytes"]
+    assert m["reserved_bytes.all.peak"] == st["peak_reserved_bytes"]
+    assert m["active_bytes.all.current"] == st["live_bytes"] + st["pending_bytes"]
+    assert m["inactive_split_bytes.all.current"] == st["free_bytes"]
+    assert m["allocation.all.current"] == st["live_blocks"] == 1
+    assert m["segment.all.current"] == st["backings"]
+    assert m["num_device_alloc"] == st["upstream_allocations"]
+    assert m["num_device_free"] == st["upstream_deallocations"]
+    assert m["num_ooms"] == 0 and m["num_alloc_retries"] == 0
+    assert list(m) == sorted(m)  # PyTorch returns its keys sorted
+    pool.deallocate(a)
+    pool.synchronize()
+
+
+def test_num_ooms_counts_out_of_memory_errors():
+    pool = _pool("arena", limit=4 * MiB, initial_backing=MiB, max_backing=MiB)
+    for _ in range(2):
+        with pytest.raises(pk.OutOfMemoryError):
+            pool.allocate(8 * MiB)
+    m = memory_stats_from(pool.stats())
+    assert m["num_ooms"] == 2
+    assert m["num_alloc_retries"] == pool.stats()["oom_retries"]
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class", "direct"])
+def test_reset_peaks_restarts_from_current_figures(kind):
+    pool = _pool(kind)
+    big = pool.allocate(16 * MiB)
+    small = pool.allocate(4096)
+    pool.deallocate(big)
+    pool.trim()
+    before = pool.stats()
+    assert before["peak_live_bytes"] >= 16 * MiB + 4096
+    pool.reset_peaks()
+    st = pool.stats()
+    assert st["peak_live_bytes"] == st["live_bytes"] == 4096
+    assert st["peak_reserved_bytes"] == st["reserved_bytes"]
+    again = pool.allocate(MiB)
+    assert pool.stats()["peak_live_bytes"] == 4096 + MiB
+    pool.deallocate(again)
+    pool.deallocate(small)
+
+
+def test_reset_peaks_then_a_thread_cache_hit_still_raises_the_peak():
+    # The arena's thread-cache fast path keeps its own peak estimate; after a reset it must start
+    # from the reset value, not from the old private maximum (which would hide a new peak).
+    pool = _pool("arena", thread_cache_max_block=MiB)
+    keep = pool.allocate(256)
+    x = pool.allocate(512 * 1024)
+    pool.deallocate(x)  # into this thread's cache
+    pool.reset_peaks()
+    assert pool.stats()["peak_live_bytes"] == 256
+    hits = pool.stats()["thread_cache_hits"]
+    y = pool.allocate(512 * 1024)  # a cache hit: the fast path, no lock
+    assert pool.stats()["thread_cache_hits"] == hits + 1
+    pool.deallocate(y)
+    assert pool.stats()["peak_live_bytes"] == 256 + 512 * 1024
+    pool.deallocate(keep)
+
+
+def test_summary_is_plain_text_with_the_figures():
+    pool = _pool("arena")
+    p = pool.allocate(3 * MiB)
+    text = summary_text({0: pool.stats()}, {0: repr(pool)})
+    assert "device 0" in text and "Reserved memory" in text and "3.00 MiB" in text
+    assert text.isascii()
+    pool.deallocate(p)
+
+
+# -- the torch-side functions, through the stand-in ------------------------------------------------
+
+
+def test_pytorch_memory_api_names_read_the_installed_pools(fake_torch, tmp_path):
+    t = fake_torch()
+    inst = pkt.install("arena", upstream="simulated", initial_backing=MiB)
+    assert inst.oom_type == "RuntimeError" and "disabled" in inst.oom_note
+    (alloc,) = t.swaps
+    p = alloc.malloc(3 * MiB, 0, None)
+    q = alloc.malloc(4096, 0, None)
+    assert pkt.memory_allocated() == 3 * MiB + 4096
+    assert pkt.max_memory_allocated() == 3 * MiB + 4096
+    assert pkt.memory_reserved() == pkt.stats()["reserved_bytes"]
+    assert pkt.max_memory_reserved() == pkt.stats()["peak_reserved_bytes"]
+    alloc.free_(p, 3 * MiB, 0, None)
+    assert pkt.max_memory_allocated() == 3 * MiB + 4096
+    pkt.reset_peak_memory_stats()
+    assert pkt.max_memory_allocated() == 4096
+    assert pkt.memory_stats()["allocation.all.current"] == 1
+    assert "poolkeeper memory summary, device 0" in pkt.memory_summary()
+    path = pkt.dump_snapshot(str(tmp_path / "snap.pickle"))
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    assert sum(s["total_size"] for s in data["segments"]) == pkt.memory_reserved()
+    alloc.free_(q, 4096, 0, None)
+
+
+# -- the snapshot export -----------------------------------------------------------------------------
+
+
+def _busy_pool():
+    sim = pk.upstream.Simulated()
+    pool = pk.ArenaPool(sim, initial_backing=2 * MiB, max_backing=8 * MiB)
+    s = sim.stream()
+    live = [pool.allocate(n) for n in (100, 3000, MiB + 7, 5 * MiB, 40 * MiB)]
+    freed = pool.allocate(200 * 1024, stream=s)
+    pool.deallocate(freed, stream=s)  # pending until s's event completes
+    pool.deallocate(live.pop(1))
+    return pool, live
+
+
+def test_snapshot_export_totals_match_the_pool():
+    pool, live = _busy_pool()
+    snap = pool.snapshot()
+    data = torch_snapshot_dict({0: snap})
+    st = snap.stats
+    segs = data["segments"]
+    assert data["device_traces"] == [[]]
+    assert sum(s["total_size"] for s in segs) == st["reserved_bytes"]
+    blocks = [b for s in segs for b in s["blocks"]]
+    active = [b for b in blocks if b["state"] == "active_allocated"]
+    assert sum(b["requested_size"] for b in active) == st["live_bytes"]
+    assert sum(b["size"] - b["requested_size"] for b in active) == st["overhead_bytes"]
+    assert len(active) == st["live_blocks"]
+    assert sum(b["size"] for b in blocks if b["state"] == "active_pending_free") == st["pending_bytes"]
+    assert sum(b["size"] for b in blocks if b["state"] == "inactive") == st["free_bytes"]
+    for s in segs:  # blocks tile each segment, in address order
+        at = s["address"]
+        for b in s["blocks"]:
+            assert b["address"] == at
+            at += b["size"]
+        assert at == s["address"] + s["total_size"]
+        assert s["allocated_size"] == sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated")
+    for p in live:
+        pool.deallocate(p)
+
+
+def test_snapshot_round_trips_through_poolkeeper_replay(tmp_path):
+    from poolkeeper.bench.readers import torch_snapshot
+    from poolkeeper.bench.replay import replay_log
+
+    pool, live = _busy_pool()
+    st = pool.stats()
+    path = pool.snapshot().to_torch(tmp_path / "pool.pickle")
+    with open(path, "rb") as f:
+        trace = torch_snapshot.read(f, path)
+    assert sum(ev.size for ev in trace.pre_trace) == st["live_bytes"]
+    assert sorted(ev.addr for ev in trace.pre_trace) == sorted(live)
+    doc = replay_log(path, ["arena", "direct"], latency_us=0, include_pre_trace=True)
+    assert doc["pre_trace_bytes"] == st["live_bytes"]
+    assert doc["pools"]["direct"]["peak_live_bytes"] == st["live_bytes"]
+    for p in live:
+        pool.deallocate(p)
+
+
+def test_snapshot_file_is_accepted_by_torch_memory_viz(tmp_path):
+    torch = _torch_or_skip()
+    from torch.cuda import _memory_viz as viz
+
+    pool, live = _busy_pool()
+    path = pool.snapshot().to_torch(tmp_path / "pool.pickle")
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    text = viz.segsum(data)  # re-checks that each segment's blocks add up to its size
+    assert "segments: %d" % len(data["segments"]) in text
+    assert viz.segments(data, format_flamegraph=lambda s: s)
+    assert viz.memory(data, format_flamegraph=lambda s: s)
+    viz.trace(data)
+    assert "Allocator State History" in viz.segment_plot(data)
+    assert viz.trace_plot(data)
+    for p in live:
+        pool.deallocate(p)
+    del torch
+
+
+# -- one table of pool kinds ----------------------------------------------------------------------------
+
+
+def test_every_entry_point_uses_the_same_pool_kind_names():
+    from poolkeeper.bench.arms import ARM_NAMES, ARM_POOLS
+    from poolkeeper.bench.replay import POOLS
+    from poolkeeper.pools import KINDS
+
+    assert set(POOLS) == set(KINDS)
+    assert set(KINDS) <= set(ARM_NAMES)
+    assert ARM_POOLS["arena_expandable"] == ("arena", {"expandable": True})
+    e = _pool("arena_expandable")
+    assert e.stats()["expandable"] == 1
+    with pytest.raises(InvalidArgumentError, match="fixes expandable"):
+        _pool("arena_expandable", expandable=False)
+    with pytest.raises(InvalidArgumentError, match="unknown pool kind"):
+        _pool("arena_expandible")
+
+
+def test_install_arena_expandable_defaults_to_the_virtual_upstream(fake_torch):
+    fake_torch()
+    inst = pkt.install("arena_expandable")
+    assert inst.upstream == "virtual" and inst.kind == "arena_expandable"
+    assert pkt.install("arena_expandable", upstream="virtual") is inst  # same arguments: same install
+
+
+def test_install_arena_expandable_over_a_plain_device_upstream_is_refused(fake_torch):
+    t = fake_torch()
+    with pytest.raises(InvalidArgumentError, match="cannot run over upstream 'device'"):
+        pkt.install("arena_expandable", upstream="device")
+    assert t.swaps == [] and not _core.registry_has_factory()
+    with pytest.raises(InvalidArgumentError, match="needs upstream 'virtual'"):
+        _core.registry_set_factory("arena_expandable", {}, "device")  # the C++ factory checks too
+
+
+def test_installed_arena_expandable_serves_pytorch_calls(fake_torch):
+    t = fake_torch()
+    pkt.install("arena_expandable", upstream="simulated")
+    (alloc,) = t.swaps
+    p = alloc.malloc(5 * MiB, 0, None)
+    assert pkt.stats(0)["expandable"] == 1 and pkt.memory_allocated(0) == 5 * MiB
+    alloc.free_(p, 5 * MiB, 0, None)
+
+
+def test_cupy_install_takes_the_same_kinds(monkeypatch):
+    c = make_fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", c)
+    try:
+        inst = pk_cupy.install("arena_expandable", pinned=False)
+        assert inst.allocator.pools._upstream == "virtual"
+    finally:
+        pk_cupy.uninstall()
+    with pytest.raises(InvalidArgumentError, match="unknown pool kind"):
+        pk_cupy.install("nope", pinned=False)
+
+
+# -- errors for a torch that cannot take an allocator -------------------------------------------------
+
+
+def _cpu_only(t):
+    t._C = types.ModuleType("torch._C")  # a CPU-only build: no _cuda_customAllocator
+    t.version = types.SimpleNamespace(cuda=None)
+    t.__version__ = "2.11.0+cpu"
+    t.cuda.is_available = lambda: False
+    return t
+
+
+def test_cpu_only_torch_is_a_typed_error_saying_what_to_do(fake_torch):
+    t = _cpu_only(fake_torch())
+    for call in (pkt.install, pkt.mempool, lambda: pkt.use_mempool().__enter__()):
+        with pytest.raises(_common.FrameworkCudaUnavailableError, match="CPU-only build") as e:
+            call()
+        assert isinstance(e.value, CudaUnavailableError) and isinstance(e.value, PoolkeeperError)
+        assert "Install a CUDA build of PyTorch" in str(e.value)
+    assert t.swaps == [] and not _core.registry_has_factory()
+
+
+def test_torch_without_a_visible_device_is_a_typed_error(fake_torch):
+    t = fake_torch()
+    t._C = types.SimpleNamespace(_cuda_customAllocator=object())
+    t.cuda.is_available = lambda: False
+    with pytest.raises(_common.FrameworkCudaUnavailableError, match="is_available"):
+        pkt.install()
+
+
+def test_torch_without_pluggable_allocators_is_a_typed_error(fake_torch):
+    t = fake_torch()
+    del t.cuda.memory.CUDAPluggableAllocator
+    with pytest.raises(_common.PluggableAllocatorUnavailableError, match="CUDAPluggableAllocator"):
+        pkt.install()
+    t = fake_torch()
+    del t.cuda.MemPool
+    with pytest.raises(_common.PluggableAllocatorUnavailableError, match="MemPool"):
+        pkt.mempool()
+
+
+def test_installing_after_cuda_init_is_a_typed_error(fake_torch):
+    fake_torch(initialized=True)
+    with pytest.raises(_common.AllocatorInitializedError, match="before CUDA is initialized") as e:
+        pkt.install()
+    assert isinstance(e.value, PoolkeeperError)
+
+
+def test_real_torch_without_cuda_is_refused_cleanly():
+    torch = _torch_or_skip()
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    pkt._forget_for_tests()
+    with pytest.raises(_common.FrameworkCudaUnavailableError):
+        pkt.install()
+    with pytest.raises(_common.FrameworkCudaUnavailableError):
+        pkt.mempool()
+    assert not _core.registry_has_factory()
+
+
+# -- a clean interpreter exit -----------------------------------------------------------------------------
+
+EXIT_SCRIPT = r"""
+import ctypes, sys, threading, time
+import poolkeeper as pk
+from poolkeeper import _core
+from poolkeeper.integrations import torch as pkt
+
+sim = pk.upstream.Simulated()
+pool = pk.ArenaPool(sim)
+_core.registry_set(0, pool)                         # a Python pool behind the C ABI
+_core.registry_set_factory("arena", {}, "simulated")
+lib = ctypes.CDLL(_core.__file__)
+lib.poolkeeper_torch_malloc.restype = ctypes.c_void_p
+lib.poolkeeper_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lazy = lib.poolkeeper_torch_malloc(4096, 3, None)   # a C++-made pool with a live block
+wrapper = _core.registry_get(3)                      # ... and a Python wrapper around it
+buf = pool.buffer(1 << 20)
+raw = pool.allocate(4096)
+sc = pk.SizeClassPool(pk.upstream.Host())
+hb = sc.buffer(100)
+cycle = [pool]; cycle.append(cycle)
+from poolkeeper.staging import PinnedStagingPool, Uploader
+sp = PinnedStagingPool(pk.upstream.Host())
+held = sp.acquire(1 << 16)
+up = Uploader(sp)
+if "thread" in sys.argv:
+    # Daemon threads inside pool calls (the GIL released) when the interpreter finalizes: asking
+    # for the GIL back then used to abort the process ("terminate called without an active exception").
+    direct = pk.Direct(pk.upstream.Simulated(latency_us=5))
+    def spin(p):
+        while True:
+            x = p.allocate(1 << 20); p.deallocate(x); p.trim(); p.synchronize()
+    for p in (direct, pool, direct, pool):
+        threading.Thread(target=spin, args=(p,), daemon=True).start()
+    threading.Thread(target=lambda: (pool.allocate(256), time.sleep(60)), daemon=True).start()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("variant", ["objects", "thread"])
+def test_interpreter_exit_is_clean_whatever_is_alive(tmp_path, variant):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    for _ in range(3 if variant == "thread" else 1):  # the abort depended on where the threads were
+        r = subprocess.run([sys.executable, str(script), variant], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "done"
+        assert r.stderr == ""  # no "nanobind: leaked ..." report, no terminate message
+
+
+# -- the torch.OutOfMemoryError shim -------------------------------------------------------------------------
+
+
+def test_shim_is_skipped_with_a_reason_when_it_cannot_be_built(tmp_path, monkeypatch):
+    from poolkeeper.integrations import _torch_oom_shim as shim
+
+    fake = types.SimpleNamespace(__file__=str(tmp_path / "torch" / "__init__.py"), __version__="0")
+    monkeypatch.setenv("POOLKEEPER_CACHE_DIR", str(tmp_path / "cache"))
+    b = shim.build(fake)
+    assert b.path is None and "headers" in b.reason
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "0")
+    assert shim.build(fake).reason.startswith("disabled")
+
+
+def test_install_without_the_shim_warns_and_says_which_error_oom_raises(fake_torch, monkeypatch):
+    fake_torch()
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "1")  # the stand-in has no headers: the build fails
+    with pytest.warns(RuntimeWarning, match="not torch.OutOfMemoryError"):
+        inst = pkt.install("arena", upstream="simulated")
+    assert inst.oom_type == "RuntimeError" and "no torch.OutOfMemoryError shim" in inst.oom_note
+
+
+def test_shim_built_against_the_installed_torch_throws_c10_out_of_memory(tmp_path, monkeypatch):
+    torch = _torch_or_skip()
+    from poolkeeper.integrations import _torch_oom_shim as shim
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("POOLKEEPER_CACHE_DIR", str(tmp_path / "cache"))
+    b = shim.load(torch, pkt.library_path())
+    assert b.path is not None, b.reason
+    assert b.reason == "built"
+    assert shim.build(torch).reason == "cached"
+    _core.registry_clear()
+    try:
+        _core.registry_set_factory("arena", {"limit": 8 * MiB, "initial_backing": MiB}, "simulated")
+        assert shim.probe(b.lib, MiB, 0) == (0, "")
+        code, msg = shim.probe(b.lib, 64 * MiB, 0)
+        assert code == 1, msg  # caught as c10::OutOfMemoryError, what PyTorch turns into torch.OutOfMemoryError
+        assert "cannot allocate 67108864 bytes on device 0" in msg and "limit of 8.00 MiB reached" in msg
+        assert shim.probe(b.lib, MiB, 0) == (0, "")  # and the pool keeps working
+        malloc = MALLOC_T(ctypes.cast(getattr(b.lib, shim.MALLOC), ctypes.c_void_p).value)
+        free = FREE_T(ctypes.cast(getattr(b.lib, shim.FREE), ctypes.c_void_p).value)
+        p = malloc(4096, 0, None)
+        assert _core.registry_get(0).stats()["live_bytes"] == 4096
+        free(p, 4096, 0, None)
+        assert _core.registry_get(0).stats()["live_bytes"] == 0
+    finally:
+        _core.registry_clear()
+
+
+def test_eager_device_pools_are_made_in_cpp_so_nothing_outlives_the_interpreter(fake_torch):
+    fake_torch()
+    inst = pkt.install("arena", device=[0, 2], upstream="simulated")
+    assert inst.devices == [0, 2]
+    assert _core.registry_devices() == [0, 2]
+    assert _core.registry_python_owned() == []  # no Python object in the registry for the exit hook to drop
+    assert set(pkt.pools()) == {0, 2}
+
+
+# -- pool.buffer as a native owning object ------------------------------------------------------------
+
+
+def test_pool_buffer_is_native_owning_with_no_python_finalizer():
+    from poolkeeper.buffers import PoolBuffer
+
+    assert issubclass(PoolBuffer, _core.BufferCore)
+    assert "__del__" not in vars(PoolBuffer) and "__dict__" not in dir(PoolBuffer)
+    pool = _pool("arena")
+    s = pool.upstream.stream()
+    b = pool.buffer(5000, stream=s)
+    assert (b.nbytes, b.stream, b.kind, b.pool) == (5000, s, "device", pool)
+    assert pool.stats()["live_bytes"] == 5000
+    del b  # the C++ destructor returns the block, ordered on s
+    assert pool.stats()["live_bytes"] == 0
+    with pytest.raises(InvalidArgumentError, match="pool must be a poolkeeper pool"):
+        PoolBuffer(object(), 10)
+    with pytest.raises(InvalidArgumentError):
+        pool.buffer(0)
+    with pytest.raises(pk.OutOfMemoryError):
+        _pool("arena", limit=MiB).buffer(4 * MiB)  # a failed buffer leaves nothing to free
+    pool.synchronize()
+    pool.validate()
