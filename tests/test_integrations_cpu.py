@@ -104,7 +104,7 @@ def make_fake_torch(initialized=False, swap_error=None, with_hooks=True):
     def unsupported(*a):
         raise RuntimeError("pluggable does not yet support this")
 
-    torch._C = types.SimpleNamespace(_cuda_checkPoolLiveAllocations=unsupported, _cuda_getCheckpointState=unsupported,
+    torch._C = types.SimpleNamespace(_cuda_customAllocator=object(), _cuda_checkPoolLiveAllocations=unsupported, _cuda_getCheckpointState=unsupported,
                                      _cuda_setCheckpointPoolState=unsupported)
     swaps = []
 

@@ -82,7 +82,7 @@ void bind_buffer_core_impl(nb::module_& m) {
             b->kind = p->upstream()->kind();
             b->device = p->upstream()->device();
           },
-          "pool"_a, "nbytes"_a, "stream"_a = nb::none())
+          "pool"_a.none(), "nbytes"_a.none(), "stream"_a.none() = nb::none())
       .def_prop_ro("pool", [](BufferCore& b) { return b.pool_obj; })
       .def_prop_ro("ptr", [](BufferCore& b) { return nb::int_(b.ptr); })
       .def_prop_ro("nbytes", [](BufferCore& b) { return b.nbytes; })

@@ -46,6 +46,22 @@ def _cupy():
     return import_optional("cupy", "poolkeeper.integrations.cupy", "cupy")
 
 
+class _GraphBlock:
+    """Owner of a block allocated while a graph_capture() scope was open: frees it through the
+    device's GraphPools (to the private pool that made it, or to the device pool)."""
+
+    __slots__ = ("graphs", "ptr", "stream", "__weakref__")
+
+    def __init__(self, graphs: Any, ptr: int, stream: int) -> None:
+        self.graphs, self.ptr, self.stream = graphs, ptr, stream
+
+    def __del__(self) -> None:
+        try:
+            self.graphs.deallocate(self.ptr, self.stream)
+        except Exception:  # interpreter shutting down: nothing safe to do
+            pass
+
+
 class _PinnedBlock:
     """What ``cupy.cuda.PinnedMemoryPointer`` needs of its memory (``ptr``, ``size``); frees the
     block on collection."""
@@ -148,13 +164,17 @@ class _DeviceAllocator:
             return self._MemoryPointer(self._Memory(0), 0)  # what CuPy's own pool returns
         pool = self.pools.get(device)
         gp = self.graphs.get(device)
-        if gp is not None:
-            pool = gp  # routes to a capture's private pool while one is open, else to the pool
         stream = self._current_stream().ptr
         try:
-            # The owner is native: it allocated the block and returns it, ordered on `stream`, from
-            # its C++ destructor when CuPy drops the memory (no Python __init__/__del__ per array).
-            owner = _Owner(pool, size, stream)
+            if gp is not None and gp.routing:
+                # A capture scope is open (graph_capture): GraphPools decides, and the block goes
+                # back through it (to the capture's private pool, or to the device pool).
+                ptr = gp.allocate(size, stream)
+                owner = _GraphBlock(gp, ptr, stream)
+            else:
+                # The owner is native: it allocated the block and returns it, ordered on `stream`,
+                # from its C++ destructor when CuPy drops the memory (no Python __del__ per array).
+                owner = _Owner(pool, size, stream)
         except OutOfMemoryError as e:
             err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
             err.poolkeeper_diagnosis = str(e)
