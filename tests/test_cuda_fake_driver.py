@@ -729,3 +729,22 @@ def test_cuda_async_refuses_a_stream_of_another_device(fakes):
     assert out["err"] and "belongs to device 0" in out["err"]
     assert out["dead_err"] and "not a usable stream" in out["dead_err"]
     assert out["dev"] == 1
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class"])
+def test_lagging_stream_holds_one_cuda_event_not_one_per_pass(fakes, kind):
+    """Before the fix every settling pass on a lagging stream recorded (and kept) a new event:
+    200 passes, 200 live events, each a cuEventCreate."""
+    out = run(fakes["full"], f"""
+        up = pk.upstream.CudaDevice()
+        pool = pk.make_pool("{kind}", up)
+        s = driver.Stream()
+        for _ in range(200):
+            p = pool.allocate(4096, stream=s)
+            pool.deallocate(p, stream=s)
+            pool.process_pending()
+        print(json.dumps({{"created": up.events_created, "in_use": up.events_in_use,
+                          "fences": pool.stats()["fences_recorded"]}}))
+        pool.synchronize(); pool.close(); s.close()
+    """, FAKE_CUDA_EVENT_NOT_READY=1000000)
+    assert out["created"] == 1 and out["in_use"] == 1 and out["fences"] == 1

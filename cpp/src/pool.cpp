@@ -113,8 +113,9 @@ void Pool::throw_oom(OomFigures f) {
       << format_bytes(f.largest_free) << ", " << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live)
       << " live); retry, or lower thread_cache_bytes";
   } else if (f.cause == "fragmentation") {
-    d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks but the largest is "
-      << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings (" << format_bytes(f.reserved)
+    d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks";
+    if (f.thread_cached) d << " (" << format_bytes(f.thread_cached) << " of it in thread caches)";
+    d << " but the largest is " << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings (" << format_bytes(f.reserved)
       << " reserved";
     if (f.limit) d << " of a " << format_bytes(f.limit) << " limit";
     else d << ", the upstream refused more";

@@ -133,15 +133,9 @@ void StreamOrder::retire(Lane& l) {
   live_[l.live_pos] = moved;
   moved->live_pos = l.live_pos;
   live_.pop_back();
-  const std::uint32_t slot = l.slot;
-  slots_[slot].reset();  // l is gone from here on
-  if (slot + 1 == slots_.size()) {
-    slots_.pop_back();
-    while (!slots_.empty() && !slots_.back()) slots_.pop_back();
-    std::erase_if(free_slots_, [&](std::uint32_t x) { return x >= slots_.size(); });
-  } else {
-    free_slots_.push_back(slot);
-  }
+  // The slot table keeps its high-water length (8 bytes a slot); the Lane itself is freed.
+  free_slots_.push_back(l.slot);
+  slots_[l.slot].reset();  // l is gone from here on
   ++lanes_retired_;
 }
 

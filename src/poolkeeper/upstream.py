@@ -55,6 +55,9 @@ class Simulated(_core.SimulatedUpstream):
     - ``enqueue(stream, work_us)``: the stream is busy until ``max(now, busy) + work_us``.
     - ``record_event(stream)``: an event completing when the clock reaches the stream's busy time.
     - ``query_event(event)``, ``wait_event(event)``, ``advance(us)``, ``synchronize()``, ``now``.
+    - ``destroy_stream(stream)``: as ``cuStreamDestroy``; work already enqueued still completes, but
+      ``record_event``/``enqueue`` on it raise ``UpstreamError`` (``CUDA_ERROR_INVALID_HANDLE``), as the
+      driver answers for a dead handle. ``events_recorded`` counts event records (all streams).
 
     Times must be finite and >= 0 (``InvalidArgumentError`` otherwise: a NaN or infinite time would
     never complete).

@@ -179,25 +179,31 @@ class PinnedStagingPool:
         the pool. ``upstream_allocations``, ``upstream_deallocations`` and
         ``upstream_outstanding_bytes`` are the upstream's counters at the same moment (when the
         upstream has ``counters()``)."""
+        counters = getattr(self._upstream, "counters", None)
         with self._lock:
-            self._quiesce()
-            s: dict[str, Any] = dict(self._c)
-            s.update(
-                retained_buffers=len(self._retained),
-                retained_bytes=self._retained_bytes,
-                retained_capacities=[c for c, _ in self._retained],
-                peak_retained_bytes=self._peak_retained_bytes,
-                live_buffers=self._live_buffers,
-                live_bytes=self._live_bytes,
-                max_buffers=self._max_buffers,
-                max_bytes=self._max_bytes,
-                upstream=getattr(self._upstream, "name", type(self._upstream).__name__),
-                upstream_kind=self._upstream.kind,
-                closed=self._closed,
-            )
-            counters = getattr(self._upstream, "counters", None)
-            if counters is not None:
-                c = counters()
+            while True:
+                self._quiesce()
+                s: dict[str, Any] = dict(self._c)
+                s.update(
+                    retained_buffers=len(self._retained),
+                    retained_bytes=self._retained_bytes,
+                    retained_capacities=[c for c, _ in self._retained],
+                    peak_retained_bytes=self._peak_retained_bytes,
+                    live_buffers=self._live_buffers,
+                    live_bytes=self._live_bytes,
+                    max_buffers=self._max_buffers,
+                    max_bytes=self._max_bytes,
+                    upstream=getattr(self._upstream, "name", type(self._upstream).__name__),
+                    upstream_kind=self._upstream.kind,
+                    closed=self._closed,
+                )
+                c = counters() if counters is not None else None
+                # A finalizer may have freed a dropped buffer since _quiesce() (a GC triggered by
+                # the allocations above runs it on this very thread): its events are then queued,
+                # and the upstream's counters may include a free this snapshot lacks. Retry.
+                if not self._events:
+                    break
+            if c is not None:
                 s.update(upstream_allocations=c["allocations"], upstream_deallocations=c["deallocations"],
                          upstream_outstanding_bytes=c["outstanding_bytes"])
             return s
