@@ -14,7 +14,12 @@ StreamOrder::~StreamOrder() {
 namespace {
 // The driver's answer for a stream handle that no longer exists (cuStreamDestroy'd; the simulated
 // device's destroy_stream answers the same).
-bool stream_gone(const UpstreamFailure& e) { return e.error_name == "CUDA_ERROR_INVALID_HANDLE"; }
+// On an H200 (driver 580, CUDA 13) an event record on a destroyed stream answered
+// CUDA_ERROR_CONTEXT_IS_DESTROYED, not INVALID_HANDLE: both mean the handle is gone. If the context
+// itself were gone, the device synchronize that follows fails and that error propagates.
+bool stream_gone(const UpstreamFailure& e) {
+  return e.error_name == "CUDA_ERROR_INVALID_HANDLE" || e.error_name == "CUDA_ERROR_CONTEXT_IS_DESTROYED";
+}
 }  // namespace
 
 EventId StreamOrder::record_or_settle(Stream s) {

@@ -243,6 +243,13 @@ class LoggingPool(_PoolAPI, _core.LoggingPool):
 
 
 Pool = _core.Pool
+
+# Pools made in C++ (the C ABI registry's factory: PyTorch's per-device pools) reach Python as the
+# native classes, without the mixin: give them its conveniences too, so pkt.pools()[0].buffer(n)
+# and .snapshot() work on whatever pool a user is handed.
+for _name in ("snapshot", "buffer"):
+    if not hasattr(_core.Pool, _name):
+        setattr(_core.Pool, _name, getattr(_PoolAPI, _name))
 # Pool classes by base kind name (what a kind builds; bench/option introspection reads these).
 POOL_KINDS = {"direct": Direct, "size_class": SizeClassPool, "arena": ArenaPool, "arena_expandable": ArenaPool}
 

@@ -55,7 +55,7 @@ import cupy
 import poolkeeper as pk
 from poolkeeper.integrations import cupy as pkc
 inst = pkc.install("arena")
-pool = inst.pools()[0]
+pool = inst.allocator.pools.get(0)   # made on first use: make it now
 keep = []
 for _ in range(4):
     with cupy.cuda.Stream():
