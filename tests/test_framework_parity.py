@@ -423,6 +423,8 @@ def test_shim_is_skipped_with_a_reason_when_it_cannot_be_built(tmp_path, monkeyp
 
     fake = types.SimpleNamespace(__file__=str(tmp_path / "torch" / "__init__.py"), __version__="0")
     monkeypatch.setenv("POOLKEEPER_CACHE_DIR", str(tmp_path / "cache"))
+    assert shim.build(fake).reason.startswith("disabled")  # off unless opted in
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "1")
     b = shim.build(fake)
     assert b.path is None and "headers" in b.reason
     monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "0")

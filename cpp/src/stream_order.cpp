@@ -42,8 +42,10 @@ EventId StreamOrder::record_or_settle(Stream s) {
 void StreamOrder::fence_lane(Lane& l) {
   if (l.fenced || !l.tail || l.tail->pend_seq <= l.completed_seq) return;
   // Never fence a capturing stream: the event would be a node of the graph, never completing for
-  // us. Its blocks wait (reusable on the stream itself) until the capture has ended.
-  if (up_->stream_capturing(l.stream)) return;
+  // us. Its blocks wait (reusable on the stream itself) until the capture has ended. The driver is
+  // asked only while a capture scope is open: asking about a destroyed stream's handle crashed in
+  // the driver on the H200, and with no scope open no allocation of ours is being captured.
+  if (up_->captures_underway() > 0 && up_->stream_capturing(l.stream)) return;
   const std::uint64_t upto = l.tail->pend_seq;
   const std::uint64_t dead_before = dead_stream_settles_;
   const EventId e = record_or_settle(l.stream);
@@ -160,6 +162,7 @@ void StreamOrder::start_pending(BlockRecord* b, Stream s) {
 }
 
 bool StreamOrder::touches_capture(const BlockRecord* b, Stream s) {
+  if (up_->captures_underway() == 0) return false;  // see fence_lane: no scope, nothing captured of ours
   if (up_->stream_capturing(s)) return true;
   if (b->alloc_stream != kNoStream && b->alloc_stream != s && up_->stream_capturing(b->alloc_stream)) return true;
   if (b->used_on)

@@ -34,7 +34,9 @@
 // A lane whose stream is capturing is not fenced (its blocks stay pending, reusable at once on
 // that stream, which is exactly the graph's own order); a multi-stream release touching a
 // capturing stream waits, with no events, on a list of its own until no stream it names is
-// capturing, and only then records its events (PyTorch's allocator defers the same way). Every
+// capturing, and only then records its events (PyTorch's allocator defers the same way). Capture
+// status is asked only while a capture scope is open on the upstream (Upstream::captures_underway:
+// torch's graph hooks, GraphPools, CuPy's graph_capture). Every
 // driver call here runs with the thread in relaxed capture mode, and a dead stream found while a
 // capture scope is open is not settled by a device synchronize (that would invalidate the
 // capture): its releases wait for the scope to end.

@@ -15,8 +15,10 @@ addresses are handed to it at load time (``poolkeeper_shim_bind``), so it needs 
 Built with the system C++ compiler invoked directly (no ninja, no setuptools), cached under
 ``$POOLKEEPER_CACHE_DIR`` or ``~/.cache/poolkeeper/torch-oom-shim-<key>/`` where the key hashes the
 torch version, its include and library paths, the C++ ABI flag, the compiler and this source.
-Set ``POOLKEEPER_TORCH_OOM_SHIM=0`` to skip it (install() then uses the core's raising symbol,
-whose failures arrive as ``RuntimeError``).
+Opt in with ``POOLKEEPER_TORCH_OOM_SHIM=1``: by default install() uses the core's raising symbol,
+whose failures arrive as ``RuntimeError``. Why off: on the H200 with torch 2.11 the shim's throw
+crashed the process (SIGSEGV inside the allocation that failed), while the same shim worked against
+the PyPI torch on a CPU-only machine; until that is understood, a crash must not replace an error.
 """
 from __future__ import annotations
 
@@ -139,8 +141,8 @@ def _abi_flag(torch: Any) -> int:
 def build(torch: Any, timeout: float = 300.0) -> ShimBuild:
     """Build (or find in the cache) the shim for ``torch``. Never raises: a failure is a
     :class:`ShimBuild` with ``path=None`` and the reason."""
-    if os.environ.get("POOLKEEPER_TORCH_OOM_SHIM", "1") == "0":
-        return ShimBuild(None, "disabled by POOLKEEPER_TORCH_OOM_SHIM=0")
+    if os.environ.get("POOLKEEPER_TORCH_OOM_SHIM", "0") != "1":
+        return ShimBuild(None, "disabled (opt in with POOLKEEPER_TORCH_OOM_SHIM=1; it crashed on an H200 with torch 2.11)")
     try:
         include, libdir = _torch_paths(torch)
         if not os.path.exists(os.path.join(include, "c10", "util", "Exception.h")):

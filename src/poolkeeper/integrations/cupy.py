@@ -328,9 +328,12 @@ class CapturedGraph:
     is collected or :meth:`release` is called; its memory returns to the device pool once no
     block of it is alive any more."""
 
-    def __init__(self, graph_pools: Any, pool_id: tuple) -> None:
+    def __init__(self, graph_pools: Any, pool_id: tuple, stream: Any = None) -> None:
         self.graph: Any = None
         self.pool_id = pool_id
+        # The capture stream lives as long as the graph: blocks the capture freed wait in its lane
+        # until the pool settles them, and a destroyed stream handle must never be asked about.
+        self.stream = stream
         self._finalizer = weakref.finalize(self, graph_pools.release, pool_id)
 
     def launch(self, stream: Any = None) -> None:
@@ -369,7 +372,7 @@ def graph_capture(stream: Any = None, *, pool: Optional[tuple] = None) -> Any:
     gp = inst.allocator.graph_pools(device)
     pid = tuple(pool) if pool is not None else (next(_GRAPH_IDS), 0)
     s = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-    captured = CapturedGraph(gp, pid)
+    captured = CapturedGraph(gp, pid, s)
     gp.begin(pid, s.ptr)
     try:
         with s:
