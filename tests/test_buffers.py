@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import sys
 
 import numpy as np
 import pytest
@@ -64,7 +63,6 @@ def test_numpy_round_trip_shares_memory(host_pool):
     assert a[0] == 99
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python classes speak the buffer protocol from 3.12 (PEP 688)")
 def test_memoryview_of_buffer_directly(host_pool):
     b = host_pool.buffer(64)
     m = memoryview(b)

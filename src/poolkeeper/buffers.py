@@ -17,9 +17,13 @@ upstream kind           array protocol                           DLPack device
 All of them expose ``__dlpack__`` / ``__dlpack_device__`` (``torch.from_dlpack``,
 ``cupy.from_dlpack``, ``np.from_dlpack``). The array is one-dimensional ``uint8`` of ``nbytes``.
 
-Lifetime. Every view handed out by DLPack, the buffer protocol (``memoryview(buf)`` on Python
-3.12+, ``buf.memoryview()`` everywhere) or ``np.asarray(buf)`` holds a claim on the memory: after
-``release()`` the memory goes back to the pool only once the last such view is gone. A
+Lifetime. Every view handed out by DLPack, the buffer protocol (``memoryview(buf)``,
+``buf.memoryview()``, ``np.frombuffer(buf)``, on every supported Python: the protocol is
+implemented natively) or ``np.asarray(buf)`` holds a claim on the memory: ``release()`` while such
+a view is alive is deferred, and the memory goes back to the pool once the last view is gone
+(``memoryview.release()``, or the view being collected). Device memory is not CPU-addressable, so
+asking a device buffer for the buffer protocol raises :class:`BufferExportError` (a
+``BufferError``). A
 ``__cuda_array_interface__`` consumer (CuPy, Numba) keeps the buffer object itself alive, so the
 memory lives as long as that consumer -- unless you call ``release()`` while it still uses it,
 which, like ``pool.deallocate``, is your promise that it no longer does.
@@ -32,10 +36,7 @@ producer waits for the buffer's stream first, and the consumer's stream is recor
 """
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
-import weakref
 from typing import Any, Optional, Tuple
 
 from poolkeeper import _core, _dlpack
@@ -77,7 +78,7 @@ def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
     return s
 
 
-class PoolBuffer:
+class PoolBuffer(_core.HostBufferExporter):
     """``nbytes`` bytes from ``pool``, owned by this object (see the module docstring).
 
     Attributes: ``ptr`` (address), ``nbytes``, ``kind`` (``"device"``, ``"pinned"``, ``"host"``),
@@ -186,30 +187,30 @@ class PoolBuffer:
         }
 
     # -- host memory: buffer protocol and numpy --------------------------------------------------
-    def _host_view(self):
+    def _export_buffer_(self, writable: bool) -> Tuple[int, int, bool]:
+        # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export;
+        # _release_buffer_ follows exactly once when the consumer lets go.
         if self.kind == "device":
-            raise BufferExportError("device memory has no host view: use __cuda_array_interface__ or DLPack")
+            raise BufferExportError(
+                "device memory is not CPU-addressable, so it has no buffer protocol: use "
+                "__cuda_array_interface__ or DLPack (torch/cupy.from_dlpack)"
+            )
         self._claim()
-        view = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
-        view._pk_owner = self  # the view (and every memoryview/array over it) keeps us alive
-        weakref.finalize(view, self._unclaim)
-        return view
+        return (self.ptr, self.nbytes, False)
+
+    def _release_buffer_(self) -> None:
+        self._unclaim()
 
     def memoryview(self) -> memoryview:
         """A writable ``memoryview`` (format ``'B'``) over host or pinned memory, holding a claim
-        on it while alive."""
-        return memoryview(self._host_view()).cast("B")
-
-    if sys.version_info >= (3, 12):
-
-        def __buffer__(self, flags: int) -> memoryview:
-            return self.memoryview()
+        on it while alive (the same as ``memoryview(buf)``)."""
+        return memoryview(self)
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None):
         """``np.asarray(buf)``: a uint8 array over the memory, without a copy (host/pinned)."""
         import numpy as np
 
-        arr = np.frombuffer(self._host_view(), dtype=np.uint8)
+        arr = np.frombuffer(memoryview(self), dtype=np.uint8)
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
                 raise ValueError("a dtype conversion needs a copy")
