@@ -3,6 +3,8 @@
 # fresh venv, with no compiler on PATH, imported from outside the checkout (tools/wheel_smoke.py).
 #
 #   tools/build_wheels.sh [PYTHON ...]      # default: python3; e.g. python3.10 python3.13
+#   WHEEL_TESTS="tests/test_buffer_protocol.py" tools/build_wheels.sh ...
+#                                           # also run those tests against the installed wheel
 #
 # Release wheels for every supported Python and manylinux_2_28 x86_64/aarch64 come from
 # cibuildwheel ([tool.cibuildwheel] in pyproject.toml), which needs Docker; this script runs the
@@ -39,5 +41,11 @@ for py in "$@"; do
   # --only-binary: nothing may be compiled on the way in, the wheel's dependencies included.
   PATH=$nocc "$venv/bin/python" -m pip install -q --only-binary :all: "$wheel"
   (cd "$tools" && PATH=$nocc "$venv/bin/python" "$root/tools/wheel_smoke.py")
+  if [ -n "${WHEEL_TESTS:-}" ]; then
+    PATH=$nocc "$venv/bin/python" -m pip install -q --only-binary :all: pytest numpy
+    # From the checkout's tests/, but importing the installed wheel (src/ is not on sys.path).
+    # shellcheck disable=SC2086
+    PATH=$nocc "$venv/bin/python" -m pytest -q -p no:cacheprovider $WHEEL_TESTS
+  fi
   echo "== $py ($tag): built, installed and smoke-tested in $((SECONDS - t0)) s"
 done

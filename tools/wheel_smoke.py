@@ -50,7 +50,8 @@ def main() -> None:
                     pool.deallocate(q, stream=s)
                     pool.validate()
                     st = pool.stats()
-                    assert st["reserved"] == st["live"] + st["free"] + st["pending"] + st["overhead"], st
+                    parts = st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"]
+                    assert st["reserved_bytes"] == parts, st
             host = pk.ArenaPool(pk.upstream.Host())
             with host.buffer(64) as buf:
                 mv = memoryview(buf)  # the buffer protocol, natively, on every Python
