@@ -14,4 +14,5 @@ NB_MODULE(_core, m) {
   { void bind_faulty(nanobind::module_&); bind_faulty(m); }  // fault injection: cpp/bindings/faulty.cpp
   { void bind_upload_engine(nanobind::module_&); bind_upload_engine(m); }  // cpp/bindings/upload_engine.cpp
   { void bind_buffer_protocol(nanobind::module_&); bind_buffer_protocol(m); }  // cpp/bindings/buffer_protocol.cpp
+  { void bind_dlpack(nanobind::module_&); bind_dlpack(m); }  // cpp/bindings/dlpack.cpp
 }
