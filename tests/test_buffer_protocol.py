@@ -185,3 +185,50 @@ def test_staging_close_with_a_live_view_frees_after_it(staging):
     del m, buf
     gc.collect()
     assert staging.stats()["closed_without_retire"] == 1
+
+
+
+# A memoryview kept only by a reference cycle is released by the garbage collector at whatever
+# allocation triggers a collection: here, inside the buffer's own lock. With a non-re-entrant lock
+# the release path waited on its own thread forever, so these run in a subprocess with a timeout.
+_GC_UNDER_LOCK = """
+import gc
+import poolkeeper as pk
+from poolkeeper.staging import PinnedStagingPool, copy
+
+class Holder:
+    pass
+
+def cyclic_view_collected_under_lock(buf):
+    h = Holder()
+    h.self, h.view = h, memoryview(buf)
+    del h
+    with buf._lock:
+        gc.collect()
+
+pool = pk.ArenaPool(pk.upstream.Host())
+b = pool.buffer(64)
+cyclic_view_collected_under_lock(b)
+assert b._exports == 0
+b.release()
+assert pool.stats()["live_blocks"] == 0
+
+staging = PinnedStagingPool(pk.upstream.Host())
+buf = staging.acquire(8)
+cyclic_view_collected_under_lock(buf)
+buf.retire(copy(bytearray(8), buf))
+print("ok")
+"""
+
+
+def test_export_released_by_gc_while_the_buffer_lock_is_held_does_not_deadlock():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ)
+    site = str(Path(pk.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([site] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", _GC_UNDER_LOCK], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

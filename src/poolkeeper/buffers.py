@@ -101,7 +101,9 @@ class PoolBuffer(_core.HostBufferExporter):
         self._owned = True
         self._exports = 0
         self._consumer_streams: list = []
-        self._lock = threading.Lock()
+        # Re-entrant: a view can be collected (and so _unclaim run) by the garbage collector on this
+        # thread while it holds the lock.
+        self._lock = threading.RLock()
         self._freed = False
 
     # -- lifetime ---------------------------------------------------------------------------------

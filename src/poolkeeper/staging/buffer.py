@@ -90,7 +90,10 @@ class StagingBuffer(_core.HostBufferExporter):
         self._lease = _Lease(pool, ptr, capacity)
         self._nbytes = nbytes
         self._state = LIVE
-        self._lock = threading.Lock()
+        # Re-entrant: a buffer export can be released by the garbage collector on this thread while
+        # it holds the lock (any allocation under the lock may collect a memoryview of this buffer),
+        # and _release_buffer_ takes the lock.
+        self._lock = threading.RLock()
         self._exports = 0  # buffer-protocol exports alive (memoryviews, numpy arrays over the memory)
         self._tokens: dict = {}  # witness token -> copy seq, for witnesses minted for this lease
         self._seq = 0
