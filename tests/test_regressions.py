@@ -40,12 +40,17 @@ def _erase_a_block_in_pointer_one_home_slot(pool):
     path. Returns the blocks still live."""
     live = []
     while True:
-        b = pool.allocate(4096)
-        live.append(b)
+        live.append(pool.allocate(4096))
         cap = pool.stats().get("table_capacity") or _capacity_after_inserts(len(live))
-        if _home_slot(b, cap) == _home_slot(1, cap):
+        # Any live block homed on 0x1's slot will do. Checking only the newest one made the loop
+        # heavy-tailed (the table grows with the live count, so each new block's chance fell as
+        # 1/(4n)): with some address histories it ran for minutes.
+        target = _home_slot(1, cap)
+        hit = next((b for b in live if _home_slot(b, cap) == target), None)
+        if hit is not None:
             break
-    pool.deallocate(live.pop())
+    live.remove(hit)
+    pool.deallocate(hit)
     if isinstance(pool, pk.ArenaPool):
         pool.flush_thread_cache()
     return live
