@@ -3,7 +3,7 @@
 Runs, on ArenaPool over an instant simulated upstream (latency 0: only counts and bytes are
 reported, and those carry no timing noise):
 
-- the bench's ``random_lifetime`` (py_anchor's sequence, 4,000 steps) and ``kv_cache`` (quick and
+- the bench's ``random_lifetime`` (the sequence PyTorch was measured on, 4,000 steps) and ``kv_cache`` (quick and
   full parameters) workloads,
 - the two PyTorch traces in ``benchmarks/traces`` (replayed like ``poolkeeper replay
   --include-pre-trace``),
@@ -113,7 +113,7 @@ def growth_events() -> None:
     import random
 
     print("Upstream allocations of a default ArenaPool, with the pool's state just before each")
-    print("\nrandom_lifetime (py_anchor sequence):")
+    print("\nrandom_lifetime (the sequence PyTorch was measured on):")
     up = pk.upstream.Simulated(latency_us=0)
     pool = pk.ArenaPool(up)
     rng = random.Random(0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seed 000's table on a GPU, in one run: cost per allocation of allocate + free + synchronize.
+"""The allocation-cost table on a GPU, in one run: cost per allocation of allocate + free + synchronize.
 
 Arms (each at 1 MiB, 64 MiB, 256 MiB and 1 GiB):
   cudaMalloc        CudaDevice directly (cuMemAlloc/cuMemFree)
@@ -15,8 +15,8 @@ Arms (each at 1 MiB, 64 MiB, 256 MiB and 1 GiB):
 Every figure is measured from Python through poolkeeper's bindings (one loop iteration = the
 calls named above), as the median over --reps repetitions of the mean per iteration; the
 measurements of one row group run round-robin so drift hits them alike, and every repetition is
-kept in the JSON (runs_us). The synchronize is on a non-blocking stream of our own, as in
-shared/anchors/native_anchor.cu, whose native C++ figures are printed beside ours for reference.
+kept in the JSON (runs_us). The synchronize is on a non-blocking stream of our own, as in the native C++ reference program
+whose figures (measured on an H200 host) are printed beside ours as "anchor (native C++)".
 The main thread has the device's primary context current (driver.set_device), as a CUDA program
 does after cudaSetDevice; async_warm_native_noctx repeats the warm cycle on a fresh thread.
 
@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 MiB = 1 << 20
 SIZES = [1 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
 
-# shared/anchors/native.txt (H200, driver 580.159.04, CUDA 13): native C++ per-call figures in us.
+# The native C++ reference program's per-call figures in us (H200, driver 580.159.04, CUDA 13).
 ANCHORS = {
     "cudaMalloc": {1: 86.90, 64: 147.99, 256: 280.25, 1024: 892.26},  # pair, no synchronize
     "async_cold": {1: 134.89, 64: 237.91, 256: 866.51, 1024: 3340.65},

@@ -1,4 +1,4 @@
-"""ArenaPool behaviour that the design promises (seed 002): upstream calls scale with the
+"""ArenaPool behaviour that the design promises (docs/design.md): upstream calls scale with the
 high-water mark, deferred coalescing, best fit, oversize backings, shrink hysteresis, the thread
 cache and the pointer table's bound. Each test fails if the feature is removed."""
 from __future__ import annotations

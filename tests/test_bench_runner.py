@@ -70,7 +70,7 @@ def test_size_class_caches_where_direct_does_not():
 
 
 def test_random_lifetime_replays_the_torch_anchor_sequence():
-    # py_anchor.py measured PyTorch on this exact sequence: peak live 446.1 MiB.
+    # PyTorch's caching allocator was measured on this exact sequence: peak live 446.1 MiB.
     rows = run_rows(["random_lifetime"], arms=["direct", "size_class"])
     for r in rows:
         assert round(r["peak_live_bytes"] / 2**20, 1) == 446.1

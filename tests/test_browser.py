@@ -76,7 +76,7 @@ def state(pg) -> tuple[float, float]:
 
 def test_lab_seed_scenarios(page, lab_url, tmp_path):
     page.goto(lab_url)
-    # Seed 003, first: Reset, arrival 0, service 4, two Steps: the four units drain by 1.0 s.
+    # The first scenario of docs/report_and_lab.md: Reset, arrival 0, service 4, two Steps: the four units drain by 1.0 s.
     page.click("#reset")
     page.fill("#arrival", "0")
     page.fill("#service", "4")

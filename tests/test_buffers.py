@@ -64,7 +64,6 @@ def test_numpy_round_trip_shares_memory(host_pool):
     assert a[0] == 99
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python classes speak the buffer protocol from 3.12 (PEP 688)")
 def test_memoryview_of_buffer_directly(host_pool):
     b = host_pool.buffer(64)
     m = memoryview(b)
@@ -275,3 +274,42 @@ def test_dlpack_consumer_stream_is_waited_for(dev_pool, sim):
     dev_pool.process_pending()
     assert dev_pool.stats()["pending_bytes"] == 0
     dev_pool.validate()
+
+
+# -- capsules made in the core ---------------------------------------------------------------------
+
+
+def test_capsule_consumed_by_a_c_consumer_on_another_thread_releases_once(host_pool):
+    import threading
+
+    b = host_pool.buffer(64)
+    cap = b.__dlpack__()
+    b.release()
+    get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+    rename = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
+    managed = get(cap, b"dltensor")
+    used = ctypes.c_char_p(b"used_dltensor")  # the name must outlive the capsule
+    assert rename(cap, used) == 0  # what a consumer does: it owns the deleter call now
+    del cap
+    gc.collect()
+    assert live(host_pool) == 64  # renamed: the destructor left it to the consumer
+    # DLManagedTensor: DLTensor (48 bytes), manager_ctx, deleter.
+    deleter_addr = ctypes.c_void_p.from_address(managed + 56).value
+    deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter_addr)
+    t = threading.Thread(target=deleter, args=(managed,))
+    t.start()
+    t.join(10)
+    assert live(host_pool) == 0 and _dlpack.live_exports() == 0
+
+
+def test_capsule_whose_release_callback_raises_reports_it_and_goes_on(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_type))
+
+    def boom():
+        raise RuntimeError("from on_release")
+
+    cap = _dlpack.make_capsule(0x1000, 8, (_dlpack.KDL_CPU, 0), boom, True)
+    del cap
+    gc.collect()
+    assert seen == [RuntimeError] and _dlpack.live_exports() == 0

@@ -1,4 +1,4 @@
-"""The queue lab model (seed 003): the two seed scenarios, controls mid-run, and refused input."""
+"""The queue lab model: the two scenarios of docs/report_and_lab.md, controls mid-run, and refused input."""
 from __future__ import annotations
 
 import math

@@ -54,7 +54,7 @@ def test_page_is_self_contained_and_has_the_controls():
 
 
 def test_page_is_an_analogy_only():
-    # Seed 003: the instrument contains no pointers, free lists, byte sizes or CUDA streams.
+    # The lab is an analogy: the instrument contains no pointers, free lists, byte sizes or CUDA streams.
     # (Its text and script; the stylesheet's `cursor: pointer` is not part of the instrument.)
     text = re.sub(r"<style>.*?</style>", "", lab_page.render_html(), flags=re.S).lower()
     for word in ("pointer", "free list", "free_list", "cuda", "stream", "0x", "kib", "mib"):

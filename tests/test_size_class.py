@@ -68,7 +68,7 @@ def test_table_capacity_bounded_under_churn():
 def test_simulated_latency_model_is_the_h200_fit():
     m = pk.upstream.Simulated().latency_model
     pair = lambda mib: m["alloc_base_us"] + m["free_base_us"] + (m["alloc_per_mib_us"] + m["free_per_mib_us"]) * mib
-    # shared/anchors/native.txt: cudaMalloc+cudaFree pair 86.90 us at 1 MiB, 892.26 us at 1 GiB
+    # A native C++ loop on an H200 host: cudaMalloc+cudaFree pair 86.90 us at 1 MiB, 892.26 us at 1 GiB
     assert pair(1) == pytest.approx(86.90, rel=0.01)
     assert pair(1024) == pytest.approx(892.26, rel=0.01)
     assert pair(256) == pytest.approx(280.25, rel=0.05)

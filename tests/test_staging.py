@@ -502,9 +502,8 @@ def test_threads_acquire_fill_copy_retire_with_intact_payloads(host):
     assert c["outstanding_bytes"] == s["retained_bytes"]
 
 
-# -- Python >= 3.12: the buffer protocol on the object itself ---------------------------------------
-@pytest.mark.skipif(not hasattr(memoryview, "__buffer__") and not hasattr(bytes, "__buffer__"), reason="PEP 688 needs Python 3.12")
-def test_buffer_protocol_on_312(pool):
+# -- the buffer protocol on the object itself (native, every Python) --------------------------------
+def test_buffer_protocol_on_the_object(pool):
     b = pool.acquire(8)
     with memoryview(b) as mv:
         mv[:] = b"12345678"

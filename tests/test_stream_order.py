@@ -1,4 +1,4 @@
-"""Stream-ordered release on the simulated device (seed 003, DESIGN.md §2): a block released on
+"""Stream-ordered release on the simulated device (docs/stream_order.md): a block released on
 stream A is reusable at once on A, and on any other stream only after an event recorded on A (and
 on every record_stream stream) has completed. Pending bytes are never free."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The warm-pool policy (seed 000) against a simulated pool control: runs on any machine.
+"""The warm-pool policy (docs/cuda.md) against a simulated pool control: runs on any machine.
 
 The control logs every driver call the manager makes ("get d", "set d v", "sync d", "trim d v",
 "support d"), so these tests pin down *what* is called, in which order, on which device.

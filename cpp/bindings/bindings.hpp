@@ -43,6 +43,11 @@ void install_exit_guard(nb::module_& m);
 // Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
 void set_python_error(const std::exception_ptr& p);
 
+// The buffer protocol's slots (buffer_protocol.cpp), for any class whose Python side implements
+// _export_buffer_(writable) -> (address, nbytes, readonly) and _release_buffer_().
+int exporter_getbuffer(PyObject* self, Py_buffer* view, int flags);
+void exporter_releasebuffer(PyObject* self, Py_buffer* view);
+
 void bind_errors(nb::module_& m);
 void bind_upstreams(nb::module_& m);
 void bind_pools(nb::module_& m);

@@ -56,7 +56,14 @@ struct BufferCore {
 }  // namespace
 
 void bind_buffer_core_impl(nb::module_& m) {
-  nb::class_<BufferCore>(m, "BufferCore", nb::is_weak_referenceable(),
+  // The buffer protocol on every Python (3.10/3.11 have no __buffer__): the slots call the Python
+  // side's _export_buffer_/_release_buffer_ (PoolBuffer), which take and drop a claim.
+  static PyType_Slot buffer_slots[] = {
+      {Py_bf_getbuffer, reinterpret_cast<void*>(exporter_getbuffer)},
+      {Py_bf_releasebuffer, reinterpret_cast<void*>(exporter_releasebuffer)},
+      {0, nullptr},
+  };
+  nb::class_<BufferCore>(m, "BufferCore", nb::is_weak_referenceable(), nb::type_slots(buffer_slots),
                          "The owning part of poolkeeper.buffers.PoolBuffer (allocation, release, claims).")
       .def(
           "__init__",
@@ -84,6 +91,7 @@ void bind_buffer_core_impl(nb::module_& m) {
           },
           "pool"_a.none(), "nbytes"_a.none(), "stream"_a.none() = nb::none())
       .def_prop_ro("pool", [](BufferCore& b) { return b.pool_obj; })
+      .def_prop_ro("_exports", [](BufferCore& b) { return b.exports; }, "Views holding a claim now.")
       .def_prop_ro("ptr", [](BufferCore& b) { return nb::int_(b.ptr); })
       .def_prop_ro("nbytes", [](BufferCore& b) { return b.nbytes; })
       .def_prop_ro("stream", [](BufferCore& b) { return stream_to_py(b.stream); })

@@ -16,4 +16,6 @@ NB_MODULE(_core, m) {
   { void bind_logging(nanobind::module_&); bind_logging(m); }  // cpp/bindings/logging.cpp
   { void bind_upload_engine(nanobind::module_&); bind_upload_engine(m); }  // cpp/bindings/upload_engine.cpp
   { void bind_buffer_core(nanobind::module_&); bind_buffer_core(m); }  // cpp/bindings/buffer_core.cpp
+  { void bind_buffer_protocol(nanobind::module_&); bind_buffer_protocol(m); }  // cpp/bindings/buffer_protocol.cpp
+  { void bind_dlpack(nanobind::module_&); bind_dlpack(m); }  // cpp/bindings/dlpack.cpp
 }

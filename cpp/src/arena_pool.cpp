@@ -585,7 +585,7 @@ void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s)
   if (c && dirty_backings_ && c->size > rounded) {
     // The best indexed fit would split a chunk while merges are owed: a merged hole may fit
     // exactly. Without this a large free tail keeps absorbing requests while freed neighbours
-    // never merge, and the address range spreads (measured on the anchor's random-lifetime
+    // never merge, and the address range spreads (measured on the bench's random-lifetime
     // workload, 20k steps, 3 seeds: peak reserved / peak live 1.27-1.37 without, 1.21-1.23 with,
     // and no slower: fewer unmerged chunks in the tree). Exact fits -- a steady cycle of sizes --
     // never come here, so such a loop still never merges.

@@ -25,7 +25,7 @@ from poolkeeper.errors import (
 )
 from poolkeeper.pools import ArenaPool, Direct, LoggingPool, SizeClassPool, make_pool
 
-__version__ = "0.1.0"
+from poolkeeper._version import __version__
 
 from poolkeeper import _exit as _exit_hook
 

@@ -1,6 +1,6 @@
 """Accounting: snapshots, the partition check, fragmentation, and phase (leak) comparison.
 
-The partition (seed 003), at one observation point, for one pool:
+The partition, at one observation point, for one pool:
 
     reserved == live + free + pending + overhead
 

@@ -128,30 +128,30 @@ class PoolBuffer(_core.BufferCore):
         }
 
     # -- host memory: buffer protocol and numpy --------------------------------------------------
-    def _host_view(self):
+    def _export_buffer_(self, writable: bool) -> Tuple[int, int, bool]:
+        # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export;
+        # _release_buffer_ follows exactly once when the consumer lets go.
         if self.kind == "device":
-            raise BufferExportError("device memory has no host view: use __cuda_array_interface__ or DLPack")
+            raise BufferExportError(
+                "device memory is not CPU-addressable, so it has no buffer protocol: use "
+                "__cuda_array_interface__ or DLPack (torch/cupy.from_dlpack)"
+            )
         self._claim()
-        view = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
-        view._pk_owner = self  # the view (and every memoryview/array over it) keeps us alive
-        weakref.finalize(view, self._unclaim)
-        return view
+        return (self.ptr, self.nbytes, False)
+
+    def _release_buffer_(self) -> None:
+        self._unclaim()
 
     def memoryview(self) -> memoryview:
         """A writable ``memoryview`` (format ``'B'``) over host or pinned memory, holding a claim
-        on it while alive."""
-        return memoryview(self._host_view()).cast("B")
-
-    if sys.version_info >= (3, 12):
-
-        def __buffer__(self, flags: int) -> memoryview:
-            return self.memoryview()
+        on it while alive (the same as ``memoryview(buf)``)."""
+        return memoryview(self)
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None):
         """``np.asarray(buf)``: a uint8 array over the memory, without a copy (host/pinned)."""
         import numpy as np
 
-        arr = np.frombuffer(self._host_view(), dtype=np.uint8)
+        arr = np.frombuffer(memoryview(self), dtype=np.uint8)
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
                 raise ValueError("a dtype conversion needs a copy")

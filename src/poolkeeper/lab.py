@@ -1,4 +1,4 @@
-"""The queue lab: a one-line model of a backlog that fills and drains (seed 003).
+"""The queue lab: a one-line model of a backlog that fills and drains (the pending-release analogy).
 
 It is an *analogy* for pending releases, nothing more: work arrives at ``arrival_rate`` units per
 second, is served at ``service_rate`` units per second, and whatever is not yet served waits in
@@ -63,7 +63,7 @@ def parse_rate(text: str, name: str = "rate") -> float:
 
 
 class QueueLab:
-    """The seed's queue lab: Reset, set the two rates, Step, watch the backlog.
+    """The queue lab: Reset, set the two rates, Step, watch the backlog.
 
     Attributes:
         arrival_rate: units arriving per second (>= 0).

@@ -43,7 +43,7 @@ class Simulated(_core.SimulatedUpstream):
     costs nothing; ``capacity`` (default 140 GiB, an H200) is enforced.
 
     Latency: ``latency="h200"`` (default) busy-waits the H200-calibrated cost of cudaMalloc /
-    cudaFree (a pair costs 86.1 us + 0.787 us per MiB, fitted on ``shared/anchors/native.txt``);
+    cudaFree (a pair costs 86.1 us + 0.787 us per MiB, fitted on a native C++ loop on an H200 host, see ``benchmarks/results/cuda_alloc_h200.txt``);
     ``latency_us=x`` makes every call cost ``x`` microseconds (``0`` for fast tests);
     ``latency="none"`` is the same as ``latency_us=0``. A request above the capacity fails before any
     latency is paid, and one call never busy-waits more than one second (``latency_us`` above

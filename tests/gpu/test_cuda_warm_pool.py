@@ -1,4 +1,4 @@
-"""Seed 000 on a real GPU: CUDA's default stream-ordered pool kept warm by poolkeeper's manager.
+"""The warm default pool (docs/cuda.md) on a real GPU: CUDA's default stream-ordered pool kept warm by poolkeeper's manager.
 
 Every test reads the pool's reserved memory (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) after
 allocate, free, synchronize, so none can pass without the threshold change: with the default

@@ -1,5 +1,5 @@
 // ArenaPool: large backings from the upstream, sliced into chunks. Upstream calls scale with the
-// high-water footprint, not with the allocation count (seed 002).
+// high-water footprint, not with the allocation count (docs/design.md).
 //
 // Structure
 // - Backings: a doubling ramp initial_backing * growth^k up to max_backing, then max_backing

@@ -5,7 +5,7 @@
 //   high-water mark costs nothing. A capacity (default 140 GiB, an H200) is enforced, so upstream
 //   exhaustion is real.
 // - Latency: each call busy-waits a calibrated time. The "h200" model is fitted on
-//   shared/anchors/native.txt: a cudaMalloc+cudaFree pair costs 86.1 us + 0.787 us per MiB
+//   measured by a native C++ loop on an H200 host (benchmarks/results/cuda_alloc_h200.txt): a cudaMalloc+cudaFree pair costs 86.1 us + 0.787 us per MiB
 //   (1 MiB: 86.9 us, 1 GiB: 892 us), split evenly between the two calls. latency_us=x makes every
 //   call cost x us (0 for fast tests).
 // - Streams and events run on a deterministic virtual clock (microseconds): enqueue(s, work)

@@ -1,4 +1,4 @@
-// Stream-ordered release, implemented once for every pool (seed 003, DESIGN.md §2).
+// Stream-ordered release, implemented once for every pool (docs/stream_order.md).
 //
 // The rule: a block released on stream s is reusable at once by allocations on s (stream order
 // already puts them after every use), and by any other stream only after an event recorded on s

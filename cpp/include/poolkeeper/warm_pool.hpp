@@ -1,4 +1,4 @@
-// The warm-pool manager (seed 000): keeps CUDA's default stream-ordered pool from handing its
+// The warm-pool manager (docs/cuda.md): keeps CUDA's default stream-ordered pool from handing its
 // memory back to the driver at every synchronize while poolkeeper uses it, and gives it back
 // when poolkeeper is done.
 //

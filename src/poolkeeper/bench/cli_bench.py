@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Dict, List, Optional
 
 from poolkeeper.bench.backends import BACKENDS
@@ -85,15 +86,17 @@ def _list(console: Any) -> int:
 
 
 class _Bar:
-    """A rich progress bar fed by the runner's (done, total, label) callback."""
+    """A rich progress bar (with an ETA) fed by the runner's (done, total, label) callback."""
 
     def __init__(self, console: Any, enabled: bool) -> None:
         self.progress = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=console, transient=True)
+                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                     console=console, transient=True)
             self.task = None
 
     def __enter__(self) -> "_Bar":
@@ -113,6 +116,35 @@ class _Bar:
         self.progress.update(self.task, completed=done, total=total, description=label)
 
 
+class _Lines:
+    """Progress for a pipe or a file (no bar can redraw there): one line on stderr each time a
+    workload's runs are all done, with the elapsed time and a remaining-time estimate."""
+
+    def __init__(self, stream: Any) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._stream = stream
+        self._t0 = self._clock()
+        self._workload: Optional[str] = None
+        self._since = self._t0
+
+    def _line(self, done: int, total: int) -> None:
+        now = self._clock()
+        elapsed = now - self._t0
+        eta = elapsed / done * (total - done) if done else 0.0
+        self._stream.write(f"[{done}/{total}] {self._workload} done in {now - self._since:.1f} s "
+                           f"(elapsed {elapsed:.0f} s, eta {eta:.0f} s)\n")
+        self._stream.flush()
+        self._since = now
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        workload = None if label == "done" else label.split(" ", 1)[0]
+        if self._workload is not None and workload != self._workload:
+            self._line(done, total)
+        self._workload = workload
+
+
 def run(args: argparse.Namespace) -> int:
     from poolkeeper.bench import results
     from poolkeeper.bench.console import make_console
@@ -125,28 +157,35 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         results.check_writable(args.json)  # now, not after the whole matrix ran
     show_bar = not args.no_progress and console.is_terminal
+    show_lines = not args.no_progress and not console.is_terminal
     if args.arena_vs_pool:
         return _arena_vs_pool(args, console, scale, arm_options, show_bar)
 
     from poolkeeper.bench import runner
     from poolkeeper.bench.arms import STREAM_ORDERED_NOTE
     from poolkeeper.bench.highlights import highlights
-    from poolkeeper.bench.tables import bench_table
+    from poolkeeper.bench.tables import bench_tables
 
     cfg = runner.RunConfig(backend=args.backend, scale=scale, arms=_names(args.arms),
                            workloads=_names(args.workloads), threads=_ints(args.threads), seed=args.seed,
                            latency_us=args.sim_latency_us, arm_options=arm_options)
     pl = runner.plan(cfg)
+    start = (f"{pl.total} runs ({len(pl.cases)} workload cases x {len(pl.arms)} arms) on backend {pl.backend}, "
+             f"scale {scale}" + ("; --quick runs in under a minute" if scale == "full" else ""))
     if show_bar:
-        console.print(f"[dim]{pl.total} runs ({len(pl.cases)} workload cases x {len(pl.arms)} arms) on backend "
-                      f"{pl.backend}, scale {scale}" + ("; --quick runs in under a minute" if scale == "full" else "")
-                      + "[/]", highlight=False)
-    with _Bar(console, show_bar) as bar:
-        rows = runner.run(cfg, bar, pl)
+        console.print(f"[dim]{start}[/]", highlight=False)
+    elif show_lines:
+        print(f"poolkeeper bench: {start}", file=sys.stderr, flush=True)
+    if show_lines:
+        rows = runner.run(cfg, _Lines(sys.stderr), pl)
+    else:
+        with _Bar(console, show_bar) as bar:
+            rows = runner.run(cfg, bar, pl)
     title = (f"poolkeeper bench — backend {pl.backend}"
              + (" (H200-calibrated simulated device)" if pl.backend == "simulated" and args.sim_latency_us is None else "")
              + f", scale {scale}, arms {', '.join(a.label for a in pl.arms)}")
-    console.print(bench_table(rows, title))
+    for table in bench_tables(rows, title, console.width):
+        console.print(table)
     for line in highlights(rows):
         console.print(line, highlight=False, soft_wrap=True)
     notes = list(pl.skipped and [f"not run: {'; '.join(pl.skipped)}"] or [])

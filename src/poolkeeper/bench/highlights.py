@@ -1,5 +1,5 @@
 """The lines printed under the bench table: the figures each workload exists to show, next to
-the anchors they are measured against (issue targets and the H200 measurements)."""
+the reference figures they are measured against (H200 host measurements)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
@@ -21,7 +21,7 @@ def _hit_pair(rows: Sequence[Dict[str, Any]]) -> List[str]:
             f"({fmt_ns(x.get('two_empty_calls_ns'))}); C-ABI pair {fmt_ns(capi)} in a native loop"
         )
     if out:
-        out.append("  (anchors, H200 host: CuPy MemoryPool pair 1,180 ns, torch caching allocator pair 4,160 ns, "
+        out.append("  (for reference, on an H200 host: CuPy MemoryPool pair 1,180 ns, torch caching allocator pair 4,160 ns, "
                    "empty Python call 40 ns)")
     return out
 

@@ -52,7 +52,7 @@ def plot(piv: Dict[str, Any], path: str) -> None:
     except ImportError:
         from poolkeeper.errors import PoolkeeperError
 
-        raise PoolkeeperError("--plot needs matplotlib: pip install 'poolkeeper[plot]' (or pip install matplotlib)") from None
+        raise PoolkeeperError("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

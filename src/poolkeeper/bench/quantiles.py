@@ -32,9 +32,15 @@ def summarize(samples: Iterable[int]) -> Dict[str, float]:
     return out
 
 
+def p50(values: Iterable[float]) -> float:
+    """The median as every table reports it (nearest rank): use this, not ``statistics.median``,
+    for any p50 printed next to a table's, so one quantity has one figure."""
+    return float(nearest_rank(sorted(values), 0.5))
+
+
 def new_samples() -> array:
     """A compact growable buffer of int64 ns samples (8 bytes each, not a Python int object)."""
     return array("q")
 
 
-__all__ = ["QUANTILES", "nearest_rank", "summarize", "new_samples"]
+__all__ = ["QUANTILES", "nearest_rank", "summarize", "p50", "new_samples"]

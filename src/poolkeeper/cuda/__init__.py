@@ -9,7 +9,7 @@ importing this package never loads it. Without a driver or a device, :func:`is_a
   ``poolkeeper.upstream.CudaDevice`` etc.).
 - :mod:`poolkeeper.cuda.driver`: streams, events, copies and memset on raw device pointers.
 - :mod:`poolkeeper.cuda.warm`: the warm-pool manager that keeps CUDA's default stream-ordered pool
-  from returning memory at every synchronize (seed 000), and read-outs of that pool.
+  from returning memory at every synchronize (docs/cuda.md), and read-outs of that pool.
 
 Set ``POOLKEEPER_LIBCUDA`` to load another driver library than ``libcuda.so.1`` (read once, at the
 first CUDA call of the process).

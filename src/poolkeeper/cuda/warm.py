@@ -1,4 +1,4 @@
-"""The warm default pool (seed 000), seen from Python.
+"""The warm default pool (CUDA's stream-ordered pool kept from releasing at every synchronize), seen from Python.
 
 CUDA's default stream-ordered pool (one per device, shared by every ``cudaMallocAsync`` user in
 the process) hands memory back to the driver at every synchronize while its release threshold is

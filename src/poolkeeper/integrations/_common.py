@@ -29,6 +29,11 @@ class PluggableAllocatorUnavailableError(IntegrationError):
     without it)."""
 
 
+# What to pip-install for each optional part: the framework itself, by its PyPI name (an extra
+# such as poolkeeper[torch] only works where poolkeeper itself comes from an index).
+_PIP_NAMES = {"torch": "torch", "cupy": "cupy-cuda12x", "plot": "matplotlib"}
+
+
 def import_optional(name: str, feature: str, extra: str) -> ModuleType:
     """Import ``name`` for ``feature``, or raise :class:`MissingDependencyError` saying how to
     install it. Only the integrations call this, and only when asked to: importing poolkeeper
@@ -38,7 +43,7 @@ def import_optional(name: str, feature: str, extra: str) -> ModuleType:
     except ImportError as e:
         raise MissingDependencyError(
             f"{feature} needs {name!r}, which cannot be imported here ({e}). "
-            f"Install it, e.g. `pip install 'poolkeeper[{extra}]'`.",
+            f"Install it, e.g. `pip install {_PIP_NAMES.get(extra, extra)}`.",
             module=name,
         ) from e
 

@@ -6,18 +6,20 @@ instead (the safe direction: the pool cannot know whether a copy still reads it,
 recycles it; the cost shows in the pool's ``dropped_without_retire`` / ``closed_without_retire``
 and ``pinned_alloc_calls`` counters).
 
-Views are plain ``memoryview`` objects over the buffer's memory. Each keeps the buffer object alive,
-so the memory cannot be freed under a live view; ``retire`` refuses while views are alive (they
-could write into the next user's data), and every access path refuses after retire or close.
+Views are plain ``memoryview`` objects over the buffer's memory: ``buf.view()``, ``memoryview(buf)``,
+``numpy.frombuffer(buf)`` (the buffer protocol is implemented natively, so all of these work on
+every supported Python). Each keeps the buffer object alive, so the memory cannot be freed under a
+live view; ``retire`` refuses while views are alive (:class:`BufferInUseError`: they could write
+into the next user's data), ``close`` frees once the last view is released, and every access path
+refuses after retire or close.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
+from poolkeeper import _core
 from poolkeeper.errors import InvalidArgumentError
 from poolkeeper.staging import witness as _witness
 from poolkeeper.staging._errors import BufferInUseError, BufferStateError
@@ -27,13 +29,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from poolkeeper.staging.pool import PinnedStagingPool
 
 LIVE, RETIRED, CLOSED = "live", "retired", "closed"
-
-
-@functools.lru_cache(maxsize=256)
-def _array_type(nbytes: int) -> type:
-    # A subclass (not the bare ctypes array type) so instances accept the ``_owner`` attribute and
-    # weak references; cached because capacities repeat (that is the point of the pool).
-    return type("StagingBytes", (ctypes.c_ubyte * nbytes,), {})
 
 
 class _Lease:
@@ -75,7 +70,7 @@ class _Lease:
         self.end("closed" if self.closing else "dropped")
 
 
-class StagingBuffer:
+class StagingBuffer(_core.HostBufferExporter):
     """A writable host (or pinned) buffer leased from a :class:`PinnedStagingPool`.
 
     Attributes: ``ptr`` (address), ``nbytes`` (bytes requested), ``capacity`` (bytes held; at least
@@ -84,7 +79,7 @@ class StagingBuffer:
     Not meant to be shared between threads while being filled; the pool itself is thread-safe.
     """
 
-    __slots__ = ("_lease", "_nbytes", "_state", "_lock", "_views", "_tokens", "_seq", "_ended", "__weakref__")
+    __slots__ = ("_lease", "_nbytes", "_state", "_lock", "_exports", "_tokens", "_seq", "_ended", "__weakref__")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("StagingBuffer is created by PinnedStagingPool.acquire(nbytes)")
@@ -95,8 +90,11 @@ class StagingBuffer:
         self._lease = _Lease(pool, ptr, capacity)
         self._nbytes = nbytes
         self._state = LIVE
-        self._lock = threading.Lock()
-        self._views: list = []  # weak references to the ctypes arrays behind handed-out views
+        # Re-entrant: a buffer export can be released by the garbage collector on this thread while
+        # it holds the lock (any allocation under the lock may collect a memoryview of this buffer),
+        # and _release_buffer_ takes the lock.
+        self._lock = threading.RLock()
+        self._exports = 0  # buffer-protocol exports alive (memoryviews, numpy arrays over the memory)
         self._tokens: dict = {}  # witness token -> copy seq, for witnesses minted for this lease
         self._seq = 0
         self._ended = False  # the memory was handed back (retire) or freed (close): __del__ does nothing
@@ -156,14 +154,12 @@ class StagingBuffer:
         ``retire`` (``with buf.view() as mv: ...`` or ``del``).
         """
         offset, nbytes = self._range(offset, nbytes)
-        with self._lock:
-            self._check_writable_locked("view")
-            arr = _array_type(nbytes).from_address(self._lease.ptr + offset) if nbytes else None
-            if arr is None:
-                return memoryview(b"").cast("B")
-            arr._owner = self  # a live view keeps this object (and so the memory) alive
-            self._views.append(weakref.ref(arr))
-        return memoryview(arr).cast("B")
+        if not nbytes:
+            with self._lock:
+                self._check_writable_locked("view")
+            return memoryview(b"").cast("B")
+        # A slice shares the export of the whole buffer: it is released when the last slice is.
+        return memoryview(self)[offset : offset + nbytes]
 
     def numpy(self, dtype: Any = None) -> Any:
         """A writable numpy array over the buffer's ``nbytes`` bytes (``uint8`` unless ``dtype``)."""
@@ -171,11 +167,17 @@ class StagingBuffer:
 
         return np.frombuffer(self.view(), dtype=dtype if dtype is not None else np.uint8)
 
-    def __buffer__(self, flags: int) -> memoryview:  # Python >= 3.12: memoryview(buf), np.asarray(buf)
-        return self.view()
+    def _export_buffer_(self, writable: bool) -> tuple:
+        # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export
+        # (memoryview(buf), numpy, view()); _release_buffer_ follows exactly once.
+        with self._lock:
+            self._check_writable_locked("view")
+            self._exports += 1
+        return (self._lease.ptr, self._nbytes, False)
 
-    def __release_buffer__(self, view: memoryview) -> None:
-        view.release()
+    def _release_buffer_(self) -> None:
+        with self._lock:
+            self._exports -= 1
 
     def fill(self, data: Any, offset: int = 0) -> int:
         """Copy the bytes of ``data`` (any C-contiguous buffer) into the buffer at ``offset``; returns
@@ -275,8 +277,7 @@ class StagingBuffer:
         return len(jobs)
 
     def _live_views_locked(self) -> int:
-        self._views[:] = [r for r in self._views if r() is not None]
-        return len(self._views)
+        return self._exports
 
     def _begin_copy(self, job_factory: Any) -> Any:
         """Register a copy out of this buffer; ``job_factory(seq)`` builds the job (under the lock)."""

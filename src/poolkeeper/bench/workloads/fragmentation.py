@@ -1,8 +1,7 @@
 """Random-lifetime fragmentation run, ending with a large-block probe.
 
-The allocation sequence is the one PyTorch's caching allocator was measured on in
-``shared/anchors/py_anchor.py`` (same seed, same calls into the same generator, so the same
-sizes in the same order): each step frees a random live block with probability 1/2, otherwise
+The allocation sequence is the one PyTorch's caching allocator was measured on (the same seed,
+the same calls into the same generator, so the same sizes in the same order): each step frees a random live block with probability 1/2, otherwise
 allocates ``randint(1, 64) * 1000 * choice([1, 7, 33, 129])`` float32 elements. PyTorch on the
 H200 reached peak live 446.1 MiB, peak reserved 518.0 MiB (ratio 1.16) on it.
 
@@ -28,7 +27,7 @@ def _params(sel: Selection) -> List[Dict[str, Any]]:
 
 
 def _run(pool: Any, p: Dict[str, Any], ctx: RunContext) -> Measurement:
-    # Same generator calls as py_anchor.py: random() is skipped while nothing is live.
+    # The same generator calls as the PyTorch measurement: random() is skipped while nothing is live.
     rng = random.Random(p["seed"])
     m = Meter(pool)
     live = []
@@ -76,7 +75,7 @@ def _run(pool: Any, p: Dict[str, Any], ctx: RunContext) -> Measurement:
 
 RANDOM_LIFETIME = Workload(
     "random_lifetime",
-    "py_anchor's random-lifetime sequence (seed 0; PyTorch: 446 MiB live, 518 MiB reserved) + a 64 MiB probe",
+    "random-lifetime sequence PyTorch was measured on (446 MiB live, 518 MiB reserved there) + a 64 MiB probe",
     _params,
     _run,
 )
