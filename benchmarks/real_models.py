@@ -178,6 +178,22 @@ def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
+MS_TARGET = 1.02  # issue 14: time vs torch, within noise
+
+
+def targets(cmp_: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[bool]]]:
+    """Per poolkeeper arm: whether peak reserved is at most 0.95x ``torch_expandable``'s and the
+    summed request time at most 1.02x ``torch``'s (None where a ratio is missing)."""
+    out: Dict[str, Dict[str, Optional[bool]]] = {}
+    for arm, c in cmp_.items():
+        if arm not in POOL_ARMS:
+            continue
+        r, m = c.get("reserved_vs_torch_expandable"), c.get("ms_total_vs_torch")
+        out[arm] = {"reserved": None if r is None else r <= RESERVED_TARGET, "time": None if m is None else m <= MS_TARGET}
+    return out
+
+
 def markdown(results: Dict[str, Any]) -> str:
     """The results as Markdown: a header line, then one table per workload."""
     meta = results.get("meta", {})
@@ -241,6 +257,14 @@ def markdown(results: Dict[str, Any]) -> str:
                 + " |"
             )
         lines.append("")
+        word = {True: "met", False: "missed", None: "n/a"}
+        tg = targets(cmp_)
+        if tg:
+            lines += [
+                f"Targets (peak reserved <= {RESERVED_TARGET}x torch_expandable; total time <= {MS_TARGET}x torch): "
+                + "; ".join(f"{a}: reserved {word[t['reserved']]}, time {word[t['time']]}" for a, t in tg.items()),
+                "",
+            ]
     lines += [
         "Peak reserved: `torch.cuda.max_memory_reserved()` for PyTorch's allocator, the pool's "
         "`peak_reserved_bytes` for poolkeeper. Peak live: `max_memory_allocated()` (block sizes rounded "

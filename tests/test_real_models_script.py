@@ -103,6 +103,14 @@ def test_compare_ratios_and_outputs():
     assert c["arena"] == {}  # a failed arm gets no ratios
 
 
+def test_targets():
+    t = rm.targets(rm.compare(_results()["runs"]["bert"]))
+    assert set(t) == {"arena", "arena_expandable", "size_class"}  # pool arms only
+    assert t["arena_expandable"] == {"reserved": True, "time": False}  # 0.90x reserved, 41/40 = 1.025x time
+    assert t["size_class"] == {"reserved": False, "time": True}
+    assert t["arena"] == {"reserved": None, "time": None}
+
+
 def test_compare_without_baselines():
     runs = _results()["runs"]["bert"]
     del runs["torch"], runs["torch_expandable"]
@@ -130,6 +138,7 @@ def test_markdown_table():
     assert "no (request 1)" in by_arm["size_class"]
     assert "10 / 4" in by_arm["torch"]
     assert "5.50 (1.100x)" in by_arm["arena_expandable"]
+    assert "arena_expandable: reserved met, time missed" in md
 
 
 def test_out_stem(tmp_path):
