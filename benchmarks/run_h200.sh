@@ -5,6 +5,7 @@
 #   bash benchmarks/run_h200.sh [step ...]     steps: build gpu_tests vmm uploader matrix replay (default: all)
 #                                              and dask (not in the default: needs the .whl wheelhouse
 #                                              carried along, see docs/distributed.md)
+#                                              and real_models (not in the default: ~4 minutes alone)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
@@ -43,6 +44,7 @@ for s in "${steps[@]}"; do
       step dask_wheels python3 -m pip install -q --no-index --find-links .whl distributed
       step pytest_dask_gpu timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_dask_gpu.py -p no:cacheprovider -rs -s
       step dask_cupy_bench timeout 500 python3 benchmarks/dask_cupy_bench.py --json "$OUT/dask_cupy_bench_h200.json" ;;
+    real_models) step real_models timeout 580 python3 benchmarks/real_models.py --out "$OUT/real_models_h200" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -1,0 +1,589 @@
+"""Real models under every allocator: PyTorch's own (plain and expandable segments) and each
+poolkeeper pool installed as PyTorch's allocator, in one invocation.
+
+Workloads (random weights built from a configuration; nothing is downloaded):
+
+- ``bert``: HF-transformers BERT-base (BertConfig with bert-base dimensions), fp16, eval mode under
+  ``torch.no_grad``, serving requests of random batch x sequence length (full: 60 requests,
+  batch 1-32, length 8-512);
+- ``llama``: a Llama-style model (8 layers, hidden 1024, bf16), greedy generation with a KV cache
+  for requests of random batch and left-padded prompt length (full: batch 1-8, prompt 16-700).
+
+Arms: ``torch`` (PyTorch's caching allocator), ``torch_expandable`` (the same with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), and every poolkeeper pool kind installed
+through ``poolkeeper.integrations.torch.install(kind)`` (``arena``, ``arena_expandable``,
+``size_class``). The allocator is chosen when CUDA initializes, so every (arm, workload) runs in a
+fresh process with the same seeds, the same warm-up and the same requests. An arm that fails is
+reported with its error; the others still run.
+
+Reported per arm and workload: peak reserved and peak live bytes, upstream calls (driver-level
+allocations/frees, plus maps/unmaps where the pool exposes them), per-request wall time p50/p90
+(synchronized), and a SHA-256 over the outputs (BERT's last hidden states, Llama's generated
+tokens) so that "same outputs" can be checked across arms. Ratios: peak reserved vs ``torch`` and
+vs ``torch_expandable``, ms/request vs ``torch``.
+
+Usage (device):  PYTHONPATH=/tmp/site python3 benchmarks/real_models.py --out benchmarks/results
+Dry run (CPU):   python3 benchmarks/real_models.py --device cpu --arms torch --quick --out /tmp/x
+Writes <stem>.json and <stem>.md; the stem is --out without its suffix, or real_models_<tag> inside
+--out when --out is a directory.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
+
+NATIVE_ARMS = ("torch", "torch_expandable")
+POOL_ARMS = ("arena", "arena_expandable", "size_class")
+ALL_ARMS = NATIVE_ARMS + POOL_ARMS
+WORKLOADS = ("bert", "llama")
+
+BERT_CONFIG = dict(
+    vocab_size=30522,
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    intermediate_size=3072,
+    max_position_embeddings=512,
+    type_vocab_size=2,
+)
+
+LLAMA_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+)
+
+# The full plan keeps all ten processes (5 arms x 2 workloads) near four minutes on an H200.
+PLANS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    "full": {
+        "bert": dict(requests=60, batch=(1, 32), length=(8, 512)),
+        "llama": dict(requests=8, batch=(1, 8), prompt=(16, 700), new_tokens=32),
+    },
+    "quick": {
+        "bert": dict(requests=16, batch=(1, 16), length=(8, 256)),
+        "llama": dict(requests=3, batch=(1, 4), prompt=(16, 256), new_tokens=8),
+    },
+    # --device cpu: the same models and code paths, sized for a laptop-class CPU
+    "cpu": {
+        "bert": dict(requests=3, batch=(1, 2), length=(8, 24)),
+        "llama": dict(requests=2, batch=(1, 2), prompt=(16, 24), new_tokens=3),
+    },
+}
+
+EXPANDABLE_ENV = "expandable_segments:True"
+
+
+# -- pure helpers (tested without torch) ---------------------------------------------------------
+
+
+def quantiles(xs: Iterable[float]) -> Dict[str, float]:
+    """p50 / p90 (nearest rank on the sorted samples), mean, total and count of ``xs``; NaNs
+    when there are no samples."""
+    s = sorted(float(x) for x in xs)
+    if not s:
+        nan = float("nan")
+        return {"p50": nan, "p90": nan, "mean": nan, "total": 0.0, "n": 0}
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, int(math.ceil(p * len(s))) - 1)] if p > 0 else s[0]
+
+    return {"p50": q(0.5), "p90": q(0.9), "mean": statistics.fmean(s), "total": math.fsum(s), "n": len(s)}
+
+
+def ratio(a: Any, b: Any) -> Optional[float]:
+    """a / b, or None when either is missing, not a number, or b is not positive."""
+    try:
+        a, b = float(a), float(b)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(a) or math.isnan(b) or b <= 0:
+        return None
+    return a / b
+
+
+def fmt_mib(n: Any) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def fmt_ratio(r: Optional[float]) -> str:
+    return "n/a" if r is None else f"{r:.3f}x"
+
+
+def fmt_ms(x: Any) -> str:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "n/a"
+    return "n/a" if math.isnan(x) else f"{x:.2f}"
+
+
+def fmt_calls(a: Any, b: Any) -> str:
+    if a is None and b is None:
+        return "n/a"
+    return f"{'n/a' if a is None else a} / {'n/a' if b is None else b}"
+
+
+def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per arm of one workload: ratios against ``torch`` / ``torch_expandable`` and whether its
+    output hash equals ``torch``'s (None where either is missing or failed)."""
+    base = runs.get("torch") or {}
+    exp = runs.get("torch_expandable") or {}
+    ok = lambda r: bool(r) and "error" not in r  # noqa: E731
+    out: Dict[str, Dict[str, Any]] = {}
+    for arm, r in runs.items():
+        if not ok(r):
+            out[arm] = {}
+            continue
+        c: Dict[str, Any] = {
+            "reserved_vs_torch": ratio(r.get("peak_reserved_bytes"), base.get("peak_reserved_bytes")) if ok(base) else None,
+            "reserved_vs_torch_expandable": (
+                ratio(r.get("peak_reserved_bytes"), exp.get("peak_reserved_bytes")) if ok(exp) else None
+            ),
+            "reserved_over_live": ratio(r.get("peak_reserved_bytes"), r.get("peak_live_bytes")),
+            "ms_p50_vs_torch": ratio(r.get("request_ms", {}).get("p50"), base.get("request_ms", {}).get("p50")) if ok(base) else None,
+            "ms_total_vs_torch": (
+                ratio(r.get("request_ms", {}).get("total"), base.get("request_ms", {}).get("total")) if ok(base) else None
+            ),
+            "decode_p50_vs_torch": (
+                ratio(r.get("decode_step_ms", {}).get("p50"), base.get("decode_step_ms", {}).get("p50")) if ok(base) else None
+            ),
+            "same_output_as_torch": (r.get("output_sha256") == base.get("output_sha256")) if ok(base) else None,
+        }
+        if ok(base) and not c["same_output_as_torch"]:
+            c["first_differing_request"] = next(
+                (i for i, (x, y) in enumerate(zip(r.get("request_sha256", []), base.get("request_sha256", []))) if x != y),
+                None,
+            )
+        out[arm] = c
+    return out
+
+
+RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
+MS_TARGET = 1.02  # issue 14: time vs torch, within noise
+
+
+def targets(cmp_: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[bool]]]:
+    """Per poolkeeper arm: whether peak reserved is at most 0.95x ``torch_expandable``'s and the
+    summed request time at most 1.02x ``torch``'s (None where a ratio is missing)."""
+    out: Dict[str, Dict[str, Optional[bool]]] = {}
+    for arm, c in cmp_.items():
+        if arm not in POOL_ARMS:
+            continue
+        r, m = c.get("reserved_vs_torch_expandable"), c.get("ms_total_vs_torch")
+        out[arm] = {"reserved": None if r is None else r <= RESERVED_TARGET, "time": None if m is None else m <= MS_TARGET}
+    return out
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The results as Markdown: a header line, then one table per workload."""
+    meta = results.get("meta", {})
+    lines = [
+        "# Real models under each allocator (random weights, one process per arm and workload)",
+        "",
+        f"{meta.get('device_name', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
+        f"plan `{results.get('plan_name')}`, seed {results.get('seed')}, device `{results.get('device')}`.",
+        "",
+    ]
+    titles = {
+        "bert": "BERT-base serving",
+        "llama": "Llama-style greedy generation with a KV cache (8 layers, hidden 1024)",
+    }
+    for wl in results.get("workloads", []):
+        runs = results.get("runs", {}).get(wl, {})
+        cmp_ = results.get("comparison", {}).get(wl, {})
+        plan = results.get("plan", {}).get(wl, {})
+        dtypes = sorted({r.get("meta", {}).get("dtype") for r in runs.values() if r.get("meta")})
+        lines += [f"## {titles.get(wl, wl)}", "", f"Plan: `{json.dumps(plan)}`, dtype {', '.join(dtypes) or '?'}.", ""]
+        lines += [
+            "| arm | peak reserved | peak live | reserved / live | vs torch | vs torch_expandable "
+            "| upstream allocs / frees | maps / unmaps | ms/request p50 | p90 | total ms | ms p50 vs torch "
+            "| total vs torch | decode step p50 (vs torch) | output | same as torch |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for arm in results.get("arms", []):
+            r = runs.get(arm)
+            if r is None:
+                continue
+            if "error" in r:
+                err = str(r["error"]).strip().splitlines()
+                lines.append(f"| {arm} | failed: {(err[-1] if err else '?').replace('|', '/')[:160]} |" + " |" * 14)
+                continue
+            c = cmp_.get(arm, {})
+            rq = r.get("request_ms", {})
+            same = c.get("same_output_as_torch")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        arm,
+                        fmt_mib(r.get("peak_reserved_bytes")),
+                        fmt_mib(r.get("peak_live_bytes")),
+                        fmt_ratio(c.get("reserved_over_live")),
+                        fmt_ratio(c.get("reserved_vs_torch")),
+                        fmt_ratio(c.get("reserved_vs_torch_expandable")),
+                        fmt_calls(r.get("upstream_allocations"), r.get("upstream_deallocations")),
+                        fmt_calls(r.get("maps"), r.get("unmaps")),
+                        fmt_ms(rq.get("p50")),
+                        fmt_ms(rq.get("p90")),
+                        fmt_ms(rq.get("total")),
+                        fmt_ratio(c.get("ms_p50_vs_torch")),
+                        fmt_ratio(c.get("ms_total_vs_torch")),
+                        "n/a" if "decode_step_ms" not in r
+                        else f"{fmt_ms(r['decode_step_ms'].get('p50'))} ({fmt_ratio(c.get('decode_p50_vs_torch'))})",
+                        f"`{str(r.get('output_sha256', ''))[:12]}`",
+                        "n/a" if same is None else ("yes" if same else f"no (request {c.get('first_differing_request')})"),
+                    ]
+                )
+                + " |"
+            )
+        lines.append("")
+        word = {True: "met", False: "missed", None: "n/a"}
+        tg = targets(cmp_)
+        if tg:
+            lines += [
+                f"Targets (peak reserved <= {RESERVED_TARGET}x torch_expandable; total time <= {MS_TARGET}x torch): "
+                + "; ".join(f"{a}: reserved {word[t['reserved']]}, time {word[t['time']]}" for a, t in tg.items()),
+                "",
+            ]
+    lines += [
+        "Peak reserved: `torch.cuda.max_memory_reserved()` for PyTorch's allocator, the pool's "
+        "`peak_reserved_bytes` for poolkeeper. Peak live: `max_memory_allocated()` (block sizes rounded "
+        "to 512 B) / the pool's `peak_live_bytes` (bytes requested). Upstream calls: PyTorch's "
+        "`num_device_alloc` / `num_device_free`, poolkeeper's `upstream_allocations` / "
+        "`upstream_deallocations`; maps / unmaps: the expandable arena's `map_calls` / `unmap_calls`. "
+        "ms/request: wall time of each request (BERT: one forward; Llama: prefill plus every decode step), "
+        "synchronized before and after; the `total` column sums them, which is steadier than p50 over a "
+        "few requests of random size. Decode step: one Llama decode forward, synchronized. Each arm ran the same warm-up before its timed requests.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def out_stem(out: Optional[str], device: str, quick: bool) -> str:
+    """Where to write: ``out`` minus a .json/.md suffix, or ``out/real_models_<tag>`` when ``out``
+    is a directory (or ends with a slash)."""
+    if not out:
+        return DEFAULT_OUT if device == "cuda" and not quick else DEFAULT_OUT.replace("_h200", "_" + tag(device, quick))
+    if out.endswith(os.sep) or os.path.isdir(out):
+        return os.path.join(out, "real_models_" + tag(device, quick))
+    for ext in (".json", ".md"):
+        if out.endswith(ext):
+            return out[: -len(ext)]
+    return out
+
+
+def tag(device: str, quick: bool) -> str:
+    return ("h200" if device == "cuda" else device) + ("_quick" if quick else "")
+
+
+def child_env(arm: str, base: Dict[str, str]) -> Dict[str, str]:
+    """The environment of one arm's process: unbuffered, deterministic cuBLAS, and
+    ``PYTORCH_CUDA_ALLOC_CONF`` set for ``torch_expandable`` only (and removed elsewhere, so an
+    inherited setting cannot leak into the other arms)."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if arm == "torch_expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_ENV
+    return env
+
+
+# -- one (arm, workload) in its own process -------------------------------------------------------
+
+
+def _digest(torch: Any, t: Any) -> bytes:
+    """The tensor's raw bytes, whatever its dtype (numpy has no bfloat16)."""
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.element_size() > 1 else t.numpy().tobytes()
+
+
+def _sync(torch: Any, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = BertModel(BertConfig(**BERT_CONFIG)).eval().to(device=device, dtype=dtype)
+    dev = torch.device(device)
+    per_request: List[str] = []
+    total = hashlib.sha256()
+    ms: List[float] = []
+    with torch.no_grad():
+        for b, L in ((1, 8), (2, 64)):  # warm-up: kernels, cuBLAS handles; same in every arm
+            model(input_ids=torch.ones((b, L), dtype=torch.long, device=dev))
+        _sync(torch, device)
+        for i in range(plan["requests"]):
+            b = int(rng.integers(plan["batch"][0], plan["batch"][1] + 1))
+            L = int(rng.integers(plan["length"][0], plan["length"][1] + 1))
+            ids = torch.from_numpy(rng.integers(1000, BERT_CONFIG["vocab_size"], size=(b, L))).to(dev)
+            am = torch.ones((b, L), dtype=torch.long, device=dev)
+            _sync(torch, device)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=am).last_hidden_state
+            _sync(torch, device)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            h = hashlib.sha256(_digest(torch, out))
+            per_request.append(h.hexdigest()[:16])
+            total.update(h.digest())
+            del out, ids, am
+            print(f"[real_models]   bert request {i + 1}/{plan['requests']}: {b}x{L} {ms[-1]:.1f} ms", flush=True)
+    return {"request_ms": quantiles(ms), "request_sha256": per_request, "output_sha256": total.hexdigest()}
+
+
+def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG)).eval().to(device=device, dtype=dtype)
+    dev = torch.device(device)
+    per_request: List[str] = []
+    total = hashlib.sha256()
+    ms: List[float] = []
+    step_ms: List[float] = []
+
+    def generate(ids: Any, am: Any, n: int, timed: bool) -> Any:
+        out = model(input_ids=ids, attention_mask=am, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
+        toks = [nxt]
+        for _ in range(n - 1):
+            am = torch.cat([am, torch.ones((am.shape[0], 1), dtype=am.dtype, device=dev)], dim=1)
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, attention_mask=am, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
+            if timed:
+                _sync(torch, device)
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+            toks.append(nxt)
+        return torch.cat(toks, dim=1)
+
+    with torch.no_grad():
+        for b, L in ((1, 16), (2, 48)):  # warm-up: same in every arm
+            generate(torch.ones((b, L), dtype=torch.long, device=dev), torch.ones((b, L), dtype=torch.long, device=dev), 3, False)
+        _sync(torch, device)
+        for i in range(plan["requests"]):
+            b = int(rng.integers(plan["batch"][0], plan["batch"][1] + 1))
+            lens = rng.integers(plan["prompt"][0], plan["prompt"][1] + 1, size=b)
+            L = int(lens.max())
+            mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)  # left padding
+            ids = torch.from_numpy(rng.integers(3, LLAMA_CONFIG["vocab_size"], size=(b, L)) * mask).to(dev)
+            am = torch.from_numpy(mask).to(dev)
+            _sync(torch, device)
+            t0 = time.perf_counter()
+            toks = generate(ids, am, plan["new_tokens"], True)
+            _sync(torch, device)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            h = hashlib.sha256(toks.to(torch.int64).cpu().numpy().tobytes())
+            per_request.append(h.hexdigest()[:16])
+            total.update(h.digest())
+            del toks, ids, am
+            print(f"[real_models]   llama request {i + 1}/{plan['requests']}: batch {b} prompt {L} "
+                  f"+{plan['new_tokens']} tokens {ms[-1]:.1f} ms", flush=True)
+    return {
+        "request_ms": quantiles(ms),
+        "decode_step_ms": quantiles(step_ms),
+        "request_sha256": per_request,
+        "output_sha256": total.hexdigest(),
+    }
+
+
+def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str) -> Dict[str, Any]:
+    """One arm on one workload in this (fresh) process."""
+    if arm in POOL_ARMS:
+        from poolkeeper.integrations import torch as pkt
+
+        pkt.install(arm)  # before anything touches CUDA
+    elif arm == "torch_expandable" and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") != EXPANDABLE_ENV:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_ENV  # the parent sets it; run alone, set it here
+    import numpy as np
+    import torch
+    import transformers
+
+    cuda = device == "cuda"
+    dtype = {"bert": torch.float16, "llama": torch.bfloat16}[workload] if cuda else torch.float32
+    t_start = time.perf_counter()
+    res: Dict[str, Any] = {"arm": arm, "workload": workload}
+    res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype))
+    _sync(torch, device)
+    res["wall_s"] = time.perf_counter() - t_start
+    res["meta"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "dtype": str(dtype),
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+    if arm in POOL_ARMS:
+        from poolkeeper.integrations import torch as pkt
+
+        st = pkt.stats(0)
+        inst = pkt.installation()
+        res.update(
+            peak_reserved_bytes=st["peak_reserved_bytes"],
+            peak_live_bytes=st["peak_live_bytes"],
+            upstream_allocations=st.get("upstream_allocations"),
+            upstream_deallocations=st.get("upstream_deallocations"),
+            maps=st.get("map_calls"),
+            unmaps=st.get("unmap_calls"),
+            max_memory_reserved=pkt.max_memory_reserved(0),
+            pool={"kind": inst.kind, "upstream": inst.upstream, "options": inst.options, "oom_type": str(inst.oom_type)},
+            pool_stats_end={k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        )
+    elif cuda:
+        ms = torch.cuda.memory_stats()
+        res.update(
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+            peak_live_bytes=torch.cuda.max_memory_allocated(),
+            upstream_allocations=ms.get("num_device_alloc", ms.get("segment.all.allocated")),
+            upstream_deallocations=ms.get("num_device_free", ms.get("segment.all.freed")),
+            maps=None,
+            unmaps=None,
+            segments_allocated=ms.get("segment.all.allocated"),
+            segments_freed=ms.get("segment.all.freed"),
+            alloc_retries=ms.get("num_alloc_retries"),
+            reserved_bytes_end=ms.get("reserved_bytes.all.current"),
+        )
+    else:  # CPU dry run: no device allocator to read
+        res.update(peak_reserved_bytes=None, peak_live_bytes=None, upstream_allocations=None,
+                   upstream_deallocations=None, maps=None, unmaps=None)
+    return res
+
+
+# -- the parent -----------------------------------------------------------------------------------
+
+
+def _parse_list(s: str, valid: Sequence[str], what: str) -> List[str]:
+    items = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in items if x not in valid]
+    if bad or not items:
+        raise SystemExit(f"unknown {what} {bad or s!r} (valid: {', '.join(valid)})")
+    return items
+
+
+def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
+    """Run one (arm, workload) in a fresh interpreter; its result, or ``{"error": ...}``."""
+    path = os.path.join(tmp, f"{arm}-{workload}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--workloads", workload, "--result-file", path,
+           "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else [])
+    errpath = path + ".stderr"
+    t0 = time.perf_counter()
+    try:
+        with open(errpath, "w") as err:
+            r = subprocess.run(cmd, env=child_env(arm, dict(os.environ)), stderr=err, timeout=args.timeout)
+        rc: Any = r.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {args.timeout} s"
+    with open(errpath, errors="replace") as f:
+        stderr = f.read()
+    res: Dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            res = json.load(f)
+    if rc != 0 and "error" not in res:
+        res = {"error": f"exit {rc}: {stderr.strip()[-2000:]}" if stderr.strip() else f"exit {rc}"}
+    res["process_s"] = time.perf_counter() - t0
+    # Anything a clean run prints to stderr at exit (leak reports, aborts) is worth seeing.
+    res["stderr_tail"] = stderr[-1500:]
+    return res
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma-separated, of {', '.join(ALL_ARMS)}")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--quick", action="store_true", help="a smaller plan (well under a minute per arm)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a dry run of the plumbing with tiny requests (only the torch arm can work there)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per (arm, workload) process")
+    ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
+    ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    plan_name = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
+    plan = PLANS[plan_name]
+    workloads = _parse_list(args.workloads, WORKLOADS, "workload")
+
+    if args.child:
+        try:
+            res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device)
+            code = 0
+        except BaseException as e:  # reported by the parent; the other arms still run
+            res = {"arm": args.child, "workload": workloads[0], "error": f"{type(e).__name__}: {e}",
+                   "traceback": traceback.format_exc()[-4000:]}
+            code = 1
+        with open(args.result_file, "w") as f:
+            json.dump(res, f)
+        return code
+
+    arms = _parse_list(args.arms, ALL_ARMS, "arm")
+    results: Dict[str, Any] = {
+        "plan_name": plan_name,
+        "plan": {w: plan[w] for w in workloads},
+        "seed": args.seed,
+        "device": args.device,
+        "arms": arms,
+        "workloads": workloads,
+        "configs": {"bert": BERT_CONFIG, "llama": LLAMA_CONFIG},
+        "runs": {w: {} for w in workloads},
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+    }
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for wl in workloads:
+            for arm in arms:
+                print(f"[real_models] {wl} / {arm} ...", flush=True)
+                r = run_arm_process(arm, wl, args, tmp)
+                results["runs"][wl][arm] = r
+                if "error" in r:
+                    print(f"[real_models] {wl} / {arm} FAILED: {str(r['error']).strip().splitlines()[-1][:300]}", flush=True)
+                else:
+                    print(f"[real_models] {wl} / {arm}: peak reserved {fmt_mib(r.get('peak_reserved_bytes'))}, "
+                          f"live {fmt_mib(r.get('peak_live_bytes'))}, ms/request p50 {fmt_ms(r['request_ms']['p50'])}, "
+                          f"{r['process_s']:.1f} s", flush=True)
+                if "meta" in r and "meta" not in results:
+                    results["meta"] = r["meta"]
+    results["total_s"] = time.perf_counter() - t_all
+    results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
+    stem = out_stem(args.out, args.device, args.quick)
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+    md = markdown(results)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(md)
+    print(f"[real_models] wrote {stem}.json and {stem}.md ({results['total_s']:.0f} s)", flush=True)
+    failed = [(w, a) for w in workloads for a, r in results["runs"][w].items() if "error" in r]
+    return 1 if failed and len(failed) == len(workloads) * len(arms) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

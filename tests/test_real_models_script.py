@@ -1,0 +1,189 @@
+"""benchmarks/real_models.py: its pure parts (quantiles, ratios, comparison, the Markdown table,
+output paths, the per-arm environment) without torch, and a CPU dry run when torch and
+transformers are importable."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "real_models.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("real_models_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rm = _load()
+
+
+def test_script_imports_without_torch():
+    # The parent must stay torch-free: torch is imported only in the arm's own process.
+    code = f"import importlib.util,sys; s=importlib.util.spec_from_file_location('m', {SCRIPT!r}); " \
+           "m=importlib.util.module_from_spec(s); s.loader.exec_module(m); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_quantiles_nearest_rank():
+    q = rm.quantiles(range(1, 11))
+    assert (q["p50"], q["p90"], q["n"], q["total"]) == (5.0, 9.0, 10, 55.0)
+    assert q["mean"] == 5.5
+    assert rm.quantiles([7.0])["p90"] == 7.0
+    assert rm.quantiles([3, 1, 2])["p50"] == 2.0  # unsorted input
+
+
+def test_quantiles_empty():
+    q = rm.quantiles([])
+    assert q["n"] == 0 and math.isnan(q["p50"]) and math.isnan(q["p90"])
+
+
+def test_ratio_missing_or_zero():
+    assert rm.ratio(3, 2) == 1.5
+    assert rm.ratio(None, 2) is None
+    assert rm.ratio(1, 0) is None
+    assert rm.ratio(1, float("nan")) is None
+    assert rm.ratio("x", 1) is None
+
+
+def _run(reserved, live, p50, total, sha, per=None):
+    return {
+        "peak_reserved_bytes": reserved,
+        "peak_live_bytes": live,
+        "upstream_allocations": 10,
+        "upstream_deallocations": 4,
+        "maps": None,
+        "unmaps": None,
+        "request_ms": {"p50": p50, "p90": p50 * 2, "total": total, "n": 3},
+        "output_sha256": sha,
+        "request_sha256": per or ["a", "b", "c"],
+    }
+
+
+def _results():
+    runs = {
+        "torch": _run(800 << 20, 500 << 20, 10.0, 40.0, "s" * 64),
+        "torch_expandable": _run(600 << 20, 500 << 20, 11.0, 44.0, "s" * 64),
+        "arena_expandable": _run(540 << 20, 500 << 20, 10.2, 41.0, "s" * 64),
+        "size_class": _run(900 << 20, 500 << 20, 9.0, 36.0, "t" * 64, ["a", "x", "c"]),
+        "arena": {"error": "RuntimeError: boom | pipe\nsecond line"},
+    }
+    return {
+        "plan_name": "quick",
+        "plan": {"bert": {"requests": 3}},
+        "seed": 1,
+        "device": "cuda",
+        "arms": ["torch", "torch_expandable", "arena", "arena_expandable", "size_class"],
+        "workloads": ["bert"],
+        "runs": {"bert": runs},
+        "meta": {"device_name": "GPU", "torch": "2.11", "transformers": "4.x"},
+    }
+
+
+def test_compare_ratios_and_outputs():
+    c = rm.compare(_results()["runs"]["bert"])
+    assert c["torch"]["reserved_vs_torch"] == 1.0
+    assert c["arena_expandable"]["reserved_vs_torch_expandable"] == pytest.approx(0.9)
+    assert c["arena_expandable"]["reserved_vs_torch"] == pytest.approx(540 / 800)
+    assert c["arena_expandable"]["ms_p50_vs_torch"] == pytest.approx(1.02)
+    assert c["arena_expandable"]["ms_total_vs_torch"] == pytest.approx(41 / 40)
+    assert c["arena_expandable"]["same_output_as_torch"] is True
+    assert c["size_class"]["same_output_as_torch"] is False
+    assert c["size_class"]["first_differing_request"] == 1
+    assert c["arena"] == {}  # a failed arm gets no ratios
+
+
+def test_targets():
+    t = rm.targets(rm.compare(_results()["runs"]["bert"]))
+    assert set(t) == {"arena", "arena_expandable", "size_class"}  # pool arms only
+    assert t["arena_expandable"] == {"reserved": True, "time": False}  # 0.90x reserved, 41/40 = 1.025x time
+    assert t["size_class"] == {"reserved": False, "time": True}
+    assert t["arena"] == {"reserved": None, "time": None}
+
+
+def test_compare_without_baselines():
+    runs = _results()["runs"]["bert"]
+    del runs["torch"], runs["torch_expandable"]
+    c = rm.compare(runs)
+    assert c["arena_expandable"]["reserved_vs_torch"] is None
+    assert c["arena_expandable"]["reserved_vs_torch_expandable"] is None
+    assert c["arena_expandable"]["same_output_as_torch"] is None
+    assert c["arena_expandable"]["reserved_over_live"] == pytest.approx(540 / 500)
+
+
+def test_markdown_table():
+    res = _results()
+    res["runs"]["bert"]["torch"]["decode_step_ms"] = {"p50": 5.0}
+    res["runs"]["bert"]["arena_expandable"]["decode_step_ms"] = {"p50": 5.5}
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    md = rm.markdown(res)
+    rows = [l for l in md.splitlines() if l.startswith("| ")]
+    header = rows[0]
+    ncols = header.count("|")
+    assert all(r.count("|") == ncols for r in rows), rows  # the failed arm's row keeps the width
+    by_arm = {r.split("|")[1].strip(): r for r in rows[1:]}
+    assert set(by_arm) == {"torch", "torch_expandable", "arena", "arena_expandable", "size_class"}
+    assert "540.0 MiB" in by_arm["arena_expandable"] and "0.900x" in by_arm["arena_expandable"]
+    assert "failed: second line" in by_arm["arena"]
+    assert "no (request 1)" in by_arm["size_class"]
+    assert "10 / 4" in by_arm["torch"]
+    assert "5.50 (1.100x)" in by_arm["arena_expandable"]
+    assert "arena_expandable: reserved met, time missed" in md
+
+
+def test_out_stem(tmp_path):
+    assert rm.out_stem(None, "cuda", False).endswith(os.path.join("results", "real_models_h200"))
+    assert rm.out_stem(None, "cpu", True).endswith("real_models_cpu_quick")
+    assert rm.out_stem(str(tmp_path), "cuda", False) == os.path.join(str(tmp_path), "real_models_h200")
+    assert rm.out_stem(str(tmp_path / "x.json"), "cuda", False) == str(tmp_path / "x")
+    assert rm.out_stem(str(tmp_path / "y"), "cuda", True) == str(tmp_path / "y")
+
+
+def test_child_env_expandable_only_in_its_arm():
+    base = {"PYTORCH_CUDA_ALLOC_CONF": "garbage", "X": "1"}
+    assert rm.child_env("torch_expandable", base)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for arm in ("torch", "arena", "arena_expandable", "size_class"):
+        env = rm.child_env(arm, base)
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in env and env["X"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_arm_and_pool_kind_names_agree():
+    pools = pytest.importorskip("poolkeeper.pools")
+    for arm in rm.POOL_ARMS:
+        assert pools.pool_kind(arm).name == arm
+
+
+def _have(mod):
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not (_have("torch") and _have("transformers")), reason="needs torch and transformers")
+def test_cpu_dry_run(tmp_path):
+    # The plumbing end to end: a child per (arm, workload), hashes, JSON and Markdown; the pool
+    # arm cannot install on CPU and must be reported, not abort the run.
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--arms", "torch,arena", "--workloads", "bert",
+         "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads((tmp_path / "real_models_cpu_quick.json").read_text())
+    for wl in ("bert",):
+        t = res["runs"][wl]["torch"]
+        assert "error" not in t, t
+        assert len(t["output_sha256"]) == 64 and len(t["request_sha256"]) == res["plan"][wl]["requests"]
+        assert "error" in res["runs"][wl]["arena"]
+    assert (tmp_path / "real_models_cpu_quick.md").read_text().count("failed:") == 1
