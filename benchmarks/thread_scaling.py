@@ -77,7 +77,7 @@ def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds:
         _core.registry_set(DEVICE, None)
     pool.validate()  # the books balance after the storm (quiescent now)
     st = pool.stats()
-    assert st["reserved"] == st["live"] + st["free"] + st["pending"] + st["overhead"], st
+    assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"], st
     pool.trim()
     pool.close()
     return r

@@ -61,7 +61,7 @@ struct Hist {
 
 struct Inbox {  // blocks handed over by the previous thread (cross-thread frees)
   std::mutex mu;
-  std::vector<void*> items;  // guarded by mu
+  std::vector<std::pair<void*, std::size_t>> items;  // (block, size index); guarded by mu
 };
 
 struct PerThread {
@@ -97,7 +97,7 @@ void bind_capi_threads(nb::module_& m) {
               me.free_h.resize(nsz);
               me.pairs.assign(nsz, 0);
               void* blk[kBlocks];
-              std::vector<void*> got;
+              std::vector<std::pair<void*, std::size_t>> got;
               auto fail = [&](const char* what) {
                 me.error = std::string(what) + ": " + poolkeeper_last_error();
                 stop.store(true);
@@ -135,23 +135,27 @@ void bind_capi_threads(nb::module_& m) {
                   fail("poolkeeper_malloc");
                   break;
                 }
+                bool handed = false;
                 if (cross_thread_frees && threads > 1) {
                   {
+                    // Bounded hand-over: a receiver running behind would otherwise pile up live
+                    // blocks without limit; then this round is freed here instead.
                     std::lock_guard<std::mutex> g(next.mu);
-                    next.items.insert(next.items.end(), blk, blk + kBlocks);
+                    if (next.items.size() < 4 * kBlocks) {
+                      for (void* b : blk) next.items.emplace_back(b, k);
+                      handed = true;
+                    }
                   }
-                  {
-                    std::lock_guard<std::mutex> g(mine.mu);
-                    got.swap(mine.items);
-                  }
-                } else {
-                  got.assign(blk, blk + kBlocks);
+                  std::lock_guard<std::mutex> g(mine.mu);
+                  got.swap(mine.items);
                 }
-                for (void* b : got) {
+                if (!handed)
+                  for (void* b : blk) got.emplace_back(b, k);
+                for (auto [b, kb] : got) {
                   if (timed) {
                     const auto t0 = Clock::now();
                     poolkeeper_free(b, device, s);
-                    me.free_h[k].add(std::uint64_t((Clock::now() - t0).count()));
+                    me.free_h[kb].add(std::uint64_t((Clock::now() - t0).count()));
                   } else {
                     poolkeeper_free(b, device, s);
                   }
@@ -170,7 +174,7 @@ void bind_capi_threads(nb::module_& m) {
           for (auto& th : ts) th.join();
           elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
           for (auto& ib : inbox)  // blocks handed over after their receiver stopped
-            for (void* b : ib.items) poolkeeper_free(b, device, s);
+            for (auto& [b, kb] : ib.items) poolkeeper_free(b, device, s);
         }
         for (auto& p : per)
           if (!p.error.empty()) throw Error("capi_bench_threads: " + p.error);
