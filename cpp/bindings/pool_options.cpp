@@ -32,6 +32,7 @@ SizeClassOptions size_class_options(nb::handle opts) {
   o.limit = r.size("limit", 0);
   o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
   o.max_cached_bytes = r.size("max_cached_bytes", o.max_cached_bytes);
+  o.shards = r.size("shards", 0);
   r.finish();
   return o;
 }
