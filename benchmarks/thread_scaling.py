@@ -2,7 +2,8 @@
 C ABI for 1..16 native threads, per pool and request size, with p99 call latency per size.
 
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
-        [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct] [--json PATH]
+        [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
+        [--json benchmarks/results/thread_scaling.json --key NAME]
 
 Each cell: `threads` native threads (capi_bench_threads in the bindings), each doing rounds of 8
 allocations then 8 frees on the pool registered for the device, for --seconds. Cases: one size at
@@ -13,7 +14,8 @@ at once with every round's blocks freed by the next thread (cross-thread frees).
 Backends: sim = Simulated(latency="none") (a miss costs no device time: the pool's own work is all
 that is measured); cuda = CudaDevice(0) (misses are real cuMemAlloc/cuMemFree; the pools are
 warmed by the first round, so a steady state touches the upstream only when a pool gives memory
-back). The direct pool is the reference: every pair is an upstream call.
+back; the expandable arena runs over CudaVirtual). The direct pool is the reference: every pair is
+an upstream call.
 
 The "16/1" column is aggregate pairs/s at 16 threads over 1 thread. A machine with fewer cores
 than threads cannot show scaling beyond its core count, but a collapse (ratio far below 1) still
@@ -36,9 +38,10 @@ CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB",
 DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
 
 
-def make_upstream(backend: str):
+def make_upstream(backend: str, kind: str = ""):
     if backend == "cuda":
-        return pk.upstream.CudaDevice(DEVICE)
+        # The expandable arena needs virtual memory: CudaVirtual maps physical pieces into one range.
+        return pk.upstream.CudaVirtual(DEVICE) if kind == "arena_expandable" else pk.upstream.CudaDevice(DEVICE)
     return pk.upstream.Simulated(latency="none")
 
 
@@ -68,7 +71,7 @@ def machine() -> dict:
 
 
 def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float) -> dict:
-    up = make_upstream(backend)
+    up = make_upstream(backend, kind)
     pool = make_pool(kind, up)
     _core.registry_set(DEVICE, pool)
     try:
@@ -90,13 +93,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--pools", default="arena,size_class,arena_expandable,direct")
     ap.add_argument("--cases", default="", help="comma-separated case labels to run (default: all)")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
+                    "file's object (other keys kept: one results file for every machine)")
+    ap.add_argument("--key", default="")
     ap.add_argument("--label", default="", help="free text stored with the results (e.g. the commit)")
     args = ap.parse_args(argv)
     threads = [int(x) for x in args.threads.split(",")]
     kinds = [k for k in args.pools.split(",") if k]
     cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
-    if "arena_expandable" in kinds and not make_upstream(args.backend).supports_virtual:
+    if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
         kinds.remove("arena_expandable")
         print("arena_expandable skipped: the upstream has no virtual memory")
     out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
@@ -115,8 +120,15 @@ def main(argv=None) -> int:
             p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
             print(f"{kind:17s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
     if args.json:
+        doc = out
+        if args.key:
+            doc = {}
+            if os.path.exists(args.json):
+                with open(args.json) as f:
+                    doc = json.load(f)
+            doc[args.key] = out
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(doc, f, indent=1)
     return 0
 
 
