@@ -55,6 +55,7 @@ void bind_pools(nb::module_& m);
 void install_fast_methods(nb::handle pool_type);
 void bind_cuda(nb::module_& m);
 void bind_capi(nb::module_& m);
+void bind_capi_threads(nb::module_& m);  // capi_threads.cpp
 void bind_graph_pools(nb::module_& m);
 
 }  // namespace poolkeeper::py

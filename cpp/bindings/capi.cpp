@@ -64,6 +64,7 @@ void bind_capi(nb::module_& m) {
       "device"_a, "nbytes"_a, "iterations"_a, "stream"_a = nb::none(),
       "Time poolkeeper_malloc+poolkeeper_free pairs in a native loop; returns ns per pair.");
   m.def("capi_last_error", []() { return std::string(poolkeeper_last_error()); });
+  bind_capi_threads(m);
 }
 
 }  // namespace poolkeeper::py

@@ -38,6 +38,7 @@ SizeClassOptions size_class_options(nb::handle opts) {
   o.limit = r.cap("limit", 0);
   o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
   o.max_cached_bytes = r.size("max_cached_bytes", SIZE_MAX);  // 0: cache nothing; None: no cap
+  o.shards = r.size("shards", 0);
   r.finish();
   return o;
 }

@@ -98,7 +98,7 @@ PoolStats ArenaPool::stats_locked() {
 }
 
 void ArenaPool::reset_peaks() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   for (auto& tc : caches_) {
     live += tc->read().live_delta;
@@ -111,7 +111,7 @@ void ArenaPool::reset_peaks() {
 }
 
 PoolStats ArenaPool::stats() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   return stats_locked();
 }
 
@@ -132,7 +132,7 @@ OomFigures ArenaPool::figures_locked(std::size_t requested) {
 }
 
 void ArenaPool::validate() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   auto fail = [&](const std::string& m) { throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": " + m); };
   std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
   std::uintptr_t prev_end = 0;
@@ -236,7 +236,7 @@ void ArenaPool::validate() {
 }
 
 Snapshot ArenaPool::snapshot() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   Snapshot snap;
   snap.pool = name();
   snap.upstream = upstream_->name();

@@ -66,7 +66,7 @@ ArenaPool::~ArenaPool() {
   // backings that hold nothing live.
   Detached out;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     try {
       reclaim_caches_locked();
       drain_locked(true);
@@ -482,10 +482,10 @@ void ArenaPool::free_detached(Detached& d) {
   for (auto& [p, n] : d) {
     try {
       upstream_free(p, n);
-      std::lock_guard<std::mutex> g(mu_);
+      std::lock_guard<detail::SpinMutex> g(mu_);
       releasing_ -= n;
     } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
+      std::lock_guard<detail::SpinMutex> g(mu_);
       releasing_ -= n;
       ++upstream_free_failures_;
       --backings_released_;  // it was not released after all
@@ -519,7 +519,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   } free_after{this, detached};
 
   if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
-  std::unique_lock<std::mutex> g(mu_);
+  std::unique_lock<detail::SpinMutex> g(mu_);
   check_open();
   ++slow_allocs_;
   if (cache_enabled_) cache_locked();
@@ -605,7 +605,7 @@ void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s)
 
 void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   if (nbytes == 0 || nbytes > kMaxRequest) return nullptr;  // the blocking path explains
-  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
   if (cache_enabled_) cache_locked();
@@ -620,7 +620,7 @@ void ArenaPool::deallocate(void* p, Stream s) {
   Detached detached;
   std::string err, reason;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();
     ArenaChunk* c = nullptr;
     if (!table_.find(a, c)) {
@@ -656,7 +656,7 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
 bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) return false;
-  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
@@ -699,7 +699,7 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
 
 void ArenaPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   check_open();
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c) || c->st() != ChunkState::Live)
@@ -712,7 +712,7 @@ void ArenaPool::record_stream(void* p, Stream s) {
 // ---------------------------------------------------------------- maintenance
 
 std::size_t ArenaPool::process_pending() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   const std::size_t before = order_.pending_bytes();
   if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) {
     // Own stream-tagged cached blocks count as pending: settle them too.
@@ -725,7 +725,7 @@ std::size_t ArenaPool::process_pending() {
 }
 
 void ArenaPool::synchronize() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   // Every thread's cache: stream-tagged blocks in an idle thread's cache are pending too, and
   // "nothing stays pending" must hold whoever freed them.
   reclaim_caches_locked();
@@ -736,7 +736,7 @@ std::size_t ArenaPool::trim() {
   Detached d;
   std::size_t bytes;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();
     reclaim_caches_locked();  // an idle thread's cached blocks would keep their backings alive
     settle_locked();
@@ -750,7 +750,7 @@ std::size_t ArenaPool::shrink_scan() {
   Detached d;
   std::size_t bytes;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();
     ++shrink_scans_;
     bytes = release_free_backings_locked(d, true);
@@ -762,7 +762,7 @@ std::size_t ArenaPool::shrink_scan() {
 void ArenaPool::close() {
   Detached d;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     if (closed()) return;
     std::int64_t blocks = static_cast<std::int64_t>(live_blocks_);
     std::int64_t live = static_cast<std::int64_t>(live_.load());
@@ -794,16 +794,16 @@ void ArenaPool::close() {
     try {
       upstream_free(p, n);
     } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
+      std::lock_guard<detail::SpinMutex> g(mu_);
       ++upstream_free_failures_;
     }
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::SpinMutex> g(mu_);
     releasing_ -= n;
   }
 }
 
 bool ArenaPool::owns_live(std::uintptr_t p) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   ArenaChunk* c;
   return table_.find(p, c) && c->st() == ChunkState::Live;
 }

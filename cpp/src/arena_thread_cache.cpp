@@ -276,7 +276,7 @@ void ArenaPool::fold_cache_locked(ThreadCache* tc) {
 }
 
 void ArenaPool::on_thread_exit(ThreadCache* tc) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   if (closed()) return;
   flush_cache_locked(tc);
   fold_cache_locked(tc);
@@ -285,7 +285,7 @@ void ArenaPool::on_thread_exit(ThreadCache* tc) {
 }
 
 void ArenaPool::flush_thread_cache() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::SpinMutex> g(mu_);
   if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) flush_cache_locked(tc);
 }
 

@@ -2,12 +2,25 @@
 
 #include <algorithm>
 #include <bit>
+#include <map>
+#include <thread>
 
 namespace poolkeeper {
 
 namespace {
 unsigned log2_exact(std::size_t x) { return static_cast<unsigned>(std::countr_zero(x)); }
 unsigned floor_log2(std::size_t x) { return 63u - static_cast<unsigned>(std::countl_zero(x)); }
+
+// Threads are numbered on first use, round robin: with as many shards as threads each thread has
+// a shard of its own, and the number is stable (no migration cost when the OS moves a thread).
+std::atomic<std::uint32_t> g_thread_seq{0};
+__attribute__((tls_model("initial-exec"))) thread_local std::uint32_t t_index = 0;  // 0: not numbered yet
+std::uint32_t thread_index() {
+  std::uint32_t i = t_index;
+  if (i == 0) [[unlikely]]
+    t_index = i = g_thread_seq.fetch_add(1, std::memory_order_relaxed) + 1;
+  return i - 1;
+}
 }  // namespace
 
 std::size_t SizeClassPool::class_size_for(std::size_t nbytes, std::size_t a, std::size_t k) {
@@ -29,7 +42,7 @@ std::size_t SizeClassPool::class_index(std::size_t c) const {
 }
 
 SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOptions opt)
-    : Pool(std::move(upstream)), opt_(opt), order_(upstream_.get()) {
+    : Pool(std::move(upstream)), opt_(opt) {
   // The class table spans every size up to kMaxRequest in steps of the alignment: an alignment
   // near 2^62 overflowed its arithmetic (and a std::bad_alloc followed).
   if (!is_pow2(opt_.alignment))
@@ -39,29 +52,56 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
   const std::size_t k = opt_.classes_per_doubling;
   if (!(k == 1 || k == 2 || k == 4 || k == 8))
     throw InvalidArgument("classes_per_doubling must be 1, 2, 4 or 8; got " + std::to_string(k));
+  if (opt_.shards > 1024) throw InvalidArgument("shards must be at most 1024; got " + std::to_string(opt_.shards));
   shift_ = log2_exact(k);
-  free_.resize(class_index(class_size_for(kMaxRequest, opt_.alignment, k)) + 1);
+  nclasses_ = class_index(class_size_for(kMaxRequest, opt_.alignment, k)) + 1;
+  // Auto: one shard per hardware thread, at least 8 (a shard costs a few KiB; too few shards
+  // and threads share locks again), at most 64.
+  std::size_t n = opt_.shards ? opt_.shards
+                              : std::min<std::size_t>(64, std::max<std::size_t>(8, std::thread::hardware_concurrency()));
+  n = std::bit_ceil(n);
+  shards_.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    shards_.push_back(std::make_unique<Shard>(upstream_.get(), static_cast<std::uint32_t>(i)));
+    shards_.back()->free.resize(nclasses_);
+  }
+  shard_mask_ = static_cast<std::uint32_t>(n - 1);
   join_directory();  // last: the pool is whole now
 }
+
+SizeClassPool::AllLocks::AllLocks(SizeClassPool* pool) : p(pool) {
+  for (auto& sh : p->shards_) sh->mu.lock();
+  p->grow_mu_.lock();
+}
+
+SizeClassPool::AllLocks::~AllLocks() {
+  p->grow_mu_.unlock();
+  for (auto it = p->shards_.rbegin(); it != p->shards_.rend(); ++it) (*it)->mu.unlock();
+}
+
+SizeClassPool::Shard& SizeClassPool::my_shard() { return *shards_[thread_index() & shard_mask_]; }
 
 SizeClassPool::~SizeClassPool() {
   unregister();
   if (closed()) return;  // (also in a forked child: nothing of it may be touched there)
   // Free what the pool holds; live blocks stay with their owner (never freed under them).
-  std::vector<std::pair<void*, std::size_t>> out;
+  Detached out;
   {
-    std::lock_guard<std::mutex> g(mu_);
-    // A destructor must not throw (it runs from garbage collection, interpreter exit, a registry
-    // clear): a driver error while settling (a failed event record) leaves the pending blocks with
-    // the device -- never freed under work that may still use them -- and the free ones go back.
-    try {
-      order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); }, true);
-    } catch (...) {
-    }
-    try {
-      for (std::size_t c = 0; c < free_.size(); ++c)
-        while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(b, out);
-    } catch (...) {
+    AllLocks all(this);
+    for (auto& sp : shards_) {
+      Shard& sh = *sp;
+      // A destructor must not throw (it runs from garbage collection, interpreter exit, a
+      // registry clear): a driver error while settling (a failed event record) leaves the pending
+      // blocks with the device -- never freed under work that may still use them.
+      try {
+        sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); }, true);
+      } catch (...) {
+      }
+      try {
+        for (std::uint32_t c = 0; c < nclasses_; ++c)
+          while (Block* b = pop_free_locked(sh, c)) retire_locked(sh, b, out);
+      } catch (...) {
+      }
     }
   }
   for (auto& [p, n] : out) {
@@ -72,42 +112,48 @@ SizeClassPool::~SizeClassPool() {
   }
 }
 
-void SizeClassPool::make_free_locked(Block* b) {
+// sh locked. counted: the bytes were already added to cached_total_ (a capped release reserves
+// them first, so two threads cannot both pass the cap).
+void SizeClassPool::make_free_locked(Shard& sh, Block* b, bool counted) {
   b->set(ChunkState::Free);
   b->drop_used_on();
-  FreeList& fl = free_[b->cls];
+  FreeList& fl = sh.free[b->cls];
   b->next_free = fl.head;
   fl.head = b;
   ++fl.count;
-  free_bytes_ += b->size;
-  ++free_blocks_;
+  sh.free_bytes += b->size;
+  ++sh.free_blocks;
+  if (capped() && !counted) cached_total_.fetch_add(b->size, std::memory_order_relaxed);
 }
 
-SizeClassPool::Block* SizeClassPool::pop_free_locked(std::uint32_t cls) {
-  FreeList& fl = free_[cls];
+SizeClassPool::Block* SizeClassPool::pop_free_locked(Shard& sh, std::uint32_t cls) {
+  FreeList& fl = sh.free[cls];
   Block* b = fl.head;
   if (!b) return nullptr;
   fl.head = b->next_free;
   --fl.count;
   b->next_free = nullptr;
-  free_bytes_ -= b->size;
-  --free_blocks_;
+  sh.free_bytes -= b->size;
+  --sh.free_blocks;
+  if (capped()) cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
   return b;
 }
 
-void SizeClassPool::retire_locked(Block* b, std::vector<std::pair<void*, std::size_t>>& out) {
+// sh and grow_mu_ locked; b is in no list.
+void SizeClassPool::retire_locked(Shard& sh, Block* b, Detached& out) {
   table_.erase(b->addr);
   reserved_ -= b->size;
+  sh.reserved -= b->size;
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   nodes_.destroy(b);
   ++released_blocks_;
 }
 
-void SizeClassPool::free_detached(std::vector<std::pair<void*, std::size_t>>& v) {
-  // Outside the lock. A free the upstream refuses is counted and the block comes back as a cached
-  // free block of its class (retried at the next release_cached), so the books never lose bytes.
-  // While a graph capture scope is open nothing goes back at all (a free may synchronize the
-  // device and invalidate the capture): the blocks come back the same way, uncounted.
+void SizeClassPool::free_detached(Detached& v) {
+  // Outside every lock. A free the upstream refuses is counted and the block comes back as a
+  // cached free block of its class (retried at the next release_cached), so the books never lose
+  // bytes. While a graph capture scope is open nothing goes back at all (a free may synchronize
+  // the device and invalidate the capture): the blocks come back the same way, uncounted.
   const bool hold = upstream_->captures_underway() > 0 && !closed();
   for (auto& [p, n] : v) {
     bool refused = false;
@@ -119,7 +165,9 @@ void SizeClassPool::free_detached(std::vector<std::pair<void*, std::size_t>>& v)
         refused = true;
       }
     }
-    std::lock_guard<std::mutex> g(mu_);
+    Shard& sh = my_shard();
+    Guard g(sh.mu);
+    Guard g2(grow_mu_);
     if (refused) ++upstream_free_failures_;
     --released_blocks_;
     if (closed()) continue;  // nothing left to hold it: the upstream's counters show it
@@ -127,30 +175,116 @@ void SizeClassPool::free_detached(std::vector<std::pair<void*, std::size_t>>& v)
     b->addr = reinterpret_cast<std::uintptr_t>(p);
     b->size = n;
     b->cls = static_cast<std::uint32_t>(class_index(n));
+    b->shard.store(sh.index, std::memory_order_relaxed);
     table_.insert(b->addr, b);
     reserved_ += n;
-    make_free_locked(b);
+    sh.reserved += n;
+    make_free_locked(sh, b);
   }
   v.clear();
 }
 
-OomFigures SizeClassPool::figures_locked(std::size_t requested, const char* cause) const {
+std::size_t SizeClassPool::pending_bytes_all_locked() const {
+  std::size_t p = 0;
+  for (auto& sh : shards_) p += sh->order.pending_bytes();
+  return p;
+}
+
+OomFigures SizeClassPool::figures_all_locked(std::size_t requested, const char* cause) {
   OomFigures f;
   f.requested = requested;
   f.reserved = reserved_;
-  f.live = live_;
-  f.free = free_bytes_;
-  f.free_chunks = free_blocks_;
-  f.pending = order_.pending_bytes();
-  f.pending_by_stream = order_.by_stream();
+  std::map<Stream, std::size_t> by_stream;
+  for (auto& sp : shards_) {
+    Shard& sh = *sp;
+    f.live += sh.live;
+    f.free += sh.free_bytes;
+    f.free_chunks += sh.free_blocks;
+    f.pending += sh.order.pending_bytes();
+    for (auto& [st, n] : sh.order.by_stream()) by_stream[st] += n;
+    for (std::size_t c = nclasses_; c-- > 0;)
+      if (sh.free[c].head) {
+        f.largest_free = std::max(f.largest_free, sh.free[c].head->size);
+        break;
+      }
+  }
+  f.pending_by_stream.assign(by_stream.begin(), by_stream.end());
   f.limit = opt_.limit;
   f.cause = cause;
-  for (std::size_t c = free_.size(); c-- > 0;)
-    if (free_[c].head) {
-      f.largest_free = free_[c].head->size;
-      break;
-    }
   return f;
+}
+
+// Detach every shard's cached blocks (after settling completed releases when drain), one shard at
+// a time: each step keeps that shard's books whole. Returns the bytes detached.
+std::size_t SizeClassPool::detach_all_free(Detached& out, bool drain) {
+  std::size_t bytes = 0;
+  for (auto& sp : shards_) {
+    Shard& sh = *sp;
+    Guard g(sh.mu);
+    if (drain && sh.order.pending_blocks())
+      sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
+    if (!sh.free_blocks) continue;
+    Guard g2(grow_mu_);
+    for (std::uint32_t c = 0; c < nclasses_; ++c)
+      while (Block* b = pop_free_locked(sh, c)) {
+        bytes += b->size;
+        retire_locked(sh, b, out);
+      }
+  }
+  return bytes;
+}
+
+// The caller's shard has no block for the request: take one from another shard before the
+// upstream is asked. Free blocks of the class move over in a batch (up to half of that shard's
+// list, at most 8) so a thread whose blocks keep being freed into other shards does not come back
+// for each one; a block released on stream s in another shard serves s at once, as in its own.
+SizeClassPool::Block* SizeClassPool::steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh,
+                                                  std::uint32_t cls, std::size_t csize, Stream s) {
+  for (std::size_t k = 1; k < shards_.size(); ++k) {
+    Shard& o = *shards_[(sh.index + k) & shard_mask_];
+    std::unique_lock<detail::SpinMutex> go(o.mu, std::defer_lock);
+    if (o.index > sh.index) {
+      go.lock();
+    } else if (!go.try_lock()) {
+      g.unlock();  // index order: o's lock before ours
+      go.lock();
+      g.lock();
+      if (Block* b = pop_free_locked(sh, cls)) return b;  // freed into ours meanwhile
+    }
+    if (s != kNoStream && o.order.pending_blocks())
+      if (auto* b = static_cast<Block*>(o.order.take_for_stream(s, csize))) {
+        o.reserved -= b->size;  // pending there until now; live here from now on
+        sh.reserved += b->size;
+        b->shard.store(sh.index, std::memory_order_relaxed);
+        ++sh.migrated;
+        return b;
+      }
+    if (!o.free[cls].count && o.order.pending_blocks())  // pressure: settle completed releases there
+      o.order.drain([&](BlockRecord* r) { make_free_locked(o, static_cast<Block*>(r)); });
+    std::size_t n = std::min<std::size_t>(8, (o.free[cls].count + 1) / 2);
+    if (!n) continue;
+    for (; n; --n) {
+      Block* x = pop_free_locked(o, cls);
+      o.reserved -= x->size;
+      sh.reserved += x->size;
+      x->shard.store(sh.index, std::memory_order_relaxed);
+      make_free_locked(sh, x);
+      ++sh.migrated;
+    }
+    return pop_free_locked(sh, cls);
+  }
+  return nullptr;
+}
+void* SizeClassPool::serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, Stream s) {
+  ++sh.hits;
+  b->requested = nbytes;
+  b->alloc_stream = b->last_stream = s;
+  b->set(ChunkState::Live);
+  sh.live += nbytes;
+  sh.overhead += b->size - nbytes;
+  ++sh.live_blocks;
+  sh.peak_live = std::max(sh.peak_live, sh.live);
+  return reinterpret_cast<void*>(b->addr);
 }
 
 void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
@@ -158,171 +292,233 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
   check_open();
   const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
   const auto cls = static_cast<std::uint32_t>(class_index(csize));
-  std::vector<std::pair<void*, std::size_t>> detached;
+  Shard& sh = my_shard();
+  Detached detached;
   bool retried = false;
   for (;;) {
-    std::unique_lock<std::mutex> g(mu_);
-    Block* b = nullptr;
-    if (s != kNoStream) b = static_cast<Block*>(order_.take_for_stream(s, csize));
-    if (!b) b = pop_free_locked(cls);
-    if (!b && order_.pending_blocks()) {
-      // Pressure: settle completed releases, then look again.
-      order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
-      b = pop_free_locked(cls);
-    }
-    if (b) return serve_hit_locked(b, nbytes, s);
-    if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
-      if (!retried && free_blocks_) {
-        // Give cached blocks of other classes back, then retry once.
-        for (std::size_t c = 0; c < free_.size(); ++c)
-          while (Block* x = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(x, detached);
-        g.unlock();
-        free_detached(detached);
-        retried = true;
-        ++oom_retries_;
-        continue;
+    {
+      std::unique_lock<detail::SpinMutex> g(sh.mu);
+      Block* b = nullptr;
+      if (s != kNoStream) b = static_cast<Block*>(sh.order.take_for_stream(s, csize));
+      if (!b) b = pop_free_locked(sh, cls);
+      if (!b && sh.order.pending_blocks()) {
+        // Pressure: settle completed releases, then look again.
+        sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
+        b = pop_free_locked(sh, cls);
       }
-      OomFigures f = figures_locked(nbytes, order_.pending_bytes() >= csize ? "pending" : "limit");
-      g.unlock();
+      if (!b && shards_.size() > 1) b = steal_locked(g, sh, cls, csize, s);
+      if (b) return serve_hit_locked(sh, b, nbytes, s);
+    }
+    bool over = false;
+    {
+      Guard g(grow_mu_);
+      if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
+        over = true;
+      } else {
+        ++misses_;
+        claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
+      }
+    }
+    if (over) {
+      if (!retried) {
+        // Give cached blocks of other classes back, then retry once.
+        retried = true;
+        if (detach_all_free(detached, false)) {
+          free_detached(detached);
+          Guard g(grow_mu_);
+          ++oom_retries_;
+          continue;
+        }
+      }
+      OomFigures f;
+      {
+        AllLocks all(this);
+        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "limit");
+      }
       throw_oom(std::move(f));
     }
-    ++misses_;
-    claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
-    g.unlock();
     void* p = nullptr;
     try {
       p = upstream_alloc(csize);
     } catch (const UpstreamOutOfMemory& e) {
-      std::unique_lock<std::mutex> g2(mu_);
-      claimed_ -= csize;
+      {
+        Guard g(grow_mu_);
+        claimed_ -= csize;
+      }
       if (!retried) {
-        order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
-        for (std::size_t c = 0; c < free_.size(); ++c)
-          while (Block* x = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(x, detached);
-        g2.unlock();
-        free_detached(detached);
         retried = true;
+        detach_all_free(detached, true);
+        free_detached(detached);
+        Guard g(grow_mu_);
         ++oom_retries_;
         continue;
       }
-      OomFigures f = figures_locked(nbytes, order_.pending_bytes() >= csize ? "pending" : "upstream");
+      OomFigures f;
+      {
+        AllLocks all(this);
+        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "upstream");
+      }
       f.upstream_error = e.what();
-      g2.unlock();
       throw_oom(std::move(f));
     } catch (...) {
-      std::lock_guard<std::mutex> g2(mu_);
+      Guard g(grow_mu_);
       claimed_ -= csize;
       throw;
     }
-    std::lock_guard<std::mutex> g2(mu_);
+    Guard g(sh.mu);
+    Guard g2(grow_mu_);
     claimed_ -= csize;
     reserved_ += csize;
+    peak_reserved_ = std::max(peak_reserved_, reserved_);
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
     nb->size = csize;
     nb->cls = cls;
-    nb->requested = nbytes;
-    nb->alloc_stream = nb->last_stream = s;
-    nb->set(ChunkState::Live);
+    nb->shard.store(sh.index, std::memory_order_relaxed);
     table_.insert(nb->addr, nb);
-    live_ += nbytes;
-    overhead_ += csize - nbytes;
-    ++live_blocks_;
-    peak_reserved_ = std::max(peak_reserved_, reserved_);
-    peak_live_ = std::max(peak_live_, live_);
+    sh.reserved += csize;
+    serve_hit_locked(sh, nb, nbytes, s);
+    --sh.hits;  // a miss, not a hit
     return p;
   }
 }
 
 void* SizeClassPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (nbytes - 1 >= kMaxRequest || closed_.load(std::memory_order_relaxed)) return nullptr;
-  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  Shard& sh = my_shard();
+  std::unique_lock<detail::SpinMutex> g(sh.mu, std::try_to_lock);
   if (!g.owns_lock()) return nullptr;
   const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
   Block* b = nullptr;
-  if (s != kNoStream) b = static_cast<Block*>(order_.take_for_stream(s, csize));
-  if (!b) b = pop_free_locked(static_cast<std::uint32_t>(class_index(csize)));
+  if (s != kNoStream) b = static_cast<Block*>(sh.order.take_for_stream(s, csize));
+  if (!b) b = pop_free_locked(sh, static_cast<std::uint32_t>(class_index(csize)));
   if (!b) return nullptr;
-  return serve_hit_locked(b, nbytes, s);
-}
-
-void* SizeClassPool::serve_hit_locked(Block* b, std::size_t nbytes, Stream s) {
-  ++hits_;
-  b->requested = nbytes;
-  b->alloc_stream = b->last_stream = s;
-  b->set(ChunkState::Live);
-  live_ += nbytes;
-  overhead_ += b->size - nbytes;
-  ++live_blocks_;
-  peak_live_ = std::max(peak_live_, live_);
-  return reinterpret_cast<void*>(b->addr);
+  return serve_hit_locked(sh, b, nbytes, s);
 }
 
 bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a || closed_.load(std::memory_order_relaxed)) return false;
-  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
-  if (!g.owns_lock()) return false;
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
-  if (s == kNoStream && free_bytes_ + b->size > opt_.max_cached_bytes) return false;
+  const std::uint32_t k = b->home();
+  Shard& sh = *shards_[k & shard_mask_];
+  std::unique_lock<detail::SpinMutex> g(sh.mu, std::try_to_lock);
+  if (!g.owns_lock()) return false;
+  if (b->home() != k || b->addr != a || b->st() != ChunkState::Live) return false;
   if (s != kNoStream && StreamOrder::defer_records_events(b, s)) return false;  // an upstream call
-  live_ -= b->requested;
-  overhead_ -= b->size - b->requested;
-  --live_blocks_;
-  if (s == kNoStream) make_free_locked(b);
-  else order_.defer(b, s);
+  if (s == kNoStream && capped()) {
+    if (cached_total_.fetch_add(b->size, std::memory_order_relaxed) + b->size > opt_.max_cached_bytes) {
+      cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
+      return false;
+    }
+  }
+  sh.live -= b->requested;
+  sh.overhead -= b->size - b->requested;
+  --sh.live_blocks;
+  if (s == kNoStream) make_free_locked(sh, b, true);
+  else sh.order.defer(b, s);
   return true;
+}
+
+// sh locked, b Live in sh. First the step that can throw (recording events): then a failure
+// changes nothing.
+void SizeClassPool::release_block_locked(Shard& sh, Block* b, Stream s, Detached& out) {
+  if (s != kNoStream) sh.order.defer(b, s);
+  sh.live -= b->requested;
+  sh.overhead -= b->size - b->requested;
+  --sh.live_blocks;
+  if (s != kNoStream) return;
+  if (capped()) {
+    if (cached_total_.fetch_add(b->size, std::memory_order_relaxed) + b->size > opt_.max_cached_bytes) {
+      cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
+      b->drop_used_on();
+      Guard g(grow_mu_);
+      retire_locked(sh, b, out);
+      return;
+    }
+    make_free_locked(sh, b, true);
+    return;
+  }
+  make_free_locked(sh, b);
 }
 
 void SizeClassPool::deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
-  std::vector<std::pair<void*, std::size_t>> detached;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    check_open();
-    Block* b = nullptr;
-    if (table_.find(a, b)) {
+  Detached detached;
+  Block* b = nullptr;
+  bool done = false;
+  if (table_.find(a, b)) {
+    // The block's own shard lock is all a free takes. Recheck under it: a Free block may have
+    // moved to another shard, and a record found lock-free may have been retired and reused.
+    const std::uint32_t k = b->home();
+    Shard& sh = *shards_[k & shard_mask_];
+    Guard g(sh.mu);
+    if (b->home() == k && b->addr == a) {
+      check_open();
       if (b->st() != ChunkState::Live)
         throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
                                  chunk_state_name(b->st()) + ")",
                              a, "double_free");
-      // First the step that can throw (recording events): then a failure changes nothing.
-      if (s != kNoStream) order_.defer(b, s);
-      live_ -= b->requested;
-      overhead_ -= b->size - b->requested;
-      --live_blocks_;
-      if (s == kNoStream) {
-        if (free_bytes_ + b->size > opt_.max_cached_bytes) {
-          b->drop_used_on();
-          retire_locked(b, detached);
-        } else {
-          make_free_locked(b);
+      release_block_locked(sh, b, s, detached);
+      done = true;
+    }
+  }
+  if (!done) {
+    // Not found lock-free (an error, or the table was being rewritten): decide under every lock.
+    std::string inside;
+    {
+      AllLocks all(this);
+      check_open();
+      if (table_.find(a, b)) {
+        if (b->st() != ChunkState::Live)
+          throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
+                                   chunk_state_name(b->st()) + ")",
+                               a, "double_free");
+        grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
+        try {
+          release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
+        } catch (...) {
+          grow_mu_.lock();
+          throw;
         }
+        grow_mu_.lock();
+        done = true;
+      } else {
+        table_.for_each([&](std::uintptr_t k, Block* x) {
+          if (inside.empty() && a > k && a < k + x->size)
+            inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " +
+                     std::to_string(a - k) + "): free the block's start address";
+        });
       }
-    } else {
-      std::string inside;
-      table_.for_each([&](std::uintptr_t k, Block* x) {
-        if (inside.empty() && a > k && a < k + x->size)
-          inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " +
-                   std::to_string(a - k) + "): free the block's start address";
-      });
+    }
+    if (!done) {
       if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
-      goto foreign;
+      throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
     }
   }
   free_detached(detached);
-  return;
-foreign:
-  throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
 }
 
 void SizeClassPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> g(mu_);
-  check_open();
   Block* b = nullptr;
+  if (table_.find(a, b) && b->st() == ChunkState::Live) {
+    const std::uint32_t k = b->home();
+    Shard& sh = *shards_[k & shard_mask_];
+    Guard g(sh.mu);
+    check_open();
+    if (b->home() == k && b->addr == a && b->st() == ChunkState::Live) {
+      if (s == b->alloc_stream) return;
+      if (!b->used_on) b->used_on = new std::vector<Stream>();
+      if (std::find(b->used_on->begin(), b->used_on->end(), s) == b->used_on->end()) b->used_on->push_back(s);
+      return;
+    }
+  }
+  // Not found lock-free (bad input, or the table was being rewritten): decide under every lock.
+  AllLocks all(this);
+  check_open();
   if (!table_.find(a, b) || b->st() != ChunkState::Live)
     throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
   if (s == b->alloc_stream) return;
@@ -331,139 +527,178 @@ void SizeClassPool::record_stream(void* p, Stream s) {
 }
 
 std::size_t SizeClassPool::process_pending() {
-  std::lock_guard<std::mutex> g(mu_);
-  return order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); });
+  std::size_t bytes = 0;
+  for (auto& sp : shards_) {
+    Shard& sh = *sp;
+    Guard g(sh.mu);
+    bytes += sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
+  }
+  return bytes;
 }
 
 void SizeClassPool::synchronize() {
-  std::lock_guard<std::mutex> g(mu_);
-  order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); }, true);
+  for (auto& sp : shards_) {
+    Shard& sh = *sp;
+    Guard g(sh.mu);
+    sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); }, true);
+  }
 }
 
 std::size_t SizeClassPool::release_cached() {
-  std::vector<std::pair<void*, std::size_t>> detached;
-  std::size_t bytes = 0;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    check_open();
-    for (std::size_t c = 0; c < free_.size(); ++c)
-      while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) {
-        bytes += b->size;
-        retire_locked(b, detached);
-      }
-  }
+  check_open();
+  Detached detached;
+  const std::size_t bytes = detach_all_free(detached, false);
   free_detached(detached);
   return bytes;
 }
 
-void SizeClassPool::reset_peaks() {
-  std::lock_guard<std::mutex> g(mu_);
-  peak_reserved_ = reserved_;
-  peak_live_ = live_;
-}
-
 PoolStats SizeClassPool::stats() {
-  std::lock_guard<std::mutex> g(mu_);
   PoolStats st;
-  st.reserved = reserved_;
-  st.live = live_;
-  st.free = free_bytes_;
-  st.pending = order_.pending_bytes();
-  st.overhead = overhead_;
-  st.peak_reserved = peak_reserved_;
-  st.peak_live = peak_live_;
-  st.live_blocks = live_blocks_;
-  st.free_chunks = free_blocks_;
-  st.pending_blocks = order_.pending_blocks();
-  st.backings = table_.size();
-  st.limit = opt_.limit;
-  st.pending_by_stream = order_.by_stream();
-  for (std::size_t c = free_.size(); c-- > 0;)
-    if (free_[c].head) {
-      st.largest_free = free_[c].head->size;
-      break;
+  std::map<Stream, std::size_t> by_stream;
+  std::vector<bool> cached(nclasses_, false);
+  std::uint64_t hits = 0, migrated = 0, reuses = 0, fences = 0, dead = 0, retired = 0;
+  std::size_t fences_out = 0, lanes = 0, peak_shard = 0;
+  {
+    AllLocks all(this);
+    for (auto& sp : shards_) {
+      Shard& sh = *sp;
+      st.live += sh.live;
+      st.free += sh.free_bytes;
+      st.pending += sh.order.pending_bytes();
+      st.overhead += sh.overhead;
+      st.live_blocks += sh.live_blocks;
+      st.free_chunks += sh.free_blocks;
+      st.pending_blocks += sh.order.pending_blocks();
+      for (auto& [s, n] : sh.order.by_stream()) by_stream[s] += n;
+      for (std::size_t c = nclasses_; c-- > 0;)
+        if (sh.free[c].head) {
+          st.largest_free = std::max(st.largest_free, sh.free[c].head->size);
+          break;
+        }
+      for (std::size_t c = 0; c < nclasses_; ++c)
+        if (sh.free[c].count) cached[c] = true;
+      hits += sh.hits;
+      migrated += sh.migrated;
+      reuses += sh.order.same_stream_reuses();
+      fences += sh.order.fences_recorded();
+      fences_out += sh.order.fences_outstanding();
+      lanes += sh.order.lanes();
+      retired += sh.order.lanes_retired();
+      dead += sh.order.dead_stream_settles();
+      peak_shard = std::max(peak_shard, sh.peak_live);
     }
-  std::size_t classes = 0;
-  for (auto& fl : free_) classes += fl.count ? 1 : 0;
+    st.reserved = reserved_;
+    peak_live_ = std::max({peak_live_, st.live, peak_shard});
+    st.peak_reserved = peak_reserved_;
+    st.peak_live = peak_live_;
+    st.backings = table_.size();
+    st.extra.emplace_back("hits", hits);
+    st.extra.emplace_back("misses", misses_);
+    st.extra.emplace_back("cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true)));
+    st.extra.emplace_back("released_blocks", released_blocks_);
+    st.extra.emplace_back("same_stream_reuses", reuses);
+    st.extra.emplace_back("fences_recorded", fences);
+    st.extra.emplace_back("fences_outstanding", fences_out);
+    st.extra.emplace_back("stream_lanes", lanes);
+    st.extra.emplace_back("stream_lanes_retired", retired);
+    st.extra.emplace_back("dead_stream_settles", dead);
+    st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
+    st.extra.emplace_back("oom_retries", oom_retries_);
+    st.extra.emplace_back("table_capacity", table_.capacity());
+    st.extra.emplace_back("shards", shards_.size());
+    st.extra.emplace_back("shard_migrations", migrated);
+  }
+  st.limit = opt_.limit;
+  st.pending_by_stream.assign(by_stream.begin(), by_stream.end());
   fill_upstream_counts(st);
-  st.extra.emplace_back("hits", hits_);
-  st.extra.emplace_back("misses", misses_);
-  st.extra.emplace_back("cached_classes", classes);
-  st.extra.emplace_back("released_blocks", released_blocks_);
-  st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
-  st.extra.emplace_back("fences_recorded", order_.fences_recorded());
-  st.extra.emplace_back("fences_outstanding", order_.fences_outstanding());
-  st.extra.emplace_back("stream_lanes", order_.lanes());
-  st.extra.emplace_back("stream_lanes_retired", order_.lanes_retired());
-  st.extra.emplace_back("dead_stream_settles", order_.dead_stream_settles());
-  st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
-  st.extra.emplace_back("oom_retries", oom_retries_);
-  st.extra.emplace_back("table_capacity", table_.capacity());
   return st;
 }
 
 void SizeClassPool::validate() {
-  std::lock_guard<std::mutex> g(mu_);
-  std::size_t r = 0, l = 0, o = 0, f = 0, fb = 0, p = 0, lb = 0;
+  AllLocks all(this);
+  const std::size_t ns = shards_.size();
+  std::vector<std::size_t> r(ns), l(ns), o(ns), f(ns), fb(ns), p(ns), lb(ns);
   table_.for_each([&](std::uintptr_t a, Block* b) {
     if (b->addr != a) throw InvariantViolation("SizeClassPool: table key != block address");
     if (b->size != class_size_for(b->size, opt_.alignment, opt_.classes_per_doubling) ||
         class_index(b->size) != b->cls)
       throw InvariantViolation("SizeClassPool: block size is not its class size");
     if (a % opt_.alignment) throw InvariantViolation("SizeClassPool: misaligned block");
-    r += b->size;
+    const std::uint32_t k = b->home();
+    if (k >= ns) throw InvariantViolation("SizeClassPool: block of no shard");
+    r[k] += b->size;
     switch (b->st()) {
       case ChunkState::Live:
         if (b->requested > b->size) throw InvariantViolation("SizeClassPool: requested above class size");
-        l += b->requested;
-        o += b->size - b->requested;
-        ++lb;
+        l[k] += b->requested;
+        o[k] += b->size - b->requested;
+        ++lb[k];
         break;
-      case ChunkState::Free: f += b->size; ++fb; break;
-      case ChunkState::Pending: p += b->size; break;
+      case ChunkState::Free: f[k] += b->size; ++fb[k]; break;
+      case ChunkState::Pending: p[k] += b->size; break;
       default: throw InvariantViolation("SizeClassPool: block in an impossible state");
     }
   });
-  std::size_t listed = 0, listed_bytes = 0;
-  for (std::size_t c = 0; c < free_.size(); ++c) {
-    std::size_t n = 0;
-    for (Block* b = free_[c].head; b; b = b->next_free, ++n) {
-      if (b->cls != c || b->st() != ChunkState::Free) throw InvariantViolation("SizeClassPool: bad free-list entry");
-      listed_bytes += b->size;
+  std::size_t total_reserved = 0, total_free = 0;
+  for (std::size_t k = 0; k < ns; ++k) {
+    Shard& sh = *shards_[k];
+    std::size_t listed = 0, listed_bytes = 0;
+    for (std::size_t c = 0; c < nclasses_; ++c) {
+      std::size_t n = 0;
+      for (Block* b = sh.free[c].head; b; b = b->next_free, ++n) {
+        if (b->cls != c || b->st() != ChunkState::Free || b->home() != k)
+          throw InvariantViolation("SizeClassPool: bad free-list entry");
+        listed_bytes += b->size;
+      }
+      if (n != sh.free[c].count) throw InvariantViolation("SizeClassPool: free-list count mismatch");
+      listed += n;
     }
-    if (n != free_[c].count) throw InvariantViolation("SizeClassPool: free-list count mismatch");
-    listed += n;
+    sh.order.validate();
+    const std::string where = "SizeClassPool shard " + std::to_string(k) + ": ";
+    if (r[k] != sh.reserved)
+      throw InvariantViolation(where + "reserved " + std::to_string(sh.reserved) + " but blocks add to " + std::to_string(r[k]));
+    if (l[k] != sh.live || o[k] != sh.overhead || lb[k] != sh.live_blocks)
+      throw InvariantViolation(where + "live/overhead totals mismatch");
+    if (f[k] != sh.free_bytes || fb[k] != sh.free_blocks || listed != fb[k] || listed_bytes != f[k])
+      throw InvariantViolation(where + "free totals mismatch");
+    if (p[k] != sh.order.pending_bytes()) throw InvariantViolation(where + "pending totals mismatch");
+    if (sh.reserved != sh.live + sh.free_bytes + sh.order.pending_bytes() + sh.overhead)
+      throw InvariantViolation(where + "reserved != live + free + pending + overhead");
+    total_reserved += sh.reserved;
+    total_free += sh.free_bytes;
   }
-  order_.validate();
-  if (r != reserved_) throw InvariantViolation("SizeClassPool: reserved " + std::to_string(reserved_) + " but blocks add to " + std::to_string(r));
-  if (l != live_ || o != overhead_ || lb != live_blocks_) throw InvariantViolation("SizeClassPool: live/overhead totals mismatch");
-  if (f != free_bytes_ || fb != free_blocks_ || listed != fb || listed_bytes != f)
-    throw InvariantViolation("SizeClassPool: free totals mismatch");
-  if (p != order_.pending_bytes()) throw InvariantViolation("SizeClassPool: pending totals mismatch");
-  if (reserved_ != live_ + free_bytes_ + order_.pending_bytes() + overhead_)
-    throw InvariantViolation("SizeClassPool: reserved != live + free + pending + overhead");
+  if (total_reserved != reserved_)
+    throw InvariantViolation("SizeClassPool: reserved " + std::to_string(reserved_) + " but the shards hold " +
+                             std::to_string(total_reserved));
+  if (capped() && cached_total_.load() != total_free)
+    throw InvariantViolation("SizeClassPool: cached-bytes counter does not match the free lists");
   if (table_.size() != nodes_.live() || !table_.consistent())
     throw InvariantViolation("SizeClassPool: pointer table does not match the blocks");
 }
 
 void SizeClassPool::close() {
-  std::vector<std::pair<void*, std::size_t>> detached;
+  Detached detached;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    AllLocks all(this);
     if (closed()) return;
-    if (live_blocks_) {
+    std::size_t live_blocks = 0, live = 0;
+    for (auto& sh : shards_) live_blocks += sh->live_blocks, live += sh->live;
+    if (live_blocks) {
       std::vector<std::uintptr_t> sample;
       table_.for_each([&](std::uintptr_t a, Block* b) {
         if (b->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
       });
       throw LiveBlocksAtClose("cannot close SizeClassPool #" + std::to_string(id_) + ": " +
-                                  std::to_string(live_blocks_) + " block(s), " + format_bytes(live_) +
+                                  std::to_string(live_blocks) + " block(s), " + format_bytes(live) +
                                   " still live; free them first",
-                              live_blocks_, live_, sample);
+                              live_blocks, live, sample);
     }
-    order_.drain([&](BlockRecord* r) { make_free_locked(static_cast<Block*>(r)); }, true);
-    for (std::size_t c = 0; c < free_.size(); ++c)
-      while (Block* b = pop_free_locked(static_cast<std::uint32_t>(c))) retire_locked(b, detached);
+    for (auto& sp : shards_) {
+      Shard& sh = *sp;
+      sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); }, true);
+      for (std::uint32_t c = 0; c < nclasses_; ++c)
+        while (Block* b = pop_free_locked(sh, c)) retire_locked(sh, b, detached);
+    }
     closed_.store(true, std::memory_order_release);
   }
   free_detached(detached);
@@ -475,7 +710,7 @@ Snapshot SizeClassPool::snapshot() {
   snap.upstream = upstream_->name();
   snap.alignment = opt_.alignment;
   snap.stats = stats();
-  std::lock_guard<std::mutex> g(mu_);
+  AllLocks all(this);
   table_.for_each([&](std::uintptr_t a, Block* b) {
     BackingInfo bi;
     bi.address = a;
@@ -486,7 +721,7 @@ Snapshot SizeClassPool::snapshot() {
     c.requested = b->requested;
     c.alloc_stream = b->alloc_stream;
     c.last_stream = b->last_stream;
-    if (c.state == ChunkState::Pending) order_.describe(b, c.waits_on, c.event);
+    if (c.state == ChunkState::Pending) shards_[b->home()]->order.describe(b, c.waits_on, c.event);
     bi.chunks.push_back(std::move(c));
     snap.backings.push_back(std::move(bi));
   });
@@ -496,9 +731,22 @@ Snapshot SizeClassPool::snapshot() {
 }
 
 bool SizeClassPool::owns_live(std::uintptr_t p) {
-  std::lock_guard<std::mutex> g(mu_);
+  Guard g(grow_mu_);  // the table is written only under it
   Block* b;
   return table_.find(p, b) && b->st() == ChunkState::Live;
+}
+
+// Peaks restart from now: each shard's peak from its live bytes, the pool's from their sum and the
+// reserved bytes (all locks: one consistent observation).
+void SizeClassPool::reset_peaks() {
+  AllLocks all(this);
+  std::size_t live = 0;
+  for (auto& sp : shards_) {
+    sp->peak_live = sp->live;
+    live += sp->live;
+  }
+  peak_live_ = live;
+  peak_reserved_ = reserved_;
 }
 
 }  // namespace poolkeeper

@@ -11,7 +11,9 @@
 // advance the clock, process_pending and synchronize, and use short-lived streams destroyed
 // before their blocks are freed (the dead-handle settle path). synchronize() and trim() from one
 // thread reclaim every other thread's cache while those threads run their lock-free cache paths
-// (the cross-thread reclaim of ArenaPool's thread caches).
+// (the cross-thread reclaim of ArenaPool's thread caches). SizeClassPool runs sharded (the default
+// count, and 2 or 1 shards for 8-32 threads: shared shards, blocks moving between shards on every
+// miss, frees landing in another thread's shard).
 //
 // Between phases every thread waits at a barrier; at that quiescent point one thread runs
 // validate(), checks stats() against what the threads hold (live blocks and bytes), checks that
@@ -180,10 +182,11 @@ std::vector<Case> all_cases() {
     };
   };
   auto direct = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> { return std::make_shared<DirectPool>(std::move(up)); };
-  auto size_class = [](std::size_t cap) {
+  auto size_class = [](std::size_t cap, std::size_t shards = 0) {
     return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
       SizeClassOptions o;
       o.max_cached_bytes = cap;
+      o.shards = shards;
       return std::make_shared<SizeClassPool>(std::move(up), o);
     };
   };
@@ -195,6 +198,16 @@ std::vector<Case> all_cases() {
       const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/poolkeeper_stress_log.csv";
       return std::make_shared<LoggingPool>(arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)(std::move(up)), path, buffer);
     };
+  // The thread cache holding large blocks too (issue 20): most frees of the random sizes stay in
+  // the caches, so trim/synchronize reclaim far more from running threads.
+  auto arena_bigcache = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
+    ArenaOptions o;
+    o.initial_backing = 1 << 20;
+    o.max_backing = 4 << 20;
+    o.thread_cache_bytes = 8 << 20;
+    o.thread_cache_max_block = 4 << 20;
+    o.shrink_interval = 256;
+    return std::make_shared<ArenaPool>(std::move(up), o);
   };
   return {
       {"direct-host", true, direct},
@@ -205,6 +218,11 @@ std::vector<Case> all_cases() {
       {"arena_tiny-host", true, arena(16 << 10, 64 << 10, 64 << 10, 32, 1, 1.5)},  // growth, oversize, shrink
       {"direct-sim", false, direct},
       {"size_class-sim", false, size_class(0)},
+      // Fewer shards than threads: shards shared, misses moving blocks between shards all the time.
+      {"size_class_2shards-host", true, size_class(0, 2)},
+      {"size_class_2shards-sim", false, size_class(0, 2)},
+      {"size_class_1shard-sim", false, size_class(0, 1)},
+      {"arena_bigcache-sim", false, arena_bigcache},
       {"arena-sim", false, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)},
       {"arena_nocache-sim", false, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},
       {"arena_expandable-sim", false, expandable(256 << 10)},

@@ -125,9 +125,13 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         max_cached_bytes: cap on cached free bytes; a release beyond it frees upstream (None: no cap;
             0: cache nothing, every release goes upstream).
         limit: cap on reserved bytes (None: no cap; 0 is refused, since it would allow nothing).
+        shards: independent parts, each with its own lock, free lists and stream order; a thread
+            works in its own shard and a miss borrows free blocks from the others before asking
+            the upstream (None: one per hardware thread, at least 8, at most 64; rounded up to a
+            power of two; docs/threads.md).
 
-    ``release_cached()`` returns every cached block to the upstream (detached under the lock, freed
-    outside it); ``trim()`` is the same.
+    ``release_cached()`` returns every cached block to the upstream (detached under the locks,
+    freed outside them); ``trim()`` is the same.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
         classes_per_doubling: int = 4,
         max_cached_bytes: Optional[int] = None,
         limit: Optional[int] = None,
+        shards: Optional[int] = None,
         **unknown: Any,
     ) -> None:
         super().__init__(
@@ -148,6 +153,7 @@ class SizeClassPool(_PoolAPI, _core.SizeClassPool):
                 classes_per_doubling=classes_per_doubling,
                 max_cached_bytes=max_cached_bytes,
                 limit=limit,
+                shards=shards,
             ),
         )
 
@@ -170,8 +176,9 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
       synchronizes the device, so thrashing it costs more than holding it one more round).
 
     Args (all keyword): ``initial_backing`` (2 MiB), ``max_backing`` (128 MiB), ``growth_factor``
-    (1.5), ``alignment`` (256), ``thread_cache_bytes`` (8 MiB; 0 disables the cache),
-    ``thread_cache_max_block`` (1 MiB), ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
+    (1.5), ``alignment`` (256), ``thread_cache_bytes`` (32 MiB; 0 disables the cache),
+    ``thread_cache_max_block`` (2 MiB: a round of 2 MiB blocks stays off the pool lock),
+    ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
     0 disables automatic scans), ``oversize_threshold`` (32 MiB, clamped to ``max_backing``;
     requests above it get an oversize backing of their own), ``limit`` (None: no cap; 0 is refused).
     With ``expandable=True`` (docs/expandable.md) also ``va_bytes``, ``step_fraction`` and
@@ -186,8 +193,8 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         max_backing: int = 128 * MiB,
         growth_factor: float = 1.5,
         alignment: int = 256,
-        thread_cache_bytes: int = 8 * MiB,
-        thread_cache_max_block: int = 1 * MiB,
+        thread_cache_bytes: int = 32 * MiB,
+        thread_cache_max_block: int = 2 * MiB,
         shrink_hysteresis: int = 2,
         shrink_interval: int = 4096,
         oversize_threshold: int = 32 * MiB,

@@ -39,6 +39,9 @@
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
 // Thread safety: all members may be called concurrently; validate() and close() need quiescence.
+// One pool lock (mu_, a SpinMutex) for everything outside the thread caches; upstream frees run
+// after it is released (free_detached); growth and the expandable map/unmap still call the upstream
+// under it (docs/threads.md).
 #pragma once
 #include <memory>
 #include <mutex>
@@ -49,6 +52,7 @@
 #include "poolkeeper/detail/free_index.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
+#include "poolkeeper/detail/spin_mutex.hpp"
 #include "poolkeeper/detail/thread_cache.hpp"
 #include "poolkeeper/pool.hpp"
 #include "poolkeeper/stream_order.hpp"
@@ -60,8 +64,10 @@ struct ArenaOptions {
   std::size_t initial_backing = std::size_t{2} << 20;
   std::size_t max_backing = std::size_t{128} << 20;
   double growth_factor = 1.5;
-  std::size_t thread_cache_bytes = std::size_t{8} << 20;  // per thread; 0 disables
-  std::size_t thread_cache_max_block = std::size_t{1} << 20;
+  // Per thread; 0 disables. Covers the common large classes too (a round of 8 blocks of 2 MiB fits):
+  // with many threads, everything above the cache meets on the pool lock (issue 20).
+  std::size_t thread_cache_bytes = std::size_t{32} << 20;
+  std::size_t thread_cache_max_block = std::size_t{2} << 20;
   std::size_t shrink_hysteresis = 2;
   std::size_t shrink_interval = 4096;  // locked releases between automatic scans; 0: never
   std::size_t limit = 0;
@@ -144,7 +150,9 @@ class ArenaPool final : public Pool {
 
   ArenaOptions opt_;
   bool cache_enabled_;
-  mutable std::mutex mu_;
+  // Guards everything below except the atomics and what the thread caches own (thread_cache.hpp).
+  // Spins briefly, then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
+  mutable detail::SpinMutex mu_;
   detail::NodeArena<detail::ArenaChunk> chunk_nodes_;
   detail::PointerTable<detail::ArenaChunk*> table_;  // Live and ThreadCached chunks
   detail::FreeIndex index_;

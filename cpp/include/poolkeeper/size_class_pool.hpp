@@ -3,21 +3,40 @@
 //
 // - Classes: `classes_per_doubling` (k) geometric steps between consecutive powers of two, above
 //   the alignment: rounding waste < 1/k of the request. Sizes up to 2^62.
+// - Shards (issue 20: many threads at once). The pool is split into `shards` independent parts,
+//   each with its own lock, free lists, stream order and counters; a thread works in its own
+//   shard (threads are numbered on first use, round robin). Every block belongs to exactly one
+//   shard (Block::shard), where it is counted live, free or pending, so each shard's books
+//   balance on their own and any observation under every lock sees the whole partition. A free
+//   goes back to the block's own shard (a cross-thread free takes that one shard's lock); a miss
+//   in the caller's shard first moves free blocks of the class from another shard (both locks,
+//   taken in index order) before asking the upstream, so sharding never grows the footprint
+//   while another shard holds a fitting block.
 // - Live and cached blocks are held in one open-addressing PointerTable (no heap traffic per
-//   insert/erase once grown), so a double free is told from an unknown pointer.
-// - release_cached() detaches every cached block under the lock and frees upstream outside it:
-//   cuMemFree synchronizes the device, and holding a mutex across it would stall every thread.
-// - Stream order through the shared StreamOrder component.
+//   insert/erase once grown), so a double free is told from an unknown pointer. It is read
+//   lock-free (a free finds its block without any shared lock) and written only on upstream
+//   calls, under grow_mu_; a lock-free miss is confirmed under every lock before it is an error.
+// - Upstream calls run outside every lock: release_cached() detaches under the locks and frees
+//   after (cuMemFree synchronizes the device). Event work (fences, multi-stream releases) stays
+//   under the shard lock that owns the block's stream order: one shard, not the whole pool.
+// - Stream order through the shared StreamOrder component, one per shard.
 //
-// Invariants (validate()): reserved == live + free + pending + overhead; every free-list block is
-// Free and of its class; table size == live + free + pending blocks; pending totals match.
-// Thread safety: one mutex; the critical section is a table probe and a list pop.
+// Invariants (validate()): per shard and in total, reserved == live + free + pending + overhead;
+// every free-list block is Free, of its class and of that shard; table size == live + free +
+// pending blocks; pending totals match; the shards' reserved bytes add to the pool's.
+// peak_live is exact while one thread uses the pool; with several it is the largest of what one
+// shard held and of every stats()/validate() observation (a lower bound of the true peak).
+// Thread safety: all members may be called concurrently (validate/close/snapshot: quiescent).
+// Locks: shard locks in index order, then grow_mu_. Each SpinMutex spins briefly, then parks.
 #pragma once
+#include <atomic>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
+#include "poolkeeper/detail/spin_mutex.hpp"
 #include "poolkeeper/pool.hpp"
 #include "poolkeeper/stream_order.hpp"
 
@@ -32,6 +51,7 @@ struct SizeClassOptions {
   // Cap on cached free bytes: 0 caches nothing (every release goes upstream), SIZE_MAX: no cap.
   std::size_t max_cached_bytes = SIZE_MAX;
   std::size_t limit = 0;             // 0: none
+  std::size_t shards = 0;            // independent parts (rounded up to a power of two); 0: auto
 };
 
 class SizeClassPool final : public Pool {
@@ -41,8 +61,9 @@ class SizeClassPool final : public Pool {
 
   void* allocate(std::size_t nbytes, Stream s) override;
   void deallocate(void* p, Stream s) override;
-  // Hits only, and only when the lock is free right now (try_lock): the caller holds the GIL, so
-  // it must never wait here. Anything else (a miss, contention, an error) takes the full path.
+  // Hits only, and only when the caller's shard lock is free right now (try_lock): the caller
+  // holds the GIL, so it must never wait here. Anything else (a miss, contention, an error) takes
+  // the full path.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
   void record_stream(void* p, Stream s) override;
@@ -66,31 +87,68 @@ class SizeClassPool final : public Pool {
 
  private:
   struct Block : BlockRecord {
-    Block* next_free = nullptr;
+    Block* next_free = nullptr;  // guarded by the owning shard's lock
     std::uint32_t cls = 0;
+    // The owning shard. Changes only while the block is Free, under both shards' locks; atomic
+    // because a free reads it before it knows which lock to take.
+    std::atomic<std::uint32_t> shard{0};
+    std::uint32_t home() const { return shard.load(std::memory_order_relaxed); }
   };
   struct FreeList {
     Block* head = nullptr;
     std::size_t count = 0;
   };
-  void make_free_locked(Block* b);
-  void retire_locked(Block* b, std::vector<std::pair<void*, std::size_t>>& out);
-  Block* pop_free_locked(std::uint32_t cls);
-  void* serve_hit_locked(Block* b, std::size_t nbytes, Stream s);
-  void free_detached(std::vector<std::pair<void*, std::size_t>>& v);
-  OomFigures figures_locked(std::size_t requested, const char* cause) const;
+  using Detached = std::vector<std::pair<void*, std::size_t>>;
+  // One independent part of the pool. Every field is guarded by mu (alignas: no false sharing).
+  struct alignas(64) Shard {
+    Shard(Upstream* up, std::uint32_t i) : index(i), order(up) {}
+    const std::uint32_t index;
+    detail::SpinMutex mu;
+    std::vector<FreeList> free;  // by class index
+    StreamOrder order;
+    std::size_t reserved = 0, live = 0, overhead = 0, free_bytes = 0, free_blocks = 0, live_blocks = 0;
+    std::size_t peak_live = 0;
+    std::uint64_t hits = 0, migrated = 0;
+  };
+  using Guard = std::lock_guard<detail::SpinMutex>;
+  // Every shard lock (index order), then grow_mu_: an observation point of the whole pool.
+  struct AllLocks {
+    explicit AllLocks(SizeClassPool* p);
+    ~AllLocks();
+    SizeClassPool* p;
+  };
+
+  Shard& my_shard();
+  void make_free_locked(Shard& sh, Block* b, bool counted = false);
+  void retire_locked(Shard& sh, Block* b, Detached& out);  // + grow_mu_
+  Block* pop_free_locked(Shard& sh, std::uint32_t cls);
+  void* serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, Stream s);
+  // sh locked through g (released and retaken when another shard's lock must come first).
+  Block* steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh, std::uint32_t cls, std::size_t csize, Stream s);
+  std::size_t detach_all_free(Detached& out, bool drain);  // every shard's free blocks, retired
+  void free_detached(Detached& v);
+  OomFigures figures_all_locked(std::size_t requested, const char* cause);
+  void release_block_locked(Shard& sh, Block* b, Stream s, Detached& out);
+  std::size_t pending_bytes_all_locked() const;
 
   SizeClassOptions opt_;
   unsigned shift_;  // log2(classes_per_doubling)
-  mutable std::mutex mu_;
+  std::size_t nclasses_ = 0;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::uint32_t shard_mask_ = 0;
+  // grow_mu_ guards: table_ writes, nodes_, reserved_, claimed_, peak_reserved_, peak_live_,
+  // misses_, released_blocks_, upstream_free_failures_, oom_retries_. Taken after shard locks.
+  mutable detail::SpinMutex grow_mu_;
   detail::NodeArena<Block> nodes_;
-  detail::PointerTable<Block*> table_;
-  std::vector<FreeList> free_;  // by class index
-  StreamOrder order_;
+  detail::PointerTable<Block*> table_;  // written under grow_mu_; read lock-free
   std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
-  std::size_t reserved_ = 0, live_ = 0, overhead_ = 0, free_bytes_ = 0, free_blocks_ = 0;
-  std::size_t peak_reserved_ = 0, peak_live_ = 0, live_blocks_ = 0;
-  std::uint64_t hits_ = 0, misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;
+  std::size_t reserved_ = 0, peak_reserved_ = 0, peak_live_ = 0;
+  std::uint64_t misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;
+  // Bytes in every shard's free lists; kept only with a max_cached_bytes cap (a shared counter
+  // every free would write otherwise).
+  std::atomic<std::size_t> cached_total_{0};
+  // max_cached_bytes: SIZE_MAX (the default) is no cap; any other value, 0 included, caps.
+  bool capped() const { return opt_.max_cached_bytes != SIZE_MAX; }
 };
 
 }  // namespace poolkeeper

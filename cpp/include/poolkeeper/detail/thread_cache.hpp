@@ -27,7 +27,8 @@ namespace poolkeeper::detail {
 
 struct ArenaChunk;
 
-class ThreadCache {
+// alignas: caches of different threads are written at once and must not share a cache line.
+class alignas(64) ThreadCache {
  public:
   static constexpr int kBins = 16;
   static constexpr int kPerBin = 8;

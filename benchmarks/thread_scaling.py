@@ -1,0 +1,136 @@
+"""Many threads at once (issue 20): aggregate poolkeeper_malloc+poolkeeper_free pairs/s through the
+C ABI for 1..16 native threads, per pool and request size, with p99 call latency per size.
+
+    PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
+        [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
+        [--json benchmarks/results/thread_scaling.json --key NAME]
+
+Each cell: `threads` native threads (capi_bench_threads in the bindings), each doing rounds of 8
+allocations then 8 frees on the pool registered for the device, for --seconds. Cases: one size at
+a time (4 KiB, 256 KiB, 2 MiB, 32 MiB) freed by the allocating thread, and "mixed": the four sizes
+at once with every round's blocks freed by the next thread (cross-thread frees). Streams: none
+(stream=None contract), so the figures are the pools' own paths, not stream bookkeeping.
+
+Backends: sim = Simulated(latency="none") (a miss costs no device time: the pool's own work is all
+that is measured); cuda = CudaDevice(0) (misses are real cuMemAlloc/cuMemFree; the pools are
+warmed by the first round, so a steady state touches the upstream only when a pool gives memory
+back; the expandable arena runs over CudaVirtual). The direct pool is the reference: every pair is
+an upstream call.
+
+The "16/1" column is aggregate pairs/s at 16 threads over 1 thread. A machine with fewer cores
+than threads cannot show scaling beyond its core count, but a collapse (ratio far below 1) still
+shows. Timings are wall-clock on the machine that runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import poolkeeper as pk
+from poolkeeper import _core
+
+KiB, MiB = 1 << 10, 1 << 20
+CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB", [2 * MiB], False),
+         ("32 MiB", [32 * MiB], False), ("mixed, cross-thread frees", [4 * KiB, 256 * KiB, 2 * MiB, 32 * MiB], True)]
+DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
+
+
+def make_upstream(backend: str, kind: str = ""):
+    if backend == "cuda":
+        # The expandable arena needs virtual memory: CudaVirtual maps physical pieces into one range.
+        return pk.upstream.CudaVirtual(DEVICE) if kind == "arena_expandable" else pk.upstream.CudaDevice(DEVICE)
+    return pk.upstream.Simulated(latency="none")
+
+
+def make_pool(kind: str, up):
+    if kind == "arena":
+        return pk.ArenaPool(up)
+    if kind == "arena_expandable":
+        return pk.ArenaPool(up, expandable=True)
+    if kind == "size_class":
+        return pk.SizeClassPool(up)
+    if kind == "direct":
+        return pk.Direct(up)
+    raise SystemExit(f"unknown pool kind {kind!r}")
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+
+
+def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float) -> dict:
+    up = make_upstream(backend, kind)
+    pool = make_pool(kind, up)
+    _core.registry_set(DEVICE, pool)
+    try:
+        r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
+    finally:
+        _core.registry_set(DEVICE, None)
+    pool.validate()  # the books balance after the storm (quiescent now)
+    st = pool.stats()
+    assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"], st
+    pool.trim()
+    pool.close()
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
+    ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--pools", default="arena,size_class,arena_expandable,direct")
+    ap.add_argument("--cases", default="", help="comma-separated case labels to run (default: all)")
+    ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
+                    "file's object (other keys kept: one results file for every machine)")
+    ap.add_argument("--key", default="")
+    ap.add_argument("--label", default="", help="free text stored with the results (e.g. the commit)")
+    args = ap.parse_args(argv)
+    threads = [int(x) for x in args.threads.split(",")]
+    kinds = [k for k in args.pools.split(",") if k]
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
+        kinds.remove("arena_expandable")
+        print("arena_expandable skipped: the upstream has no virtual memory")
+    out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
+    print(f"thread scaling, backend {args.backend}, {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
+    hdr = "".join(f"{t:>9d}t" for t in threads)
+    print(f"{'pool':17s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
+    for kind in kinds:
+        for label, sizes, cross in cases:
+            cells = []
+            for t in threads:
+                r = run_cell(args.backend, kind, sizes, cross, t, args.seconds)
+                cells.append(r)
+                out["rows"].append({"pool": kind, "case": label, "sizes": sizes, "cross_thread_frees": cross, **r})
+            rates = [c["pairs_per_s"] / 1e6 for c in cells]
+            ratio = rates[-1] / rates[0] if rates[0] else float("nan")
+            p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
+            print(f"{kind:17s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
+    if args.json:
+        doc = out
+        if args.key:
+            doc = {}
+            if os.path.exists(args.json):
+                with open(args.json) as f:
+                    doc = json.load(f)
+            doc[args.key] = out
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

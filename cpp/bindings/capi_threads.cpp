@@ -1,0 +1,217 @@
+// capi_bench_threads: many native threads hammering poolkeeper_malloc/poolkeeper_free on one
+// registered pool at once (issue 20's scaling benchmark). Native threads, not Python threads: the
+// question is what the allocator does under contention, and the GIL would serialize the callers.
+//
+// Each thread runs rounds of 8 allocations then 8 frees of one size (with several sizes, a thread
+// takes them in turn, offset by its index, so different sizes run at the same moment). With
+// cross_thread_frees, a round's 8 blocks are handed to the next thread, which frees them: the
+// pattern of a producer/consumer server, where the freeing thread's cache never saw the block.
+// Latency: one round in `sample_every` times each call with the steady clock (reading the clock
+// on every call would add ~40 ns to a ~50 ns pair and hide the allocator); per size, log-linear
+// histograms merged over threads give p50 and p99 of single calls.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nanobind/stl/vector.h>
+
+#include "../capi/poolkeeper_capi.h"
+#include "bindings.hpp"
+
+namespace poolkeeper::py {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// Log-linear histogram of nanoseconds: 16 steps per power of two (< 6.25% bucket error).
+struct Hist {
+  static constexpr int kSub = 16, kPow = 40;
+  std::vector<std::uint64_t> n = std::vector<std::uint64_t>(kSub * kPow, 0);
+  static int bucket(std::uint64_t ns) {
+    if (ns < kSub) return static_cast<int>(ns);
+    const int e = 63 - __builtin_clzll(ns);  // ns in [2^e, 2^(e+1))
+    const int sub = static_cast<int>((ns >> (e - 4)) & (kSub - 1));
+    return std::min((e - 3) * kSub + sub, kSub * kPow - 1);
+  }
+  static double value(int b) {  // the bucket's lower bound
+    if (b < kSub) return b;
+    const int e = b / kSub + 3, sub = b % kSub;
+    return double((std::uint64_t{1} << e) + (std::uint64_t(sub) << (e - 4)));
+  }
+  void add(std::uint64_t ns) { ++n[bucket(ns)]; }
+  void merge(const Hist& o) {
+    for (std::size_t i = 0; i < n.size(); ++i) n[i] += o.n[i];
+  }
+  double quantile(double q) const {
+    std::uint64_t total = 0;
+    for (auto c : n) total += c;
+    if (!total) return 0.0;
+    const auto want = static_cast<std::uint64_t>(q * double(total - 1));
+    std::uint64_t seen = 0;
+    for (std::size_t i = 0; i < n.size(); ++i) {
+      seen += n[i];
+      if (seen > want) return value(static_cast<int>(i));
+    }
+    return value(static_cast<int>(n.size() - 1));
+  }
+};
+
+struct Inbox {  // blocks handed over by the previous thread (cross-thread frees)
+  std::mutex mu;
+  std::vector<std::pair<void*, std::size_t>> items;  // (block, size index); guarded by mu
+};
+
+struct PerThread {
+  std::vector<Hist> alloc_h, free_h;  // by size index
+  std::vector<std::uint64_t> pairs;   // by size index
+  std::string error;
+};
+}  // namespace
+
+void bind_capi_threads(nb::module_& m) {
+  m.def(
+      "capi_bench_threads",
+      [](int device, std::vector<std::size_t> sizes, std::size_t threads, double seconds, bool cross_thread_frees,
+         nb::handle stream, std::size_t sample_every) {
+        if (sizes.empty() || threads == 0 || threads > 1024 || !(seconds > 0) || sample_every == 0)
+          throw InvalidArgument("capi_bench_threads: need sizes, 1..1024 threads, seconds > 0, sample_every >= 1");
+        const Stream s = parse_stream(stream);
+        constexpr int kBlocks = 8;
+        const std::size_t nsz = sizes.size();
+        std::vector<PerThread> per(threads);
+        std::vector<Inbox> inbox(threads);
+        std::atomic<std::size_t> ready{0};
+        std::atomic<bool> go{false}, stop{false};
+        double elapsed = 0;
+        {
+          nb::gil_scoped_release nogil;
+          std::vector<std::thread> ts;
+          ts.reserve(threads);
+          for (std::size_t t = 0; t < threads; ++t) {
+            ts.emplace_back([&, t] {
+              PerThread& me = per[t];
+              me.alloc_h.resize(nsz);
+              me.free_h.resize(nsz);
+              me.pairs.assign(nsz, 0);
+              void* blk[kBlocks];
+              std::vector<std::pair<void*, std::size_t>> got;
+              auto fail = [&](const char* what) {
+                me.error = std::string(what) + ": " + poolkeeper_last_error();
+                stop.store(true);
+              };
+              // Warm: the first round may grow the pool and create this thread's cache.
+              for (std::size_t k = 0; k < nsz && me.error.empty(); ++k) {
+                for (auto& b : blk) b = poolkeeper_malloc(sizes[k], device, s);
+                for (auto& b : blk) {
+                  if (!b) fail("warm-up poolkeeper_malloc");
+                  else poolkeeper_free(b, device, s);
+                }
+              }
+              ready.fetch_add(1);
+              while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+              Inbox& mine = inbox[t];
+              Inbox& next = inbox[(t + 1) % threads];
+              for (std::uint64_t round = 0; !stop.load(std::memory_order_relaxed); ++round) {
+                const std::size_t k = (t + round) % nsz;
+                const std::size_t n = sizes[k];
+                const bool timed = round % sample_every == 0;
+                for (auto& b : blk) {
+                  if (timed) {
+                    const auto t0 = Clock::now();
+                    b = poolkeeper_malloc(n, device, s);
+                    me.alloc_h[k].add(std::uint64_t((Clock::now() - t0).count()));
+                  } else {
+                    b = poolkeeper_malloc(n, device, s);
+                  }
+                }
+                bool ok = true;
+                for (auto& b : blk) ok &= b != nullptr;
+                if (!ok) {
+                  for (auto& b : blk)
+                    if (b) poolkeeper_free(b, device, s);
+                  fail("poolkeeper_malloc");
+                  break;
+                }
+                bool handed = false;
+                if (cross_thread_frees && threads > 1) {
+                  {
+                    // Bounded hand-over: a receiver running behind would otherwise pile up live
+                    // blocks without limit; then this round is freed here instead.
+                    std::lock_guard<std::mutex> g(next.mu);
+                    if (next.items.size() < 4 * kBlocks) {
+                      for (void* b : blk) next.items.emplace_back(b, k);
+                      handed = true;
+                    }
+                  }
+                  std::lock_guard<std::mutex> g(mine.mu);
+                  got.swap(mine.items);
+                }
+                if (!handed)
+                  for (void* b : blk) got.emplace_back(b, k);
+                for (auto [b, kb] : got) {
+                  if (timed) {
+                    const auto t0 = Clock::now();
+                    poolkeeper_free(b, device, s);
+                    me.free_h[kb].add(std::uint64_t((Clock::now() - t0).count()));
+                  } else {
+                    poolkeeper_free(b, device, s);
+                  }
+                }
+                got.clear();
+                me.pairs[k] += kBlocks;
+              }
+            });
+          }
+          while (ready.load() < threads) std::this_thread::yield();
+          const auto t0 = Clock::now();
+          go.store(true, std::memory_order_release);
+          while (!stop.load() && std::chrono::duration<double>(Clock::now() - t0).count() < seconds)
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          stop.store(true);
+          for (auto& th : ts) th.join();
+          elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+          for (auto& ib : inbox)  // blocks handed over after their receiver stopped
+            for (auto& [b, kb] : ib.items) poolkeeper_free(b, device, s);
+        }
+        for (auto& p : per)
+          if (!p.error.empty()) throw Error("capi_bench_threads: " + p.error);
+        std::uint64_t total = 0;
+        nb::list per_size;
+        for (std::size_t k = 0; k < nsz; ++k) {
+          Hist ah, fh;
+          std::uint64_t pairs = 0;
+          for (auto& p : per) {
+            ah.merge(p.alloc_h[k]);
+            fh.merge(p.free_h[k]);
+            pairs += p.pairs[k];
+          }
+          total += pairs;
+          nb::dict d;
+          d["nbytes"] = sizes[k];
+          d["pairs"] = pairs;
+          d["alloc_p50_ns"] = ah.quantile(0.50);
+          d["alloc_p99_ns"] = ah.quantile(0.99);
+          d["free_p50_ns"] = fh.quantile(0.50);
+          d["free_p99_ns"] = fh.quantile(0.99);
+          per_size.append(d);
+        }
+        nb::dict out;
+        out["threads"] = threads;
+        out["seconds"] = elapsed;
+        out["pairs"] = total;
+        out["pairs_per_s"] = double(total) / elapsed;
+        out["per_size"] = per_size;
+        return out;
+      },
+      "device"_a, "sizes"_a, "threads"_a, "seconds"_a = 1.0, "cross_thread_frees"_a = false,
+      "stream"_a = nb::none(), "sample_every"_a = 8,
+      "Run `threads` native threads doing rounds of 8 poolkeeper_malloc then 8 poolkeeper_free on the "
+      "registered pool of `device` for `seconds`; returns aggregate pairs/s and per-size p50/p99 call "
+      "latency (one round in sample_every timed). cross_thread_frees: each round's blocks are freed by "
+      "the next thread.");
+}
+
+}  // namespace poolkeeper::py

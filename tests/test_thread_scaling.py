@@ -1,0 +1,177 @@
+"""Many threads at once (issue 20): SizeClassPool's shards, ArenaPool's thread cache over the large
+classes, and the books under native threads through the C ABI. Behaviour only (call counts,
+accounting equations); the timings are benchmarks/thread_scaling.py's business."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+
+KiB, MiB = 1 << 10, 1 << 20
+# Enough shards that the main thread and a fresh worker never share one (threads are numbered
+# round robin in the process; two threads share a shard only when numbered 1024 apart).
+MANY = 1024
+
+
+def sim():
+    return pk.upstream.Simulated(latency="none")
+
+
+def in_thread(fn):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # surfaced in the main thread
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def balanced(pool) -> dict:
+    st = pool.stats()
+    assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"]
+    return st
+
+
+def test_size_class_miss_borrows_another_shards_blocks_before_growing():
+    # Before shards there was one free list per class; a shard of its own must not make a thread
+    # grow the pool while another thread's shard holds the blocks it needs.
+    up = sim()
+    pool = pk.SizeClassPool(up, shards=MANY)
+
+    def worker():
+        ps = [pool.allocate(64 * KiB) for _ in range(8)]
+        for p in ps:
+            pool.deallocate(p)
+
+    in_thread(worker)
+    assert up.counters()["allocations"] == 8
+    mine = [pool.allocate(64 * KiB) for _ in range(8)]
+    st = balanced(pool)
+    assert up.counters()["allocations"] == 8  # no growth: borrowed
+    assert st["shard_migrations"] == 8 and st["live_blocks"] == 8
+    for p in mine:
+        pool.deallocate(p)
+    pool.validate()
+
+
+def test_size_class_cross_thread_free_goes_back_to_the_blocks_shard():
+    up = sim()
+    pool = pk.SizeClassPool(up, shards=MANY)
+    ps = [pool.allocate(4 * KiB) for _ in range(4)]
+
+    def worker():
+        for p in ps:
+            pool.deallocate(p)  # another thread frees: the blocks return to the allocator's shard
+
+    in_thread(worker)
+    qs = [pool.allocate(4 * KiB) for _ in range(4)]
+    st = balanced(pool)
+    assert sorted(qs) == sorted(ps) and st["shard_migrations"] == 0 and st["misses"] == 4
+    for q in qs:
+        pool.deallocate(q)
+    pool.validate()
+
+
+def test_size_class_double_free_from_another_thread_is_still_a_double_free():
+    pool = pk.SizeClassPool(sim(), shards=MANY)
+    p = pool.allocate(4 * KiB)
+    pool.deallocate(p)
+    with pytest.raises(pk.errors.InvalidPointerError, match="double free|already freed"):
+        in_thread(lambda: pool.deallocate(p))
+    with pytest.raises(pk.errors.InvalidPointerError):
+        in_thread(lambda: pool.deallocate(p + 256))
+    pool.validate()
+
+
+def test_size_class_trim_and_close_cover_every_shard():
+    up = sim()
+    pool = pk.SizeClassPool(up, shards=MANY)
+    for size in (4 * KiB, 1 * MiB):
+        in_thread(lambda: pool.deallocate(pool.allocate(size)))
+    pool.deallocate(pool.allocate(256 * KiB))
+    assert balanced(pool)["free_chunks"] == 3
+    assert pool.trim() == 4 * KiB + 1 * MiB + 256 * KiB
+    st = balanced(pool)
+    assert st["reserved_bytes"] == 0 and up.counters()["outstanding_bytes"] == 0
+    pool.close()
+
+
+def test_size_class_peak_live_is_exact_for_one_thread_with_shards():
+    pool = pk.SizeClassPool(sim(), shards=8)
+    a = pool.allocate(3000)
+    b = pool.allocate(5000)
+    pool.deallocate(a)
+    c = pool.allocate(1000)
+    assert pool.stats()["peak_live_bytes"] == 8000
+    pool.deallocate(b)
+    pool.deallocate(c)
+
+
+@pytest.mark.parametrize("bad", [-1, 4096, "x"])
+def test_size_class_shards_option_is_checked(bad):
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        pk.SizeClassPool(sim(), shards=bad)
+
+
+def test_arena_thread_cache_holds_2mib_blocks_and_trim_reclaims_them_from_an_idle_thread():
+    up = sim()
+    pool = pk.ArenaPool(up)
+    filled, done = threading.Event(), threading.Event()
+
+    def worker():
+        ps = [pool.allocate(2 * MiB) for _ in range(8)]
+        for p in ps:
+            pool.deallocate(p)
+        filled.set()
+        done.wait(30)  # stays alive and idle: its cache is not folded back by a thread exit
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert filled.wait(30)
+        st = balanced(pool)
+        assert st["thread_cached_bytes"] == 16 * MiB  # a round of 2 MiB blocks fits the cache
+        pool.trim()
+        st = balanced(pool)
+        assert st["thread_cached_bytes"] == 0 and st["caches_reclaimed"] >= 1
+        pool.validate()
+    finally:
+        done.set()
+        t.join()
+    pool.close()
+
+
+@pytest.mark.parametrize("kind", ["size_class", "arena", "direct"])
+def test_books_balance_after_native_threads_with_cross_thread_frees(kind):
+    pool = {"size_class": lambda up: pk.SizeClassPool(up, shards=2), "arena": pk.ArenaPool,
+            "direct": pk.Direct}[kind](sim())
+    _core.registry_set(7, pool)
+    try:
+        r = _core.capi_bench_threads(7, [4 * KiB, 256 * KiB, 2 * MiB, 3 * MiB], 4, 0.2, True)
+    finally:
+        _core.registry_set(7, None)
+    assert r["threads"] == 4 and r["pairs"] > 0 and len(r["per_size"]) == 4
+    assert sum(s["pairs"] for s in r["per_size"]) == r["pairs"]
+    pool.validate()
+    st = balanced(pool)
+    assert st["live_blocks"] == 0 and st["live_bytes"] == 0
+    pool.trim()
+    pool.close()
+
+
+def test_capi_bench_threads_refuses_bad_arguments():
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        _core.capi_bench_threads(7, [], 2, 0.1)
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        _core.capi_bench_threads(7, [4096], 0, 0.1)
