@@ -15,10 +15,13 @@ namespace {
 // The driver's answer for a stream handle that no longer exists (cuStreamDestroy'd; the simulated
 // device's destroy_stream answers the same).
 // On an H200 (driver 580, CUDA 13) an event record on a destroyed stream answered
-// CUDA_ERROR_CONTEXT_IS_DESTROYED, not INVALID_HANDLE: both mean the handle is gone. If the context
+// CUDA_ERROR_CONTEXT_IS_DESTROYED in one run and CUDA_ERROR_INVALID_CONTEXT in another, not
+// INVALID_HANDLE: for an explicit stream handle (the special handles 0-2 name the current
+// context, which the upstream makes current) all three mean the handle is gone. If the context
 // itself were gone, the device synchronize that follows fails and that error propagates.
-bool stream_gone(const UpstreamFailure& e) {
-  return e.error_name == "CUDA_ERROR_INVALID_HANDLE" || e.error_name == "CUDA_ERROR_CONTEXT_IS_DESTROYED";
+bool stream_gone(const UpstreamFailure& e, Stream s) {
+  if (e.error_name == "CUDA_ERROR_INVALID_HANDLE" || e.error_name == "CUDA_ERROR_CONTEXT_IS_DESTROYED") return true;
+  return e.error_name == "CUDA_ERROR_INVALID_CONTEXT" && s > 2 && s != kNoStream;
 }
 }  // namespace
 
@@ -30,7 +33,7 @@ EventId StreamOrder::record_or_settle(Stream s) {
   } catch (const UpstreamFailure& e) {
     // While a graph capture scope is open a device synchronize would invalidate the capture:
     // the failure stands (the releases stay pending) until the scope has ended.
-    if (!stream_gone(e) || up_->captures_underway() > 0) throw;
+    if (!stream_gone(e, s) || up_->captures_underway() > 0) throw;
   }
   // A destroyed stream's work still runs to completion; once the device is synchronized it is
   // done, and every release on the stream is safe to reuse.

@@ -38,10 +38,11 @@ try:
         held.append(torch.empty(GiB, dtype=torch.uint8, device="cuda"))
         assert len(held) < 4096, "never ran out"
 except RuntimeError as e:  # torch.OutOfMemoryError only with the opt-in shim
+    err = e  # the except clause deletes its name on exit
     msg = str(e)
     print("raised after", len(held), "GiB:", msg[:300])
     assert "poolkeeper: cannot allocate" in msg and "out of memory in" in msg, msg
-assert isinstance(e, RuntimeError)  # PyTorch's OOM is a RuntimeError subclass; older except clauses still work
+assert isinstance(err, RuntimeError)  # PyTorch's OOM is a RuntimeError subclass; older except clauses still work
 assert len(held) > 8
 assert pkt.memory_stats()["num_ooms"] >= 1
 # The process keeps working: free half, allocate again, compute.
