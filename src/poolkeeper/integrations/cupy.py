@@ -149,6 +149,13 @@ class _DeviceAllocator:
         # device -> GraphPools, made by the first graph_capture() on that device. Until then the
         # allocation path pays one dict lookup for it.
         self.graphs: Dict[int, Any] = {}
+        # Non-default CuPy streams our blocks were ordered on, kept alive while the pool may still
+        # name their handles (a block's free, its pending release until settled). Why: CuPy
+        # destroys a stream when its object goes (`with cupy.cuda.Stream(): ...`), and giving the
+        # driver a destroyed stream's handle is undefined -- on the H200 it answered
+        # CONTEXT_IS_DESTROYED, then INVALID_CONTEXT, and then crashed the process.
+        self._streams: Dict[int, Any] = {}
+        self._prune_at = 32
 
     def graph_pools(self, device: int) -> Any:
         gp = self.graphs.get(device)
@@ -164,7 +171,8 @@ class _DeviceAllocator:
             return self._MemoryPointer(self._Memory(0), 0)  # what CuPy's own pool returns
         pool = self.pools.get(device)
         gp = self.graphs.get(device)
-        stream = self._current_stream().ptr
+        stream_obj = self._current_stream()
+        stream = stream_obj.ptr
         try:
             if gp is not None and gp.routing:
                 # A capture scope is open (graph_capture): GraphPools decides, and the block goes
@@ -180,7 +188,26 @@ class _DeviceAllocator:
             err.poolkeeper_diagnosis = str(e)
             raise err from e
         self.calls += 1
+        if stream:
+            self._keep_stream(stream, stream_obj, pool)
+            # The stream outlives the block's free: a tuple drops its items last to first.
+            owner = (stream_obj, owner)
+            return self._MemoryPointer(self._UnownedMemory(owner[1].ptr, size, owner, device), 0)
         return self._MemoryPointer(self._UnownedMemory(owner.ptr, size, owner, device), 0)
+
+    def _keep_stream(self, handle: int, stream_obj: Any, pool: Any) -> None:
+        if handle in self._streams:
+            return
+        self._streams[handle] = stream_obj
+        if len(self._streams) >= self._prune_at:
+            # Drop streams with nothing pending in the pool (live blocks hold their own stream).
+            try:
+                pending = set(pool.stats().get("pending_by_stream", {}))
+            except Exception:
+                return
+            for h in [h for h in self._streams if h not in pending and h != handle]:
+                del self._streams[h]
+            self._prune_at = max(32, 2 * len(self._streams))
 
 
 class _PinnedAllocator:
@@ -320,6 +347,7 @@ def uninstall() -> None:
 
 
 _GRAPH_IDS = itertools.count(1)
+_GRAPH_STREAMS: Dict[tuple, Any] = {}  # graph pool id -> its capture stream (see graph_capture)
 
 
 class CapturedGraph:
@@ -373,6 +401,11 @@ def graph_capture(stream: Any = None, *, pool: Optional[tuple] = None) -> Any:
     pid = tuple(pool) if pool is not None else (next(_GRAPH_IDS), 0)
     s = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
     captured = CapturedGraph(gp, pid, s)
+    # The capture stream stays alive while the graph's pool exists (its lane names the handle).
+    live_ids = {tuple(i["id"]) for i in gp.info()}
+    for k in [k for k in _GRAPH_STREAMS if k not in live_ids]:
+        del _GRAPH_STREAMS[k]
+    _GRAPH_STREAMS[pid] = s
     gp.begin(pid, s.ptr)
     try:
         with s:
