@@ -198,6 +198,7 @@ std::vector<Case> all_cases() {
       const std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/poolkeeper_stress_log.csv";
       return std::make_shared<LoggingPool>(arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)(std::move(up)), path, buffer);
     };
+  };
   // The thread cache holding large blocks too (issue 20): most frees of the random sizes stay in
   // the caches, so trim/synchronize reclaim far more from running threads.
   auto arena_bigcache = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
