@@ -21,6 +21,9 @@ ArenaOptions arena_options(nb::handle opts) {
   o.va_bytes = r.size("va_bytes", o.va_bytes);
   o.step_fraction = r.real("step_fraction", o.step_fraction);
   o.max_step = r.size("max_step", o.max_step, false);
+  o.map_piece = r.size("map_piece", o.map_piece);
+  o.reclaim_holes = r.flag("reclaim_holes", o.reclaim_holes);
+  o.release_on_grow = r.flag("release_on_grow", o.release_on_grow);
   r.finish();
   return o;
 }

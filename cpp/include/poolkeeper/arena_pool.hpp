@@ -24,16 +24,15 @@
 //   ramp above), or one virtual range. The policy code here does not know which.
 // - Expandable mode (option `expandable`, docs/expandable.md): instead of separate backings the
 //   pool reserves ONE virtual range of va_bytes from an upstream with virtual memory and maps
-//   physical pieces onto its end as it grows: no waste between backings, a free tail merges with
-//   new growth, and steps are small (max(need, mapped * step_fraction) clamped to
-//   [granularity, max_step], rounded to the granularity). Growth extends a free tail chunk in
-//   place (out of the free index, grown, carved) or appends a new chunk when the tail is live,
-//   pending or thread-cached. trim() and shrink scans unmap whole mapped pieces lying wholly in
-//   the free tail (never a piece with a byte in use), under the pool lock (the next map goes
-//   where they were); the first piece is resident. close() unmaps everything and unreserves.
-//   There are no oversize backings. reserved_bytes = mapped bytes.
-//   Extra invariants: one backing at va_base, its size == mapped == sum of pieces == reserved;
-//   mapped <= va_bytes; chunks tile [va_base, va_base + mapped).
+//   physical pieces into it (map_piece bytes at most per map call): no waste between backings,
+//   a free run merges with new growth, steps are small (max(need, mapped * step_fraction) clamped
+//   to [granularity, max_step]). Wholly free pieces anywhere in the range (never a piece with a
+//   live, pending or thread-cached byte; never the first piece; never during a capture scope) are
+//   unmapped by trim(), by shrink scans after shrink_hysteresis scans, at OOM recovery and, with
+//   release_on_grow, before a growth; growth refills the lowest hole that fits first. Every
+//   backing is a segment (a run of consecutive mapped pieces); holes between segments carry no
+//   chunk. reserved_bytes = mapped bytes. Extra invariants: segments cover exactly the mapped
+//   pieces, never touch, and lie inside the range.
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread caches included)
@@ -76,6 +75,14 @@ struct ArenaOptions {
   std::size_t va_bytes = 0;       // range to reserve; 0: the upstream's memory_capacity() (1 TiB if unknown)
   double step_fraction = 0.0625;  // growth step as a fraction of what is mapped
   std::size_t max_step = std::size_t{64} << 20;
+  // Expandable: largest physical piece one map call creates (0: a growth step is one piece).
+  // Only whole pieces can be unmapped, so smaller pieces free holes sooner for more map calls.
+  std::size_t map_piece = 0;
+  // Expandable: unmap wholly free pieces anywhere in the range (trim, shrink scans, OOM recovery)
+  // and refill the lowest holes first; false: only the free tail is unmapped.
+  bool reclaim_holes = true;
+  // Expandable: before mapping more, unmap the wholly free pieces the request could not use.
+  bool release_on_grow = false;
 };
 
 class ArenaPool final : public Pool {
