@@ -43,8 +43,12 @@ class VirtualRange final : public BackingSource {
   // pieces of at most map_piece bytes.
   ArenaChunk* grow(std::size_t rounded) override {
     const ArenaOptions& opt = a_.opt_;
-    // The free tail stays: this growth extends it.
-    if (opt.release_on_grow && opt.reclaim_holes && a_.upstream_->captures_underway() == 0) unmap_free(false, false, true);
+    // The free tail stays: this growth extends it. Only when the pieces to go add up to a growth
+    // step's worth (mapped * step_fraction, at least a granule): smaller releases would cost an
+    // unmap now and a map later for little.
+    if (opt.release_on_grow && opt.reclaim_holes && a_.upstream_->captures_underway() == 0)
+      unmap_free(false, false, true,
+                 std::max(granule_, static_cast<std::size_t>(double(mapped_) * opt.step_fraction)));
     auto& segs = a_.backings_;
     const std::uintptr_t va_end = va_base_ + va_bytes_;
     std::uintptr_t gs = 0, ge = 0;
@@ -260,7 +264,7 @@ class VirtualRange final : public BackingSource {
   // bytes), except the resident first one: all of them, or those found free by
   // shrink_hysteresis consecutive scans. With reclaim_holes off, only pieces of the free tail.
   // Under the pool lock; a refused unmap stops the walk with that piece mapped and counted.
-  std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false) {
+  std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
     std::vector<std::uintptr_t> victims;
     const bool holes = a_.opt_.reclaim_holes || any;
     const auto& segs = a_.backings_;
@@ -292,6 +296,11 @@ class VirtualRange final : public BackingSource {
         if (hysteresis && ++it->second.scans < a_.opt_.shrink_hysteresis) continue;
         victims.push_back(ps);
       }
+    }
+    if (min_bytes) {
+      std::size_t total = 0;
+      for (std::uintptr_t v : victims) total += pieces_.at(v).size;
+      if (total < min_bytes) return 0;
     }
     std::size_t released = 0;
     // Last first: a tail given back piece by piece leaves the books as the old tail-only path did.

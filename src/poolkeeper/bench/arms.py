@@ -76,7 +76,9 @@ ARM_NAMES = ("direct", "size_class", "arena", "arena_expandable", "cuda_async")
 # Arms that are a pool kind with fixed options: name -> (pool kind, options).
 ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {"arena_expandable": ("arena", {"expandable": True})}
 # Options such an arm accepts beyond its pool kind's keyword arguments.
-ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {"arena_expandable": ("va_bytes", "step_fraction", "max_step")}
+ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {
+    "arena_expandable": ("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow")
+}
 
 
 def make_arm_pool(name: str, upstream: Any, **options: Any) -> Any:
