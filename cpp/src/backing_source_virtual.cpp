@@ -107,7 +107,7 @@ class VirtualRange final : public BackingSource {
       }
       ++map_calls_;
       a_.up_allocs_.fetch_add(1, std::memory_order_relaxed);
-      pieces_.emplace(gs + done, Piece{n, 0});
+      pieces_.emplace(gs + done, Piece{n});
       mapped_ += n;
       done += n;
     }
@@ -193,7 +193,6 @@ class VirtualRange final : public BackingSource {
  private:
   struct Piece {
     std::size_t size;
-    std::size_t scans;  // consecutive shrink scans that found it wholly free
   };
 
   static void unindex(ArenaPool& a, ArenaChunk* c) {
@@ -261,8 +260,8 @@ class VirtualRange final : public BackingSource {
   }
 
   // Unmap wholly free pieces (every chunk over them Free: never live, pending or thread-cached
-  // bytes), except the resident first one: all of them, or those found free by
-  // shrink_hysteresis consecutive scans. With reclaim_holes off, only pieces of the free tail.
+  // bytes), except the resident first one: all of them, or all of them once shrink_hysteresis
+  // consecutive scans found some. With reclaim_holes off, only pieces of the free tail.
   // Under the pool lock; a refused unmap stops the walk with that piece mapped and counted.
   std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
     std::vector<std::uintptr_t> victims;
@@ -289,13 +288,17 @@ class VirtualRange final : public BackingSource {
           }
         const bool in_tail = si + 1 == segs.size() && ps >= tail_start;
         if ((!holes && !in_tail) || (keep_tail && in_tail)) free = false;
-        if (!free || ps == va_base_) {
-          it->second.scans = 0;
-          continue;
-        }
-        if (hysteresis && ++it->second.scans < a_.opt_.shrink_hysteresis) continue;
-        victims.push_back(ps);
+        if (free && ps != va_base_) victims.push_back(ps);
       }
+    }
+    // Hysteresis as for separate backings: shrink_hysteresis consecutive scans that found
+    // something to give back, then all of it goes.
+    if (hysteresis) {
+      if (victims.empty() || ++scans_ < a_.opt_.shrink_hysteresis) {
+        if (victims.empty()) scans_ = 0;
+        return 0;
+      }
+      scans_ = 0;
     }
     if (min_bytes) {
       std::size_t total = 0;
@@ -423,6 +426,7 @@ class VirtualRange final : public BackingSource {
 
   std::uintptr_t va_base_ = 0;
   std::size_t va_bytes_ = 0, granule_ = 0, piece_ = 0, mapped_ = 0;
+  std::size_t scans_ = 0;  // consecutive shrink scans that found free pieces
   std::map<std::uintptr_t, Piece> pieces_;  // every mapped piece, by address
   std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0, hole_unmaps_ = 0, hole_refills_ = 0;
 };
