@@ -346,6 +346,35 @@ def test_cuda_virtual_refused_map_undoes_itself_and_the_pool_stays_consistent(fa
     assert out["end"] == [0, 0]
 
 
+def test_expandable_middle_hole_is_unmapped_and_refilled_over_cuda_virtual(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        from poolkeeper.accounting import check
+        up = pk.upstream.CudaVirtual()
+        G = 2 << 20
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            map_piece=G, thread_cache_bytes=0)
+        a, b, c = (pool.allocate(G) for _ in range(3))
+        pool.deallocate(b)
+        freed = pool.trim()  # b's piece lies between two live ones
+        pool.validate()
+        check(pool.snapshot())
+        mid = [freed, up.mapped_pieces, pool.stats()["holes"], up.counters()["outstanding_bytes"]]
+        d = pool.allocate(G)  # the hole is mapped back and carved
+        ctypes.memset(d, 7, G)  # a missing map would fault here
+        pool.validate()
+        refill = [d == b, up.mapped_pieces, pool.stats()["holes"], ctypes.string_at(d + G - 1, 1)[0]]
+        for p in (a, c, d):
+            pool.deallocate(p)
+        pool.close()
+        print(json.dumps({"mid": mid, "refill": refill, "end": [up.counters()["outstanding_bytes"], up.mapped_pieces]}))
+    """)
+    G = 2 << 20
+    assert out["mid"] == [G, 2, 1, 2 * G]
+    assert out["refill"] == [True, 3, 0, 7]
+    assert out["end"] == [0, 0]
+
+
 @pytest.mark.parametrize("lib,env,expect", [("novmm", {}, "virtual memory management"),
                                             ("full", {"FAKE_CUDA_NO_VMM": 1}, "does not support virtual memory")])
 def test_cuda_virtual_without_vmm_is_unavailable_with_the_reason(fakes, lib, env, expect):

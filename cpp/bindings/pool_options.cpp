@@ -21,10 +21,13 @@ ArenaOptions arena_options(nb::handle opts) {
   o.va_bytes = r.size("va_bytes", o.va_bytes);
   o.step_fraction = r.real("step_fraction", o.step_fraction);
   o.max_step = r.size("max_step", o.max_step, false);
+  o.map_piece = r.size("map_piece", o.map_piece);
+  o.reclaim_holes = r.flag("reclaim_holes", o.reclaim_holes);
+  o.release_on_grow = r.flag("release_on_grow", o.release_on_grow);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)
-    for (const char* k : {"va_bytes", "step_fraction", "max_step"})
+    for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow"})
       if (r.given(k))
         throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();

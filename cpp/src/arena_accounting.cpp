@@ -85,15 +85,7 @@ PoolStats ArenaPool::stats_locked() {
   st.extra.emplace_back("table_capacity", table_.capacity());
   st.extra.emplace_back("table_grows", table_.grows());
   st.extra.emplace_back("chunk_nodes", chunk_nodes_.live());
-  if (vm_) {
-    st.extra.emplace_back("expandable", 1);
-    st.extra.emplace_back("mapped_bytes", vmb_ ? vmb_->size : 0);
-    st.extra.emplace_back("va_bytes", va_bytes_);
-    st.extra.emplace_back("map_calls", map_calls_);
-    st.extra.emplace_back("unmap_calls", unmap_calls_);
-    st.extra.emplace_back("mapped_pieces", pieces_.size());
-    st.extra.emplace_back("unmap_failures", unmap_failures_);
-  }
+  source_->stats(st);
   return st;
 }
 
@@ -186,20 +178,7 @@ void ArenaPool::validate() {
     if (at != b->addr + b->size) fail("chunks cover " + std::to_string(at - b->addr) + " of " + std::to_string(b->size) + " bytes in backing " + format_ptr(b->addr));
   }
   if (dirty != dirty_backings_) fail("dirty-backing count is off");
-  if (vm_) {
-    // reserved == mapped == the one backing's size == the pieces; mapped <= va_bytes.
-    std::size_t mapped = 0;
-    for (std::size_t n : pieces_) {
-      if (!n || n % granule_) fail("mapped piece of " + std::to_string(n) + " bytes is not granule-sized");
-      mapped += n;
-    }
-    if (backings_.size() != (vmb_ ? 1u : 0u) || (vmb_ && backings_[0] != vmb_)) fail("expandable pool holds other backings");
-    if (vmb_ && (vmb_->addr != va_base_ || vmb_->size != mapped || vmb_->oversize))
-      fail("expandable backing does not start at the range or disagrees with the mapped pieces");
-    if (mapped != reserved) fail("mapped " + std::to_string(mapped) + " != reserved " + std::to_string(reserved));
-    if (mapped > va_bytes_) fail("mapped beyond the reserved range");
-    if (!vmb_ && !pieces_.empty()) fail("pieces mapped without a backing");
-  }
+  source_->validate(fail);
   index_.check(fail);
   order_.validate();
   if (free_b != index_.bytes()) fail("free index bytes disagree with the free chunks");

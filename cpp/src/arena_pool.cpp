@@ -14,7 +14,7 @@ using detail::ArenaBacking;
 using detail::ArenaChunk;
 using detail::ThreadCache;
 
-static bool wholly_free(const ArenaBacking* b);
+using detail::wholly_free;
 
 ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
     : Pool(std::move(upstream)), opt_(opt), index_(opt.alignment), order_(upstream_.get()) {
@@ -32,22 +32,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   opt_.max_backing = align_up(opt_.max_backing, opt_.alignment);
   if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
-  if (opt_.expandable) {
-    if (!upstream_->supports_virtual())
-      throw InvalidArgument("expandable=True needs an upstream with virtual memory; " + upstream_->name() +
-                            " has none (supports_virtual() is false)");
-    granule_ = upstream_->vm_granularity();
-    if (!is_pow2(granule_) || granule_ % opt_.alignment)
-      throw InvalidArgument("expandable: the upstream's granularity " + std::to_string(granule_) +
-                            " is not a power of two multiple of alignment " + std::to_string(opt_.alignment));
-    if (!(opt_.step_fraction >= 0.0) || opt_.step_fraction > 16.0)
-      throw InvalidArgument("step_fraction must be in [0, 16]");
-    if (opt_.max_step == 0) throw InvalidArgument("max_step must be positive");
-    const std::size_t cap = upstream_->memory_capacity();
-    va_bytes_ = align_up(opt_.va_bytes ? opt_.va_bytes : (cap ? cap : std::size_t{1} << 40), granule_);
-    va_base_ = upstream_->reserve(va_bytes_);  // throws the upstream's typed error; nothing to undo
-    vm_ = true;
-  }
+  source_ = opt_.expandable ? detail::make_virtual_range(*this) : detail::make_separate_backings(*this);
   detail::arena_registry_add(id_, this);
   join_directory();  // last: the pool is whole now
 }
@@ -73,14 +58,7 @@ ArenaPool::~ArenaPool() {
       coalesce_locked();
     } catch (...) {
     }
-    if (vm_) {
-      // The range holds live blocks: it stays mapped with the user (never freed under them).
-      if (!vmb_ || wholly_free(vmb_)) release_vm_locked();
-    } else {
-      for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
-        if (wholly_free(b)) release_backing_locked(b, out);
-      }
-    }
+    source_->release_unused(out);
   }
   for (auto& [p, n] : out) {
     try {
@@ -225,15 +203,12 @@ void ArenaPool::settle_locked() {
 
 // ---------------------------------------------------------------- backings
 
-ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize) {
+ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize, bool resident) {
   auto* b = new ArenaBacking();
   b->addr = addr;
   b->size = size;
   b->oversize = oversize;
-  if (!oversize && !resident_assigned_) {
-    b->resident = true;
-    resident_assigned_ = true;
-  }
+  b->resident = resident;
   ArenaChunk* c = chunk_nodes_.create();
   c->addr = addr;
   c->size = size;
@@ -244,190 +219,7 @@ ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, boo
                    b);
   reserved_ += size;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
-  if (!oversize) {
-    ++ramp_backings_;
-    ++ramp_steps_;
-  }
   return b;
-}
-
-ArenaChunk* ArenaPool::grow_locked(std::size_t rounded) {
-  if (vm_) return grow_vm_locked(rounded);
-  const bool oversize = rounded > opt_.oversize_threshold;
-  std::size_t size = rounded;
-  if (!oversize) {
-    // The ramp remembers how far it went: after a shrink, regrowth takes full-size backings
-    // rather than climbing again from initial_backing (which multiplied upstream calls).
-    const double ramp = double(opt_.initial_backing) * std::pow(opt_.growth_factor, double(ramp_steps_));
-    const std::size_t r = ramp >= double(opt_.max_backing) ? opt_.max_backing : static_cast<std::size_t>(ramp);
-    size = std::max(rounded, align_up(r, opt_.alignment));
-  }
-  if (opt_.limit) {
-    const std::size_t held = reserved_ + releasing_;  // a refused release comes back: count it
-    if (held + rounded > opt_.limit) throw LimitHit{};
-    if (held + size > opt_.limit) size = std::max(rounded, (opt_.limit - held) & ~(opt_.alignment - 1));
-  }
-  void* p;
-  try {
-    p = upstream_alloc(size);
-  } catch (const UpstreamOutOfMemory&) {
-    if (size == rounded) throw;
-    size = rounded;  // the ramp asked for more than needed: ask for just the request
-    p = upstream_alloc(size);
-  }
-  ++backings_created_;
-  if (oversize) ++oversize_backings_created_;
-  ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), size, oversize);
-  return b->first;
-}
-
-// Expandable growth: map one piece at the end of the range. The step is what the request lacks
-// beyond a free tail, or a fraction of what is mapped (fewer map calls as the footprint grows),
-// whichever is larger, clamped to max_step. A piece is never smaller than the granularity.
-ArenaChunk* ArenaPool::grow_vm_locked(std::size_t rounded) {
-  ArenaChunk* tail = vmb_ ? vmb_->last : nullptr;
-  const bool tail_free = tail && tail->st() == ChunkState::Free;
-  const std::size_t have = tail_free ? tail->size : 0;
-  const std::size_t mapped = vmb_ ? vmb_->size : 0;
-  const std::size_t need = align_up(rounded > have ? rounded - have : granule_, granule_);
-  std::size_t step;
-  if (!mapped) {
-    step = std::max(need, align_up(opt_.initial_backing, granule_));
-  } else {
-    const std::size_t frac = align_up(static_cast<std::size_t>(double(mapped) * opt_.step_fraction), granule_);
-    step = std::max(need, std::min(std::max(frac, granule_), std::max(align_up(opt_.max_step, granule_), granule_)));
-  }
-  if (opt_.limit) {
-    const std::size_t held = reserved_ + releasing_;
-    if (held + need > opt_.limit) throw LimitHit{};
-    if (held + step > opt_.limit) step = std::max(need, (opt_.limit - held) / granule_ * granule_);
-  }
-  if (mapped + need > va_bytes_)
-    throw UpstreamOutOfMemory("ArenaPool #" + std::to_string(id_) + ": its reserved range of " + format_bytes(va_bytes_) +
-                                  " is full (" + format_bytes(mapped) + " mapped, " + format_bytes(need) +
-                                  " more needed; raise va_bytes)",
-                              upstream_->name(), "POOLKEEPER_RANGE_FULL", 0);
-  step = std::min(step, va_bytes_ - mapped);
-  const std::uintptr_t at = va_base_ + mapped;
-  try {
-    upstream_->map(at, step);
-  } catch (const UpstreamOutOfMemory&) {
-    if (step == need) throw;
-    step = need;  // the step asked for more than needed: ask for just the request
-    upstream_->map(at, step);
-  }
-  ++map_calls_;
-  up_allocs_.fetch_add(1, std::memory_order_relaxed);
-  pieces_.push_back(step);
-  if (!vmb_) {
-    ++backings_created_;
-    vmb_ = adopt_locked(at, step, false);
-    return vmb_->first;
-  }
-  vmb_->size += step;
-  reserved_ += step;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
-  if (tail_free) {  // the free tail grows in place: one chunk, not two
-    index_.remove(tail);
-    tail->size += step;
-    return tail;
-  }
-  ArenaChunk* c = chunk_nodes_.create();
-  c->addr = at;
-  c->size = step;
-  c->backing = vmb_;
-  c->prev_addr = tail;
-  tail->next_addr = c;
-  vmb_->last = c;
-  return c;
-}
-
-// Unmap the whole pieces lying in the free tail, last first (the first piece is resident).
-// Under the pool lock: the next map goes exactly where these were. A refused unmap stops the
-// walk with that piece still mapped and counted (the books follow each unmap that succeeded).
-std::size_t ArenaPool::unmap_free_tail_locked(bool hysteresis) {
-  ArenaChunk* tail = vmb_ ? vmb_->last : nullptr;
-  if (!tail || tail->st() != ChunkState::Free) {
-    vm_tail_scans_ = 0;
-    return 0;
-  }
-  std::size_t k = pieces_.size(), end = vmb_->size;
-  const std::size_t tail_off = tail->addr - va_base_;
-  while (k > 1 && end - pieces_[k - 1] >= tail_off) end -= pieces_[--k];
-  if (k == pieces_.size()) {
-    vm_tail_scans_ = 0;
-    return 0;
-  }
-  if (hysteresis && ++vm_tail_scans_ < opt_.shrink_hysteresis) return 0;
-  vm_tail_scans_ = 0;
-  index_.remove(tail);
-  std::size_t released = 0;
-  while (pieces_.size() > k) {
-    const std::size_t n = pieces_.back();
-    try {
-      upstream_->unmap(va_base_ + vmb_->size - n, n);
-    } catch (...) {
-      ++unmap_failures_;
-      ++upstream_free_failures_;
-      break;
-    }
-    ++unmap_calls_;
-    up_frees_.fetch_add(1, std::memory_order_relaxed);
-    pieces_.pop_back();
-    vmb_->size -= n;
-    reserved_ -= n;
-    tail->size -= n;
-    released += n;
-  }
-  if (tail->size == 0) {  // the tail was whole pieces: its predecessor ends the range now
-    ArenaChunk* p = tail->prev_addr;  // exists: the resident first piece is still mapped
-    p->next_addr = nullptr;
-    vmb_->last = p;
-    chunk_nodes_.destroy(tail);
-  } else {
-    index_.insert(tail);
-  }
-  return released;
-}
-
-void ArenaPool::release_vm_locked() {
-  if (vmb_) {
-    for (ArenaChunk* c = vmb_->first; c;) {
-      ArenaChunk* n = c->next_addr;
-      if (c->where != ArenaChunk::kNowhere) index_.remove(c);
-      chunk_nodes_.destroy(c);
-      c = n;
-    }
-    backings_.erase(std::find(backings_.begin(), backings_.end(), vmb_));
-    reserved_ -= vmb_->size;
-    if (vmb_->dirty) --dirty_backings_;
-    ++backings_released_;
-    std::size_t end = vmb_->size;
-    delete vmb_;
-    vmb_ = nullptr;
-    while (!pieces_.empty()) {
-      const std::size_t n = pieces_.back();
-      try {
-        upstream_->unmap(va_base_ + end - n, n);
-      } catch (...) {
-        ++unmap_failures_;
-        ++upstream_free_failures_;
-        return;  // the rest stays mapped (leaked and counted); the range cannot be unreserved
-      }
-      ++unmap_calls_;
-      up_frees_.fetch_add(1, std::memory_order_relaxed);
-      pieces_.pop_back();
-      end -= n;
-    }
-  }
-  if (va_base_) {
-    try {
-      upstream_->unreserve(va_base_, va_bytes_);
-      va_base_ = 0;
-    } catch (...) {
-      ++upstream_free_failures_;
-    }
-  }
 }
 
 void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
@@ -441,18 +233,11 @@ void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
   }
   backings_.erase(std::find(backings_.begin(), backings_.end(), b));
   reserved_ -= b->size;
-  if (!b->oversize) --ramp_backings_;
   if (b->dirty) --dirty_backings_;
   ++backings_released_;
   releasing_ += b->size;  // still counts against the limit until the upstream takes it back
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   delete b;
-}
-
-static bool wholly_free(const ArenaBacking* b) {
-  for (const ArenaChunk* c = b->first; c; c = c->next_addr)
-    if (c->st() != ChunkState::Free) return false;
-  return true;
 }
 
 // Release wholly free, non-resident backings: all of them (trim) or those wholly free for
@@ -461,18 +246,7 @@ std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteres
   // Never during a graph capture scope: a free or unmap may synchronize the device, which would
   // invalidate the capture (capture.hpp). The scan simply finds nothing to release.
   if (upstream_->captures_underway() > 0) return 0;
-  if (vm_) return unmap_free_tail_locked(hysteresis);
-  std::size_t bytes = 0;
-  for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) {
-    if (b->resident || !wholly_free(b)) {
-      b->free_scans = 0;
-      continue;
-    }
-    if (hysteresis && ++b->free_scans < opt_.shrink_hysteresis) continue;
-    bytes += b->size;
-    release_backing_locked(b, out);
-  }
-  return bytes;
+  return source_->release_free(out, hysteresis);
 }
 
 void ArenaPool::free_detached(Detached& d) {
@@ -489,8 +263,7 @@ void ArenaPool::free_detached(Detached& d) {
       releasing_ -= n;
       ++upstream_free_failures_;
       --backings_released_;  // it was not released after all
-      ArenaBacking* b = adopt_locked(reinterpret_cast<std::uintptr_t>(p), n, n > opt_.oversize_threshold);
-      file_free_locked(b->first);
+      file_free_locked(source_->readopt(p, n));
     }
   }
   d.clear();
@@ -539,7 +312,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   std::string upstream_error;
   for (int attempt = 0; attempt < 2; ++attempt) {
     try {
-      return carve_locked(grow_locked(rounded), rounded, nbytes, s);
+      return carve_locked(source_->grow(rounded), rounded, nbytes, s);
     } catch (const LimitHit&) {
     } catch (const UpstreamOutOfMemory& e) {
       upstream_error = e.what();
@@ -552,9 +325,8 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
       settle_locked();  // the reclaimed blocks merge with their free neighbours
       if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
     }
-    // Expandable: the only free memory that could be given back is the free tail, which the
-    // failed growth was about to extend -- unmapping it would only make the next map larger.
-    if (!vm_) release_free_backings_locked(detached, false);
+    // What the source can give back that would let the retry succeed; never in a capture scope.
+    if (upstream_->captures_underway() == 0) source_->release_for_oom(detached);
     if (!detached.empty()) {
       g.unlock();
       free_detached(detached);
@@ -785,8 +557,7 @@ void ArenaPool::close() {
     drain_locked(true);
     coalesce_locked();  // nothing is live, cached or pending now: each backing merges to one chunk
     for (auto& tc : caches_) fold_cache_locked(tc.get());
-    if (vm_) release_vm_locked();
-    for (ArenaBacking* b : std::vector<ArenaBacking*>(backings_)) release_backing_locked(b, d);
+    source_->close(d);
     table_.clear();
     closed_.store(true, std::memory_order_release);
   }

@@ -20,18 +20,19 @@
 //   back still count against the limit until the upstream accepts them (a refused free is
 //   re-adopted, so the books never lose bytes and never pass the limit).
 // - Bookkeeping nodes (chunks, tree nodes) come from node arenas, never the heap on the hot path.
+// - Backings come from a BackingSource (backing_source.hpp): separate upstream allocations (the
+//   ramp above), or one virtual range. The policy code here does not know which.
 // - Expandable mode (option `expandable`, docs/expandable.md): instead of separate backings the
 //   pool reserves ONE virtual range of va_bytes from an upstream with virtual memory and maps
-//   physical pieces onto its end as it grows: no waste between backings, a free tail merges with
-//   new growth, and steps are small (max(need, mapped * step_fraction) clamped to
-//   [granularity, max_step], rounded to the granularity). Growth extends a free tail chunk in
-//   place (out of the free index, grown, carved) or appends a new chunk when the tail is live,
-//   pending or thread-cached. trim() and shrink scans unmap whole mapped pieces lying wholly in
-//   the free tail (never a piece with a byte in use), under the pool lock (the next map goes
-//   where they were); the first piece is resident. close() unmaps everything and unreserves.
-//   There are no oversize backings. reserved_bytes = mapped bytes.
-//   Extra invariants: one backing at va_base, its size == mapped == sum of pieces == reserved;
-//   mapped <= va_bytes; chunks tile [va_base, va_base + mapped).
+//   physical pieces into it (map_piece bytes at most per map call): no waste between backings,
+//   a free run merges with new growth, steps are small (max(need, mapped * step_fraction) clamped
+//   to [granularity, max_step]). Wholly free pieces anywhere in the range (never a piece with a
+//   live, pending or thread-cached byte; never the first piece; never during a capture scope) are
+//   unmapped by trim(), by shrink scans after shrink_hysteresis scans, at OOM recovery and, with
+//   release_on_grow, before a growth; growth refills the lowest hole that fits first. Every
+//   backing is a segment (a run of consecutive mapped pieces); holes between segments carry no
+//   chunk. reserved_bytes = mapped bytes. Extra invariants: segments cover exactly the mapped
+//   pieces, never touch, and lie inside the range.
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread caches included)
@@ -48,6 +49,7 @@
 #include <set>
 #include <vector>
 
+#include "poolkeeper/backing_source.hpp"
 #include "poolkeeper/detail/arena_types.hpp"
 #include "poolkeeper/detail/free_index.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
@@ -79,6 +81,14 @@ struct ArenaOptions {
   std::size_t va_bytes = 0;       // range to reserve; 0: the upstream's memory_capacity() (1 TiB if unknown)
   double step_fraction = 0.0625;  // growth step as a fraction of what is mapped
   std::size_t max_step = std::size_t{64} << 20;
+  // Expandable: largest physical piece one map call creates (0: a growth step is one piece).
+  // Only whole pieces can be unmapped, so smaller pieces free holes sooner for more map calls.
+  std::size_t map_piece = 0;
+  // Expandable: unmap wholly free pieces anywhere in the range (trim, shrink scans, OOM recovery)
+  // and refill the lowest holes first; false: only the free tail is unmapped.
+  bool reclaim_holes = true;
+  // Expandable: before mapping more, unmap the wholly free pieces the request could not use.
+  bool release_on_grow = false;
 };
 
 class ArenaPool final : public Pool {
@@ -116,8 +126,11 @@ class ArenaPool final : public Pool {
   void on_thread_exit(detail::ThreadCache* tc);
 
  private:
-  using Detached = std::vector<std::pair<void*, std::size_t>>;
-  struct LimitHit {};
+  // The backing sources work on the arena's books under its lock (backing_source.hpp).
+  friend class detail::SeparateBackings;
+  friend class detail::VirtualRange;
+  using Detached = detail::Detached;
+  using LimitHit = detail::LimitHit;
   detail::ThreadCache* cache_locked();
   void flush_cache_locked(detail::ThreadCache* tc);
   std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
@@ -132,11 +145,7 @@ class ArenaPool final : public Pool {
   void coalesce_locked();
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
   void note_pending_locked(detail::ArenaChunk* c);
-  detail::ArenaChunk* grow_locked(std::size_t rounded);
-  detail::ArenaChunk* grow_vm_locked(std::size_t rounded);
-  std::size_t unmap_free_tail_locked(bool hysteresis);
-  void release_vm_locked();  // close/destructor: everything unmapped and unreserved (failures counted)
-  detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize);
+  detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize, bool resident);
   void release_backing_locked(detail::ArenaBacking* b, Detached& out);
   std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
   void free_detached(Detached& d);
@@ -159,21 +168,12 @@ class ArenaPool final : public Pool {
   StreamOrder order_;
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
-  bool resident_assigned_ = false;
-  std::size_t ramp_backings_ = 0;  // non-oversize backings held
-  std::size_t ramp_steps_ = 0;     // non-oversize backings ever made: the ramp never restarts after a shrink
+  std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
   std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
-  // Expandable mode.
-  bool vm_ = false;
-  std::uintptr_t va_base_ = 0;
-  std::size_t va_bytes_ = 0, granule_ = 0, vm_tail_scans_ = 0;
-  detail::ArenaBacking* vmb_ = nullptr;  // the one backing; null until the first map
-  std::vector<std::size_t> pieces_;      // mapped pieces, in address order from va_base_
-  std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0;
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,

@@ -85,7 +85,9 @@ ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     n: (k.base, dict(k.fixed)) for n, k in _pool_kinds().items() if k.fixed
 }
 # Options such an arm accepts beyond its pool kind's keyword arguments.
-ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {"arena_expandable": ("va_bytes", "step_fraction", "max_step")}
+ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {
+    "arena_expandable": ("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow")
+}
 
 
 def make_arm_pool(name: str, upstream: Any, **options: Any) -> Any:

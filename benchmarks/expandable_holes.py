@@ -1,0 +1,108 @@
+"""Expandable arena: what unmapping free pieces anywhere in the range (holes) saves, and what it costs.
+
+Runs the committed PyTorch traces (replayed with their pre-trace blocks, like
+``poolkeeper replay --include-pre-trace``) and the bench workloads random_lifetime, large_recycle,
+straddle, kv_cache, inference on the simulated device, once per policy of
+``ArenaPool(expandable=True)``:
+
+- ``tail only``: ``reclaim_holes=False``, the behaviour before holes (only the free tail unmapped);
+- ``holes``: the default -- wholly free pieces anywhere unmapped by trim, shrink scans (two-scan
+  hysteresis) and OOM recovery, lowest holes refilled first;
+- ``holes, 2 MiB pieces``: the same with ``map_piece=2 MiB`` (every granule its own map call);
+- ``release on grow``: also ``release_on_grow=True``: before mapping more, unmap the wholly free
+  pieces the request could not use (with 2 MiB and 8 MiB pieces).
+
+Prints peak reserved / peak live and map / unmap calls per case and policy. Byte and call counts
+are exact and deterministic on the simulated device.
+
+    PYTHONPATH=<built poolkeeper> python3 benchmarks/expandable_holes.py [--scale quick|full] \
+        > benchmarks/results/expandable_holes.txt
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Dict, List, Tuple
+
+import poolkeeper as pk
+from poolkeeper.bench.readers import read_log
+from poolkeeper.bench.replay_engine import replay
+from poolkeeper.bench.workloads import WORKLOADS, RunContext, Selection
+
+MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKLOAD_NAMES = ("random_lifetime", "large_recycle", "straddle", "kv_cache", "inference")
+TRACES = ("torch_gpt2_generate.pickle.gz", "torch_bert_serve.pickle.gz")
+
+POLICIES: List[Tuple[str, Dict[str, Any]]] = [
+    ("tail only (before)", {"reclaim_holes": False}),
+    ("holes", {}),
+    ("holes, 2 MiB pieces", {"map_piece": 2 * MiB}),
+    ("release on grow, 2 MiB", {"map_piece": 2 * MiB, "release_on_grow": True}),
+    ("release on grow, 8 MiB", {"map_piece": 8 * MiB, "release_on_grow": True}),
+]
+
+Case = Callable[[Any, Any], Tuple[int, int]]
+
+
+def run_workload(name: str, params: Dict[str, Any], scale: str) -> Case:
+    def go(pool: Any, up: Any) -> Tuple[int, int]:
+        m = WORKLOADS[name].run(pool, dict(params), RunContext("arena_expandable", "simulated", scale, up))
+        st = pool.stats()
+        live = m.peak_live_bytes if m.peak_live_bytes is not None else st["peak_live_bytes"]
+        res = m.peak_reserved_bytes if m.peak_reserved_bytes is not None else st["peak_reserved_bytes"]
+        return live, res
+
+    return go
+
+
+def run_trace(path: str) -> Case:
+    trace = read_log(path)
+
+    def go(pool: Any, up: Any) -> Tuple[int, int]:
+        r = replay(trace, pool, up, include_pre_trace=True)
+        return r["peak_live_bytes"], r["peak_reserved_bytes"]
+
+    return go
+
+
+def cases(scale: str) -> List[Tuple[str, Case]]:
+    out: List[Tuple[str, Case]] = []
+    for t in TRACES:
+        out.append((t.split(".")[0] + " (replay)", run_trace(os.path.join(HERE, "traces", t))))
+    for name in WORKLOAD_NAMES:
+        for params in WORKLOADS[name].params(Selection(scale=scale)):
+            label = name + " " + ",".join(f"{k}={v}" for k, v in params.items() if k in ("steps", "rounds", "threads"))
+            out.append((label.strip(), run_workload(name, params, scale)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", choices=("quick", "full"), default="quick")
+    ap.add_argument("--only", default="", help="comma-separated substrings of case labels to run")
+    args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    print(f"scale {args.scale}; each cell: peak reserved / peak live, map calls / unmap calls")
+    print(f"{'case':34s} {'peak live MiB':>13s} " + " ".join(f"{label:>24s}" for label, _ in POLICIES))
+    for label, fn in cases(args.scale):
+        if only and not any(s in label for s in only):
+            continue
+        cells, live_mib = [], 0.0
+        for _, opts in POLICIES:
+            up = pk.upstream.Simulated(latency_us=0)
+            pool = pk.ArenaPool(up, expandable=True, **opts)
+            live, res = fn(pool, up)
+            pool.validate()
+            c = up.counters()
+            cells.append(f"{res / live:.3f}× {c['maps']:5d}/{c['unmaps']:<5d}")
+            live_mib = live / MiB
+            try:
+                pool.close()
+            except pk.errors.PoolkeeperError:
+                pass
+        print(f"{label:34s} {live_mib:13.1f} " + " ".join(f"{c:>24s}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
