@@ -415,6 +415,55 @@ def test_interpreter_exit_is_clean_whatever_is_alive(tmp_path, variant):
         assert r.stderr == ""  # no "nanobind: leaked ..." report, no terminate message
 
 
+CUPY_EXIT_SCRIPT = r"""
+import ctypes, sys, types
+import poolkeeper as pk
+
+# CuPy keeps its allocator in an extension-module global that is never cleared at exit: the
+# stand-in holds one reference through the C API until the allocator is replaced, as CuPy does.
+held = {"allocator": None, "pinned": None}
+def _setter(key):
+    def set_(a=None):
+        if held[key] is not None:
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(held[key]))
+        if a is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(a))
+        held[key] = a
+    return set_
+class Memory:
+    def __init__(self, size): self.ptr, self.size = 0, size
+class UnownedMemory:
+    def __init__(self, ptr, size, owner, device_id=None): self.ptr, self.size, self._owner = ptr, size, owner
+class MemoryPointer:
+    def __init__(self, mem, offset): self.mem, self.ptr = mem, mem.ptr + offset
+cupy = types.ModuleType("cupy")
+cupy.cuda = types.SimpleNamespace(
+    memory=types.SimpleNamespace(Memory=Memory, OutOfMemoryError=MemoryError),
+    MemoryPointer=MemoryPointer, UnownedMemory=UnownedMemory, PinnedMemory=Memory,
+    PinnedMemoryPointer=MemoryPointer, runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    get_current_stream=lambda: types.SimpleNamespace(ptr=0), get_allocator=lambda: held["allocator"],
+    set_allocator=_setter("allocator"), set_pinned_memory_allocator=_setter("pinned"))
+cupy.get_default_pinned_memory_pool = lambda: types.SimpleNamespace(malloc=None)
+sys.modules["cupy"] = cupy
+from poolkeeper.integrations import cupy as pkc
+pkc.install(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)), pinned=pk.ArenaPool(pk.upstream.Host()))
+array_memory = held["allocator"](1 << 20)   # an array still alive at exit
+print("done")
+"""
+
+
+def test_interpreter_exit_is_clean_with_the_cupy_integration_installed(tmp_path):
+    # On the H200 a process that installed the CuPy integration printed nanobind's leak report
+    # (its ArenaPools and their upstreams) at exit: CuPy's allocator global outlived the interpreter.
+    script = tmp_path / "cupy_exit.py"
+    script.write_text(CUPY_EXIT_SCRIPT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done"
+    assert r.stderr == ""
+
+
 # -- the torch.OutOfMemoryError shim -------------------------------------------------------------------------
 
 

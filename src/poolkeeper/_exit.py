@@ -18,6 +18,11 @@ Three things used to spoil the exit, none of them a reference-count error:
   before finalization starts. Consequence: an exit handler registered *before* poolkeeper was
   imported (handlers run last-registered-first) must not join a thread that is still calling
   poolkeeper, or it waits for a parked thread.
+- CuPy keeps the allocator it was given (``cupy.cuda.set_allocator``) in an extension-module global
+  that is never cleared at exit, so the CuPy integration's pools (and their upstreams) outlived
+  the interpreter and nanobind reported them. The hook puts CuPy's previous allocators back
+  (``integrations.cupy.uninstall``), which drops that last reference; arrays still alive keep
+  their own pool alive and return their blocks to it when Python frees them.
 - a thread Python never stops (a daemon thread still running) keeps its frames, and through them
   module globals, alive through shutdown. Those objects are owned by that thread, not leaked, and
   no binding can release them; when such a thread is alive at exit, nanobind's leak report is
@@ -26,6 +31,7 @@ Three things used to spoil the exit, none of them a reference-count error:
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 
@@ -42,6 +48,12 @@ def _at_exit() -> None:
             _core.registry_set(device, None)
     except Exception:
         pass
+    cupy_integration = sys.modules.get("poolkeeper.integrations.cupy")
+    if cupy_integration is not None:
+        try:
+            cupy_integration.uninstall()
+        except Exception:
+            pass
     main = threading.main_thread()
     others = [t for t in threading.enumerate() if t is not main and t.is_alive()]
     if others:
