@@ -522,6 +522,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run of the plumbing with tiny requests (only the torch arm can work there)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the uncounted first child that warms the disk cache")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per (arm, workload) process")
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
@@ -557,6 +559,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.warmup and args.device == "cuda":
+            # The first CUDA process on a machine reads libtorch's kernels from a cold disk cache:
+            # in a quick run on the H200 that made the first arm's Llama requests 4x slower than
+            # every other arm's. One uncounted child per workload pays for it.
+            for wl in workloads:
+                t0 = time.perf_counter()
+                run_arm_process("torch", wl, argparse.Namespace(**{**vars(args), "quick": True}), tmp)
+                print(f"[real_models] warm-up {wl} (not counted): {time.perf_counter() - t0:.1f} s", flush=True)
         for wl in workloads:
             for arm in arms:
                 print(f"[real_models] {wl} / {arm} ...", flush=True)
