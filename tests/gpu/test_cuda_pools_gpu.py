@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 import poolkeeper as pk
 from poolkeeper.cuda import driver
+from device_io import read
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -23,12 +23,6 @@ def upstream_for(kind: str):
     """The CUDA upstream a per-device pool of ``kind`` draws from by default (CudaVirtual for the
     expandable arena, CudaDevice for the others)."""
     return pk.upstream.make_upstream(pk.pools.KINDS[kind].cuda_upstream, 0)
-
-
-def read(ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    driver.memcpy_dtoh(out.ctypes.data, ptr, n)
-    return out
 
 
 @pytest.mark.parametrize("kind", sorted(pk.pools.KINDS))
