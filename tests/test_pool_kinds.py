@@ -12,9 +12,16 @@ from poolkeeper.integrations._worker import WorkerPoolSpec
 
 
 def test_every_consumer_lists_exactly_the_kinds_of_the_table():
-    import conftest
+    import importlib.util
+    from pathlib import Path
+
     from poolkeeper.bench.arms import ARM_NAMES
     from poolkeeper.bench.replay import POOLS
+
+    # This directory's conftest by path: "import conftest" may find tests/gpu's first.
+    spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).with_name("conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
 
     kinds = list(pk.pools.KINDS)
     assert [a for a in ARM_NAMES if a != "cuda_async"] == kinds
