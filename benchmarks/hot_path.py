@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 
 import poolkeeper as pk
 from poolkeeper import _core
+from poolkeeper.bench.machine import machine_info
 
 
 def best_ns(fn, n: int, reps: int) -> float:
@@ -64,19 +63,6 @@ def loop_pair_nanobind(pool, nbytes):
     return run
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
@@ -105,13 +91,13 @@ def main(argv=None) -> int:
         rows.append((f"{name}: poolkeeper_malloc+free (C ABI, native loop)", capi, None))
         pool.validate()
         pool.close()
-    print(f"hot path, {args.nbytes} B pool hits, min of {args.reps} x {args.n} ({machine()['cpu']})")
+    print(f"hot path, {args.nbytes} B pool hits, min of {args.reps} x {args.n} ({machine_info()['cpu']})")
     print(f"{'':52s} {'ns/op':>8s}  {'x two empty calls':>17s}")
     for label, ns, ratio in rows:
         print(f"{label:52s} {ns:8.1f}  {'' if ratio is None else f'{ratio:17.2f}'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "nbytes": args.nbytes, "n": args.n, "reps": args.reps,
+            json.dump({"machine": machine_info(), "nbytes": args.nbytes, "n": args.n, "reps": args.reps,
                        "rows": [{"what": l, "ns": ns, "ratio_two_empty": r} for l, ns, r in rows]}, f, indent=2)
     return 0
 

@@ -323,6 +323,31 @@ def _sync(torch: Any, device: str) -> None:
         torch.cuda.synchronize()
 
 
+def left_padded_batch(np: Any, rng: Any, batch: Sequence[int], length: Sequence[int], vocab: int) -> Any:
+    """A random batch of token ids, left-padded: ``(ids, mask)`` as int64 arrays. The batch size
+    is drawn from ``batch``, each row's length from ``length`` (both inclusive), then the ids."""
+    b = int(rng.integers(batch[0], batch[1] + 1))
+    lens = rng.integers(length[0], length[1] + 1, size=b)
+    L = int(lens.max())
+    mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)
+    return rng.integers(3, vocab, size=(b, L)) * mask, mask
+
+
+def native_memory_stats(torch: Any) -> Dict[str, Any]:
+    """PyTorch's caching allocator figures of device 0, under the names poolkeeper's stats use."""
+    ms = torch.cuda.memory_stats()
+    return dict(
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+        peak_live_bytes=torch.cuda.max_memory_allocated(),
+        upstream_allocations=ms.get("num_device_alloc", ms.get("segment.all.allocated")),
+        upstream_deallocations=ms.get("num_device_free", ms.get("segment.all.freed")),
+        segments_allocated=ms.get("segment.all.allocated"),
+        segments_freed=ms.get("segment.all.freed"),
+        alloc_retries=ms.get("num_alloc_retries"),
+        reserved_bytes_end=ms.get("reserved_bytes.all.current"),
+    )
+
+
 def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
@@ -389,12 +414,9 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
             generate(torch.ones((b, L), dtype=torch.long, device=dev), torch.ones((b, L), dtype=torch.long, device=dev), 3, False)
         _sync(torch, device)
         for i in range(plan["requests"]):
-            b = int(rng.integers(plan["batch"][0], plan["batch"][1] + 1))
-            lens = rng.integers(plan["prompt"][0], plan["prompt"][1] + 1, size=b)
-            L = int(lens.max())
-            mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)  # left padding
-            ids = torch.from_numpy(rng.integers(3, LLAMA_CONFIG["vocab_size"], size=(b, L)) * mask).to(dev)
-            am = torch.from_numpy(mask).to(dev)
+            ids, mask = left_padded_batch(np, rng, plan["batch"], plan["prompt"], LLAMA_CONFIG["vocab_size"])
+            b, L = ids.shape
+            ids, am = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
             _sync(torch, device)
             t0 = time.perf_counter()
             toks = generate(ids, am, plan["new_tokens"], True)
@@ -457,19 +479,7 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
             pool_stats_end={k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None},
         )
     elif cuda:
-        ms = torch.cuda.memory_stats()
-        res.update(
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-            peak_live_bytes=torch.cuda.max_memory_allocated(),
-            upstream_allocations=ms.get("num_device_alloc", ms.get("segment.all.allocated")),
-            upstream_deallocations=ms.get("num_device_free", ms.get("segment.all.freed")),
-            maps=None,
-            unmaps=None,
-            segments_allocated=ms.get("segment.all.allocated"),
-            segments_freed=ms.get("segment.all.freed"),
-            alloc_retries=ms.get("num_alloc_retries"),
-            reserved_bytes_end=ms.get("reserved_bytes.all.current"),
-        )
+        res.update(native_memory_stats(torch), maps=None, unmaps=None)
     else:  # CPU dry run: no device allocator to read
         res.update(peak_reserved_bytes=None, peak_live_bytes=None, upstream_allocations=None,
                    upstream_deallocations=None, maps=None, unmaps=None)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 import poolkeeper as pk
 from poolkeeper import _core
+from poolkeeper.bench.machine import machine_info
 
 KiB, MiB = 1 << 10, 1 << 20
 CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB", [2 * MiB], False),
@@ -38,41 +38,16 @@ CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB",
 DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
 
 
-def make_upstream(backend: str, kind: str = ""):
+def make_upstream(backend: str, kind: str = "arena"):
     if backend == "cuda":
-        # The expandable arena needs virtual memory: CudaVirtual maps physical pieces into one range.
-        return pk.upstream.CudaVirtual(DEVICE) if kind == "arena_expandable" else pk.upstream.CudaDevice(DEVICE)
-    return pk.upstream.Simulated(latency="none")
-
-
-def make_pool(kind: str, up):
-    if kind == "arena":
-        return pk.ArenaPool(up)
-    if kind == "arena_expandable":
-        return pk.ArenaPool(up, expandable=True)
-    if kind == "size_class":
-        return pk.SizeClassPool(up)
-    if kind == "direct":
-        return pk.Direct(up)
-    raise SystemExit(f"unknown pool kind {kind!r}")
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+        # The kind's own CUDA upstream: CudaVirtual for the expandable arena, CudaDevice otherwise.
+        return pk.upstream.make_upstream(pk.pools.pool_kind(kind).cuda_upstream, DEVICE)
+    return pk.upstream.make_upstream("simulated", latency="none")
 
 
 def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float) -> dict:
     up = make_upstream(backend, kind)
-    pool = make_pool(kind, up)
+    pool = pk.make_pool(kind, up)
     _core.registry_set(DEVICE, pool)
     try:
         r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
@@ -104,8 +79,8 @@ def main(argv=None) -> int:
     if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
         kinds.remove("arena_expandable")
         print("arena_expandable skipped: the upstream has no virtual memory")
-    out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
-    print(f"thread scaling, backend {args.backend}, {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
+    out = {"machine": machine_info(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
+    print(f"thread scaling, backend {args.backend}, {args.seconds}s per cell ({machine_info()['cpu']}, {os.cpu_count()} cores)")
     hdr = "".join(f"{t:>9d}t" for t in threads)
     print(f"{'pool':17s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
     for kind in kinds:

@@ -31,16 +31,9 @@ import time
 from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-CONFIG = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    max_position_embeddings=4096,
-)
+sys.path.insert(0, HERE)
+# The same Llama configuration, batches and PyTorch figures as real_models.py's llama workload.
+from real_models import LLAMA_CONFIG as CONFIG, left_padded_batch, native_memory_stats  # noqa: E402
 
 FULL = dict(prefill_steps=48, prefill_batch=(1, 16), prefill_len=(32, 1024), decode_runs=4, decode_batch=(1, 8),
             decode_prompt=(16, 256), decode_tokens=128)
@@ -110,13 +103,8 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int, trace_out: str = None) ->
         torch.cuda.synchronize()
 
         for _ in range(plan["prefill_steps"]):
-            b = int(rng.integers(plan["prefill_batch"][0], plan["prefill_batch"][1] + 1))
-            lens = rng.integers(plan["prefill_len"][0], plan["prefill_len"][1] + 1, size=b)
-            L = int(lens.max())
-            ids = rng.integers(3, CONFIG["vocab_size"], size=(b, L))
-            mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)  # left padding
-            ids = torch.from_numpy(ids * mask).to(dev)
-            am = torch.from_numpy(mask).to(dev)
+            ids, mask = left_padded_batch(np, rng, plan["prefill_batch"], plan["prefill_len"], CONFIG["vocab_size"])
+            ids, am = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = model(input_ids=ids, attention_mask=am, use_cache=False)
@@ -127,13 +115,9 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int, trace_out: str = None) ->
             del out, last, ids, am
 
         for _ in range(plan["decode_runs"]):
-            b = int(rng.integers(plan["decode_batch"][0], plan["decode_batch"][1] + 1))
-            lens = rng.integers(plan["decode_prompt"][0], plan["decode_prompt"][1] + 1, size=b)
-            L = int(lens.max())
-            ids = rng.integers(3, CONFIG["vocab_size"], size=(b, L))
-            mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)
-            ids = torch.from_numpy(ids * mask).to(dev)
-            am = torch.from_numpy(mask).to(dev)
+            ids, mask = left_padded_batch(np, rng, plan["decode_batch"], plan["decode_prompt"], CONFIG["vocab_size"])
+            b = ids.shape[0]
+            ids, am = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
             out = model(input_ids=ids, attention_mask=am, use_cache=True)
             past = out.past_key_values
             nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
@@ -177,16 +161,7 @@ def run_arm(arm: str, plan: Dict[str, Any], seed: int, trace_out: str = None) ->
         "decode_margins": decode_margins,
     }
     if arm == "native":
-        ms = torch.cuda.memory_stats()
-        res.update(
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-            peak_live_bytes=torch.cuda.max_memory_allocated(),
-            upstream_allocations=ms.get("num_device_alloc", ms.get("segment.all.allocated")),
-            upstream_deallocations=ms.get("num_device_free", ms.get("segment.all.freed")),
-            segments_allocated=ms.get("segment.all.allocated"),
-            alloc_retries=ms.get("num_alloc_retries"),
-            live_counts="allocated block sizes (rounded to 512 B)",
-        )
+        res.update(native_memory_stats(torch), live_counts="allocated block sizes (rounded to 512 B)")
     else:
         from poolkeeper.integrations import torch as pkt
 

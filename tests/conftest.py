@@ -29,28 +29,24 @@ UPSTREAMS = {
     "simulated": lambda: pk.upstream.Simulated(latency_us=0),
 }
 
-# Small backings so tests exercise growth, oversize and shrink without big numbers.
-POOLS = {
-    "direct": lambda up: pk.Direct(up),
-    "size_class": lambda up: pk.SizeClassPool(up),
-    "arena": lambda up: pk.ArenaPool(up, initial_backing=1 << 16, max_backing=1 << 20),
+# Every pool kind of the one table (poolkeeper.pools.KINDS), built by make_pool. Test options per
+# kind: small backings so tests exercise growth, oversize and shrink without big numbers; for the
+# expandable arena small steps and frequent shrink scans so growth and unmapping happen in every run.
+TEST_OPTIONS = {
+    "arena": dict(initial_backing=1 << 16, max_backing=1 << 20),
+    "arena_expandable": dict(max_step=2 << 20, shrink_interval=64),
 }
-# Opt-in (a module widens its ``pool_kind`` params to include it): the arena over an expandable
-# virtual-memory backing, small steps and frequent shrink scans so growth and unmapping happen in
-# every run. Only upstreams with virtual memory can hold it; with others the case is skipped.
-EXTRA_POOLS = {
-    "arena_expandable": lambda up: pk.ArenaPool(up, expandable=True, max_step=2 << 20, shrink_interval=64),
-}
-_CLASSES = {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}
+# Kinds that need virtual memory are opt-in (a module widens its ``pool_kind`` params to include
+# them): only upstreams with virtual memory can hold them; with others the case is skipped.
+POOLS = [k for k, kind in pk.pools.KINDS.items() if not kind.needs_virtual]
+EXTRA_POOLS = [k for k, kind in pk.pools.KINDS.items() if kind.needs_virtual]
 
 
 def build_pool(kind: str, up, **kw):
-    """Pool ``kind`` over ``up``: its configuration above, or the class with ``kw`` when given."""
-    if kind in EXTRA_POOLS:
-        if not up.supports_virtual:
-            pytest.skip(f"{up.name} has no virtual memory (expandable arena)")
-        return pk.ArenaPool(up, expandable=True, **kw) if kw else EXTRA_POOLS[kind](up)
-    return _CLASSES[kind](up, **kw) if kw else POOLS[kind](up)
+    """Pool ``kind`` over ``up``: with its test options above, or with ``kw`` when given."""
+    if pk.pools.KINDS[kind].needs_virtual and not up.supports_virtual:
+        pytest.skip(f"{up.name} has no virtual memory ({kind})")
+    return pk.make_pool(kind, up, **(kw or TEST_OPTIONS.get(kind, {})))
 
 
 @pytest.fixture(params=sorted(UPSTREAMS))

@@ -18,9 +18,9 @@ from pool_oracle import Oracle, pick, state
 KiB, MiB = 1 << 10, 1 << 20
 ALIGN = 256
 
-# Every conftest pool, plus the arena over an expandable (virtual-memory) backing (conftest's
-# make_pool builds it, and skips it on upstreams without virtual memory).
-@pytest.fixture(params=["arena", "arena_expandable", "direct", "size_class"])
+# Every pool kind, those that need virtual memory included (conftest's make_pool skips them on
+# upstreams without it).
+@pytest.fixture(params=sorted(pk.pools.KINDS))
 def pool_kind(request):
     return request.param
 

@@ -21,19 +21,7 @@ from poolkeeper.errors import (
     UpstreamError,
 )
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-G = 2 * MiB  # the simulated device's mapping granularity
-
-
-def sim(**kw):
-    return pk.upstream.Simulated(latency_us=0, **kw)
-
-
-def pool_fixed_steps(up, **kw):
-    """Every growth maps exactly what is missing (no fraction, steps of one granule)."""
-    opts = dict(expandable=True, initial_backing=G, step_fraction=0.0, max_step=G, thread_cache_bytes=0)
-    opts.update(kw)
-    return pk.ArenaPool(up, **opts)
+from expandable_helpers import GiB, G, KiB, MiB, pool_in_granules, sim  # noqa: F401
 
 
 def chunks(pool):
@@ -102,7 +90,7 @@ def test_simulated_vm_contract_is_enforced_and_counted():
 
 def test_each_growth_step_is_one_map_and_a_free_tail_is_extended_not_split():
     up = sim()
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     a = pool.allocate(3 * MiB // 2)  # first map: 2 MiB, free tail 0.5 MiB
     assert up.counters()["maps"] == 1
     assert chunks(pool) == [(0, 3 * MiB // 2, "live"), (3 * MiB // 2, MiB // 2, "free")]
@@ -121,7 +109,7 @@ def test_each_growth_step_is_one_map_and_a_free_tail_is_extended_not_split():
 
 def test_growth_past_a_live_tail_appends_a_chunk():
     up = sim()
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     a = pool.allocate(G)
     b = pool.allocate(G)  # the tail is live: a new chunk at the end
     assert b == a + G
@@ -135,7 +123,7 @@ def test_growth_past_a_live_tail_appends_a_chunk():
 
 def test_n_growth_steps_make_n_map_calls_and_blocks_are_contiguous():
     up = sim()
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     ptrs = [pool.allocate(G) for _ in range(10)]
     assert ptrs == [ptrs[0] + i * G for i in range(10)]
     st = pool.stats()
@@ -180,7 +168,7 @@ def test_step_fraction_ramps_the_steps_and_max_step_caps_them():
 
 def test_trim_unmaps_only_whole_pieces_of_the_free_tail_without_reclaim_holes():
     up = sim()
-    pool = pool_fixed_steps(up, reclaim_holes=False)
+    pool = pool_in_granules(up, reclaim_holes=False)
     x, y, z = (pool.allocate(G) for _ in range(3))
     pool.deallocate(y)  # a hole in the middle: nothing to unmap (the tail is live)
     assert pool.trim() == 0
@@ -201,7 +189,7 @@ def test_trim_unmaps_only_whole_pieces_of_the_free_tail_without_reclaim_holes():
 
 def test_trim_never_unmaps_a_piece_with_a_live_byte():
     up = sim()
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     big = pool.allocate(3 * MiB)  # one 4 MiB piece (the request needs two granules)
     small = pool.allocate(KiB)  # right after it, in the same piece
     pool.deallocate(big)
@@ -216,7 +204,7 @@ def test_trim_never_unmaps_a_piece_with_a_live_byte():
 
 def test_shrink_scans_wait_for_the_hysteresis():
     up = sim()
-    pool = pool_fixed_steps(up, shrink_hysteresis=2, shrink_interval=0)
+    pool = pool_in_granules(up, shrink_hysteresis=2, shrink_interval=0)
     a = pool.allocate(G)
     b = pool.allocate(G)
     pool.deallocate(b)
@@ -269,7 +257,7 @@ def test_default_range_is_twice_the_device_capacity_and_a_full_range_is_an_oom()
 def test_a_refused_map_leaves_the_pool_consistent_and_raises_the_typed_error(error, exc):
     inner = sim()
     up = pk.upstream.Faulty(inner, fail_every=1, error=error, armed=False)
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     a = pool.allocate(G)
     b = pool.allocate(G)
     before = pool.stats()
@@ -308,7 +296,7 @@ def test_a_refused_big_step_falls_back_to_what_the_request_needs():
 
 def test_device_capacity_exhaustion_is_an_oom_with_figures_and_recovers():
     up = sim(capacity=8 * MiB)
-    pool = pool_fixed_steps(up, va_bytes=64 * MiB)
+    pool = pool_in_granules(up, va_bytes=64 * MiB)
     ptrs = [pool.allocate(G) for _ in range(4)]
     with pytest.raises(OutOfMemoryError) as e:
         pool.allocate(G)
@@ -323,7 +311,7 @@ def test_device_capacity_exhaustion_is_an_oom_with_figures_and_recovers():
 
 def test_limit_counts_mapped_bytes():
     up = sim()
-    pool = pool_fixed_steps(up, limit=3 * G)
+    pool = pool_in_granules(up, limit=3 * G)
     ptrs = [pool.allocate(G) for _ in range(3)]
     with pytest.raises(OutOfMemoryError) as e:
         pool.allocate(KiB)
@@ -338,7 +326,7 @@ def test_limit_counts_mapped_bytes():
 def test_a_refused_unmap_keeps_the_piece_and_counts_it():
     inner = sim()
     up = pk.upstream.Faulty(inner, fail_frees=True, armed=False, fail_every=1)
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     a = pool.allocate(G)
     b = pool.allocate(G)
     pool.deallocate(b)
@@ -476,7 +464,7 @@ def test_a_refused_growth_keeps_the_free_tail_mapped():
     need a larger map, and the pool would have thrown away memory it holds."""
     inner = sim()
     up = pk.upstream.Faulty(inner, fail_every=1, error="oom", armed=False)
-    pool = pool_fixed_steps(up)
+    pool = pool_in_granules(up)
     a = pool.allocate(G)
     b = pool.allocate(G)
     pool.deallocate(b)  # the tail (one piece) is free

@@ -16,19 +16,7 @@ from poolkeeper import _core
 from poolkeeper.accounting import check
 from poolkeeper.errors import OutOfMemoryError
 
-KiB, MiB = 1 << 10, 1 << 20
-G = 2 * MiB  # the simulated device's mapping granularity
-
-
-def sim(**kw):
-    return pk.upstream.Simulated(latency_us=0, **kw)
-
-
-def pool_pieces(up, **kw):
-    """Growth maps what is missing, one granule per map call (so every granule can go alone)."""
-    opts = dict(expandable=True, initial_backing=G, step_fraction=0.0, max_step=G, thread_cache_bytes=0)
-    opts.update(kw)
-    return pk.ArenaPool(up, **opts)
+from expandable_helpers import G, KiB, MiB, pool_in_granules, sim  # noqa: F401
 
 
 def consistent(pool, up=None):
@@ -48,7 +36,7 @@ def segments(pool):
 
 def test_a_free_middle_piece_is_unmapped_and_the_hole_refilled_lowest_first():
     up = sim()
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     blocks = [pool.allocate(G) for _ in range(5)]
     base = blocks[0]
     pool.deallocate(blocks[1])
@@ -74,7 +62,7 @@ def test_a_free_middle_piece_is_unmapped_and_the_hole_refilled_lowest_first():
 
 def test_a_request_larger_than_a_hole_uses_the_hole_with_its_free_neighbours():
     up = sim()
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     a, b, c, d = (pool.allocate(G) for _ in range(4))
     pool.deallocate(b)
     pool.trim()  # b's piece is a hole now
@@ -90,7 +78,7 @@ def test_a_request_larger_than_a_hole_uses_the_hole_with_its_free_neighbours():
 
 def test_only_whole_pieces_go_and_the_resident_first_piece_stays():
     up = sim()
-    pool = pool_pieces(up, map_piece=G)
+    pool = pool_in_granules(up, map_piece=G)
     a = pool.allocate(G)
     b = pool.allocate(G + 4 * KiB)  # spans two pieces (one step, two map calls)
     c = pool.allocate(G)
@@ -123,7 +111,7 @@ def test_map_piece_splits_a_growth_step_so_its_granules_can_go_alone():
 
 def test_shrink_scans_unmap_a_middle_piece_only_after_the_hysteresis():
     up = sim()
-    pool = pool_pieces(up, shrink_hysteresis=2, shrink_interval=0)
+    pool = pool_in_granules(up, shrink_hysteresis=2, shrink_interval=0)
     a, b, c = (pool.allocate(G) for _ in range(3))
     pool.deallocate(b)
     assert pool.shrink_scan() == 0  # first scan: seen free once
@@ -140,7 +128,7 @@ def test_shrink_scans_unmap_a_middle_piece_only_after_the_hysteresis():
 
 def test_pending_releases_are_never_unmapped_until_their_stream_is_done():
     up = sim()
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     s = up.stream()
     a, b, c = (pool.allocate(G, s) for _ in range(3))
     up.enqueue(s, 100.0)  # the stream is still working on b
@@ -159,7 +147,7 @@ def test_pending_releases_are_never_unmapped_until_their_stream_is_done():
 
 def test_thread_cached_blocks_are_never_unmapped():
     up = sim()
-    pool = pool_pieces(up, thread_cache_bytes=8 * MiB, thread_cache_max_block=G)
+    pool = pool_in_granules(up, thread_cache_bytes=8 * MiB, thread_cache_max_block=G)
     a, b, c = (pool.allocate(G) for _ in range(3))
     pool.deallocate(b)  # parked in this thread's cache
     assert pool.shrink_scan() == 0 and pool.shrink_scan() == 0  # scans never flush caches
@@ -173,7 +161,7 @@ def test_thread_cached_blocks_are_never_unmapped():
 
 def test_no_unmap_while_a_capture_scope_is_open():
     up = pk.upstream.Simulated(latency="none")
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     gp = _core.GraphPools(pool)
     s = up.stream()
     a, b, c = (pool.allocate(G) for _ in range(3))
@@ -196,7 +184,7 @@ def test_no_unmap_while_a_capture_scope_is_open():
 
 def test_oom_recovery_unmaps_middle_holes_but_keeps_the_free_tail():
     up = sim(capacity=8 * G)
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     blocks = [pool.allocate(G) for _ in range(6)]
     keep = blocks[0::2]
     for p in blocks[1::2]:
@@ -215,7 +203,7 @@ def test_oom_recovery_unmaps_middle_holes_but_keeps_the_free_tail():
 def test_a_refused_unmap_mid_walk_leaves_the_pool_consistent():
     inner = sim()
     up = pk.upstream.Faulty(inner, fail_frees=True, armed=False, fail_at=[7])
-    pool = pool_pieces(up)
+    pool = pool_in_granules(up)
     blocks = [pool.allocate(G) for _ in range(6)]
     for p in blocks[1::2]:
         pool.deallocate(p)

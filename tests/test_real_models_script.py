@@ -187,3 +187,16 @@ def test_cpu_dry_run(tmp_path):
         assert len(t["output_sha256"]) == 64 and len(t["request_sha256"]) == res["plan"][wl]["requests"]
         assert "error" in res["runs"][wl]["arena"]
     assert (tmp_path / "real_models_cpu_quick.md").read_text().count("failed:") == 1
+
+
+def test_left_padded_batch_pads_on_the_left_in_the_draw_order_both_scripts_used():
+    np = pytest.importorskip("numpy")
+    ids, mask = rm.left_padded_batch(np, np.random.default_rng(7), (2, 5), (3, 9), 100)
+    # The draws the scripts made inline before: batch size, lengths, then the ids.
+    rng = np.random.default_rng(7)
+    b = int(rng.integers(2, 6))
+    lens = rng.integers(3, 10, size=b)
+    L = int(lens.max())
+    want_mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)
+    assert (mask == want_mask).all() and (ids == rng.integers(3, 100, size=(b, L)) * want_mask).all()
+    assert ids.dtype == mask.dtype == np.int64 and (mask.sum(1) == lens).all()

@@ -650,3 +650,47 @@ def test_cupy_install_rolls_back_when_the_pinned_allocator_is_refused(monkeypatc
     assert c.state["allocator"] == "cupy-default"
     pk_cupy.uninstall()  # nothing to undo
     assert c.state["allocator"] == "cupy-default"
+
+
+def test_pools_and_as_handle_read_streams_the_same_way():
+    """streams.as_handle is the pools' own (C++) reading: the same inputs accepted with the same
+    handle, the same ones refused, and a wrapper whose handle attribute raises is an
+    InvalidStreamError caused by what it raised in both (KeyboardInterrupt passes through)."""
+    import poolkeeper as pk
+
+    class Raises:
+        @property
+        def cuda_stream(self):
+            raise ValueError("driver gone")
+
+    class Interrupted:
+        def __cuda_stream__(self):
+            raise KeyboardInterrupt
+
+    class P:
+        def __init__(self, r):
+            self.r = r
+
+        def __cuda_stream__(self):
+            return self.r
+
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.SizeClassPool(sim)
+    for good in (None, 0, 7, P((0, 9)), _Wrap(_Wrap(3))):
+        pool.deallocate(pool.allocate(64, good), good)
+        assert as_handle(good) == (None if good is None else {0: 0, 7: 7}.get(good, 9 if isinstance(good, P) else 3))
+    for bad in (Raises(), P((0, None)), P(5), -1, 1 << 64, True, "s"):
+        with pytest.raises(InvalidStreamError) as via_pool:
+            pool.allocate(64, bad)
+        with pytest.raises(InvalidStreamError) as via_helper:
+            as_handle(bad)
+        assert str(via_pool.value) == str(via_helper.value)
+        assert type(via_pool.value.__cause__) is type(via_helper.value.__cause__)
+    with pytest.raises(InvalidStreamError) as ei:
+        pool.allocate(64, Raises())
+    assert isinstance(ei.value.__cause__, ValueError) and "driver gone" in str(ei.value)
+    for call in (lambda: pool.allocate(64, Interrupted()), lambda: as_handle(Interrupted())):
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    assert pool.stats()["live_blocks"] == 0
+    pool.validate()

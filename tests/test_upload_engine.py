@@ -515,3 +515,22 @@ def test_a_forked_child_replaces_the_engine_without_touching_the_parents_threads
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "child 0" in r.stdout
+
+
+@pytest.mark.parametrize("n, chunk", [(10 * CHUNK + 5, CHUNK), (300 * 1024, CHUNK), (64 << 20, 8 << 20), (5 * CHUNK, 128 * 1024)])
+def test_both_engines_follow_the_one_ramp_schedule(n, chunk, monkeypatch):
+    """The ramp lives in C++ (_core.upload_ramp); the Python engine reads it, so both engines cut an
+    upload the same way, and changing the one schedule changes the Python engine's cut too."""
+    from poolkeeper.staging import uploader
+
+    def cut(ramp: bool) -> list:
+        run, sizes = uploader._Run(n, chunk, None, ramp), []
+        while (c := run.take()) is not None:
+            sizes.append(c[1])
+        return sizes
+
+    assert cut(True) == schedule(n, chunk, ramp=True)
+    assert cut(False) == schedule(n, chunk, ramp=False)
+    assert uploader.RAMP_MIN == _core.UPLOAD_RAMP_MIN == RAMP_MIN
+    monkeypatch.setattr(uploader._core, "upload_ramp", lambda c, t: [1000, 3000])
+    assert cut(True)[:3] == [1000, 3000, min(chunk, n - 4000)]

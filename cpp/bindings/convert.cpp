@@ -90,6 +90,28 @@ namespace {
 // than followed until the C stack overflows.
 constexpr int kMaxStreamNesting = 8;
 
+// A wrapper whose handle attribute (or __cuda_stream__()) raises is not a stream:
+// InvalidStreamError, with what it raised as the cause. KeyboardInterrupt and other errors that
+// are not an Exception pass through unchanged.
+[[noreturn]] void raise_not_a_stream(nb::handle h, nb::python_error& e) {
+  if (!e.matches(PyExc_Exception)) throw e;
+  const std::string what = nb::cast<std::string>(nb::repr(e.value()));
+  const std::string tp = nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))).attr("__name__"));
+  nb::raise_from(e, nb::module_::import_("poolkeeper.errors").attr("InvalidStreamError"),
+                 "reading the stream handle of %s raised %s", tp.c_str(), what.c_str());
+}
+
+// Attribute `name` of a stream object, or a null object where it has none (AttributeError).
+nb::object stream_attr(nb::handle h, const char* name) {
+  if (PyObject* r = PyObject_GetAttrString(h.ptr(), name)) return nb::steal(r);
+  if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    return nb::object();
+  }
+  nb::python_error e;
+  raise_not_a_stream(h, e);
+}
+
 Stream parse_stream_at(nb::handle h, int depth) {
   if (h.is_none()) {
     if (depth == 0) return kNoStream;
@@ -111,13 +133,18 @@ Stream parse_stream_at(nb::handle h, int depth) {
     throw InvalidArgument("stream object nests more than " + std::to_string(kMaxStreamNesting) +
                               " levels deep (does .cuda_stream, .ptr or __cuda_stream__() return the object itself?)",
                           true);
-  if (nb::hasattr(h, "__cuda_stream__")) {
-    nb::object r = h.attr("__cuda_stream__")();
+  if (nb::object proto = stream_attr(h, "__cuda_stream__")) {
+    nb::object r;
+    try {
+      r = proto();
+    } catch (nb::python_error& e) {
+      raise_not_a_stream(h, e);
+    }
     if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) return parse_stream_at(nb::tuple(r)[1], depth + 1);
     throw InvalidArgument("__cuda_stream__() must return (version, handle)", true);
   }
-  if (nb::hasattr(h, "cuda_stream")) return parse_stream_at(h.attr("cuda_stream"), depth + 1);  // torch.cuda.Stream
-  if (nb::hasattr(h, "ptr")) return parse_stream_at(h.attr("ptr"), depth + 1);                  // cupy.cuda.Stream
+  if (nb::object v = stream_attr(h, "cuda_stream")) return parse_stream_at(v, depth + 1);  // torch.cuda.Stream
+  if (nb::object v = stream_attr(h, "ptr")) return parse_stream_at(v, depth + 1);          // cupy.cuda.Stream
   throw InvalidArgument("stream must be None, an int handle, or an object with __cuda_stream__, .cuda_stream or .ptr; got " +
                             nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(o))))),
                         true);

@@ -6,6 +6,10 @@ NB_MODULE(_core, m) {
   using namespace poolkeeper::py;
   m.doc() = "poolkeeper's native core: upstreams, pools, stream order, accounting, C ABI.";
   bind_errors(m);
+  // The one reading of a stream argument (what every pool method does), for Python callers too.
+  m.def("stream_handle", [](nanobind::handle s) { return stream_to_py(parse_stream(s)); },
+        nanobind::arg("stream").none(),
+        "The raw handle a pool uses for `stream` (None for no stream); InvalidStreamError otherwise.");
   bind_upstreams(m);
   bind_pools(m);
   bind_cuda(m);

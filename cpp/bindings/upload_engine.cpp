@@ -43,6 +43,9 @@ nb::dict outcome_to_dict(const UploadOutcome& o) {
 }  // namespace
 
 void bind_upload_engine(nb::module_& m) {
+  m.def("upload_ramp", &upload_ramp, "chunk"_a, "total"_a,
+        "The ramp-up head of an upload's schedule (chunk sizes before the full chunks), as both engines follow it.");
+  m.attr("UPLOAD_RAMP_MIN") = kUploadRampMin;
   m.def("stream_copy_isa", []() { return std::string(stream_copy_isa()); },
         "The non-temporal store ISA the engine's NT fill uses here ('avx2', 'sse2', or '' for memcpy).");
   m.def("stream_copy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t n) {

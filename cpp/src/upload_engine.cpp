@@ -17,7 +17,7 @@ namespace poolkeeper {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-constexpr std::size_t kRampMin = 256 * 1024;  // the ramp never makes chunks smaller than this
+constexpr std::size_t kRampMin = kUploadRampMin;
 
 std::uint64_t ns_since(Clock::time_point t) {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count());
@@ -105,6 +105,17 @@ struct Slot {
 };
 }  // namespace
 
+std::vector<std::size_t> upload_ramp(std::size_t chunk, std::size_t total) {
+  std::vector<std::size_t> head;
+  std::size_t covered = 0;
+  for (std::size_t size = std::max(std::min(chunk, kRampMin), chunk / 8); size < chunk && covered < total;
+       size = std::min(size * 2, chunk)) {
+    head.push_back(size);
+    covered += size;
+  }
+  return head;
+}
+
 struct UploadEngine::Job {
   UploadRequest req;
   std::unique_ptr<Slot[]> slots;
@@ -142,12 +153,8 @@ struct UploadEngine::Job {
   void plan_ramp() {
     const std::size_t chunk = req.chunk;
     if (req.ramp) {
-      std::size_t size = std::max(std::min(chunk, kRampMin), chunk / 8);
-      while (size < chunk && ramp_total < req.total) {
-        ramp.push_back(size);
-        ramp_total += size;
-        size = std::min(size * 2, chunk);
-      }
+      ramp = upload_ramp(chunk, req.total);
+      for (std::size_t s : ramp) ramp_total += s;
     }
     if (req.tail_ramp && chunk / 2 >= kRampMin) {
       std::vector<std::size_t> t;  // from the end backwards: smallest first

@@ -257,49 +257,64 @@ Pool = _core.Pool
 for _name in ("snapshot", "buffer"):
     if not hasattr(_core.Pool, _name):
         setattr(_core.Pool, _name, getattr(_PoolAPI, _name))
-# Pool classes by base kind name (what a kind builds; bench/option introspection reads these).
-POOL_KINDS = {"direct": Direct, "size_class": SizeClassPool, "arena": ArenaPool, "arena_expandable": ArenaPool}
-
-
 @dataclass(frozen=True)
 class PoolKind:
-    """One pool kind name as every entry point spells it (``make_pool``, ``integrations.torch.install``,
-    ``integrations.cupy.install``, ``poolkeeper bench`` arms, ``poolkeeper replay --pool``).
+    """One pool kind, as every entry point spells it: ``make_pool``, ``make_device_pool``,
+    ``integrations.torch.install`` (and its C ABI factory), ``integrations.cupy.install``, the Dask
+    and Ray worker pools, ``poolkeeper bench`` arms, ``poolkeeper replay --pool`` and the tests.
+    :data:`KINDS` is the one table of them: a new kind is one row there.
 
-    ``fixed``: options the kind sets itself (an ``arena_expandable`` is an ``ArenaPool`` with
-    ``expandable=True``). ``cuda_upstream``: the upstream a per-device pool of this kind draws from
-    when none is named (the expandable arena needs ``CudaVirtual``'s reserve-and-map interface).
-    ``cuda_upstreams``: the upstream names it can run over.
+    ``cls``: the pool class. ``fixed``: options the kind sets itself (an ``arena_expandable`` is
+    an ``ArenaPool`` with ``expandable=True``); asking for another value is refused.
+    ``needs_virtual``: the kind maps memory into a reserved range, so it runs only over an
+    upstream with the virtual-memory interface (``"virtual"`` on a GPU, the simulated device in
+    tests), and per-device pools of it default to ``"virtual"``. ``extra_options``: options the
+    kind accepts beyond ``cls``'s keyword arguments (read by ``poolkeeper bench``/``replay`` to
+    route ``-o KEY=VALUE``).
     """
 
     name: str
-    base: str
+    cls: type
     fixed: Dict[str, Any] = field(default_factory=dict)
-    cuda_upstream: str = "device"
-    cuda_upstreams: Tuple[str, ...] = ("device", "async")
+    needs_virtual: bool = False
+    extra_options: Tuple[str, ...] = ()
     description: str = ""
 
     @property
-    def cls(self) -> type:
-        return POOL_KINDS[self.base]
+    def base(self) -> str:
+        """The kind that builds the same class without fixed options (``"arena"`` for
+        ``"arena_expandable"``): the name the C ABI factory is given, with :attr:`fixed`."""
+        return next(k.name for k in KINDS.values() if k.cls is self.cls and not k.fixed)
+
+    @property
+    def cuda_upstream(self) -> str:
+        """The CUDA upstream a per-device pool of this kind draws from when none is named."""
+        return "virtual" if self.needs_virtual else "device"
+
+    @property
+    def cuda_upstreams(self) -> Tuple[str, ...]:
+        """The CUDA upstream names this kind can run over."""
+        from poolkeeper.upstream import CUDA_UPSTREAMS
+
+        return ("virtual",) if self.needs_virtual else CUDA_UPSTREAMS
 
 
 KINDS: Dict[str, PoolKind] = {
-    "direct": PoolKind("direct", "direct", description="the upstream itself: one upstream call per allocate and per deallocate"),
-    "size_class": PoolKind("size_class", "size_class", description="SizeClassPool: size classes with per-class free lists"),
-    "arena": PoolKind("arena", "arena", description="ArenaPool: large backings sliced with split/coalesce, per-thread cache"),
+    "direct": PoolKind("direct", Direct, description="the upstream itself: one upstream call per allocate and per deallocate"),
+    "size_class": PoolKind("size_class", SizeClassPool, description="SizeClassPool: size classes with per-class free lists"),
+    "arena": PoolKind("arena", ArenaPool, description="ArenaPool: large backings sliced with split/coalesce, per-thread cache"),
     "arena_expandable": PoolKind(
         "arena_expandable",
-        "arena",
+        ArenaPool,
         {"expandable": True},
-        cuda_upstream="virtual",
-        cuda_upstreams=("virtual",),
+        needs_virtual=True,
+        extra_options=("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow"),
         description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     ),
 }
 
-# CUDA upstream names accepted by the per-device entry points -> class name in poolkeeper.upstream.
-CUDA_UPSTREAMS = {"device": "CudaDevice", "async": "CudaAsync", "virtual": "CudaVirtual"}
+# Pool class by kind name (kept for callers that want only the class).
+POOL_KINDS: Dict[str, type] = {name: k.cls for name, k in KINDS.items()}
 
 
 def pool_kind(kind: str) -> PoolKind:
@@ -312,33 +327,63 @@ def pool_kind(kind: str) -> PoolKind:
         raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(KINDS)})") from None
 
 
-def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
-    """The CUDA upstream name a per-device pool of ``kind`` uses: ``upstream``, or the kind's default
-    when None. Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a pair that cannot work
-    (``"simulated"`` passes: the test upstream has every interface)."""
+def resolve_upstream(kind: str, upstream: Optional[str]) -> str:
+    """The upstream name a pool of ``kind`` uses: ``upstream``, or the kind's CUDA default when
+    None. Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name or a pair
+    that cannot work (a kind that needs virtual memory over ``"device"``, ``"async"`` or
+    ``"host"``; ``"simulated"`` has every interface)."""
     from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.upstream import UPSTREAMS
 
     k = pool_kind(kind)
     if upstream is None:
         return k.cuda_upstream
-    if upstream == "simulated":
-        return upstream
-    if upstream not in CUDA_UPSTREAMS:
-        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(CUDA_UPSTREAMS)})")
-    if upstream not in k.cuda_upstreams:
+    if upstream not in UPSTREAMS:
+        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(UPSTREAMS)})")
+    if upstream != "simulated" and k.needs_virtual and upstream != "virtual":
         raise InvalidArgumentError(
-            f"pool kind {kind!r} cannot run over upstream {upstream!r} (valid for it: {', '.join(k.cuda_upstreams)})"
+            f"pool kind {kind!r} cannot run over upstream {upstream!r}: it maps memory into a reserved range "
+            "(valid for it: virtual, simulated)"
         )
     return upstream
+
+
+def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
+    """As :func:`resolve_upstream`, for the per-device entry points (PyTorch, CuPy), which take
+    the CUDA names and ``"simulated"`` (for tests)."""
+    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.upstream import CUDA_UPSTREAMS
+
+    if upstream is not None and upstream != "simulated" and upstream not in CUDA_UPSTREAMS:
+        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(CUDA_UPSTREAMS)})")
+    return resolve_upstream(kind, upstream)
+
+
+def _with_fixed(k: PoolKind, options: Dict[str, Any]) -> Dict[str, Any]:
+    for key, value in k.fixed.items():
+        if key in options and options[key] != value:
+            from poolkeeper.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"pool kind {k.name!r} fixes {key}={value!r}; got {key}={options[key]!r}")
+    return {**options, **k.fixed}
+
+
+def set_device_factory(kind: str, options: Optional[Dict[str, Any]], upstream: str) -> None:
+    """Have the C ABI registry make each device's pool lazily, on its first request, as a pool
+    of ``kind`` with ``options`` over the CUDA upstream named ``upstream`` (resolved first with
+    :func:`resolve_cuda_upstream`). The C++ factory is given the kind's class (:attr:`PoolKind.base`)
+    and its fixed options, so a kind is known from :data:`KINDS` alone. Options are validated
+    now; a bad one raises and changes nothing."""
+    k = pool_kind(kind)
+    _core.registry_set_factory(k.base, _with_fixed(k, dict(options or {})), upstream)
 
 
 def make_device_pool(kind: str, device: int, upstream: Optional[str] = None, **options: Any) -> _core.Pool:
     """A pool of ``kind`` over a CUDA upstream of ``device`` (``upstream``: ``"device"``,
     ``"async"``, ``"virtual"``; None: the kind's default)."""
-    from poolkeeper import upstream as up_mod
+    from poolkeeper.upstream import make_upstream
 
-    name = resolve_cuda_upstream(kind, upstream)
-    return make_pool(kind, getattr(up_mod, CUDA_UPSTREAMS[name])(device), **options)
+    return make_pool(kind, make_upstream(resolve_cuda_upstream(kind, upstream), device), **options)
 
 
 def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.PathLike[str]]" = None,
@@ -348,12 +393,7 @@ def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.Pa
     ``log``: a path; the pool is then wrapped in a :class:`LoggingPool` writing that file.
     """
     k = pool_kind(kind)
-    for key, value in k.fixed.items():
-        if key in options and options[key] != value:
-            from poolkeeper.errors import InvalidArgumentError
-
-            raise InvalidArgumentError(f"pool kind {kind!r} fixes {key}={value!r}; got {key}={options[key]!r}")
-    pool = k.cls(upstream, **{**options, **k.fixed})
+    pool = k.cls(upstream, **_with_fixed(k, options))
     if log is not None:
         try:
             return LoggingPool(pool, log)
@@ -373,8 +413,9 @@ __all__ = [
     "KINDS",
     "PoolKind",
     "pool_kind",
-    "CUDA_UPSTREAMS",
+    "resolve_upstream",
     "resolve_cuda_upstream",
     "make_device_pool",
+    "set_device_factory",
     "make_pool",
 ]

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Union
 
-from poolkeeper.errors import InvalidStreamError
+from poolkeeper import _core
+from poolkeeper.errors import InvalidStreamError  # noqa: F401  (what as_handle raises)
 
 
 class CudaStreamLike(Protocol):
@@ -28,6 +29,7 @@ StreamLike = Union[None, int, CudaStreamLike, Any]
 
 # How many wrapper objects deep a stream may be (a torch stream wrapping a CUDA-protocol object
 # wrapping an int is 2): an object that returns itself, or a cycle, must not recurse forever.
+# The limit is the C++ reader's (kMaxStreamNesting in cpp/bindings/convert.cpp).
 MAX_UNWRAP = 8
 
 
@@ -38,45 +40,8 @@ def as_handle(stream: StreamLike) -> Optional[int]:
     including a wrapper whose ``__cuda_stream__()`` / ``.cuda_stream`` / ``.ptr`` returns itself
     (unwrapping stops after ``MAX_UNWRAP`` levels), a protocol tuple that is not
     ``(version, handle)``, and a wrapper whose attribute raises (chained as ``__cause__``)."""
-    from poolkeeper.errors import InvalidStreamError
-
-    outer = stream
-    for _ in range(MAX_UNWRAP + 1):
-        if stream is None:
-            if outer is not None:
-                raise InvalidStreamError(f"{type(outer).__name__} yields None as its stream handle")
-            return None
-        if isinstance(stream, bool):
-            raise InvalidStreamError(f"stream must not be a bool; got {stream!r}")
-        if isinstance(stream, int):
-            if stream < 0 or stream >= 2**64 - 1:
-                raise InvalidStreamError(f"stream {stream!r} is not a stream handle")
-            return int(stream)
-        try:
-            if hasattr(stream, "__cuda_stream__"):
-                r = stream.__cuda_stream__()
-                if not isinstance(r, tuple) or len(r) != 2:
-                    raise InvalidStreamError(
-                        f"__cuda_stream__() must return (version, handle); got {type(r).__name__}"
-                    )
-                stream = r[1]
-            elif hasattr(stream, "cuda_stream"):
-                stream = stream.cuda_stream
-            elif hasattr(stream, "ptr"):
-                stream = stream.ptr
-            else:
-                raise InvalidStreamError(
-                    "stream must be None, an int handle, or an object with __cuda_stream__, .cuda_stream or .ptr;"
-                    f" got {type(stream).__name__}"
-                )
-        except InvalidStreamError:
-            raise
-        except Exception as e:  # a wrapper whose attribute raises is not a stream (KeyboardInterrupt passes)
-            raise InvalidStreamError(f"reading the stream handle of {type(stream).__name__} raised {e!r}") from e
-    raise InvalidStreamError(
-        f"{type(outer).__name__} nests more than {MAX_UNWRAP} levels without reaching a stream handle "
-        "(does its __cuda_stream__ / .cuda_stream / .ptr return itself?)"
-    )
+    # The pools' own reading (C++), so what as_handle accepts is exactly what a pool accepts.
+    return _core.stream_handle(stream)
 
 
 __all__ = ["StreamLike", "as_handle"]

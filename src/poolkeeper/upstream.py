@@ -11,7 +11,7 @@ bytes, cumulative ns). On a device the call count *is* the cost, and it carries 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from poolkeeper import _core
 
@@ -77,6 +77,38 @@ class Simulated(_core.SimulatedUpstream):
         return f"Simulated(alloc={m['alloc_base_us']:.1f}us+{m['alloc_per_mib_us']:.3f}us/MiB, capacity={self.capacity})"
 
 
+# Upstreams by the name every entry point takes (``install(upstream=...)``, the Dask and Ray
+# worker pools, ``poolkeeper bench --backend``, the C ABI factory): name -> class name here.
+UPSTREAMS: Dict[str, str] = {
+    "device": "CudaDevice",
+    "async": "CudaAsync",
+    "virtual": "CudaVirtual",
+    "host": "Host",
+    "simulated": "Simulated",
+}
+# The names that draw device memory from a GPU (the pool lands on a device).
+CUDA_UPSTREAMS = ("device", "async", "virtual")
+
+
+def make_upstream(name: str, device: int = 0, **options: Any) -> _core.Upstream:
+    """A fresh upstream by name: ``"device"`` (:class:`CudaDevice`), ``"async"``
+    (:class:`CudaAsync`), ``"virtual"`` (:class:`CudaVirtual`), ``"host"`` (:class:`Host`) or
+    ``"simulated"`` (:class:`Simulated`). ``device`` applies to the CUDA ones; ``options`` go to
+    the class (``latency_us=0`` for a fast simulated device, ``warm=False`` for ``"async"``).
+
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name, and what the
+    class raises (``CudaUnavailableError`` without a driver or device).
+    """
+    try:
+        cls_name = UPSTREAMS[name]
+    except (KeyError, TypeError):
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"unknown upstream {name!r} (valid: {', '.join(UPSTREAMS)})") from None
+    cls = globals()[cls_name] if cls_name in globals() else __getattr__(cls_name)
+    return cls(device, **options) if name in CUDA_UPSTREAMS else cls(**options)
+
+
 def __getattr__(name: str):
     # CUDA upstreams live in poolkeeper.cuda; resolved lazily so importing this module never
     # touches the driver.
@@ -91,4 +123,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'poolkeeper.upstream' has no attribute {name!r}")
 
 
-__all__ = ["Upstream", "Host", "Simulated", "CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual", "Faulty"]
+__all__ = ["Upstream", "UPSTREAMS", "CUDA_UPSTREAMS", "make_upstream", "Host", "Simulated", "CudaDevice", "CudaAsync", "CudaPinned", "CudaVirtual", "Faulty"]

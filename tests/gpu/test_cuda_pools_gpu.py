@@ -5,38 +5,33 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 import poolkeeper as pk
 from poolkeeper.cuda import driver
+from device_io import read
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 
 def make_pool(kind: str, up, **kw):
-    try:
-        return {"direct": pk.Direct, "size_class": pk.SizeClassPool, "arena": pk.ArenaPool}[kind](up, **kw)
-    except pk.PoolkeeperError as e:
-        if "not built yet" in str(e):
-            pytest.skip(f"{kind} is not built on this branch yet")
-        raise
+    return pk.make_pool(kind, up, **kw)
 
 
-def read(ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    driver.memcpy_dtoh(out.ctypes.data, ptr, n)
-    return out
+def upstream_for(kind: str):
+    """The CUDA upstream a per-device pool of ``kind`` draws from by default (CudaVirtual for the
+    expandable arena, CudaDevice for the others)."""
+    return pk.upstream.make_upstream(pk.pools.KINDS[kind].cuda_upstream, 0)
 
 
-@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+@pytest.mark.parametrize("kind", sorted(pk.pools.KINDS))
 def test_conformance_by_content(kind):
     """Seeded random allocate/free over None and two streams. Every live block is filled with its
     own byte on its stream and checked in full before it is freed: two live blocks that overlap,
     or a block reused while another stream still writes it, show up as wrong bytes."""
     rng = random.Random(1234)
-    up = pk.upstream.CudaDevice(0)
+    up = upstream_for(kind)
     pool = make_pool(kind, up)
     streams = [None, driver.Stream(), driver.Stream()]
     live = {}  # ptr -> (size, byte, stream)

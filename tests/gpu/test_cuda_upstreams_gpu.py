@@ -10,15 +10,10 @@ import pytest
 import poolkeeper as pk
 from poolkeeper import _core
 from poolkeeper.cuda import driver
+from device_io import read
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
-
-
-def read(ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    driver.memcpy_dtoh(out.ctypes.data, ptr, n)
-    return out
 
 
 def test_devices_are_described():

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 import poolkeeper as pk
 from poolkeeper.cuda import driver
+from device_io import read
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
-
-
-def read(ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    driver.memcpy_dtoh(out.ctypes.data, ptr, n)
-    return out
 
 
 def test_cuda_virtual_contract_on_the_device():

@@ -98,6 +98,14 @@ struct UploadOutcome {
   std::exception_ptr error;                  // the first error, or null
 };
 
+// The ramp-up head of an upload's schedule, the one both engines follow (the Python engine reads it
+// through _core.upload_ramp): chunk sizes starting at chunk/8 (at least kUploadRampMin, at most
+// chunk) and doubling, each below chunk, until they cover `total`. The link idles until the first
+// fill completes and every worker starts filling at once, so small first chunks start the first
+// copy sooner. Full chunks follow the head.
+inline constexpr std::size_t kUploadRampMin = 256 * 1024;  // the ramp never makes chunks smaller
+std::vector<std::size_t> upload_ramp(std::size_t chunk, std::size_t total);
+
 // Copy n bytes with non-temporal (cache-bypassing) stores where the CPU has them, then fence so
 // the stores are visible before a DMA is enqueued. dst should be 16-byte aligned (it is a staging
 // buffer); src may be unaligned. Falls back to memcpy elsewhere.

@@ -53,9 +53,9 @@ class Arm:
         """The pool's effective options: documented defaults overlaid with this arm's options."""
         import poolkeeper as pk
 
-        kind, fixed = ARM_POOLS.get(self.name, (self.name, {}))
-        cls = pk.Direct if self.name == "cuda_async" else pk.pools.POOL_KINDS[kind]
-        out: Dict[str, Any] = dict(fixed)
+        kind = _pool_kinds().get(self.name)
+        cls = pk.Direct if kind is None else kind.cls
+        out: Dict[str, Any] = dict(kind.fixed) if kind is not None else {}
         try:
             for name, p in inspect.signature(cls.__init__).parameters.items():
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty:
@@ -77,16 +77,13 @@ def _pool_kinds() -> Dict[str, Any]:
     return KINDS
 
 
-ARM_NAMES = ("direct", "size_class", "arena", "arena_expandable", "cuda_async")
+# Every pool kind is an arm; cuda_async is the one arm that is not a pool kind.
+ARM_NAMES = (*_pool_kinds(), "cuda_async")
 
 # Arms that are a pool kind with fixed options: name -> (base pool kind, options), from the one
 # table of pool kinds that install(), make_pool and replay read too.
 ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     n: (k.base, dict(k.fixed)) for n, k in _pool_kinds().items() if k.fixed
-}
-# Options such an arm accepts beyond its pool kind's keyword arguments.
-ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {
-    "arena_expandable": ("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow")
 }
 
 
@@ -99,11 +96,12 @@ def make_arm_pool(name: str, upstream: Any, **options: Any) -> Any:
 
 
 def virtual_upstream(name: str, upstream_factory: Callable[[], Any]) -> Any:
-    """A fresh upstream for arm ``name``: ``arena_expandable`` on the cuda backend needs the
-    virtual-memory CUDA upstream instead of the factory's ``CudaDevice``."""
+    """A fresh upstream for arm ``name``: a kind that needs virtual memory (``arena_expandable``)
+    on the cuda backend draws from the virtual-memory CUDA upstream instead of the factory's
+    ``CudaDevice``."""
     upstream = upstream_factory()
     kind = _pool_kinds().get(name)
-    if kind is not None and kind.cuda_upstream == "virtual" and not getattr(upstream, "supports_virtual", False):
+    if kind is not None and kind.needs_virtual and not getattr(upstream, "supports_virtual", False):
         cls = _cuda_virtual_class()
         if cls is not None and getattr(upstream, "name", "").startswith("Cuda"):
             return cls()
@@ -119,21 +117,22 @@ def _cuda_virtual_class() -> Any:
         return None
 
 
-def expandable_skip_reason(backend: str) -> Optional[str]:
-    """Why ``arena_expandable`` cannot run on a resolved backend, or None."""
+def expandable_skip_reason(backend: str, name: str = "arena_expandable") -> Optional[str]:
+    """Why pool kind ``name``, one that needs virtual memory, cannot run on a resolved backend,
+    or None."""
     if backend == "host":
-        return "arena_expandable: the host upstream has no virtual memory interface"
+        return f"{name}: the host upstream has no virtual memory interface"
     if backend == "cuda" and _cuda_virtual_class() is None:
-        return "arena_expandable: CudaVirtual (virtual-memory CUDA upstream) not built in this poolkeeper"
+        return f"{name}: CudaVirtual (virtual-memory CUDA upstream) not built in this poolkeeper"
     return None
 
-_DESCRIPTIONS = {
-    "direct": "the upstream itself: one upstream call per allocate and per deallocate",
-    "size_class": "SizeClassPool: size classes with per-class free lists",
-    "arena": "ArenaPool: large backings sliced with split/coalesce, per-thread cache",
-    "arena_expandable": "ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
-    "cuda_async": "cuMemAllocAsync on the device's default pool (warm), stream-ordered",
-}
+
+def _skip_reason(name: str, backend: str) -> Optional[str]:
+    kind = _pool_kinds().get(name)
+    return expandable_skip_reason(backend, name) if kind is not None and kind.needs_virtual else None
+
+
+_CUDA_ASYNC_DESCRIPTION = "cuMemAllocAsync on the device's default pool (warm), stream-ordered"
 
 
 def make_arm(name: str, options: Optional[Dict[str, Any]] = None) -> Arm:
@@ -141,7 +140,7 @@ def make_arm(name: str, options: Optional[Dict[str, Any]] = None) -> Arm:
         raise UnknownNameError(f"unknown arm {name!r} (valid: {', '.join(ARM_NAMES)})")
     return Arm(
         name=name,
-        description=_DESCRIPTIONS[name],
+        description=_pool_kinds()[name].description if name in _pool_kinds() else _CUDA_ASYNC_DESCRIPTION,
         stream_ordered=(name == "cuda_async"),
         needs_gpu=(name == "cuda_async"),
         options=dict(options or {}),
@@ -181,12 +180,12 @@ def select_arms(
                 raise UnknownNameError(f"arm {n!r} needs the cuda backend (this run: {backend})")
             skipped.append(f"{n}: needs a GPU (backend {backend})")
             continue
-        if n == "arena_expandable" and (reason := expandable_skip_reason(backend)):
+        if reason := _skip_reason(n, backend):
             if explicit:
                 raise UnknownNameError(reason)
             skipped.append(reason)
             continue
-        if n in ("arena", "arena_expandable") and not arena_available():
+        if n in _pool_kinds() and _pool_kinds()[n].base == "arena" and not arena_available():
             if explicit:
                 raise UnknownNameError("arm 'arena' is not built in this poolkeeper yet")
             skipped.append("arena: ArenaPool not built in this poolkeeper yet")

@@ -40,21 +40,19 @@ def upstream_factory(backend: str, latency_us: float | None = None) -> Callable[
 
     ``latency_us`` overrides the simulated device's calibrated latency (tests use 0).
     """
-    import poolkeeper as pk
+    from poolkeeper.upstream import make_upstream
 
     if backend == "simulated":
-        if latency_us is None:
-            return lambda: pk.upstream.Simulated(latency="h200")
-        return lambda: pk.upstream.Simulated(latency_us=latency_us)
+        opts: Dict[str, Any] = {"latency": "h200"} if latency_us is None else {"latency_us": latency_us}
+        return lambda: make_upstream("simulated", **opts)
     if backend == "host":
-        return lambda: pk.upstream.Host()
+        return lambda: make_upstream("host")
     if backend == "cuda":
         from poolkeeper.errors import CudaUnavailableError
 
         if not cuda_available():
             raise CudaUnavailableError("backend 'cuda' needs a CUDA device; none found (use --backend simulated)")
-        cls = pk.upstream.CudaDevice  # resolved lazily: poolkeeper.cuda loads the driver at run time
-        return lambda: cls()
+        return lambda: make_upstream("device")
     raise UnknownNameError(f"backend {backend!r} has no upstream (resolve 'auto' first)")
 
 

@@ -39,8 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (cuda if a GPU is present, else simulated), simulated (H200-calibrated), host, cuda")
     p.add_argument("--quick", action="store_true", help="reduced sizes (under a minute on 2 cores)")
+    from poolkeeper.bench.arms import ARM_NAMES
+
     p.add_argument("--arms", default=None, help="comma-separated arms (default: all that run here): "
-                   "direct, size_class, arena, arena_expandable, cuda_async")
+                   + ", ".join(ARM_NAMES))
     p.add_argument("--workloads", default=None, help="comma-separated workloads (default: all; see --list)")
     p.add_argument("--threads", default=None, help="thread counts for the threads workload (default 1,2,4,8,16,32)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every row to PATH as JSON")

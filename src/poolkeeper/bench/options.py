@@ -44,12 +44,10 @@ def accepted(pool_kind: str) -> List[str]:
     """Keyword options a pool kind's constructor accepts."""
     import poolkeeper as pk
 
-    from poolkeeper.bench.arms import ARM_EXTRA_OPTIONS, ARM_POOLS
-
-    kind, fixed = ARM_POOLS.get(pool_kind, (pool_kind, {}))
-    cls = pk.pools.POOL_KINDS[kind]
-    names = [n for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return [n for n in names if n not in fixed] + list(ARM_EXTRA_OPTIONS.get(pool_kind, ()))
+    kind = pk.pools.pool_kind(pool_kind)
+    params = inspect.signature(kind.cls.__init__).parameters
+    names = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return [n for n in names if n not in kind.fixed] + list(kind.extra_options)
 
 
 def split_for(pools: Sequence[str], options: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:

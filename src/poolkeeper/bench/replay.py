@@ -12,13 +12,15 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-POOLS = ("arena", "arena_expandable", "size_class", "direct")  # = poolkeeper.pools.KINDS (a test keeps them equal)
+from poolkeeper.pools import KINDS
+
+POOLS = tuple(KINDS)  # every pool kind replays
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("log", metavar="LOG", help="RMM logging_resource_adaptor CSV or PyTorch memory snapshot pickle")
     p.add_argument("--pool", default=None,
-                   help="pool(s) to replay on, comma-separated: arena, arena_expandable, size_class, direct (default: all "
+                   help=f"pool(s) to replay on, comma-separated: {', '.join(POOLS)} (default: all "
                         "available on the backend)")
     p.add_argument("--backend", default="simulated", choices=("simulated", "host", "cuda"),
                    help="upstream the pools draw from (default: simulated, the H200-calibrated device)")
@@ -39,12 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pools(arg: Optional[str], backend: str = "simulated") -> List[str]:
-    from poolkeeper.bench.arms import arena_available, expandable_skip_reason
+    from poolkeeper.bench.arms import _skip_reason, arena_available
     from poolkeeper.bench.errors import UnknownNameError
 
     if arg is None:
-        return [k for k in POOLS if (not k.startswith("arena") or arena_available())
-                and (k != "arena_expandable" or not expandable_skip_reason(backend))]
+        return [k for k in POOLS if (KINDS[k].base != "arena" or arena_available()) and not _skip_reason(k, backend)]
     names = [x.strip() for x in arg.split(",") if x.strip()]
     bad = [n for n in names if n not in POOLS]
     if bad or not names:

@@ -14,11 +14,10 @@ from typing import Any, Dict, Optional
 
 from poolkeeper.errors import InvalidArgumentError, LiveBlocksError, PoolkeeperError
 from poolkeeper.integrations._common import IntegrationError
+from poolkeeper.upstream import CUDA_UPSTREAMS
 
 log = logging.getLogger("poolkeeper.integrations")
 
-UPSTREAMS = ("device", "async", "host", "simulated")
-DEVICE_UPSTREAMS = ("device", "async")
 # The stats a worker reports as metrics (a small dict: it travels with every heartbeat).
 METRIC_KEYS = (
     "reserved_bytes",
@@ -118,12 +117,36 @@ class WorkerPoolState:
 
 
 class WorkerPoolSpec:
-    """Validated choices for one pool per worker process (see ``PoolkeeperSetup``)."""
+    """Validated choices for one pool per worker process.
+
+    Args:
+        pool: pool kind (:data:`poolkeeper.pools.KINDS`: ``"arena"``, default, ``"arena_expandable"``,
+            ``"size_class"``, ``"direct"``).
+        upstream: ``"device"`` (``cuMemAlloc`` on the worker's GPU), ``"async"``
+            (``cuMemAllocAsync``), ``"virtual"`` (``CudaVirtual``), or, without a GPU, ``"host"`` /
+            ``"simulated"``. None (default): the kind's own default, ``"virtual"`` for
+            ``arena_expandable`` and ``"device"`` for the others.
+        limit: cap on the pool's reserved bytes (dask-cuda's ``rmm_maximum_pool_size``).
+        initial: bytes reserved at setup as the arena's resident first backing
+            (``rmm_pool_size``).
+        torch: make poolkeeper PyTorch's CUDA allocator on the worker (must happen before CUDA
+            is initialized in the worker process; otherwise building fails with
+            :class:`~poolkeeper.integrations._common.AllocatorInitializedError`).
+        cupy: make poolkeeper CuPy's device allocator on the worker.
+        log_directory: write each worker's calls as RMM CSV (``poolkeeper_<worker>_<pid>.csv``),
+            replayable with ``poolkeeper replay`` (``rmm_log_directory``).
+        release_threshold: with ``upstream="async"``, the CUDA pool's release threshold
+            (``rmm_release_threshold``).
+        **options: the pool's own options (``max_backing=``, ``thread_cache_bytes=``...).
+
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a bad kind, upstream, size or
+    pool option.
+    """
 
     def __init__(
         self,
         pool: str = "arena",
-        upstream: str = "device",
+        upstream: Optional[str] = None,
         limit: Optional[int] = None,
         initial: Optional[int] = None,
         torch: bool = False,
@@ -132,20 +155,17 @@ class WorkerPoolSpec:
         release_threshold: Optional[int] = None,
         **options: Any,
     ) -> None:
-        from poolkeeper.pools import POOL_KINDS, make_pool
-        from poolkeeper.upstream import Simulated
+        from poolkeeper.pools import make_pool, resolve_upstream
+        from poolkeeper.upstream import make_upstream
 
-        if pool not in POOL_KINDS:
-            raise InvalidArgumentError(f"unknown pool kind {pool!r} (valid: {', '.join(POOL_KINDS)})")
-        if upstream not in UPSTREAMS:
-            raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(UPSTREAMS)})")
+        upstream = resolve_upstream(pool, upstream)  # the kind, the name and the pair
         for flag, v in (("torch", torch), ("cupy", cupy)):
             if not isinstance(v, bool):
                 raise InvalidArgumentError(f"{flag} must be True or False; got {v!r}")
-            if v and upstream not in DEVICE_UPSTREAMS:
+            if v and upstream not in CUDA_UPSTREAMS:
                 raise InvalidArgumentError(
-                    f"{flag}=True routes CUDA allocations, so it needs a device upstream ('device' or 'async'), "
-                    f"not {upstream!r}"
+                    f"{flag}=True routes CUDA allocations, so it needs a device upstream "
+                    f"({', '.join(map(repr, CUDA_UPSTREAMS))}), not {upstream!r}"
                 )
         self.limit = _size("limit", limit)
         self.initial = _size("initial", initial)
@@ -165,7 +185,7 @@ class WorkerPoolSpec:
         self.options = dict(options)
         # The pools' own option checks, now: a pool over a simulated device costs nothing until
         # it allocates, and refuses an unknown or bad option by name.
-        probe = make_pool(pool, Simulated(latency_us=0), **self.pool_options())
+        probe = make_pool(pool, make_upstream("simulated", latency_us=0), **self.pool_options())
         probe.close()
 
     def pool_options(self) -> Dict[str, Any]:
@@ -196,21 +216,17 @@ class WorkerPoolSpec:
         }
 
     def _make_upstream(self, device: int) -> Any:
-        import poolkeeper.upstream as up
+        from poolkeeper.upstream import make_upstream
 
-        if self.upstream == "host":
-            return up.Host()
         if self.upstream == "simulated":
-            return up.Simulated(latency_us=0)
-        if self.upstream == "device":
-            return up.CudaDevice(device)
-        if self.release_threshold is not None:
+            return make_upstream("simulated", latency_us=0)
+        if self.release_threshold is not None:  # "async" only (checked when made)
             from poolkeeper.cuda import warm
 
-            u = up.CudaAsync(device, warm=False)
+            u = make_upstream("async", device, warm=False)
             warm.set_release_threshold(device, self.release_threshold)
             return u
-        return up.CudaAsync(device)
+        return make_upstream(self.upstream, device)
 
     def build(self, worker_name: str, where: Optional[str] = None) -> WorkerPoolState:
         """Make this process's pool (and route the frameworks to it). Raises
@@ -218,7 +234,7 @@ class WorkerPoolSpec:
         from poolkeeper.pools import make_pool
 
         where = where or f"worker {worker_name}"
-        dev = visible_device() if self.upstream in DEVICE_UPSTREAMS else {"device": -1}
+        dev = visible_device() if self.upstream in CUDA_UPSTREAMS else {"device": -1}
         try:
             upstream = self._make_upstream(dev["device"])
         except PoolkeeperError as e:
@@ -251,4 +267,4 @@ class WorkerPoolSpec:
         return state
 
 
-__all__ = ["WorkerPoolSpec", "WorkerPoolState", "visible_device", "METRIC_KEYS"]
+__all__ = ["CUDA_UPSTREAMS", "WorkerPoolSpec", "WorkerPoolState", "visible_device", "METRIC_KEYS"]

@@ -43,23 +43,13 @@ _TEARDOWNS: Dict[str, Dict[str, Any]] = {}  # worker address -> what teardown fo
 class PoolkeeperSetup(distributed.WorkerPlugin):
     """Build one poolkeeper pool per Dask worker.
 
-    Args:
-        pool: pool kind: ``"arena"`` (default), ``"size_class"`` or ``"direct"``.
-        upstream: ``"device"`` (``cuMemAlloc`` on the worker's GPU, default), ``"async"``
-            (``cuMemAllocAsync``), or, without a GPU, ``"host"`` / ``"simulated"``.
-        limit: cap on the pool's reserved bytes (dask-cuda's ``rmm_maximum_pool_size``).
-        initial: bytes reserved at setup as the arena's resident first backing
-            (``rmm_pool_size``).
-        torch: make poolkeeper PyTorch's CUDA allocator on the worker (must happen before CUDA
-            is initialized in the worker process; otherwise registration fails with
-            :class:`~poolkeeper.integrations._common.AllocatorInitializedError`).
-        cupy: make poolkeeper CuPy's device allocator on the worker.
-        log_directory: write each worker's calls as RMM CSV (``poolkeeper_<worker>_<pid>.csv``),
-            replayable with ``poolkeeper replay`` (``rmm_log_directory``).
-        release_threshold: with ``upstream="async"``, the CUDA pool's release threshold
-            (``rmm_release_threshold``).
-        Sizes may also be strings Dask parses (``"40GB"``, ``"512MiB"``), as dask-cuda's are.
-        **options: the pool's own options (``max_backing=``, ``thread_cache_bytes=``...).
+    Args: as :class:`~poolkeeper.integrations._worker.WorkerPoolSpec`: ``pool`` (a kind of
+    :data:`poolkeeper.pools.KINDS`, default ``"arena"``), ``upstream`` (``"device"``, ``"async"``,
+    ``"virtual"``, or, without a GPU, ``"host"`` / ``"simulated"``; None: the kind's default),
+    ``limit`` (``rmm_maximum_pool_size``), ``initial`` (``rmm_pool_size``), ``torch``, ``cupy``,
+    ``log_directory`` (``rmm_log_directory``), ``release_threshold`` (``rmm_release_threshold``)
+    and the pool's own options. Sizes may also be strings Dask parses (``"40GB"``, ``"512MiB"``),
+    as dask-cuda's are.
 
     Raises (here, in the client): :class:`~poolkeeper.errors.InvalidArgumentError` for a bad
     kind, upstream, size or pool option.
@@ -68,23 +58,11 @@ class PoolkeeperSetup(distributed.WorkerPlugin):
     idempotent = False
     name = PLUGIN_NAME
 
-    def __init__(
-        self,
-        pool: str = "arena",
-        upstream: str = "device",
-        limit: Optional[int] = None,
-        initial: Optional[int] = None,
-        torch: bool = False,
-        cupy: bool = False,
-        log_directory: Optional[str] = None,
-        release_threshold: Optional[int] = None,
-        **options: Any,
-    ) -> None:
-        self.spec = WorkerPoolSpec(
-            pool=pool, upstream=upstream, limit=_bytes("limit", limit), initial=_bytes("initial", initial),
-            torch=torch, cupy=cupy, log_directory=log_directory,
-            release_threshold=_bytes("release_threshold", release_threshold), **options,
-        )
+    def __init__(self, pool: str = "arena", upstream: Optional[str] = None, **settings: Any) -> None:
+        for key in _SIZES:
+            if key in settings:
+                settings[key] = _bytes(key, settings[key])
+        self.spec = WorkerPoolSpec(pool=pool, upstream=upstream, **settings)
 
     def __repr__(self) -> str:
         return f"PoolkeeperSetup({self.spec.describe()})"
@@ -108,6 +86,9 @@ class PoolkeeperSetup(distributed.WorkerPlugin):
             state = _STATES.pop(addr, None)
         if state is not None:
             _TEARDOWNS[addr] = state.close()
+
+
+_SIZES = ("limit", "initial", "release_threshold")  # settings given in bytes
 
 
 def _bytes(name: str, v: Any) -> Any:

@@ -42,7 +42,7 @@ from typing import Any, Dict, Optional
 
 from poolkeeper.errors import InvalidArgumentError
 from poolkeeper.integrations._common import IntegrationError
-from poolkeeper.integrations._worker import DEVICE_UPSTREAMS, WorkerPoolSpec, WorkerPoolState
+from poolkeeper.integrations._worker import CUDA_UPSTREAMS, WorkerPoolSpec, WorkerPoolState
 
 ENV_VAR = "POOLKEEPER_RAY_WORKER_POOL"
 HOOK = "poolkeeper.integrations.ray.setup_worker"
@@ -53,48 +53,23 @@ _STATE: Optional[WorkerPoolState] = None
 _ATEXIT = False
 
 
-def _spec_args(
-    pool: str = "arena",
-    upstream: str = "device",
-    limit: Optional[int] = None,
-    initial: Optional[int] = None,
-    torch: bool = False,
-    cupy: bool = False,
-    log_directory: Optional[str] = None,
-    release_threshold: Optional[int] = None,
-    **options: Any,
-) -> Dict[str, Any]:
-    args = dict(
-        pool=pool, upstream=upstream, limit=limit, initial=initial, torch=torch, cupy=cupy,
-        log_directory=os.fspath(log_directory) if log_directory is not None else None,
-        release_threshold=release_threshold, **options,
-    )
-    WorkerPoolSpec(**args)  # the pools' own checks, now, in the driver
-    return args
-
-
 def runtime_env(
-    pool: str = "arena",
-    upstream: str = "device",
-    limit: Optional[int] = None,
-    initial: Optional[int] = None,
-    torch: bool = False,
-    cupy: bool = False,
-    log_directory: Optional[str] = None,
-    release_threshold: Optional[int] = None,
-    base: Optional[Dict[str, Any]] = None,
-    **options: Any,
+    pool: str = "arena", upstream: Optional[str] = None, *, base: Optional[Dict[str, Any]] = None, **settings: Any
 ) -> Dict[str, Any]:
     """A Ray ``runtime_env`` whose workers each build one poolkeeper pool.
 
-    Arguments as :class:`poolkeeper.integrations.dask.PoolkeeperSetup` (``release_threshold``:
-    with ``upstream="async"``); ``base``: a runtime_env to extend (its ``env_vars`` are kept; a
-    ``worker_process_setup_hook`` of its own is refused: Ray runs only one).
+    Arguments as :class:`~poolkeeper.integrations._worker.WorkerPoolSpec` (and
+    :class:`poolkeeper.integrations.dask.PoolkeeperSetup`); ``base``: a runtime_env to extend
+    (its ``env_vars`` are kept; a ``worker_process_setup_hook`` of its own is refused: Ray runs
+    only one).
 
     Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a bad kind, upstream, size or
     pool option, and :class:`IntegrationError` when ``base`` has a setup hook already.
     """
-    args = _spec_args(pool, upstream, limit, initial, torch, cupy, log_directory, release_threshold, **options)
+    if settings.get("log_directory") is not None:
+        settings["log_directory"] = os.fspath(settings["log_directory"])
+    args = dict(pool=pool, upstream=upstream, **settings)
+    WorkerPoolSpec(**args)  # the pools' own checks, now, in the driver
     env = dict(base or {})
     if env.get("worker_process_setup_hook") not in (None, HOOK):
         raise IntegrationError(
@@ -121,7 +96,7 @@ def setup_worker() -> Optional[WorkerPoolState]:
     with _LOCK:
         _SPEC = spec
     _register_exit()
-    if spec.upstream in DEVICE_UPSTREAMS:
+    if spec.upstream in CUDA_UPSTREAMS:
         return None
     return _build()
 

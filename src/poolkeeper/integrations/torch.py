@@ -230,7 +230,7 @@ def install(
     torch = _torch()
     _require_cuda_torch(torch, "poolkeeper.integrations.torch.install()")
     if isinstance(pool, str):
-        from poolkeeper.pools import resolve_cuda_upstream
+        from poolkeeper.pools import resolve_cuda_upstream, set_device_factory
 
         upstream = resolve_cuda_upstream(pool, upstream)
     with _LOCK:
@@ -260,7 +260,7 @@ def install(
 
         if isinstance(pool, str):
             kind = pool
-            _core.registry_set_factory(kind, options, upstream)  # validates; raises before any change
+            set_device_factory(kind, options, upstream)  # validates; raises before any change
         else:
             if options:
                 raise IntegrationError("options apply to a pool kind, not to an existing pool")
@@ -549,7 +549,7 @@ def mempool(pool: str = "arena", *, upstream: Optional[str] = None, use_on_oom: 
     global _MEMPOOL_ALLOCATOR
     torch = _torch()
     _require_cuda_torch(torch, "poolkeeper.integrations.torch.mempool()", mempool=True)
-    from poolkeeper.pools import resolve_cuda_upstream
+    from poolkeeper.pools import resolve_cuda_upstream, set_device_factory
 
     upstream = resolve_cuda_upstream(pool, upstream)
     with _LOCK:
@@ -559,7 +559,7 @@ def mempool(pool: str = "arena", *, upstream: Optional[str] = None, use_on_oom: 
                 "native allocator, and every CUDA allocation already comes from poolkeeper"
             )
         if _MEMPOOL_ALLOCATOR is None:
-            _core.registry_set_factory(pool, options, upstream)
+            set_device_factory(pool, options, upstream)
             _MEMPOOL_ALLOCATOR = (
                 torch.cuda.memory.CUDAPluggableAllocator(library_path(), MEMPOOL_MALLOC_SYMBOL, FREE_SYMBOL),
                 (pool, dict(options), upstream),

@@ -39,6 +39,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from poolkeeper import _core
 from poolkeeper.errors import InvalidArgumentError, ReentrancyError
 from poolkeeper.staging import _engine
 from poolkeeper.staging._engine import _device_dst, _host_dst, copy, copy_async
@@ -135,7 +136,7 @@ def _check_not_in_callback(owner: "Uploader") -> None:
         )
 
 
-RAMP_MIN = 256 * 1024
+RAMP_MIN = _core.UPLOAD_RAMP_MIN  # the ramp's smallest chunk (the schedule is _core.upload_ramp)
 NATIVE_CHUNK = 4 * MiB  # H200: best at 2 GiB (51.8 GB/s), within 5% of the best at 256 MiB
 PYTHON_CHUNK = 8 * MiB  # H200: the Python engine's best (44-46 GB/s at 2 GiB; 4 MiB gave 24)
 
@@ -146,6 +147,8 @@ class _Run:
     With ``ramp`` the first chunks are smaller (chunk/8, chunk/4, chunk/2, then chunk): the link
     idles until the first fill completes, and every worker starts filling at once, so a small
     first chunk gets the first copy going sooner. This matters for transfers of a few hundred MiB.
+    The sizes are the native engine's own (``_core.upload_ramp``), so both engines cut an upload
+    the same way.
     """
 
     def __init__(self, total: int, chunk: int, progress: Optional[Progress], ramp: bool) -> None:
@@ -153,7 +156,7 @@ class _Run:
         self.chunk = chunk
         self.nchunks = 0
         self._off = 0
-        self._size = max(min(chunk, RAMP_MIN), chunk // 8) if ramp else chunk
+        self._head = _core.upload_ramp(chunk, total) if ramp else []
         self._lock = threading.Lock()
         self.done = 0
         self.overlapped = 0
@@ -183,9 +186,9 @@ class _Run:
         with self._lock:
             if self.error is not None or self._off >= self.total:
                 return None
-            off, n = self._off, min(self._size, self.total - self._off)
+            k = self.nchunks
+            off, n = self._off, min(self._head[k] if k < len(self._head) else self.chunk, self.total - self._off)
             self._off += n
-            self._size = min(self._size * 2, self.chunk)
             self.nchunks += 1
             return off, n
 
