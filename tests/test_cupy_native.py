@@ -107,6 +107,7 @@ def test_default_stream_allocations_run_no_python_allocator(native_cupy, monkeyp
     st = inst.native.stats()
     assert st["slow_allocs"] == 1 and st["fast_allocs"] == 5, st
     assert inst.allocator.calls == 1  # the Python allocator ran once, for the first request only
+    assert inst.calls == 6
     assert getter["n"] == 6  # the current stream was read through the C getter every time
     assert all(m.mem.device_id == 0 and m.mem.size == 4096 for m in mps)
     assert pool.stats()["live_bytes"] == 1024 + 5 * 4096
@@ -283,3 +284,55 @@ def test_native_allocator_rejects_what_is_not_a_pool():
     with pytest.raises(pk.errors.InvalidArgumentError):
         a.set_pool(-1, pk.ArenaPool(pk.upstream.Simulated(latency_us=0)))
     assert a.stats()["live_blocks"] == 0 and a.malloc_address and a.free_address and a.param
+
+
+# Cython's calling convention around CuPy's malloc pointer: the pointer type is declared `except +`
+# and the function calling it `except *`, which Cython 3 compiles as "result == -1 and an error is
+# set". A malloc that returned NULL with an error set went unnoticed there; ours returns (void*)-1.
+CYTHON_CALLER = """
+# distutils: language = c++
+from libc.stdint cimport intptr_t
+ctypedef void*(*malloc_t)(void*, size_t, int) except +
+cdef intptr_t call_malloc(intptr_t param, intptr_t fn, size_t n) except *:
+    return <intptr_t>((<malloc_t>fn)(<void*>param, n, 0))
+def malloc(intptr_t param, intptr_t fn, size_t n):
+    cdef intptr_t p = call_malloc(param, fn, n)
+    return p
+"""
+
+
+def test_errors_reach_python_through_cythons_except_star_caller(tmp_path, monkeypatch):
+    pytest.importorskip("Cython")
+    import importlib
+    import shutil
+    import subprocess
+
+    if shutil.which("cythonize") is None or (shutil.which("c++") is None and shutil.which("g++") is None):
+        pytest.skip("needs cythonize and a C++ compiler")
+    (tmp_path / "cycaller.pyx").write_text(CYTHON_CALLER)
+    r = subprocess.run(["cythonize", "-i", "-q", "cycaller.pyx"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"building the Cython caller failed: {r.stderr[-300:]}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cy = importlib.import_module("cycaller")
+    from poolkeeper import _core
+
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0), limit=1 << 20)
+
+    def slow(size, device):
+        raise LookupError("slow path refused")
+
+    def on_error(e, size):
+        raise MemoryError(f"converted {size}") from e
+
+    nat = _core.CupyAllocator(slow, on_error, lambda: 0)
+    with pytest.raises(LookupError):  # no pool known for device 0 yet: the slow path's error
+        cy.malloc(nat.param, nat.malloc_address, 100)
+    nat.set_pool(0, pool)
+    p = cy.malloc(nat.param, nat.malloc_address, 1000)
+    assert p and pool.stats()["live_bytes"] == 1000
+    with pytest.raises(MemoryError, match="converted 4194304") as e:
+        cy.malloc(nat.param, nat.malloc_address, 4 << 20)
+    assert isinstance(e.value.__cause__, pk.OutOfMemoryError)
+    FREE_FN(nat.free_address)(nat.param, p, 0)  # as CuPy's memory object does when it goes
+    assert pool.stats()["live_bytes"] == 0 and nat.stats()["live_blocks"] == 0

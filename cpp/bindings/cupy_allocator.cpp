@@ -98,37 +98,49 @@ bool current_stream(State* st, Stream& s) {
   return true;
 }
 
+// What malloc returns on failure, with the Python error set: (void*)-1, not NULL. CuPy's wrapper
+// around malloc is declared `except *`, which Cython 3 compiles as "the result is -1 and an error
+// is set" (older Cython: "an error is set"); NULL with an error set would pass unnoticed there and
+// become a memory object at address 0 (checked against Cython 3.3's output). -1 is never a block.
+void* const kFailed = reinterpret_cast<void*>(static_cast<std::intptr_t>(-1));
+
 // The current exception (a poolkeeper error) goes through on_error, which raises the error CuPy
-// users catch (cupy.cuda.memory.OutOfMemoryError chained from ours). Returns NULL, error set.
+// users catch (cupy.cuda.memory.OutOfMemoryError chained from ours). Returns kFailed, error set.
 void* raise_through_hook(State* st, std::size_t size) {
   PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
   if (value && tb) PyException_SetTraceback(value, tb);
-  PyObject* r = value ? PyObject_CallFunction(st->on_error, "On", value, static_cast<Py_ssize_t>(size)) : nullptr;
+  if (!value) {
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyErr_SetString(PyExc_RuntimeError, "poolkeeper: allocation failed without an error");
+    return kFailed;
+  }
+  PyObject* r = PyObject_CallFunction(st->on_error, "On", value, static_cast<Py_ssize_t>(size));
   if (r) {  // the hook must raise; returning means it did not convert
     Py_DECREF(r);
     PyErr_Restore(type, value, tb);
-    return nullptr;
+    return kFailed;
   }
   Py_XDECREF(type);
   Py_XDECREF(value);
   Py_XDECREF(tb);
-  return nullptr;
+  return kFailed;
 }
 
 void* slow_malloc(State* st, std::size_t size, int device) {
   PyObject* r = PyObject_CallFunction(st->slow, "ni", static_cast<Py_ssize_t>(size), device);
-  if (!r) return nullptr;
+  if (!r) return kFailed;
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
     Py_DECREF(r);
     PyErr_SetString(PyExc_TypeError, "poolkeeper CuPy slow path must return (ptr, owner)");
-    return nullptr;
+    return kFailed;
   }
   const unsigned long long p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 0));
   if (PyErr_Occurred()) {
     Py_DECREF(r);
-    return nullptr;
+    return kFailed;
   }
   PyObject* owner = PyTuple_GET_ITEM(r, 1);
   Py_INCREF(owner);
@@ -149,11 +161,11 @@ void* slow_malloc(State* st, std::size_t size, int device) {
 extern "C" {
 
 // void* malloc(void* param, size_t size, int device_id): CuPy's CFunctionAllocator contract.
-// NULL with a Python error set on failure (CuPy checks the error indicator after the call).
+// kFailed ((void*)-1) with a Python error set on failure; never throws.
 static void* pk_cupy_malloc(void* param, std::size_t size, int device) noexcept {
   auto* st = static_cast<State*>(param);
   Stream s = kNoStream;
-  if (!current_stream(st, s)) return nullptr;
+  if (!current_stream(st, s)) return kFailed;
   State::Device* d = st->device(device);
   if (s == 0 && d && d->pool && !(d->graphs && d->graphs->routing())) {
     Pool* pool = d->pool;
@@ -252,12 +264,15 @@ void bind_cupy_allocator_impl(nb::module_& m) {
             if (device < 0) throw InvalidArgument("device must be >= 0");
             if (!nb::try_cast<Pool*>(pool, p) || !p) throw InvalidArgument("pool must be a poolkeeper pool", true);
             State::Device& d = a.st->grow(device);
-            if (d.pool_obj == pool.ptr()) return;
-            Py_XDECREF(d.pool_obj);
+            // The first pool stays: blocks the fast path handed out must go back to their pool.
+            if (d.pool) return d.pool_obj == pool.ptr();
             d.pool_obj = nb::borrow(pool).release().ptr();
             d.pool = p;
+            return true;
           },
-          "device"_a, "pool"_a, "Serve `device` from `pool` on the fast path.")
+          "device"_a, "pool"_a,
+          "Serve `device` from `pool` on the fast path. The first pool given for a device stays (False when "
+          "another one was given before).")
       .def(
           "set_graph_pools",
           [](CupyAllocator& a, int device, nb::handle graphs) {

@@ -279,6 +279,12 @@ class CupyInstallation:
     native: Any = None  # _core.CupyAllocator, or None on the Python path
 
     @property
+    def calls(self) -> int:
+        """Device allocations poolkeeper has served for CuPy (both paths)."""
+        fast = self.native.stats()["fast_allocs"] if self.native is not None else 0
+        return self.allocator.calls + fast
+
+    @property
     def path(self) -> str:
         """``"native"`` (CuPy calls poolkeeper's C functions) or ``"python"``."""
         return "native" if self.native is not None else "python"
