@@ -14,7 +14,7 @@ import pytest
 import poolkeeper as pk
 from poolkeeper.integrations import cupy as pk_cupy
 
-from test_integrations_cpu import make_fake_cupy
+from test_integrations_cpu import fake_capture_stream, make_fake_cupy
 
 # CuPy's contract: void* malloc(void* param, size_t size, int device_id);
 # void free(void* param, void* ptr, int device_id). PYFUNCTYPE: the GIL stays held and the Python
@@ -237,26 +237,8 @@ def test_graph_capture_scope_takes_the_slow_path(native_cupy, monkeypatch):
     inst = pk_cupy.install(pool, pinned=False)
     alloc = native_cupy.state["allocator"]
     s = sim.stream()
-
-    class FakeStream:
-        ptr = s
-
-        def __enter__(self):
-            native_cupy.state["stream"] = s
-            return self
-
-        def __exit__(self, *exc):
-            native_cupy.state["stream"] = 0
-
-        def begin_capture(self):
-            sim.begin_capture(s)
-
-        def end_capture(self):
-            assert sim.end_capture(s), sim.last_capture_violation
-            return "graph"
-
     outside = alloc(4096)
-    with pk_cupy.graph_capture(FakeStream()) as g:
+    with pk_cupy.graph_capture(fake_capture_stream(native_cupy, sim, s)) as g:
         native_cupy.state["stream"] = 0
         default_inside = alloc(1000)  # the default stream while capturing: still not fast (scope open)
         native_cupy.state["stream"] = s
