@@ -371,6 +371,7 @@ def install(
             except BaseException:
                 # All or nothing: CuPy keeps its own device allocator, installation() stays None.
                 cuda.set_allocator(prev if prev is not None else _cupy_default_allocator(cupy))
+                alloc.native = alloc.cfunction_allocator = None  # see uninstall(): no cycle left behind
                 raise
         _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes, given, alloc.native)
         _register_exit_uninstall()
