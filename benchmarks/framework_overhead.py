@@ -1,10 +1,15 @@
 """What the framework paths cost against what they replace (issue 14), in one run:
 
 - ``pool.buffer(n)`` + drop (poolkeeper's owning buffer) against the bare ``allocate``+``deallocate``
-  pair on the same pool, and against RMM's ``DeviceBuffer(size=n, mr=...)`` + drop (when ``rmm``
-  is importable; its arena and pool resources);
-- ``cupy.empty(n, uint8)`` + drop with CuPy's own memory pool against the same with
-  ``poolkeeper.integrations.cupy.install(kind)`` (when ``cupy`` is importable and a GPU is there).
+  pair on the same pool, and against RMM's ``DeviceBuffer(size=n, mr=...)`` + drop and RMM's bare
+  ``mr.allocate``+``mr.deallocate`` pair (when ``rmm`` is importable; ``ArenaMemoryResource`` and
+  ``PoolMemoryResource`` over ``CudaMemoryResource``);
+- ``cupy.empty(n, uint8)`` + drop with CuPy's own memory pool, with
+  ``poolkeeper.integrations.cupy.install(kind)`` (the native path through CuPy's
+  ``CFunctionAllocator``, and the Python allocator path, ``POOLKEEPER_CUPY_NATIVE=0``), and with
+  RMM's ``rmm_cupy_allocator`` over RMM's arena and pool (when ``cupy`` -- and ``rmm`` -- are
+  importable and a GPU is there); plus, for each, the allocator alone (``cupy.cuda.alloc(n)`` +
+  drop: what CuPy's allocator costs without the ndarray around it).
 
     python benchmarks/framework_overhead.py [--backend simulated|host|cuda] [--sizes 4K,64K,1M,16M,64M]
         [--n 20000] [--reps 7] [--kinds arena,arena_expandable] [--json PATH]
@@ -76,17 +81,26 @@ def poolkeeper_rows(backend: str, kinds: List[str], sizes: List[int], n: int, re
     return rows
 
 
+def _rmm_resources(rmm: Any) -> Dict[str, Callable[[], Any]]:
+    cuda = rmm.mr.CudaMemoryResource()
+    return {"rmm ArenaMemoryResource": lambda: rmm.mr.ArenaMemoryResource(cuda),
+            "rmm PoolMemoryResource": lambda: rmm.mr.PoolMemoryResource(cuda, initial_pool_size=1 << 30)}
+
+
+def _import_rmm() -> Any:
+    import rmm
+    import rmm.mr
+
+    return rmm
+
+
 def rmm_rows(sizes: List[int], n: int, reps: int) -> List[Dict[str, Any]]:
     try:
-        import rmm
-        import rmm.mr
+        rmm = _import_rmm()
     except Exception as e:
-        return [{"what": "rmm", "skipped": f"rmm not importable ({e})"}]
+        return [{"what": "rmm", "skipped": f"rmm not importable ({type(e).__name__}: {e})"}]
     rows = []
-    cuda = rmm.mr.CudaMemoryResource()
-    resources = {"rmm ArenaMemoryResource": lambda: rmm.mr.ArenaMemoryResource(cuda),
-                 "rmm PoolMemoryResource": lambda: rmm.mr.PoolMemoryResource(cuda, initial_pool_size=1 << 30)}
-    for name, make in resources.items():
+    for name, make in _rmm_resources(rmm).items():
         try:
             mr = make()
         except Exception as e:
@@ -97,6 +111,14 @@ def rmm_rows(sizes: List[int], n: int, reps: int) -> List[Dict[str, Any]]:
                 for _ in range(k):
                     rmm.DeviceBuffer(size=size, mr=mr)
 
+            def pair(k: int, a=mr.allocate, d=mr.deallocate, size=size) -> None:
+                for _ in range(k):
+                    d(a(size), size)
+
+            try:
+                rows.append({"what": f"{name}: mr.allocate+deallocate", "nbytes": size, "ns": best_ns(pair, n, reps)})
+            except Exception as e:  # an rmm without the Python-level pair
+                rows.append({"what": f"{name}: mr.allocate+deallocate", "skipped": f"{type(e).__name__}: {e}"})
             rows.append({"what": f"{name}: DeviceBuffer(size=n, mr)+drop", "nbytes": size, "ns": best_ns(drop, n, reps)})
     return rows
 
@@ -105,8 +127,12 @@ def cupy_rows(kinds: List[str], sizes: List[int], n: int, reps: int) -> List[Dic
     try:
         import cupy
     except Exception as e:
-        return [{"what": "cupy", "skipped": f"cupy not importable ({e})"}]
+        return [{"what": "cupy", "skipped": f"cupy not importable ({type(e).__name__}: {e})"}]
+    import os
+
     from poolkeeper.integrations import cupy as pkc
+
+    rows: List[Dict[str, Any]] = []
 
     def measure(label: str) -> None:
         for size in sizes:
@@ -115,27 +141,66 @@ def cupy_rows(kinds: List[str], sizes: List[int], n: int, reps: int) -> List[Dic
                 for _ in range(k):
                     e(size, dtype=cupy.uint8)
 
-            rows.append({"what": f"{label}: cupy.empty(n)+drop", "nbytes": size, "ns": best_ns(empty_drop, n, reps)})
+            def alloc_drop(k: int, size=size) -> None:
+                a = cupy.cuda.alloc
+                for _ in range(k):
+                    a(size)
 
-    rows: List[Dict[str, Any]] = []
+            rows.append({"what": f"{label}: cupy.empty(n)+drop", "nbytes": size, "ns": best_ns(empty_drop, n, reps)})
+            rows.append({"what": f"{label}: cupy.cuda.alloc(n)+drop", "nbytes": size, "ns": best_ns(alloc_drop, n, reps)})
+
     cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
     measure("cupy MemoryPool")
     for kind in kinds:
-        pkc.install(kind, pinned=False)
-        try:
-            measure(f"poolkeeper {kind}")
-        finally:
-            pkc.uninstall()
+        for path, env in (("native", "1"), ("python", "0")):
+            old = os.environ.get("POOLKEEPER_CUPY_NATIVE")
+            os.environ["POOLKEEPER_CUPY_NATIVE"] = env
+            try:
+                inst = pkc.install(kind, pinned=False)
+            finally:
+                if old is None:
+                    os.environ.pop("POOLKEEPER_CUPY_NATIVE", None)
+                else:
+                    os.environ["POOLKEEPER_CUPY_NATIVE"] = old
+            try:
+                if inst.path != path:
+                    rows.append({"what": f"poolkeeper {kind} ({path})", "skipped": inst.notes.get("path", "")})
+                    continue
+                measure(f"poolkeeper {kind} ({path})")
+                if inst.native is not None:
+                    st = inst.native.stats()
+                    rows.append({"what": f"poolkeeper {kind} ({path}): fast/slow allocations",
+                                 "skipped": f"{st['fast_allocs']} fast, {st['slow_allocs']} slow; {inst.notes.get('path')}"})
+            finally:
+                pkc.uninstall()
+    try:
+        rmm = _import_rmm()
+        from rmm.allocators.cupy import rmm_cupy_allocator
+    except Exception as e:
+        rows.append({"what": "rmm_cupy_allocator", "skipped": f"rmm not importable ({type(e).__name__}: {e})"})
+    else:
+        previous = rmm.mr.get_current_device_resource()
+        for name, make in _rmm_resources(rmm).items():
+            try:
+                rmm.mr.set_current_device_resource(make())
+                cupy.cuda.set_allocator(rmm_cupy_allocator)
+                measure(f"{name} via rmm_cupy_allocator")
+            except Exception as e:
+                rows.append({"what": f"{name} via rmm_cupy_allocator", "skipped": f"{type(e).__name__}: {e}"})
+            finally:
+                cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+                rmm.mr.set_current_device_resource(previous)
     return rows
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    out = [f"{'what':<58}{'nbytes':>12}{'ns/op':>12}"]
+    w = max([58] + [len(r["what"]) + 2 for r in rows])
+    out = [f"{'what':<{w}}{'nbytes':>12}{'ns/op':>12}"]
     for r in rows:
         if "skipped" in r:
-            out.append(f"{r['what']:<58}{'':>12}  skipped: {r['skipped']}")
+            out.append(f"{r['what']:<{w}}{'':>12}  skipped: {r['skipped']}")
         else:
-            out.append(f"{r['what']:<58}{r['nbytes']:>12}{r['ns']:>12.1f}")
+            out.append(f"{r['what']:<{w}}{r['nbytes']:>12}{r['ns']:>12.1f}")
     return "\n".join(out)
 
 

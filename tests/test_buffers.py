@@ -313,3 +313,37 @@ def test_capsule_whose_release_callback_raises_reports_it_and_goes_on(monkeypatc
     del cap
     gc.collect()
     assert seen == [RuntimeError] and _dlpack.live_exports() == 0
+
+
+# -- pool.buffer() is native: no Python runs per buffer --------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["arena", "size_class", "direct"])
+def test_pool_buffer_runs_no_python_and_keeps_its_contract(kind):
+    pool = pk.make_pool(kind, pk.upstream.Simulated(latency_us=0))
+    pool.buffer(64)  # warm: the buffer class is registered, the pool has memory
+    gc.collect()
+    events = []
+
+    def prof(frame, event, arg):
+        if event == "call":  # a Python function ran
+            events.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        for _ in range(10):
+            pool.buffer(4096)  # made and dropped
+        b = pool.buffer(1000, stream=7)
+    finally:
+        sys.setprofile(None)
+    assert events == []
+    assert type(b) is PoolBuffer and b.nbytes == 1000 and b.stream == 7 and b.pool is pool
+    assert pool.stats()["live_bytes"] == 1000 and b.kind == "device" and b.device == -1
+    b.release()
+    assert pool.stats()["live_bytes"] == 0
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        pool.buffer(-1)
+    with pytest.raises(pk.errors.InvalidStreamError):
+        pool.buffer(16, stream="not a stream")
+    assert pool.stats()["live_blocks"] == 0
+    pool.validate()

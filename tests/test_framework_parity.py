@@ -472,8 +472,7 @@ def test_shim_is_skipped_with_a_reason_when_it_cannot_be_built(tmp_path, monkeyp
 
     fake = types.SimpleNamespace(__file__=str(tmp_path / "torch" / "__init__.py"), __version__="0")
     monkeypatch.setenv("POOLKEEPER_CACHE_DIR", str(tmp_path / "cache"))
-    assert shim.build(fake).reason.startswith("disabled")  # off unless opted in
-    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "1")
+    monkeypatch.delenv("POOLKEEPER_TORCH_OOM_SHIM", raising=False)  # on by default (after its check)
     b = shim.build(fake)
     assert b.path is None and "headers" in b.reason
     monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "0")
@@ -482,7 +481,7 @@ def test_shim_is_skipped_with_a_reason_when_it_cannot_be_built(tmp_path, monkeyp
 
 def test_install_without_the_shim_warns_and_says_which_error_oom_raises(fake_torch, monkeypatch):
     fake_torch()
-    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "1")  # the stand-in has no headers: the build fails
+    monkeypatch.delenv("POOLKEEPER_TORCH_OOM_SHIM", raising=False)  # the stand-in has no headers: the build fails
     with pytest.warns(RuntimeWarning, match="not torch.OutOfMemoryError"):
         inst = pkt.install("arena", upstream="simulated")
     assert inst.oom_type == "RuntimeError" and "no torch.OutOfMemoryError shim" in inst.oom_note
@@ -495,6 +494,7 @@ def test_shim_built_against_the_installed_torch_throws_c10_out_of_memory(tmp_pat
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("POOLKEEPER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("POOLKEEPER_TORCH_OOM_SHIM", "1")  # no check in a separate process: no GPU here
     b = shim.load(torch, pkt.library_path())
     assert b.path is not None, b.reason
     assert b.reason == "built"

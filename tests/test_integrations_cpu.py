@@ -399,6 +399,30 @@ def make_fake_cupy(device=0):
     return cupy
 
 
+def fake_capture_stream(cupy, sim, s):
+    """A stand-in cupy.cuda.Stream over simulated stream ``s``: a context manager making it
+    current, and CUDA-graph capture calls."""
+
+    class FakeStream:
+        ptr = s
+
+        def __enter__(self):
+            cupy.state["stream"] = s
+            return self
+
+        def __exit__(self, *exc):
+            cupy.state["stream"] = 0
+
+        def begin_capture(self):
+            sim.begin_capture(s)
+
+        def end_capture(self):
+            assert sim.end_capture(s), sim.last_capture_violation
+            return "graph"
+
+    return FakeStream()
+
+
 @pytest.fixture
 def fake_cupy(monkeypatch):
     c = make_fake_cupy()
@@ -500,26 +524,8 @@ def test_cupy_graph_capture_allocates_from_a_private_pool_released_with_the_grap
     pk_cupy.install(pool, pinned=False)
     alloc = fake_cupy.state["allocator"]
     s = sim.stream()
-
-    class FakeStream:  # cupy.cuda.Stream: a context manager making it current, capture calls
-        ptr = s
-
-        def __enter__(self):
-            fake_cupy.state["stream"] = s
-            return self
-
-        def __exit__(self, *exc):
-            fake_cupy.state["stream"] = 0
-
-        def begin_capture(self):
-            sim.begin_capture(s)
-
-        def end_capture(self):
-            assert sim.end_capture(s), sim.last_capture_violation
-            return "graph"
-
     outside = alloc(4096)
-    with pk_cupy.graph_capture(FakeStream()) as g:
+    with pk_cupy.graph_capture(fake_capture_stream(fake_cupy, sim, s)) as g:
         tmp = alloc(100_000)  # freed inside the capture
         tmp_ptr = tmp.ptr
         del tmp

@@ -53,6 +53,29 @@ struct BufferCore {
   }
 };
 
+// poolkeeper.buffers.PoolBuffer, registered by that module at import; a strong reference kept for
+// the life of the process on purpose (a static nb::object would be released after the interpreter).
+PyObject* g_buffer_type = nullptr;
+
+// The owning state of a fresh buffer: allocates first, so a failure leaves nothing to destroy.
+void construct(BufferCore* self, nb::handle pool, Pool* p, nb::handle nbytes, nb::handle stream) {
+  const std::size_t n = parse_size(nbytes);
+  const Stream s = parse_stream(stream);
+  void* r = p->try_allocate_nowait(n, s);
+  if (!r) {
+    ReleaseGil nogil;
+    r = p->allocate(n, s);
+  }
+  BufferCore* b = new (self) BufferCore();
+  b->pool_obj = nb::borrow(pool);
+  b->pool = p;
+  b->ptr = reinterpret_cast<std::uintptr_t>(r);
+  b->nbytes = n;
+  b->stream = s;
+  b->kind = p->upstream()->kind();
+  b->device = p->upstream()->device();
+}
+
 }  // namespace
 
 void bind_buffer_core_impl(nb::module_& m) {
@@ -72,22 +95,8 @@ void bind_buffer_core_impl(nb::module_& m) {
             if (!nb::try_cast<Pool*>(pool, p) || !p)
               throw InvalidArgument("pool must be a poolkeeper pool; got " +
                                     nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(pool.ptr()))).attr("__name__"))));
-            const std::size_t n = parse_size(nbytes);
-            const Stream s = parse_stream(stream);
-            void* r = p->try_allocate_nowait(n, s);
-            if (!r) {
-              ReleaseGil nogil;
-              r = p->allocate(n, s);
-            }
             // Constructed only once the block exists: a failed __init__ leaves nothing to destroy.
-            BufferCore* b = new (self) BufferCore();
-            b->pool_obj = nb::borrow(pool);
-            b->pool = p;
-            b->ptr = reinterpret_cast<std::uintptr_t>(r);
-            b->nbytes = n;
-            b->stream = s;
-            b->kind = p->upstream()->kind();
-            b->device = p->upstream()->device();
+            construct(self, pool, p, nbytes, stream);
           },
           "pool"_a.none(), "nbytes"_a.none(), "stream"_a.none() = nb::none())
       .def_prop_ro("pool", [](BufferCore& b) { return b.pool_obj; })
@@ -133,6 +142,35 @@ void bind_buffer_core_impl(nb::module_& m) {
           if (c == st) return;
         b.consumers.push_back(st);
       });
+
+  m.def(
+      "_set_buffer_class",
+      [](nb::handle cls) {
+        if (!PyType_Check(cls.ptr()) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls.ptr()),
+                                                          reinterpret_cast<PyTypeObject*>(nb::type<BufferCore>().ptr())))
+          throw InvalidArgument("the buffer class must subclass BufferCore", true);
+        Py_INCREF(cls.ptr());
+        Py_XDECREF(g_buffer_type);
+        g_buffer_type = cls.ptr();
+      },
+      "cls"_a, "The class pool.buffer() makes (poolkeeper.buffers.PoolBuffer registers itself).");
+
+  // pool.buffer(nbytes, stream=None) on every pool, native: the buffer object is allocated and
+  // filled in one call, without the Python frame and the type call (__new__, __init__, argument
+  // matching) that constructing PoolBuffer from Python costs.
+  nb::handle pool_type = nb::type<Pool>();
+  pool_type.attr("buffer") = nb::cpp_function(
+      [](nb::handle self, nb::handle nbytes, nb::handle stream) -> nb::object {
+        if (!g_buffer_type) nb::module_::import_("poolkeeper.buffers");  // registers PoolBuffer
+        if (!g_buffer_type) throw InvalidArgument("poolkeeper.buffers did not register its buffer class");
+        Pool* p = nb::cast<Pool*>(self);
+        nb::object inst = nb::inst_alloc(nb::handle(g_buffer_type));
+        construct(nb::inst_ptr<BufferCore>(inst), self, p, nbytes, stream);
+        nb::inst_mark_ready(inst);
+        return inst;
+      },
+      nb::is_method(), nb::scope(pool_type), nb::name("buffer"), "nbytes"_a.none(), "stream"_a.none() = nb::none(),
+      "An owning buffer of ``nbytes`` from this pool, ordered on ``stream`` (see poolkeeper.buffers).");
 }
 
 }  // namespace poolkeeper::py

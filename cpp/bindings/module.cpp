@@ -22,4 +22,5 @@ NB_MODULE(_core, m) {
   { void bind_buffer_core(nanobind::module_&); bind_buffer_core(m); }  // cpp/bindings/buffer_core.cpp
   { void bind_buffer_protocol(nanobind::module_&); bind_buffer_protocol(m); }  // cpp/bindings/buffer_protocol.cpp
   { void bind_dlpack(nanobind::module_&); bind_dlpack(m); }  // cpp/bindings/dlpack.cpp
+  { void bind_cupy_allocator(nanobind::module_&); bind_cupy_allocator(m); }  // cpp/bindings/cupy_allocator.cpp
 }

@@ -219,4 +219,6 @@ class PoolBuffer(_core.BufferCore):
         return f"<PoolBuffer {self.nbytes} bytes of {self.kind} memory at {self.ptr:#x} ({state})>"
 
 
+_core._set_buffer_class(PoolBuffer)  # what pool.buffer() makes, natively
+
 __all__ = ["PoolBuffer", "BufferReleasedError", "BufferExportError"]

@@ -33,17 +33,6 @@ if TYPE_CHECKING:  # pragma: no cover
 MiB = 1 << 20
 
 
-_BUFFER_CLASS: Any = None
-
-
-def _buffer_class() -> Any:
-    global _BUFFER_CLASS
-    from poolkeeper.buffers import PoolBuffer
-
-    _BUFFER_CLASS = PoolBuffer
-    return PoolBuffer
-
-
 class _PoolAPI:
     """Python conveniences shared by every pool (mixed into the native classes)."""
 
@@ -53,10 +42,8 @@ class _PoolAPI:
 
         return Snapshot.from_dict(self._snapshot_dict())
 
-    def buffer(self, nbytes: int, stream: Any = None) -> Any:
-        """An owning buffer of ``nbytes`` (see :mod:`poolkeeper.buffers`)."""
-        # The class is looked up once: an import statement here cost more than the pool pair.
-        return (_BUFFER_CLASS or _buffer_class())(self, nbytes, stream)
+    # buffer(nbytes, stream=None) -> PoolBuffer is native, on every pool (cpp/bindings/buffer_core.cpp):
+    # one call makes the buffer object and allocates, with no Python frame or type call per buffer.
 
     def __enter__(self):
         return self

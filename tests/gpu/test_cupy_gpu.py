@@ -45,11 +45,11 @@ def job():
 t = threading.Thread(target=job); t.start(); t.join()
 assert not err, err
 # TestPythonFunctionAllocator: malloc and free both reached on cupy.zeros(10)
-calls = inst.allocator.calls
+calls = inst.calls
 live = pool().stats()["live_bytes"]
 cupy.zeros(10)
 gc.collect()
-assert inst.allocator.calls == calls + 1
+assert inst.calls == calls + 1
 assert pool().stats()["live_bytes"] == live  # freed on collection
 # TestUnownedMemory: memory handed out through UnownedMemory is usable
 arr2 = cupy.ndarray((2, 3), cupy.float32, arr.data)
@@ -82,10 +82,10 @@ a = cupy.arange(128, dtype=cupy.int64)
 assert default.used_bytes() == used  # not CuPy's pool
 pkc.uninstall()
 assert cupy.cuda.get_allocator() == default.malloc
-calls = ours.calls
+calls = inst.calls
 b = cupy.arange(128, dtype=cupy.int64)
 assert default.used_bytes() - used == 1024
-assert ours.calls == calls
+assert inst.calls == calls
 held = inst.pools()[0]
 assert held.stats()["live_bytes"] == 1024  # `a` still ours, returns to our pool when collected
 del a
@@ -167,6 +167,67 @@ gc.collect()
 cupy.cuda.Device(0).synchronize()
 b.release()
 assert pool.stats()["live_bytes"] == 0
+print("ok")
+"""
+    )
+
+
+def test_native_path_serves_the_default_stream_without_python_and_other_streams_in_order():
+    out = run_isolated(
+        PRELUDE
+        + """
+inst = pkc.install("arena", pinned=False, thread_cache_bytes=0)
+print("path:", inst.path, "|", inst.notes["path"])
+assert inst.path == "native", inst.notes
+assert inst.native.c_stream_getter, inst.notes  # CuPy's exported C getter was found and accepted
+xs = [cupy.empty(4096, dtype=cupy.uint8) for _ in range(100)]
+st = inst.native.stats()
+assert st["fast_allocs"] >= 99 and st["slow_allocs"] <= 1, st
+assert type(xs[0].data.mem).__name__ == "CFunctionAllocatorMemory"
+del xs
+gc.collect()
+assert inst.pools()[0].stats()["live_bytes"] == 0
+# Another stream takes the slow path (test_frees_are_ordered_on_the_allocating_stream checks the
+# pending state it leaves); the default stream's fast path must not be handed s's pending block.
+s = cupy.cuda.Stream(non_blocking=True)
+slow = inst.native.stats()["slow_allocs"]
+with s:
+    big = cupy.ones(1 << 20, dtype=cupy.float32)
+    ptr, y = big.data.ptr, big * 2
+    del big
+    gc.collect()
+assert inst.native.stats()["slow_allocs"] >= slow + 2
+z = cupy.empty(4 << 20, dtype=cupy.uint8)  # the default stream: s's block only once s is done
+assert z.data.ptr != ptr or s.done
+assert float(y.sum()) == 2.0 * (1 << 20)
+del y, z
+gc.collect()
+inst.pools()[0].synchronize()
+assert inst.pools()[0].stats()["live_bytes"] == 0
+inst.pools()[0].validate()
+print("ok")
+"""
+    )
+    assert "path: native" in out
+
+
+def test_native_path_out_of_memory_is_cupys_error_and_the_pool_keeps_working():
+    run_isolated(
+        PRELUDE
+        + """
+inst = pkc.install("arena", pinned=False, limit=64 << 20)
+assert inst.path == "native", inst.notes
+keep = cupy.ones(1 << 20, dtype=cupy.uint8)
+try:
+    cupy.empty(128 << 20, dtype=cupy.uint8)
+except cupy.cuda.memory.OutOfMemoryError as e:
+    assert "limit" in e.poolkeeper_diagnosis, e.poolkeeper_diagnosis
+    assert isinstance(e.__cause__, pk.OutOfMemoryError)
+else:
+    raise AssertionError("no error")
+again = cupy.ones(1 << 20, dtype=cupy.uint8)
+assert int(keep.sum()) + int(again.sum()) == 2 << 20
+assert inst.pools()[0].stats()["ooms"] == 1
 print("ok")
 """
     )

@@ -1,5 +1,6 @@
-"""Framework parity on a real GPU (issue 14): out of memory inside PyTorch (a RuntimeError with the diagnosis; the torch.OutOfMemoryError shim is opt-in)
-PyTorch, PyTorch's memory API names and snapshot, the expandable arena by name, a clean exit.
+"""Framework parity on a real GPU (issue 14): out of memory inside PyTorch is torch.OutOfMemoryError
+with the pool's diagnosis (the shim, checked in a separate process first), PyTorch's memory API
+names and snapshot, the expandable arena by name, a clean exit.
 Each case runs in a fresh process (see isolated.py)."""
 from __future__ import annotations
 
@@ -30,17 +31,18 @@ def test_filling_the_device_raises_torch_oom_with_the_pools_diagnosis_and_recove
         PRELUDE
         + """
 inst = pkt.install("arena")
-assert inst.oom_type == "RuntimeError", inst.oom_note  # the torch.OutOfMemoryError shim is opt-in
+print("oom:", inst.oom_type, "|", inst.oom_note)
+assert inst.oom_type == "torch.OutOfMemoryError", inst.oom_note
 held = []
 GiB = 1 << 30
 try:
     while True:
         held.append(torch.empty(GiB, dtype=torch.uint8, device="cuda"))
         assert len(held) < 4096, "never ran out"
-except RuntimeError as e:  # torch.OutOfMemoryError only with the opt-in shim
+except torch.OutOfMemoryError as e:  # what batch-size finders and retry loops catch
     err = e  # the except clause deletes its name on exit
     msg = str(e)
-    print("raised after", len(held), "GiB:", msg[:300])
+    print("raised torch.OutOfMemoryError after", len(held), "GiB:", msg[:300])
     assert "poolkeeper: cannot allocate" in msg and "out of memory in" in msg, msg
 assert isinstance(err, RuntimeError)  # PyTorch's OOM is a RuntimeError subclass; older except clauses still work
 assert len(held) > 8
@@ -57,23 +59,44 @@ print("recovered")
 """,
         timeout=600,
     )
-    assert "raised after" in out and "recovered" in out
+    assert "raised torch.OutOfMemoryError" in out and "recovered" in out
 
 
 def test_a_pool_limit_is_torch_oom_too():
     run_isolated(
         PRELUDE
         + """
-pkt.install("arena", limit=64 << 20)
+inst = pkt.install("arena", limit=64 << 20)
+assert inst.oom_type == "torch.OutOfMemoryError", inst.oom_note
 x = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
 try:
     torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-except RuntimeError as e:
+except torch.OutOfMemoryError as e:
     assert "limit" in str(e), str(e)
 else:
     raise AssertionError("no error")
 y = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
 assert int(x.sum()) + int(y.sum()) == 2 << 20
+"""
+    )
+
+
+def test_without_the_shim_out_of_memory_is_a_runtime_error_with_the_diagnosis():
+    run_isolated(
+        """
+import os
+os.environ["POOLKEEPER_TORCH_OOM_SHIM"] = "0"
+"""
+        + PRELUDE
+        + """
+inst = pkt.install("arena", limit=64 << 20)
+assert inst.oom_type == "RuntimeError" and "disabled" in inst.oom_note, inst.oom_note
+try:
+    torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+except RuntimeError as e:
+    assert not isinstance(e, torch.OutOfMemoryError) and "limit" in str(e), repr(e)
+else:
+    raise AssertionError("no error")
 """
     )
 

@@ -12,24 +12,43 @@ a malloc that calls the core's ``poolkeeper_torch_malloc`` and, on NULL, throws
 ``c10::OutOfMemoryError`` with ``poolkeeper_last_error()``; a free that forwards. The core's
 addresses are handed to it at load time (``poolkeeper_shim_bind``), so it needs no link to the core.
 
+How the error is made (``PK_SHIM_THROW``, see SOURCE): by default the exception is constructed
+with c10's base constructor and no backtrace, so nothing walks the stack at the moment an
+allocation fails (``TORCH_CHECK`` captures a C++ backtrace in ``libc10`` while the failing
+allocation is still on the stack; with ``TORCH_SHOW_CPP_STACKTRACES=1`` PyTorch's own unwinder
+does). The other values exist for ``tools/torch_oom_diagnose.py``, which builds and runs each one
+in a separate process.
+
 Built with the system C++ compiler invoked directly (no ninja, no setuptools), cached under
 ``$POOLKEEPER_CACHE_DIR`` or ``~/.cache/poolkeeper/torch-oom-shim-<key>/`` where the key hashes the
-torch version, its include and library paths, the C++ ABI flag, the compiler and this source.
-Opt in with ``POOLKEEPER_TORCH_OOM_SHIM=1``: by default install() uses the core's raising symbol,
-whose failures arrive as ``RuntimeError``. Why off: on the H200 with torch 2.11 the shim's throw
-crashed the process (SIGSEGV inside the allocation that failed), while the same shim worked against
-the PyPI torch on a CPU-only machine; until that is understood, a crash must not replace an error.
+torch version, its include and library paths, the C++ ABI flag, the compiler, the flags and this
+source.
+
+``POOLKEEPER_TORCH_OOM_SHIM`` decides whether install() uses it:
+
+- unset or ``auto`` (default): yes, once the shim has passed a check in a separate process
+  (install a pool with a small limit, overflow it, expect ``torch.OutOfMemoryError``, allocate
+  again). The verdict is cached beside the library, so the check runs once per torch, compiler
+  and shim source. Why: on the H200 with torch 2.11 a shim that captured a backtrace at the throw
+  crashed the process (SIGSEGV inside the allocation that failed); whatever the cause on some
+  other machine, a crash must never replace an error, and a crash in the check only costs the
+  check's process. A shim that failed the check is not used: out of memory raises
+  ``RuntimeError`` with the same diagnosis, and a warning says why;
+- ``1``: yes, without the check;
+- ``0``: no (``RuntimeError`` with the diagnosis, no warning).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 MALLOC = "poolkeeper_shim_malloc"
 FREE = "poolkeeper_shim_free"
@@ -40,7 +59,17 @@ SOURCE = r"""
 
 #include <cstddef>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
+
+// What a failed allocation throws (tools/torch_oom_diagnose.py builds each):
+// 0: c10::OutOfMemoryError, no backtrace captured (the default); 1: the same through TORCH_CHECK_WITH
+// (c10 captures a backtrace at the throw); 2: c10::Error (RuntimeError in Python);
+// 3: std::runtime_error (RuntimeError).
+#ifndef PK_SHIM_THROW
+#define PK_SHIM_THROW 0
+#endif
 
 namespace {
 using malloc_fn = void* (*)(std::size_t, int, void*);
@@ -49,6 +78,33 @@ using error_fn = const char* (*)();
 malloc_fn g_malloc = nullptr;
 free_fn g_free = nullptr;
 error_fn g_error = nullptr;
+
+// c10's base constructor without a backtrace: (msg, Backtrace = nullptr) since backtraces became
+// lazy, (msg, std::string backtrace) before.
+template <class E>
+[[noreturn]] void throw_without_backtrace(std::string msg) {
+  if constexpr (std::is_constructible_v<E, std::string, std::string>)
+    throw E(std::move(msg), std::string());
+  else
+    throw E(std::move(msg), nullptr);
+}
+
+[[noreturn]] void fail(std::size_t size, int device) {
+  std::string msg = "poolkeeper: cannot allocate " + std::to_string(size) + " bytes on device " +
+                    std::to_string(device) + ": " + g_error();
+#if PK_SHIM_THROW == 0
+  // c10's own type, so PyTorch's binding raises torch.OutOfMemoryError (a RuntimeError subclass)
+  // and its state is untouched: its malloc records nothing before ours returns.
+  throw_without_backtrace<c10::OutOfMemoryError>(std::move(msg));
+#elif PK_SHIM_THROW == 1
+  TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
+  throw std::logic_error("unreachable");
+#elif PK_SHIM_THROW == 2
+  throw_without_backtrace<c10::Error>(std::move(msg));
+#else
+  throw std::runtime_error(msg);
+#endif
+}
 }  // namespace
 
 #define PK_SHIM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -60,14 +116,11 @@ PK_SHIM_EXPORT int poolkeeper_shim_bind(void* m, void* f, void* e) {
   return (g_malloc && g_free && g_error) ? 0 : 1;
 }
 
+PK_SHIM_EXPORT int poolkeeper_shim_throw_kind() { return PK_SHIM_THROW; }
+
 PK_SHIM_EXPORT void* poolkeeper_shim_malloc(std::size_t size, int device, void* stream) {
   void* p = g_malloc(size, device, stream);
-  if (!p && size != 0) {
-    // c10's own type, so PyTorch's binding raises torch.OutOfMemoryError (a RuntimeError
-    // subclass) and its state is untouched: its malloc records nothing before ours returns.
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "poolkeeper: cannot allocate ", size, " bytes on device ", device,
-                     ": ", g_error());
-  }
+  if (!p && size != 0) fail(size, device);
   return p;
 }
 
@@ -138,11 +191,44 @@ def _abi_flag(torch: Any) -> int:
     return int(bool(flag))
 
 
-def build(torch: Any, timeout: float = 300.0) -> ShimBuild:
+def mode() -> str:
+    """``"auto"``, ``"on"`` or ``"off"`` from ``POOLKEEPER_TORCH_OOM_SHIM`` (see the module doc)."""
+    v = os.environ.get("POOLKEEPER_TORCH_OOM_SHIM", "auto").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v in ("1", "on", "true", "yes", "force"):
+        return "on"
+    return "auto"
+
+
+def compile_command(torch: Any, src: str, out: str, throw: int = 0, flags: str = "hand") -> list:
+    """The compiler command that builds ``src`` into ``out``. ``flags``: ``"hand"`` (what install()
+    uses: only libc10, hidden visibility, an rpath to torch's libraries) or ``"torch"`` (what
+    ``torch.utils.cpp_extension`` passes for a C++ extension: no optimisation or visibility
+    flags, linked with libc10, libtorch_cpu, libtorch and libtorch_python)."""
+    include, libdir = _torch_paths(torch)
+    cxx = _compiler() or "c++"
+    api = os.path.join(include, "torch", "csrc", "api", "include")
+    if flags == "torch":
+        return [
+            cxx, "-DTORCH_API_INCLUDE_EXTENSION_H", "-isystem", include, "-isystem", api, "-fPIC", "-std=c++17",
+            f"-DPK_SHIM_THROW={throw}", "-shared", src, "-o", out,
+            f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python", f"-Wl,-rpath,{libdir}",
+        ]  # fmt: skip
+    return [
+        cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
+        f"-D_GLIBCXX_USE_CXX11_ABI={_abi_flag(torch)}", f"-DPK_SHIM_THROW={throw}", "-isystem", include, src,
+        "-o", out, f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}",
+    ]  # fmt: skip
+
+
+def build(torch: Any, timeout: float = 300.0, *, throw: int = 0, flags: str = "hand", force: bool = False) -> ShimBuild:
     """Build (or find in the cache) the shim for ``torch``. Never raises: a failure is a
-    :class:`ShimBuild` with ``path=None`` and the reason."""
-    if os.environ.get("POOLKEEPER_TORCH_OOM_SHIM", "0") != "1":
-        return ShimBuild(None, "disabled (opt in with POOLKEEPER_TORCH_OOM_SHIM=1; it crashed on an H200 with torch 2.11)")
+    :class:`ShimBuild` with ``path=None`` and the reason. ``throw`` and ``flags`` choose a variant
+    (see SOURCE and :func:`compile_command`; the defaults are what install() uses); ``force``
+    builds even when ``POOLKEEPER_TORCH_OOM_SHIM=0``."""
+    if mode() == "off" and not force:
+        return ShimBuild(None, "disabled (POOLKEEPER_TORCH_OOM_SHIM=0)")
     try:
         include, libdir = _torch_paths(torch)
         if not os.path.exists(os.path.join(include, "c10", "util", "Exception.h")):
@@ -152,8 +238,8 @@ def build(torch: Any, timeout: float = 300.0) -> ShimBuild:
         cxx = _compiler()
         if cxx is None:
             return ShimBuild(None, "no C++ compiler found (set CXX, or install g++ or clang++)")
-        abi = _abi_flag(torch)
-        key_src = "\n".join([getattr(torch, "__version__", "?"), include, libdir, str(abi), cxx, SOURCE])
+        probe_cmd = compile_command(torch, "shim.cpp", "shim.so", throw, flags)
+        key_src = "\n".join([getattr(torch, "__version__", "?"), include, libdir, cxx, " ".join(probe_cmd), SOURCE])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
         out_dir = os.path.join(cache_root(), f"torch-oom-shim-{key}")
         out = os.path.join(out_dir, "poolkeeper_torch_oom_shim.so")
@@ -165,11 +251,7 @@ def build(torch: Any, timeout: float = 300.0) -> ShimBuild:
             with open(src, "w") as f:
                 f.write(SOURCE)
             tmp_out = os.path.join(tmp, "shim.so")
-            cmd = [
-                cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
-                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", include, src, "-o", tmp_out,
-                f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}",
-            ]  # fmt: skip
+            cmd = compile_command(torch, src, tmp_out, throw, flags)
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if r.returncode != 0:
                 tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
@@ -180,11 +262,83 @@ def build(torch: Any, timeout: float = 300.0) -> ShimBuild:
         return ShimBuild(None, f"{type(e).__name__}: {e}")
 
 
-def load(torch: Any, core_path: str) -> ShimBuild:
-    """Build (or reuse) the shim and bind it to the core's C functions. Never raises."""
+# The check a shim passes in a separate process before install() uses it (mode "auto"): overflow a
+# pool's limit inside PyTorch, expect torch.OutOfMemoryError with our diagnosis, allocate again.
+VERIFY_SCRIPT = r"""
+import faulthandler, sys
+faulthandler.enable()
+import torch
+from poolkeeper.integrations import torch as pkt
+inst = pkt.install("arena", limit=32 << 20)
+assert inst.oom_type == "torch.OutOfMemoryError", inst.oom_note
+x = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+try:
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+except torch.OutOfMemoryError as e:
+    assert "poolkeeper: cannot allocate" in str(e), str(e)
+else:
+    sys.exit("no error raised")
+y = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+assert int(x.sum()) + int(y.sum()) == 2 << 20
+print("PK_SHIM_VERIFIED")
+"""
+
+
+def verify_in_child(path: str, timeout: float = 180.0) -> Optional[Tuple[bool, str]]:
+    """Run VERIFY_SCRIPT in a fresh interpreter using the shim at ``path`` (``POOLKEEPER_TORCH_OOM_SHIM=1``
+    there, so it builds nothing new and checks nothing again). ``(ok, detail)``, or None when the
+    check could not conclude (timed out): then nothing is cached."""
+    env = dict(os.environ)
+    env["POOLKEEPER_TORCH_OOM_SHIM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        r = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None
+    if r.returncode == 0 and "PK_SHIM_VERIFIED" in r.stdout:
+        return True, "passed a check in a separate process"
+    how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+    tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-6:])
+    return False, f"the check in a separate process failed ({how}): {tail}"
+
+
+def _verdict(path: str, verify: Callable[[str], Optional[Tuple[bool, str]]]) -> Tuple[bool, str]:
+    """The cached verdict for the shim at ``path``, running ``verify`` once when there is none."""
+    vpath = os.path.join(os.path.dirname(path), "verdict.json")
+    try:
+        with open(vpath) as f:
+            v = json.load(f)
+        return bool(v["ok"]), str(v["detail"]) + " (cached)"
+    except (OSError, ValueError, KeyError):
+        pass
+    got = verify(path)
+    if got is None:
+        return False, "the check in a separate process did not finish; not using the shim this time"
+    ok, detail = got
+    try:
+        tmp = vpath + f".{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"ok": ok, "detail": detail}, f)
+        os.replace(tmp, vpath)
+    except OSError:
+        pass
+    return ok, detail
+
+
+def load(torch: Any, core_path: str, verify: Optional[Callable[[str], Optional[Tuple[bool, str]]]] = None) -> ShimBuild:
+    """Build (or reuse) the shim, check it (mode "auto": :func:`verify_in_child` unless ``verify``
+    is given; the verdict is cached) and bind it to the core's C functions. Never raises."""
     b = build(torch)
     if b.path is None:
         return b
+    if mode() == "auto":
+        try:
+            ok, detail = _verdict(b.path, verify or verify_in_child)
+        except Exception as e:
+            ok, detail = False, f"checking the shim failed: {type(e).__name__}: {e}"
+        if not ok:
+            return ShimBuild(None, f"not used: {detail}")
+        b.reason = f"{b.reason}, {detail}"
     try:
         lib = ctypes.CDLL(b.path)
         core = ctypes.CDLL(core_path)
@@ -211,4 +365,5 @@ def probe(lib: Any, size: int, device: int):
     return code, buf.value.decode(errors="replace")
 
 
-__all__ = ["build", "load", "probe", "ShimBuild", "MALLOC", "FREE", "SOURCE", "cache_root"]
+__all__ = ["build", "load", "probe", "mode", "compile_command", "verify_in_child", "ShimBuild", "MALLOC", "FREE",
+           "SOURCE", "VERIFY_SCRIPT", "cache_root"]

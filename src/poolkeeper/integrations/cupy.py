@@ -4,12 +4,23 @@
 default, its pinned-memory allocator (``cupy.cuda.set_pinned_memory_allocator``);
 :func:`uninstall` puts the previous ones back.
 
-Device memory. CuPy calls the allocator with a size on the current device; poolkeeper answers
-``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)``. The owner (a native
-``_core.BufferCore``: it allocates in its constructor and frees in its C++ destructor, so no Python
-finalizer runs per array) returns the block to the pool when CuPy drops the memory (the array and its views are collected), ordered on the
-stream that was current when CuPy asked for it -- the same rule CuPy's own pool follows: reusable
-at once on that stream, by other streams once that stream's work is done.
+Device memory. Where CuPy offers its C function-pointer interface
+(``cupy.cuda.memory.CFunctionAllocator``), poolkeeper plugs in there: CuPy calls poolkeeper's C
+``malloc(param, size, device)`` and, when its memory object goes, ``free(param, ptr, device)``
+(``_core.CupyAllocator``). An allocation on the default (legacy) stream then runs no Python at
+all: the current stream comes from CuPy's own C getter, the pool is called directly, and CuPy's
+memory object is its own native ``CFunctionAllocatorMemory``. Everything else takes the slow path
+below, called from C: another stream, per-thread default streams, a graph capture, a device whose
+pool is not made yet. Set ``POOLKEEPER_CUPY_NATIVE=0`` (or use a CuPy without
+``CFunctionAllocator``) to have CuPy call the slow path as a Python allocator for every request.
+
+The slow path answers ``MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0)`` (or, from
+C, keeps ``owner`` until CuPy frees the pointer). The owner (a native ``_core.BufferCore``: it
+allocates in its constructor and frees in its C++ destructor, so no Python finalizer runs per
+array) returns the block to the pool when CuPy drops the memory, ordered on the stream that was
+current when CuPy asked for it -- the same rule CuPy's own pool follows: reusable at once on that
+stream, by other streams once that stream's work is done. The fast path follows the same rule
+with the default stream.
 
 Pinned memory. CuPy's pinned allocator is called for staging buffers (``ndarray.get``/``set``
 with a stream, ``cupyx.empty_pinned``...). CuPy itself keeps such a buffer alive until the
@@ -24,12 +35,17 @@ An out-of-memory from poolkeeper reaches CuPy code as ``cupy.cuda.memory.OutOfMe
 (what CuPy users catch), chained from poolkeeper's :class:`~poolkeeper.errors.OutOfMemoryError`
 whose message explains the cause; the diagnosis is also its ``poolkeeper_diagnosis`` attribute.
 
+Per-thread default streams (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``): every thread's default
+stream has the same handle, so poolkeeper cannot tell them apart; use explicit streams there.
+
 Importing this module does not import cupy; the functions do.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -156,6 +172,9 @@ class _DeviceAllocator:
         # CONTEXT_IS_DESTROYED, then INVALID_CONTEXT, and then crashed the process.
         self._streams: Dict[int, Any] = {}
         self._prune_at = 32
+        # _core.CupyAllocator when CuPy calls poolkeeper through CFunctionAllocator (install()).
+        self.native: Any = None
+        self.cfunction_allocator: Any = None  # the cupy.cuda.memory.CFunctionAllocator over it
 
     def graph_pools(self, device: int) -> Any:
         gp = self.graphs.get(device)
@@ -163,13 +182,26 @@ class _DeviceAllocator:
             from poolkeeper import _core
 
             gp = self.graphs.setdefault(device, _core.GraphPools(self.pools.get(device)))
+            if self.native is not None:
+                self.native.set_graph_pools(device, gp)  # a capture scope sends `device` to the slow path
         return gp
 
     def __call__(self, size: int):
+        """CuPy's Python allocator interface (CuPy without CFunctionAllocator, or
+        POOLKEEPER_CUPY_NATIVE=0): every request takes the slow path."""
         device = self._get_device()
         if size == 0:
             return self._MemoryPointer(self._Memory(0), 0)  # what CuPy's own pool returns
+        ptr, owner = self.slow(size, device)
+        return self._MemoryPointer(self._UnownedMemory(ptr, size, owner, device), 0)
+
+    def slow(self, size: int, device: int):
+        """Allocate ``size`` bytes on ``device`` on the current CuPy stream: ``(ptr, owner)``,
+        where dropping ``owner`` returns the block (ordered on that stream, which it keeps alive).
+        Called by CuPy through :meth:`__call__`, or from C for what the fast path does not serve."""
         pool = self.pools.get(device)
+        if self.native is not None:
+            self.native.set_pool(device, pool)  # the next default-stream request takes the fast path
         gp = self.graphs.get(device)
         stream_obj = self._current_stream()
         stream = stream_obj.ptr
@@ -184,16 +216,21 @@ class _DeviceAllocator:
                 # from its C++ destructor when CuPy drops the memory (no Python __del__ per array).
                 owner = _Owner(pool, size, stream)
         except OutOfMemoryError as e:
-            err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
-            err.poolkeeper_diagnosis = str(e)
-            raise err from e
+            self.raise_oom(e, size)
         self.calls += 1
         if stream:
             self._keep_stream(stream, stream_obj, pool)
             # The stream outlives the block's free: a tuple drops its items last to first.
-            owner = (stream_obj, owner)
-            return self._MemoryPointer(self._UnownedMemory(owner[1].ptr, size, owner, device), 0)
-        return self._MemoryPointer(self._UnownedMemory(owner.ptr, size, owner, device), 0)
+            return owner.ptr, (stream_obj, owner)
+        return owner.ptr, owner
+
+    def raise_oom(self, e: BaseException, size: int) -> None:
+        """Raise what CuPy users catch for poolkeeper's error ``e`` (the fast path's error hook)."""
+        if not isinstance(e, OutOfMemoryError):
+            raise e
+        err = self._OOM(size, getattr(e, "reserved", 0) or 0, getattr(e, "limit", 0) or 0)
+        err.poolkeeper_diagnosis = str(e)
+        raise err from e
 
     def _keep_stream(self, handle: int, stream_obj: Any, pool: Any) -> None:
         if handle in self._streams:
@@ -236,6 +273,21 @@ class CupyInstallation:
     previous_allocator: Optional[Callable]
     previous_pinned_allocator: Optional[Callable]
     notes: Dict[str, str] = field(default_factory=dict)
+    # What CuPy was given: ``CFunctionAllocator(...).malloc`` over ``native`` (the C path), or
+    # ``allocator`` itself (the Python path).
+    cupy_allocator: Any = None
+    native: Any = None  # _core.CupyAllocator, or None on the Python path
+
+    @property
+    def calls(self) -> int:
+        """Device allocations poolkeeper has served for CuPy (both paths)."""
+        fast = self.native.stats()["fast_allocs"] if self.native is not None else 0
+        return self.allocator.calls + fast
+
+    @property
+    def path(self) -> str:
+        """``"native"`` (CuPy calls poolkeeper's C functions) or ``"python"``."""
+        return "native" if self.native is not None else "python"
 
     def pools(self) -> Dict[int, Any]:
         """``{device: pool}`` for device memory (-1 for a pool that serves every device)."""
@@ -282,6 +334,9 @@ def install(
             a pool: use that one (its upstream should be CudaPinned); False: leave pinned
             memory to CuPy.
 
+    CuPy calls poolkeeper's C functions where it can (``CupyInstallation.path == "native"``;
+    see the module docstring); ``POOLKEEPER_CUPY_NATIVE=0`` keeps the Python allocator.
+
     Raises :class:`MissingDependencyError` without cupy, :class:`IntegrationError` when already
     installed (call :func:`uninstall` first). All or nothing: if CuPy refuses the pinned
     allocator, its previous device allocator is put back before the error propagates.
@@ -303,20 +358,88 @@ def install(
             prev_pinned = cupy.get_default_pinned_memory_pool().malloc
             notes["pinned_restore"] = "CuPy's default pinned memory pool (CuPy offers no getter)"
         alloc = _DeviceAllocator(cupy, pools)
+        given, why = _native_allocator(cupy, alloc)
+        notes["path"] = why
         pinned_alloc = None
         if pinned is not False and pinned is not None:
             ppool = default_pinned_pool(_first_device(cupy)) if pinned is True else pinned
             pinned_alloc = _PinnedAllocator(cupy, ppool)
-        cuda.set_allocator(alloc)
+        cuda.set_allocator(given)
         if pinned_alloc is not None:
             try:
                 cuda.set_pinned_memory_allocator(pinned_alloc)
             except BaseException:
                 # All or nothing: CuPy keeps its own device allocator, installation() stays None.
                 cuda.set_allocator(prev if prev is not None else _cupy_default_allocator(cupy))
+                alloc.native = alloc.cfunction_allocator = None  # see uninstall(): no cycle left behind
                 raise
-        _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes)
+        _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes, given, alloc.native)
+        _register_exit_uninstall()
         return _INSTALLED
+
+
+def _stream_getter(cupy: Any) -> Any:
+    """CuPy's C getter of the current stream (a capsule of ``intptr_t (void)``), or a Python
+    callable when this CuPy does not export one."""
+    try:
+        import importlib
+
+        capi = getattr(importlib.import_module("cupy_backends.cuda.stream"), "__pyx_capi__", {})
+        cap = capi.get("get_current_stream_ptr")
+        if cap is not None and _capsule_signature(cap).replace(" ", "") in ("intptr_t(void)", "Py_intptr_t(void)"):
+            return cap
+    except Exception:  # another CuPy layout: the Python getter below is always right
+        pass
+    get = cupy.cuda.get_current_stream
+    return lambda: get().ptr
+
+
+def _capsule_signature(cap: Any) -> str:
+    import ctypes
+
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    return (name(cap) or b"").decode()
+
+
+def _native_allocator(cupy: Any, alloc: _DeviceAllocator):
+    """(what to give cupy.cuda.set_allocator, why): CFunctionAllocator over _core.CupyAllocator
+    where CuPy has it and POOLKEEPER_CUPY_NATIVE is not 0, else the Python allocator."""
+    if os.environ.get("POOLKEEPER_CUPY_NATIVE", "1") == "0":
+        return alloc, "python (POOLKEEPER_CUPY_NATIVE=0)"
+    cfa_type = getattr(getattr(cupy.cuda, "memory", None), "CFunctionAllocator", None)
+    if cfa_type is None:
+        return alloc, "python (this CuPy has no cupy.cuda.memory.CFunctionAllocator)"
+    from poolkeeper import _core
+
+    getter = _stream_getter(cupy)
+    native = _core.CupyAllocator(alloc.slow, alloc.raise_oom, getter)
+    cfa = cfa_type(native.param, native.malloc_address, native.free_address, native)
+    alloc.native = native
+    alloc.cfunction_allocator = cfa
+    stream = "CuPy's C stream getter" if native.c_stream_getter else "a Python stream getter"
+    return cfa.malloc, f"native (CFunctionAllocator; current stream through {stream})"
+
+
+_EXIT_HOOKED = False
+
+
+def _register_exit_uninstall() -> None:
+    # CuPy keeps its allocator in a module-level C variable that is never cleared, so an
+    # installation still current at exit would hold poolkeeper objects past the interpreter's
+    # teardown (nanobind reports them as leaked). Uninstalling at exit drops that reference;
+    # arrays still alive return their blocks as they are collected.
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        _EXIT_HOOKED = True
+        atexit.register(_uninstall_at_exit)
+
+
+def _uninstall_at_exit() -> None:
+    try:
+        uninstall()
+    except Exception:
+        pass
 
 
 def _cupy_default_allocator(cupy: Any) -> Any:
@@ -343,6 +466,11 @@ def uninstall() -> None:
         cupy.cuda.set_allocator(inst.previous_allocator)
         if inst.pinned_allocator is not None:
             cupy.cuda.set_pinned_memory_allocator(inst.previous_pinned_allocator)
+        # The native state holds the allocator's bound methods; dropping the allocator's link back
+        # breaks that cycle (a native object is invisible to the garbage collector), so the state
+        # goes with the last block CuPy frees, and the allocator with it.
+        inst.allocator.native = None
+        inst.allocator.cfunction_allocator = None
         _INSTALLED = None
 
 

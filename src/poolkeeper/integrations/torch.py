@@ -213,8 +213,10 @@ def install(
 
     An allocation that fails inside PyTorch raises ``torch.OutOfMemoryError`` carrying the pool's
     diagnosis when the small shim built against this torch on first use is available (a C++
-    compiler and torch's headers are needed; cached afterwards), else ``RuntimeError`` with the
-    same text, with a warning; :attr:`Installation.oom_type` says which.
+    compiler and torch's headers are needed) and has passed a check in a separate process (a few
+    seconds, once; both are cached), else ``RuntimeError`` with the same text, with a warning;
+    :attr:`Installation.oom_type` says which and ``oom_note`` why. ``POOLKEEPER_TORCH_OOM_SHIM=0``
+    turns the shim off, ``=1`` uses it without the check (see ``_torch_oom_shim``).
 
     Raises:
         InvalidArgumentError: ``pool`` is a pool whose upstream is not CUDA device memory
