@@ -10,9 +10,14 @@ straddle, kv_cache, inference on the simulated device, once per policy of
   hysteresis) and OOM recovery, lowest holes refilled first;
 - ``holes, 2 MiB pieces``: the same with ``map_piece=2 MiB`` (every granule its own map call);
 - ``release on grow``: also ``release_on_grow=True``: before mapping more, unmap the wholly free
-  pieces the request could not use (with 2 MiB and 8 MiB pieces).
+  pieces the request could not use (with 2 MiB and 8 MiB pieces);
+- ``stitch``: ``stitch=True``: when nothing contiguous fits, wholly free pieces are mapped a
+  second time into a fresh range instead of mapping more (default pieces; 2 MiB pieces; growth
+  steps of just what is needed, ``step_fraction=0``; up to 256 pieces per stitched range,
+  ``stitch_max_parts=256``; with ``release_on_grow``; without the thread cache).
 
-Prints peak reserved / peak live and map / unmap calls per case and policy. Byte and call counts
+Prints peak reserved / peak live and map / unmap calls per case and policy; with stitching, the
+alias / unalias calls (second mappings, each one driver map or unmap) follow after a ``+``. Byte and call counts
 are exact and deterministic on the simulated device.
 
     PYTHONPATH=<built poolkeeper> python3 benchmarks/expandable_holes.py [--scale quick|full] \
@@ -36,10 +41,19 @@ TRACES = ("torch_gpt2_generate.pickle.gz", "torch_bert_serve.pickle.gz")
 
 POLICIES: List[Tuple[str, Dict[str, Any]]] = [
     ("tail only (before)", {"reclaim_holes": False}),
-    ("holes", {}),
+    ("holes (default)", {}),
     ("holes, 2 MiB pieces", {"map_piece": 2 * MiB}),
     ("release on grow, 2 MiB", {"map_piece": 2 * MiB, "release_on_grow": True}),
     ("release on grow, 8 MiB", {"map_piece": 8 * MiB, "release_on_grow": True}),
+    ("stitch", {"stitch": True}),
+    ("stitch, 2 MiB", {"stitch": True, "map_piece": 2 * MiB}),
+    ("stitch, 2 MiB, step 0", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0}),
+    ("stitch, 2 MiB, step 0, 256 parts", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
+                                          "stitch_max_parts": 256}),
+    ("stitch+release, 2 MiB, step 0", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
+                                       "release_on_grow": True}),
+    ("stitch, 2 MiB, step 0, 256, no tcache", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
+                                               "stitch_max_parts": 256, "thread_cache_bytes": 0}),
 ]
 
 Case = Callable[[Any, Any], Tuple[int, int]]
@@ -81,27 +95,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=("quick", "full"), default="quick")
     ap.add_argument("--only", default="", help="comma-separated substrings of case labels to run")
+    ap.add_argument("--policies", default="", help="comma-separated substrings of policy labels to run")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
-    print(f"scale {args.scale}; each cell: peak reserved / peak live, map calls / unmap calls")
-    print(f"{'case':34s} {'peak live MiB':>13s} " + " ".join(f"{label:>24s}" for label, _ in POLICIES))
+    pol = [s for s in args.policies.split(",") if s]
+    policies = [(lab, o) for lab, o in POLICIES if not pol or any(s in lab for s in pol)]
+    print(f"scale {args.scale}; each cell: peak reserved / peak live, map calls / unmap calls"
+          " [+ alias calls / unalias calls]")
+    print(f"{'case':34s} {'peak live MiB':>13s} " + " ".join(f"{label:>32s}" for label, _ in policies))
     for label, fn in cases(args.scale):
         if only and not any(s in label for s in only):
             continue
         cells, live_mib = [], 0.0
-        for _, opts in POLICIES:
+        for _, opts in policies:
             up = pk.upstream.Simulated(latency_us=0)
             pool = pk.ArenaPool(up, expandable=True, **opts)
             live, res = fn(pool, up)
             pool.validate()
             c = up.counters()
-            cells.append(f"{res / live:.3f}× {c['maps']:5d}/{c['unmaps']:<5d}")
+            cell = f"{res / live:.3f}× {c['maps']:5d}/{c['unmaps']:<5d}"
+            if c["aliases"]:
+                cell += f" +{c['aliases']}/{c['unaliases']}"
+            cells.append(cell)
             live_mib = live / MiB
             try:
                 pool.close()
             except pk.errors.PoolkeeperError:
                 pass
-        print(f"{label:34s} {live_mib:13.1f} " + " ".join(f"{c:>24s}" for c in cells), flush=True)
+        print(f"{label:34s} {live_mib:13.1f} " + " ".join(f"{c:>32s}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

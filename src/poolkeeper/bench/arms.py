@@ -86,7 +86,8 @@ ARM_POOLS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }
 # Options such an arm accepts beyond its pool kind's keyword arguments.
 ARM_EXTRA_OPTIONS: Dict[str, Tuple[str, ...]] = {
-    "arena_expandable": ("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow")
+    "arena_expandable": ("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow", "stitch",
+                         "stitch_max_parts")
 }
 
 
