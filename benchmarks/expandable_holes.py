@@ -5,14 +5,16 @@ Runs the committed PyTorch traces (replayed with their pre-trace blocks, like
 straddle, kv_cache, inference on the simulated device, once per policy of
 ``ArenaPool(expandable=True)``:
 
-- ``tail only``: ``reclaim_holes=False``, the behaviour before holes (only the free tail unmapped);
-- ``holes``: the default -- wholly free pieces anywhere unmapped by trim, shrink scans (two-scan
-  hysteresis) and OOM recovery, lowest holes refilled first;
+- ``tail only``: ``reclaim_holes=False, stitch=False``, the behaviour before holes (only the free
+  tail unmapped);
+- ``holes``: ``stitch=False``, the behaviour before stitching -- wholly free pieces anywhere
+  unmapped by trim, shrink scans (two-scan hysteresis) and OOM recovery, lowest holes refilled
+  first;
 - ``holes, 2 MiB pieces``: the same with ``map_piece=2 MiB`` (every granule its own map call);
-- ``release on grow``: also ``release_on_grow=True``: before mapping more, unmap the wholly free
+- ``release on grow`` (``stitch=False``): also ``release_on_grow=True``: before mapping more, unmap the wholly free
   pieces the request could not use (with 2 MiB and 8 MiB pieces);
-- ``stitch``: ``stitch=True``: when nothing contiguous fits, wholly free pieces are mapped a
-  second time into a fresh range instead of mapping more (default pieces; 2 MiB pieces; growth
+- ``stitch`` (the default, ``stitch=True``): when nothing contiguous fits, wholly free pieces are
+  mapped a second time into a fresh range instead of mapping more (default options; 2 MiB pieces; growth
   steps of just what is needed, ``step_fraction=0``; up to 256 pieces per stitched range,
   ``stitch_max_parts=256``; with ``release_on_grow``; without the thread cache).
 
@@ -39,21 +41,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOAD_NAMES = ("random_lifetime", "large_recycle", "straddle", "kv_cache", "inference")
 TRACES = ("torch_gpt2_generate.pickle.gz", "torch_bert_serve.pickle.gz")
 
+OFF = {"stitch": False}
 POLICIES: List[Tuple[str, Dict[str, Any]]] = [
-    ("tail only (before)", {"reclaim_holes": False}),
-    ("holes (default)", {}),
-    ("holes, 2 MiB pieces", {"map_piece": 2 * MiB}),
-    ("release on grow, 2 MiB", {"map_piece": 2 * MiB, "release_on_grow": True}),
-    ("release on grow, 8 MiB", {"map_piece": 8 * MiB, "release_on_grow": True}),
-    ("stitch", {"stitch": True}),
-    ("stitch, 2 MiB", {"stitch": True, "map_piece": 2 * MiB}),
-    ("stitch, 2 MiB, step 0", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0}),
-    ("stitch, 2 MiB, step 0, 256 parts", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
-                                          "stitch_max_parts": 256}),
-    ("stitch+release, 2 MiB, step 0", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
-                                       "release_on_grow": True}),
-    ("stitch, 2 MiB, step 0, 256, no tcache", {"stitch": True, "map_piece": 2 * MiB, "step_fraction": 0,
-                                               "stitch_max_parts": 256, "thread_cache_bytes": 0}),
+    ("tail only (before holes)", {"reclaim_holes": False, **OFF}),
+    ("holes (before stitching)", dict(OFF)),
+    ("holes, 2 MiB pieces", {"map_piece": 2 * MiB, **OFF}),
+    ("release on grow, 2 MiB", {"map_piece": 2 * MiB, "release_on_grow": True, **OFF}),
+    ("release on grow, 8 MiB", {"map_piece": 8 * MiB, "release_on_grow": True, **OFF}),
+    ("stitch (default)", {}),
+    ("stitch, 2 MiB", {"map_piece": 2 * MiB}),
+    ("stitch, 2 MiB, step 0", {"map_piece": 2 * MiB, "step_fraction": 0}),
+    ("stitch, 2 MiB, step 0, 256 parts", {"map_piece": 2 * MiB, "step_fraction": 0, "stitch_max_parts": 256}),
+    ("stitch+release, 2 MiB, step 0", {"map_piece": 2 * MiB, "step_fraction": 0, "release_on_grow": True}),
+    ("stitch, 2 MiB, step 0, 256, no tcache", {"map_piece": 2 * MiB, "step_fraction": 0, "stitch_max_parts": 256,
+                                               "thread_cache_bytes": 0}),
 ]
 
 Case = Callable[[Any, Any], Tuple[int, int]]

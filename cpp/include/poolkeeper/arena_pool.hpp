@@ -94,7 +94,7 @@ struct ArenaOptions {
   // Expandable, upstreams with aliases (upstream.hpp): when nothing contiguous fits, map wholly
   // free pieces a second time, end to end, into a fresh range instead of mapping more memory
   // (backing_source_virtual.cpp, docs/expandable.md). Ignored by upstreams without aliases.
-  bool stitch = false;
+  bool stitch = true;
   // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
   std::size_t stitch_max_parts = 16;
 };
