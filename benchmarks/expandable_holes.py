@@ -19,16 +19,19 @@ straddle, kv_cache, inference on the simulated device, once per policy of
   ``stitch_max_parts=256``; with ``release_on_grow``; without the thread cache).
 
 Prints peak reserved / peak live and map / unmap calls per case and policy; with stitching, the
-alias / unalias calls (second mappings, each one driver map or unmap) follow after a ``+``. Byte and call counts
-are exact and deterministic on the simulated device.
+alias / unalias calls (second mappings, each one driver map or unmap) follow after a ``+``. Byte
+and call counts are exact and deterministic on the simulated device. ``--backend cuda`` runs the
+same cases over ``CudaVirtual`` (the real driver on a GPU, or the fake driver under
+``POOLKEEPER_LIBCUDA``) and adds each cell's wall seconds, so the cost of the calls shows.
 
     PYTHONPATH=<built poolkeeper> python3 benchmarks/expandable_holes.py [--scale quick|full] \
-        > benchmarks/results/expandable_holes.txt
+        [--backend simulated|cuda] [--only CASES] [--policies POLICIES] > benchmarks/results/expandable_holes.txt
 """
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import poolkeeper as pk
@@ -60,9 +63,9 @@ POLICIES: List[Tuple[str, Dict[str, Any]]] = [
 Case = Callable[[Any, Any], Tuple[int, int]]
 
 
-def run_workload(name: str, params: Dict[str, Any], scale: str) -> Case:
+def run_workload(name: str, params: Dict[str, Any], scale: str, backend: str) -> Case:
     def go(pool: Any, up: Any) -> Tuple[int, int]:
-        m = WORKLOADS[name].run(pool, dict(params), RunContext("arena_expandable", "simulated", scale, up))
+        m = WORKLOADS[name].run(pool, dict(params), RunContext("arena_expandable", backend, scale, up))
         st = pool.stats()
         live = m.peak_live_bytes if m.peak_live_bytes is not None else st["peak_live_bytes"]
         res = m.peak_reserved_bytes if m.peak_reserved_bytes is not None else st["peak_reserved_bytes"]
@@ -81,14 +84,14 @@ def run_trace(path: str) -> Case:
     return go
 
 
-def cases(scale: str) -> List[Tuple[str, Case]]:
+def cases(scale: str, backend: str = "simulated") -> List[Tuple[str, Case]]:
     out: List[Tuple[str, Case]] = []
     for t in TRACES:
         out.append((t.split(".")[0] + " (replay)", run_trace(os.path.join(HERE, "traces", t))))
     for name in WORKLOAD_NAMES:
-        for params in WORKLOADS[name].params(Selection(scale=scale)):
+        for params in WORKLOADS[name].params(Selection(scale=scale, backend=backend)):
             label = name + " " + ",".join(f"{k}={v}" for k, v in params.items() if k in ("steps", "rounds", "threads"))
-            out.append((label.strip(), run_workload(name, params, scale)))
+            out.append((label.strip(), run_workload(name, params, scale, backend)))
     return out
 
 
@@ -97,33 +100,39 @@ def main() -> None:
     ap.add_argument("--scale", choices=("quick", "full"), default="quick")
     ap.add_argument("--only", default="", help="comma-separated substrings of case labels to run")
     ap.add_argument("--policies", default="", help="comma-separated substrings of policy labels to run")
+    ap.add_argument("--backend", choices=("simulated", "cuda"), default="simulated",
+                    help="simulated device, or CudaVirtual(0) (real or fake driver); cuda adds wall seconds")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     pol = [s for s in args.policies.split(",") if s]
     policies = [(lab, o) for lab, o in POLICIES if not pol or any(s in lab for s in pol)]
-    print(f"scale {args.scale}; each cell: peak reserved / peak live, map calls / unmap calls"
-          " [+ alias calls / unalias calls]")
-    print(f"{'case':34s} {'peak live MiB':>13s} " + " ".join(f"{label:>32s}" for label, _ in policies))
-    for label, fn in cases(args.scale):
+    print(f"scale {args.scale}, backend {args.backend}; each cell: peak reserved / peak live,"
+          " map calls / unmap calls [+ alias calls / unalias calls]" + (" wall s" if args.backend == "cuda" else ""))
+    print(f"{'case':34s} {'peak live MiB':>13s} " + " ".join(f"{label:>38s}" for label, _ in policies))
+    for label, fn in cases(args.scale, args.backend):
         if only and not any(s in label for s in only):
             continue
         cells, live_mib = [], 0.0
         for _, opts in policies:
-            up = pk.upstream.Simulated(latency_us=0)
+            up = pk.upstream.Simulated(latency_us=0) if args.backend == "simulated" else pk.upstream.CudaVirtual(0)
             pool = pk.ArenaPool(up, expandable=True, **opts)
+            t0 = time.perf_counter()
             live, res = fn(pool, up)
+            wall = time.perf_counter() - t0
             pool.validate()
             c = up.counters()
             cell = f"{res / live:.3f}× {c['maps']:5d}/{c['unmaps']:<5d}"
             if c["aliases"]:
                 cell += f" +{c['aliases']}/{c['unaliases']}"
+            if args.backend == "cuda":
+                cell += f" {wall:.2f}s"
             cells.append(cell)
             live_mib = live / MiB
             try:
                 pool.close()
             except pk.errors.PoolkeeperError:
                 pass
-        print(f"{label:34s} {live_mib:13.1f} " + " ".join(f"{c:>32s}" for c in cells), flush=True)
+        print(f"{label:34s} {live_mib:13.1f} " + " ".join(f"{c:>38s}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
