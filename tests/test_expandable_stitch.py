@@ -20,6 +20,8 @@ from poolkeeper import _core
 from poolkeeper.accounting import check
 from poolkeeper.errors import OutOfMemoryError
 
+from expandable_traffic import random_traffic
+
 KiB, MiB = 1 << 10, 1 << 20
 G = 2 * MiB  # the simulated device's mapping granularity
 
@@ -301,48 +303,18 @@ def test_random_multi_stream_traffic_with_stitching_stays_consistent(seed):
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0 if seed % 2 else 0.0625,
                         max_step=8 * MiB, shrink_interval=64, map_piece=G if seed % 4 else 4 * MiB, stitch=True,
                         release_on_grow=seed % 3 == 1, thread_cache_bytes=256 * KiB if seed % 2 else 0)
-    streams = [inner.stream() for _ in range(3)]
-    live: dict[int, tuple[int, object]] = {}
-    for step in range(600):
-        r = rng.random()
-        up.armed = rng.random() < 0.15  # refused maps, unmaps, aliases and unaliases anywhere
-        try:
-            if r < 0.45 or not live:
-                # Mostly granule-sized blocks, so wholly free pieces (what stitching takes) occur.
-                n = rng.choice([100 * KiB, G, G, G, 2 * G, 3 * G, 5 * G, rng.randint(1, 13 * MiB)])
-                s = rng.choice([None] + streams)
-                try:
-                    p = pool.allocate(n, s)
-                except (OutOfMemoryError, pk.errors.UpstreamError):
-                    p = None
-                if p is not None:
-                    for q, (m, _) in live.items():
-                        assert p + n <= q or q + m <= p, "a byte reachable twice"
-                    live[p] = (n, s)
-            elif r < 0.8:
-                p = rng.choice(list(live))
-                n, s = live.pop(p)
-                if s is not None:
-                    inner.enqueue(s, rng.uniform(0, 50))
-                pool.deallocate(p, s)
-            elif r < 0.85:
-                pool.record_stream(rng.choice(list(live)), rng.choice(streams))
-            elif r < 0.9:
-                inner.advance(rng.uniform(0, 100))
-                pool.process_pending()
-            elif r < 0.91:
-                pool.trim()
-            else:
-                inner.advance(rng.uniform(0, 20))
-        finally:
-            up.armed = False
+    stitched = []
+
+    def check():
         st = consistent(pool, inner)
         assert st["stitched_bytes"] <= st["reserved_bytes"]
-    stitched = pool.stats()["stitches"]
-    for p, (n, s) in live.items():
-        pool.deallocate(p, s)
-    pool.synchronize()
-    pool.close()
+        stitched.append(st["stitches"])
+
+    # Mostly granule-sized blocks, so wholly free pieces (what stitching takes) occur.
+    sizes = [100 * KiB, G, G, G, 2 * G, 3 * G, 5 * G]
+    random_traffic(pool, inner, up, rng, 600, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]), check,
+                   alloc_p=0.45, trim_p=0.01)
+    stitched = stitched[-1]
     c = inner.counters()
     assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["unreserves"] == c["reserves"]
     assert c["aliases"] == c["unaliases"] and inner.aliased_bytes() == 0

@@ -225,6 +225,14 @@ CUmemAllocationProp device_prop(int device) {
 std::string at_ptr(const char* call, std::uintptr_t a, std::size_t n, int device) {
   return std::string(call) + "(" + format_ptr(a) + ", " + format_bytes(n) + ") on device " + std::to_string(device);
 }
+// Read/write for the device over a freshly mapped range (cuMemMap alone grants no access).
+CUresult allow_access(CUdeviceptr dp, std::size_t bytes, int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return cuda::api().cuMemSetAccess(dp, bytes, &access, 1);
+}
 }  // namespace
 
 CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
@@ -295,11 +303,7 @@ void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
     a.cuMemRelease(h);
     cuda::throw_error(r, at_ptr("cuMemMap", addr, bytes, device_), name());
   }
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = a.cuMemSetAccess(dp, bytes, &access, 1);
+  r = allow_access(dp, bytes, device_);
   if (r != CUDA_SUCCESS) {
     a.cuMemUnmap(dp, bytes);
     a.cuMemRelease(h);
@@ -371,11 +375,7 @@ void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::
     undo();
     cuda::throw_error(r, at_ptr("cuMemMap", dst, bytes, device_), name());
   }
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = a.cuMemSetAccess(dp, bytes, &access, 1);
+  r = allow_access(dp, bytes, device_);
   if (r != CUDA_SUCCESS) {
     a.cuMemUnmap(dp, bytes);
     undo();
