@@ -17,36 +17,18 @@ import pytest
 
 import poolkeeper as pk
 from poolkeeper import _core
-from poolkeeper.accounting import check
-from poolkeeper.errors import OutOfMemoryError
 
 from expandable_traffic import random_traffic
+from test_expandable_holes import consistent, sim
+from test_expandable_holes import pool_pieces as pieces_pool
 
 KiB, MiB = 1 << 10, 1 << 20
 G = 2 * MiB  # the simulated device's mapping granularity
 
 
-def sim(**kw):
-    return pk.upstream.Simulated(latency_us=0, **kw)
-
-
 def pool_pieces(up, **kw):
-    """One granule per map call, no thread cache, stitching on."""
-    opts = dict(expandable=True, initial_backing=G, step_fraction=0.0, max_step=G, thread_cache_bytes=0,
-                shrink_interval=0, stitch=True)
-    opts.update(kw)
-    return pk.ArenaPool(up, **opts)
-
-
-def consistent(pool, up=None):
-    pool.validate()
-    check(pool.snapshot())
-    st = pool.stats()
-    assert st["reserved_bytes"] == st["mapped_bytes"]
-    if up is not None:
-        c = up.counters()
-        assert st["reserved_bytes"] == c["outstanding_bytes"]  # physical bytes, each once
-    return st
+    """One granule per map call, no thread cache, no automatic scans, stitching on."""
+    return pieces_pool(up, **{"shrink_interval": 0, "stitch": True, **kw})
 
 
 def fragmented(up, n=6, **kw):
@@ -305,14 +287,14 @@ def test_random_multi_stream_traffic_with_stitching_stays_consistent(seed):
                         release_on_grow=seed % 3 == 1, thread_cache_bytes=256 * KiB if seed % 2 else 0)
     stitched = []
 
-    def check():
+    def after_step():
         st = consistent(pool, inner)
         assert st["stitched_bytes"] <= st["reserved_bytes"]
         stitched.append(st["stitches"])
 
     # Mostly granule-sized blocks, so wholly free pieces (what stitching takes) occur.
     sizes = [100 * KiB, G, G, G, 2 * G, 3 * G, 5 * G]
-    random_traffic(pool, inner, up, rng, 600, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]), check,
+    random_traffic(pool, inner, up, rng, 600, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]), after_step,
                    alloc_p=0.45, trim_p=0.01)
     stitched = stitched[-1]
     c = inner.counters()
