@@ -81,6 +81,20 @@ def test_without_stitch_the_same_request_maps_more():
     pool.close()
 
 
+def test_a_release_whose_shrink_scan_tears_the_stitched_range_down_first_is_safe():
+    up = sim()
+    # Every locked release runs a scan; the hysteresis keeps the scans from unmapping free pieces.
+    pool, keep, base = fragmented(up, shrink_interval=1, shrink_hysteresis=1000)
+    p = pool.allocate(3 * G)
+    pool.deallocate(p)  # the scan inside this release tears the range down before the release hook
+    st = consistent(pool, up)
+    assert (st["stitched_ranges"], st["stitch_teardowns"], st["unalias_calls"]) == (0, 1, 3)
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    assert up.counters()["outstanding_bytes"] == 0
+
+
 def test_the_stitched_range_serves_other_requests_from_its_free_rest_and_goes_when_wholly_free():
     up = sim()
     pool, keep, base = fragmented(up)

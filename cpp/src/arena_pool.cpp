@@ -401,8 +401,9 @@ void ArenaPool::deallocate(void* p, Stream s) {
       err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
       reason = "double_free";
     } else {
+      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
       release_live_locked(c, a, s, detached);
-      if (s == kNoStream) source_->released(c->backing);
+      if (s == kNoStream) source_->released(backing);
     }
   }
   if (!err.empty()) {

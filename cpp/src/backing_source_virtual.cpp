@@ -188,9 +188,9 @@ class VirtualRange final : public BackingSource {
 
   // The last block of a stitched range freed: the range goes now (its pieces rejoin their
   // neighbours in the main range), not at the next growth.
-  void released(ArenaBacking* b) override {
-    if (!stitch_ || in_main(b->addr) || a_.upstream_->captures_underway() > 0) return;
-    auto it = stitches_.find(b->addr);
+  void released(std::uintptr_t backing_addr) override {
+    if (!stitch_ || in_main(backing_addr) || a_.upstream_->captures_underway() > 0) return;
+    auto it = stitches_.find(backing_addr);
     if (it != stitches_.end()) dissolve(it);
   }
 
