@@ -630,10 +630,10 @@ class VirtualRange final : public BackingSource {
   }
 
   // Serve `rounded` bytes from wholly free pieces (never the resident first one) mapped a second
-  // time, end to end, into the stitch area, taken from the shortest runs of free pieces first. At most stitch_max_parts pieces (each is
-  // an upstream call); never a piece in [keep_lo, keep_hi). Returns the stitched backing's one
-  // chunk, out of the index, or nullptr (then the caller maps more). Pieces aliased before a refusal form a shorter stitched range, filed
-  // free.
+  // time, end to end, into the stitch area, taken from the shortest runs of free pieces first. At
+  // most stitch_max_parts pieces (each is an upstream call); never a piece in [keep_lo, keep_hi).
+  // Returns the stitched backing's one chunk, out of the index, or nullptr (then the caller maps
+  // more). Pieces aliased before a refusal form a shorter stitched range, filed free.
   ArenaChunk* stitch(std::size_t rounded, std::uintptr_t keep_lo, std::uintptr_t keep_hi) {
     std::vector<std::pair<std::uintptr_t, std::size_t>> cand;
     std::size_t total = 0;
