@@ -322,6 +322,39 @@ def test_expandable_arena_over_cuda_virtual_maps_writes_trims_and_closes(fakes):
     assert out["end"] == [maps, maps, 1, 1, 0, 0]
 
 
+def test_stitched_range_over_cuda_virtual_is_a_second_mapping_of_the_same_memory(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        G = 2 << 20
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+        blocks = [pool.allocate(G) for _ in range(7)]
+        for i in (1, 3, 5):
+            pool.deallocate(blocks[i])
+        p = pool.allocate(3 * G)  # no contiguous 6 MiB free: stitched from pieces 1, 3, 5
+        ctypes.memset(p, 0x5A, 3 * G)
+        seen = [ctypes.string_at(blocks[i] + G - 1, 1)[0] for i in (1, 3, 5)]  # through the main range
+        st = pool.stats()
+        pool.validate()
+        during = dict(maps=up.counters()["maps"], aliases=up.aliases, stitched=st["stitched_bytes"],
+                      outside=not (blocks[0] <= p < blocks[0] + st["va_bytes"]))
+        pool.deallocate(p)  # its last block: the range is torn down
+        after = dict(aliases=up.aliases, ranges=pool.stats()["stitched_ranges"])
+        pool.validate()
+        for i in (0, 2, 4, 6):
+            pool.deallocate(blocks[i])
+        pool.close()
+        c = up.counters()
+        print(json.dumps({"seen": seen, "during": during, "after": after,
+                          "end": [c["aliases"], c["unaliases"], c["reserves"], c["unreserves"], up.mapped_pieces]}))
+    """)
+    assert out["seen"] == [0x5A] * 3  # the same bytes at both addresses
+    assert out["during"] == {"maps": 7, "aliases": 3, "stitched": 6 << 20, "outside": True}
+    assert out["after"] == {"aliases": 0, "ranges": 0}
+    assert out["end"] == [3, 3, 2, 2, 0]
+
+
 def test_cuda_virtual_refused_map_undoes_itself_and_the_pool_stays_consistent(fakes):
     out = run(fakes["full"], """
         up = pk.upstream.CudaVirtual()

@@ -17,6 +17,7 @@ from poolkeeper.accounting import check
 from poolkeeper.errors import OutOfMemoryError
 
 from expandable_helpers import G, KiB, MiB, pool_in_granules, sim  # noqa: F401
+from expandable_traffic import random_traffic
 
 
 def consistent(pool, up=None):
@@ -26,7 +27,7 @@ def consistent(pool, up=None):
     assert st["reserved_bytes"] == st["mapped_bytes"]
     if up is not None:
         assert st["reserved_bytes"] == up.counters()["outstanding_bytes"]
-    assert st["backings"] == st["holes"] + (1 if st["mapped_bytes"] else 0)
+    assert st["backings"] == st["holes"] + (1 if st["mapped_bytes"] else 0) + st["stitched_ranges"]
     return st
 
 
@@ -252,44 +253,8 @@ def test_random_multi_stream_traffic_with_holes_stays_consistent(seed):
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0625, max_step=8 * MiB,
                         shrink_interval=16, map_piece=G if seed % 3 else 0,
                         release_on_grow=seed % 2 == 1, thread_cache_bytes=256 * KiB if seed % 2 else 0)
-    streams = [inner.stream() for _ in range(3)]
-    live: dict[int, tuple[int, object]] = {}
-    for step in range(500):
-        r = rng.random()
-        up.armed = rng.random() < 0.15  # refused maps and unmaps anywhere in the run
-        try:
-            if r < 0.5 or not live:
-                n = rng.choice([256, 4 * KiB, 100 * KiB, MiB, 3 * MiB + 7, rng.randint(1, 9 * MiB)])
-                s = rng.choice([None] + streams)
-                try:
-                    p = pool.allocate(n, s)
-                except (OutOfMemoryError, pk.errors.UpstreamError):
-                    p = None
-                if p is not None:
-                    for q, (m, _) in live.items():
-                        assert p + n <= q or q + m <= p, "a byte reachable twice"
-                    live[p] = (n, s)
-            elif r < 0.8:
-                p = rng.choice(list(live))
-                n, s = live.pop(p)
-                if s is not None:
-                    inner.enqueue(s, rng.uniform(0, 50))
-                pool.deallocate(p, s)
-            elif r < 0.85:
-                pool.record_stream(rng.choice(list(live)), rng.choice(streams))
-            elif r < 0.9:
-                inner.advance(rng.uniform(0, 100))
-                pool.process_pending()
-            elif r < 0.95:
-                pool.trim()
-            else:
-                inner.advance(rng.uniform(0, 20))
-        finally:
-            up.armed = False
-        consistent(pool, inner)
-    for p, (n, s) in live.items():
-        pool.deallocate(p, s)
-    pool.synchronize()
-    pool.close()
+    sizes = [256, 4 * KiB, 100 * KiB, MiB, 3 * MiB + 7]
+    random_traffic(pool, inner, up, rng, 500, lambda: rng.choice(sizes + [rng.randint(1, 9 * MiB)]),
+                   lambda: consistent(pool, inner))
     c = inner.counters()
-    assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["unreserves"] == 1
+    assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["unreserves"] == c["reserves"]

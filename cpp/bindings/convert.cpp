@@ -235,6 +235,8 @@ nb::dict upstream_counters_to_dict(const UpstreamCounters& c) {
   d["unmaps"] = c.unmaps;
   d["reserves"] = c.reserves;
   d["unreserves"] = c.unreserves;
+  d["aliases"] = c.aliases;
+  d["unaliases"] = c.unaliases;
   return d;
 }
 

@@ -183,6 +183,7 @@ void bind_cuda_upstreams(nb::module_& m) {
   nb::class_<CudaVirtualUpstream, CudaDeviceUpstreamBase>(m, "CudaVirtualUpstream")
       .def("__init__", [](CudaVirtualUpstream* self, int device) { new (self) CudaVirtualUpstream(device); },
            "device"_a = 0)
+      .def_prop_ro("aliases", &CudaVirtualUpstream::aliases, "Second mappings (aliases) now.")
       .def_prop_ro("mapped_pieces", &CudaVirtualUpstream::mapped_pieces,
                    "Physical pieces mapped now (each holds its own cuMemCreate handle).")
       .def_prop_ro("leaked_handles", &CudaVirtualUpstream::leaked_handles,

@@ -24,10 +24,13 @@ ArenaOptions arena_options(nb::handle opts) {
   o.map_piece = r.size("map_piece", o.map_piece);
   o.reclaim_holes = r.flag("reclaim_holes", o.reclaim_holes);
   o.release_on_grow = r.flag("release_on_grow", o.release_on_grow);
+  o.stitch = r.flag("stitch", o.stitch);
+  o.stitch_max_parts = r.size("stitch_max_parts", o.stitch_max_parts, false);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)
-    for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow"})
+    for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow", "stitch",
+                          "stitch_max_parts"})
       if (r.given(k))
         throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();

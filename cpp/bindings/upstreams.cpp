@@ -67,6 +67,20 @@ void bind_upstreams(nb::module_& m) {
       .def(
           "unreserve", &range_call<&Upstream::unreserve>,
           "addr"_a, "nbytes"_a.none(), "Give back a reserved range with nothing mapped in it.")
+      .def_prop_ro("supports_alias", &Upstream::supports_alias,
+                   "Whether alias/unalias (a second mapping of mapped memory) are available.")
+      .def(
+          "alias",
+          [](Upstream& u, std::uintptr_t dst, std::uintptr_t src, nb::handle nbytes) {
+            const std::size_t n = parse_size(nbytes, "nbytes");
+            ReleaseGil nogil;
+            u.alias(dst, src, n);
+          },
+          "dst"_a, "src"_a, "nbytes"_a.none(),
+          "Map the memory of one mapped piece [src, src+nbytes) again at dst (not counted as an allocation).")
+      .def(
+          "unalias", &range_call<&Upstream::unalias>,
+          "addr"_a, "nbytes"_a.none(), "Remove exactly one earlier alias; the memory stays mapped at its source.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", &Upstream::query_event, "event"_a)
@@ -155,6 +169,9 @@ void bind_upstreams(nb::module_& m) {
            "mode"_a, "Set this thread's capture mode (returns the previous one), like cudaThreadExchangeStreamCaptureMode.")
       .def_prop_ro("captures_underway", [](SimulatedUpstream& u) { return u.captures_underway(); })
       .def_prop_ro("capacity", &SimulatedUpstream::capacity)
+      .def("mapped_bytes", &SimulatedUpstream::mapped_bytes, "Physical bytes mapped now (all reserved ranges).")
+      .def("aliased_bytes", &SimulatedUpstream::aliased_bytes,
+           "Bytes mapped a second time (aliases) now; they take no memory.")
       .def_prop_ro("latency_model", [](const SimulatedUpstream& u) {
         const auto& m = u.model();
         nb::dict d;

@@ -401,7 +401,9 @@ void ArenaPool::deallocate(void* p, Stream s) {
       err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
       reason = "double_free";
     } else {
+      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
       release_live_locked(c, a, s, detached);
+      if (s == kNoStream) source_->released(backing);
     }
   }
   if (!err.empty()) {
@@ -434,6 +436,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
   // Releases that would record events (another stream used the block) call the upstream.
   if (s != kNoStream && StreamOrder::defer_records_events(c, s)) return false;
+  if (s == kNoStream && source_->wants_release(c)) return false;  // it would unmap (a stitched range's last block)
   // This release would run a shrink scan, which may hand backings to the upstream: not here.
   if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
   Detached none;

@@ -225,6 +225,14 @@ CUmemAllocationProp device_prop(int device) {
 std::string at_ptr(const char* call, std::uintptr_t a, std::size_t n, int device) {
   return std::string(call) + "(" + format_ptr(a) + ", " + format_bytes(n) + ") on device " + std::to_string(device);
 }
+// Read/write for the device over a freshly mapped range (cuMemMap alone grants no access).
+CUresult allow_access(CUdeviceptr dp, std::size_t bytes, int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return cuda::api().cuMemSetAccess(dp, bytes, &access, 1);
+}
 }  // namespace
 
 CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
@@ -295,11 +303,7 @@ void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
     a.cuMemRelease(h);
     cuda::throw_error(r, at_ptr("cuMemMap", addr, bytes, device_), name());
   }
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = a.cuMemSetAccess(dp, bytes, &access, 1);
+  r = allow_access(dp, bytes, device_);
   if (r != CUDA_SUCCESS) {
     a.cuMemUnmap(dp, bytes);
     a.cuMemRelease(h);
@@ -317,6 +321,10 @@ void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
     if (it == pieces_.end() || it->second.size != bytes)
       throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " (" + format_bytes(bytes) +
                                 ") is not one mapped piece",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    if (it->second.aliases)
+      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " while " + std::to_string(it->second.aliases) +
+                                " alias(es) of it are mapped",
                             name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
     piece = it->second;
   }
@@ -337,6 +345,65 @@ void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
 }
 
 void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) { map_piece(addr, bytes); }
+
+std::size_t CudaVirtualUpstream::aliases() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return aliases_.size();
+}
+
+void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  unsigned long long h;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pieces_.find(src);
+    if (it == pieces_.end() || it->second.size != bytes || dst % granularity_)
+      throw UpstreamFailure("CudaVirtual: alias of " + format_ptr(src) + " (" + format_bytes(bytes) + ") at " + format_ptr(dst) +
+                                ": the source is not one mapped piece or the target is not granule-aligned",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    h = it->second.handle;
+    ++it->second.aliases;  // now: the source must not be unmapped while this map runs
+  }
+  auto undo = [&] {
+    std::lock_guard<std::mutex> g(mu_);
+    --pieces_[src].aliases;
+  };
+  const cuda::DriverApi& a = cuda::api();
+  cuda::ScopedContext ctx(device_);
+  const auto dp = static_cast<CUdeviceptr>(dst);
+  CUresult r = a.cuMemMap(dp, bytes, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    undo();
+    cuda::throw_error(r, at_ptr("cuMemMap", dst, bytes, device_), name());
+  }
+  r = allow_access(dp, bytes, device_);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemUnmap(dp, bytes);
+    undo();
+    cuda::throw_error(r, at_ptr("cuMemSetAccess", dst, bytes, device_), name());
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  aliases_[dst] = Alias{src, bytes};
+}
+
+void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
+  Alias al;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = aliases_.find(dst);
+    if (it == aliases_.end() || it->second.size != bytes)
+      throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(dst) + " (" + format_bytes(bytes) + ") is not one alias",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    al = it->second;
+  }
+  if (!cuda::shutting_down()) {
+    cuda::ScopedContext ctx(device_);
+    const CUresult r = cuda::api().cuMemUnmap(static_cast<CUdeviceptr>(dst), bytes);
+    if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", dst, bytes, device_), name());  // still mapped
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  aliases_.erase(dst);
+  --pieces_[al.src].aliases;
+}
 
 void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) { unmap_piece(addr, bytes); }
 

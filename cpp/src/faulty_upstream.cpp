@@ -58,4 +58,14 @@ void FaultyUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
   inner_->unmap(addr, bytes);
 }
 
+void FaultyUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  maybe_refuse_alloc("alias", bytes);
+  inner_->alias(dst, src, bytes);
+}
+
+void FaultyUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
+  maybe_refuse_free("unalias", dst, bytes);
+  inner_->unalias(dst, bytes);
+}
+
 }  // namespace poolkeeper

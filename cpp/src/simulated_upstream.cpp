@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <type_traits>
 
 namespace poolkeeper {
 
@@ -131,10 +132,7 @@ void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
     vm_fail("map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " is not 2 MiB-aligned");
   Range* r = range_of_locked(addr, bytes);
   if (!r) vm_fail("map at " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is outside every reserved range");
-  auto it = r->pieces.lower_bound(addr);
-  if ((it != r->pieces.end() && it->first < addr + bytes) ||
-      (it != r->pieces.begin() && std::prev(it)->first + std::prev(it)->second > addr))
-    vm_fail("map at " + format_ptr(addr) + " overlaps a mapped piece");
+  if (occupied_locked(*r, addr, bytes)) vm_fail("map at " + format_ptr(addr) + " overlaps a mapped piece or alias");
   if (used_ + bytes > capacity_)
     throw UpstreamOutOfMemory("simulated device out of memory: map of " + format_bytes(bytes) + ", " +
                                   format_bytes(capacity_ - std::min(capacity_, used_)) + " of " +
@@ -152,6 +150,8 @@ void SimulatedUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
   auto it = r ? r->pieces.find(addr) : decltype(r->pieces.end()){};
   if (!r || it == r->pieces.end() || it->second != bytes)
     vm_fail("unmap at " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is not one mapped piece");
+  if (alias_refs_.count(addr))
+    vm_fail("unmap at " + format_ptr(addr) + " while " + std::to_string(alias_refs_[addr]) + " alias(es) of it are mapped");
   r->pieces.erase(it);
   used_ -= bytes;
 }
@@ -161,11 +161,67 @@ void SimulatedUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
   auto it = ranges_.find(addr);
   if (it == ranges_.end() || it->second.size != bytes)
     vm_fail("unreserve of " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is not a reserved range");
+  if (!it->second.aliases.empty())
+    vm_fail("unreserve of " + format_ptr(addr) + " while " + std::to_string(it->second.aliases.size()) +
+            " alias(es) are still mapped");
   if (!it->second.pieces.empty())
     vm_fail("unreserve of " + format_ptr(addr) + " while " + std::to_string(it->second.pieces.size()) +
             " piece(s) are still mapped");
   ranges_.erase(it);
   live_.erase(addr);
+}
+
+bool SimulatedUpstream::occupied_locked(const Range& r, std::uintptr_t addr, std::size_t bytes) const {
+  auto hit = [&](const auto& m) {
+    auto it = m.lower_bound(addr);
+    if (it != m.end() && it->first < addr + bytes) return true;
+    if (it == m.begin()) return false;
+    --it;
+    const std::size_t n = [&] {
+      if constexpr (std::is_same_v<std::decay_t<decltype(it->second)>, std::size_t>) return it->second;
+      else return it->second.second;
+    }();
+    return it->first + n > addr;
+  };
+  return hit(r.pieces) || hit(r.aliases);
+}
+
+void SimulatedUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  busy_wait_us(model_.alloc_us(bytes));
+  std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("alias (cuMemMap)", false);
+  if (bytes == 0 || bytes % kGranule || dst % kGranule)
+    vm_fail("alias of " + format_bytes(bytes) + " at " + format_ptr(dst) + " is not 2 MiB-aligned");
+  Range* sr = range_of_locked(src, bytes);
+  auto sp = sr ? sr->pieces.find(src) : decltype(sr->pieces.end()){};
+  if (!sr || sp == sr->pieces.end() || sp->second != bytes)
+    vm_fail("alias source " + format_ptr(src) + " (" + format_bytes(bytes) + ") is not one mapped piece");
+  Range* r = range_of_locked(dst, bytes);
+  if (!r) vm_fail("alias at " + format_ptr(dst) + " (" + format_bytes(bytes) + ") is outside every reserved range");
+  if (occupied_locked(*r, dst, bytes)) vm_fail("alias at " + format_ptr(dst) + " overlaps a mapped piece or alias");
+  r->aliases.emplace(dst, std::make_pair(src, bytes));
+  ++alias_refs_[src];
+}
+
+void SimulatedUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
+  busy_wait_us(model_.free_us(bytes));
+  std::lock_guard<std::mutex> g(mu_);
+  check_capture_locked("unalias (cuMemUnmap)", true);
+  Range* r = range_of_locked(dst, bytes);
+  auto it = r ? r->aliases.find(dst) : decltype(r->aliases.end()){};
+  if (!r || it == r->aliases.end() || it->second.second != bytes)
+    vm_fail("unalias at " + format_ptr(dst) + " (" + format_bytes(bytes) + ") is not one alias");
+  auto ref = alias_refs_.find(it->second.first);
+  if (--ref->second == 0) alias_refs_.erase(ref);
+  r->aliases.erase(it);
+}
+
+std::size_t SimulatedUpstream::aliased_bytes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::size_t n = 0;
+  for (auto& [a, r] : ranges_)
+    for (auto& [pa, src] : r.aliases) n += src.second;
+  return n;
 }
 
 void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {

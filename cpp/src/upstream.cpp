@@ -88,6 +88,18 @@ void Upstream::unmap(std::uintptr_t addr, std::size_t bytes) {
   count_dealloc(bytes, t0);
 }
 
+void Upstream::alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  do_alias(dst, src, bytes);
+  aliases_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Upstream::unalias(std::uintptr_t dst, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  do_unalias(dst, bytes);
+  unaliases_.fetch_add(1, std::memory_order_relaxed);
+}
+
 static std::string no_vm(const std::string& who) {
   return who + " has no virtual memory interface (supports_virtual() is false)";
 }
@@ -95,6 +107,12 @@ std::uintptr_t Upstream::do_reserve(std::size_t) { throw UpstreamFailure(no_vm(n
 void Upstream::do_map(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
 void Upstream::do_unmap(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
 void Upstream::do_unreserve(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_alias(std::uintptr_t, std::uintptr_t, std::size_t) {
+  throw UpstreamFailure(name() + " cannot map memory twice (supports_alias() is false)", name(), "NOT_SUPPORTED", 801);
+}
+void Upstream::do_unalias(std::uintptr_t, std::size_t) {
+  throw UpstreamFailure(name() + " cannot map memory twice (supports_alias() is false)", name(), "NOT_SUPPORTED", 801);
+}
 
 void Upstream::deallocate(void* p, std::size_t nbytes) {
   RelaxedCapture relaxed(*this);
@@ -125,6 +143,8 @@ UpstreamCounters Upstream::counters() const {
   c.unmaps = unmaps_.load(std::memory_order_relaxed);
   c.reserves = reserves_.load(std::memory_order_relaxed);
   c.unreserves = unreserves_.load(std::memory_order_relaxed);
+  c.aliases = aliases_.load(std::memory_order_relaxed);
+  c.unaliases = unaliases_.load(std::memory_order_relaxed);
   return c;
 }
 
@@ -143,6 +163,8 @@ void Upstream::reset_counters() {
   unmaps_ = 0;
   reserves_ = 0;
   unreserves_ = 0;
+  aliases_ = 0;
+  unaliases_ = 0;
 }
 
 std::string format_bytes(std::size_t n) {

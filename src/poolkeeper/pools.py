@@ -295,7 +295,8 @@ KINDS: Dict[str, PoolKind] = {
         ArenaPool,
         {"expandable": True},
         needs_virtual=True,
-        extra_options=("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow"),
+        extra_options=("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow",
+                       "stitch", "stitch_max_parts"),
         description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     ),
 }

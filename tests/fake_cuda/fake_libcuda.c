@@ -38,12 +38,14 @@
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
  * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
  * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
- * mapping and drops its pages, cuMemRelease frees the handle, cuMemAddressFree refuses a range
+ * mapping and drops its pages, cuMemRelease frees the handle (refused while it is mapped). A handle
+ * is a memfd: mapping it at a second address (as stitching does) shows the same bytes at both. cuMemAddressFree refuses a range
  * with mappings left. Granularity 2 MiB.
  * Compile with -DFAKE_NO_POOL_API for a driver without the stream-ordered allocator, and
  * -DFAKE_NO_VMM_API for one without the virtual memory management entry points.
  * Not thread-safe beyond what the tests need (one mutex around the shared state).
  */
+#define _GNU_SOURCE 1  /* memfd_create */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -443,9 +445,10 @@ CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, struct stream
 
 #ifndef FAKE_NO_VMM_API
 #include <sys/mman.h>
+#include <unistd.h>
 #define GRAN ((size_t)2 << 20)
 #define MAXV 4096
-struct vhandle { size_t size; int dev; int mapped; };
+struct vhandle { size_t size; int dev; int mapped; int fd; };  /* mapped: how many mappings now */
 struct vrange { uintptr_t a; size_t n; };
 struct vmap { uintptr_t a; size_t n; struct vhandle* h; };
 static struct vrange vranges[MAXV];
@@ -497,6 +500,13 @@ CUresult cuMemCreate(unsigned long long* h, size_t n, const int* prop, unsigned 
   pthread_mutex_unlock(&mu);
   struct vhandle* v = calloc(1, sizeof *v);
   v->size = n; v->dev = d;
+  v->fd = memfd_create("fake_cuda_handle", 0);
+  if (v->fd < 0 || ftruncate(v->fd, (off_t)n) != 0) {
+    if (v->fd >= 0) close(v->fd);
+    free(v);
+    pthread_mutex_lock(&mu); direct_used[d] -= n; pthread_mutex_unlock(&mu);
+    return E_OOM;
+  }
   *h = (unsigned long long)(uintptr_t)v;
   logf_("create dev=%d n=%zu", d, n);
   return OK;
@@ -506,6 +516,7 @@ CUresult cuMemRelease(unsigned long long h) {
   if (!v || v->mapped) return E_INVALID_VALUE;
   if (__atomic_add_fetch(&mem_release_calls, 1, __ATOMIC_SEQ_CST) == fail_mem_release_at) return E_INVALID_VALUE;
   pthread_mutex_lock(&mu); direct_used[v->dev] -= v->size; pthread_mutex_unlock(&mu);
+  close(v->fd);
   free(v);
   return OK;
 }
@@ -518,12 +529,12 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t n, size_t off, unsigned long long h, u
   for (int i = 0; i < nvr; i++) inside |= ptr >= vranges[i].a && ptr + n <= vranges[i].a + vranges[i].n;
   for (int j = 0; j < nvm && inside; j++) inside = !(vmaps[j].a < ptr + n && ptr < vmaps[j].a + vmaps[j].n);
   if (!inside || nvm == MAXV) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
-  if (mmap((void*)(uintptr_t)ptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+  if (mmap((void*)(uintptr_t)ptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, v->fd, 0) == MAP_FAILED) {
     pthread_mutex_unlock(&mu);
     return E_OOM;
   }
   vmaps[nvm].a = ptr; vmaps[nvm].n = n; vmaps[nvm].h = v; nvm++;
-  v->mapped = 1;
+  v->mapped++;
   pthread_mutex_unlock(&mu);
   return OK;
 }
@@ -531,7 +542,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t n) {
   pthread_mutex_lock(&mu);
   for (int j = 0; j < nvm; j++) {
     if (vmaps[j].a != ptr || vmaps[j].n != n) continue;
-    vmaps[j].h->mapped = 0;
+    vmaps[j].h->mapped--;
     vmaps[j] = vmaps[--nvm];
     mmap((void*)(uintptr_t)ptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     pthread_mutex_unlock(&mu);

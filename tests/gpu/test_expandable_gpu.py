@@ -95,3 +95,29 @@ def test_expandable_arena_by_content_then_trim_and_close():
     assert (c["reserves"], c["unreserves"]) == (1, 1) and up.mapped_pieces == 0
     for s in streams[1:]:
         s.close()
+
+
+def test_stitched_range_is_the_same_device_memory_and_goes_back_cleanly():
+    up = pk.upstream.CudaVirtual(0)
+    g = up.vm_granularity
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=g, step_fraction=0.0, max_step=g,
+                        thread_cache_bytes=0, shrink_interval=0, stitch=True)
+    blocks = [pool.allocate(g) for _ in range(7)]
+    for i in (1, 3, 5):
+        pool.deallocate(blocks[i])
+    maps = up.counters()["maps"]
+    p = pool.allocate(3 * g)  # no contiguous 3 granules free: stitched from pieces 1, 3, 5
+    assert up.counters()["maps"] == maps and up.aliases == 3 and pool.stats()["stitched_ranges"] == 1
+    driver.memset_d8(p, 0x5A, 3 * g)  # one write across the stitched range
+    for i in (1, 3, 5):
+        assert (read(blocks[i], g) == 0x5A).all()  # the same memory through the main range
+    pool.validate()
+    pool.deallocate(p)  # its last block: the aliases go, the pieces rejoin the main range
+    assert up.aliases == 0 and pool.stats()["stitched_ranges"] == 0
+    pool.validate()
+    for i in (0, 2, 4, 6):
+        pool.deallocate(blocks[i])
+    pool.close()
+    c = up.counters()
+    assert (c["aliases"], c["unaliases"], c["outstanding_bytes"], c["reserves"], c["unreserves"]) == (3, 3, 0, 2, 2)
+    assert up.mapped_pieces == 0

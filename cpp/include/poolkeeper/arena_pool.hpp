@@ -32,7 +32,9 @@
 //   release_on_grow, before a growth; growth refills the lowest hole that fits first. Every
 //   backing is a segment (a run of consecutive mapped pieces); holes between segments carry no
 //   chunk. reserved_bytes = mapped bytes. Extra invariants: segments cover exactly the mapped
-//   pieces, never touch, and lie inside the range.
+//   pieces not lent to a stitched range, never touch, and lie inside the range. With `stitch`,
+//   wholly free pieces may be mapped a second time into a stitched range (a backing of its own
+//   outside the range) instead of growing; each piece is then tiled by chunks in exactly one place.
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread caches included)
@@ -89,6 +91,12 @@ struct ArenaOptions {
   bool reclaim_holes = true;
   // Expandable: before mapping more, unmap the wholly free pieces the request could not use.
   bool release_on_grow = false;
+  // Expandable, upstreams with aliases (upstream.hpp): when nothing contiguous fits, map wholly
+  // free pieces a second time, end to end, into a fresh range instead of mapping more memory
+  // (backing_source_virtual.cpp, docs/expandable.md). Ignored by upstreams without aliases.
+  bool stitch = true;
+  // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
+  std::size_t stitch_max_parts = 16;
 };
 
 class ArenaPool final : public Pool {

@@ -73,6 +73,13 @@ class BackingSource {
   virtual void close(Detached& out) = 0;
   // Destructor of a pool with live blocks left: give back only what holds nothing live.
   virtual void release_unused(Detached& out) = 0;
+  // A block of the backing at `backing_addr` was just released by deallocate() without a stream:
+  // a source may give back what that freed (an expandable range tears down a stitched range whose
+  // last block it was). By address: the release's shrink scan may already have removed the
+  // backing. The non-blocking paths never call the upstream: they leave to deallocate() every
+  // release for which wants_release(c) says true (c is the block, still Live).
+  virtual void released(std::uintptr_t backing_addr) {}
+  virtual bool wants_release(const ArenaChunk*) const { return false; }
   // The source's own invariants (the arena checks the chunks, the index and the partition).
   virtual void validate(const std::function<void(const std::string&)>& fail) const = 0;
   // The source's entries in stats().extra.

@@ -10,7 +10,9 @@
 //   (pinned, on the device) + cuMemMap + cuMemSetAccess (read/write for the device), unmap =
 //   cuMemUnmap + cuMemRelease, unreserve = cuMemAddressFree. Each mapped piece keeps its physical
 //   handle, so unmap releases exactly what map created (pieces are unmapped whole). A failing map
-//   undoes its own steps (unmap, release) before throwing. allocate(n) is a reserve + map of one
+//   undoes its own steps (unmap, release) before throwing. alias = cuMemMap of a mapped piece's
+//   handle at a second address + cuMemSetAccess; unalias = cuMemUnmap of that address (the handle
+//   stays with its piece, which refuses to be unmapped while aliases of it remain). allocate(n) is a reserve + map of one
 //   piece (n rounded up to the granularity) and deallocate its undo, so it also serves every pool.
 //   vm_granularity() = cuMemGetAllocationGranularity(MINIMUM); memory_capacity() = total memory.
 //   Needs the driver's VMM entry points and the device attribute
@@ -125,9 +127,11 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   ~CudaVirtualUpstream() override;
   std::string name() const override;
   bool supports_virtual() const override { return true; }
+  bool supports_alias() const override { return true; }
   std::size_t vm_granularity() const override { return granularity_; }
   std::size_t memory_capacity() const override { return capacity_; }
   std::size_t mapped_pieces() const;
+  std::size_t aliases() const;  // second mappings now
   // Physical handles whose cuMemRelease failed after a successful unmap, and address ranges whose
   // cuMemAddressFree failed after their memory was unmapped: leaks, counted instead of thrown
   // because the unmap itself happened (a pool must then treat the range as unmapped).
@@ -141,12 +145,20 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   void do_map(std::uintptr_t addr, std::size_t bytes) override;
   void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
   void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
+  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override;
+  void do_unalias(std::uintptr_t dst, std::size_t bytes) override;
 
  private:
   struct Piece {
     std::size_t size;
     unsigned long long handle;
+    std::size_t aliases = 0;  // second mappings of this handle now
   };
+  struct Alias {
+    std::uintptr_t src;
+    std::size_t size;
+  };
+  std::map<std::uintptr_t, Alias> aliases_;  // by address (guarded by mu_)
   void map_piece(std::uintptr_t addr, std::size_t bytes);    // create + map + access, or nothing
   void unmap_piece(std::uintptr_t addr, std::size_t bytes);  // unmap + release one piece
   std::size_t granularity_ = 0, capacity_ = 0;

@@ -14,7 +14,9 @@
 //
 // Virtual memory is forwarded when the inner upstream has it: a map is watched like an
 // allocation (same index sequence, same rules, same errors; a refused map maps nothing) and an
-// unmap like a free (watched only with fail_frees). reserve/unreserve are never refused.
+// unmap like a free (watched only with fail_frees). reserve/unreserve are never refused. Aliases
+// (a second mapping of mapped memory) are forwarded too: an alias is watched like a map (same
+// errors), an unalias like an unmap.
 //
 // Everything else -- name, kind, device, alignment and the whole stream interface -- is
 // forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual streams.
@@ -51,6 +53,7 @@ class FaultyUpstream final : public Upstream {
   int device() const override { return inner_->device(); }
   std::size_t alignment() const override { return inner_->alignment(); }
   bool supports_virtual() const override { return inner_->supports_virtual(); }
+  bool supports_alias() const override { return inner_->supports_alias(); }
   std::size_t vm_granularity() const override { return inner_->vm_granularity(); }
   std::size_t memory_capacity() const override { return inner_->memory_capacity(); }
 
@@ -78,6 +81,8 @@ class FaultyUpstream final : public Upstream {
   void do_map(std::uintptr_t addr, std::size_t bytes) override;
   void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
   void do_unreserve(std::uintptr_t addr, std::size_t bytes) override { inner_->unreserve(addr, bytes); }
+  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override;
+  void do_unalias(std::uintptr_t dst, std::size_t bytes) override;
 
  private:
   void maybe_refuse_alloc(const char* what, std::size_t nbytes);

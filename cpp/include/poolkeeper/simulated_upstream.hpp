@@ -20,7 +20,11 @@
 //   address space (it costs nothing and counts against no capacity); map()/unmap() of
 //   granule-aligned pieces inside it count against the capacity like allocations, and every
 //   contract of upstream.hpp is checked (a map over a mapped piece, outside a range, an unmap that
-//   is not exactly one earlier map: UpstreamFailure). Latency ASSUMPTION until measured on the
+//   is not exactly one earlier map: UpstreamFailure). Aliases (supports_alias()): a second
+//   mapping of one mapped piece at another address of a reserved range; no capacity; an unmap of
+//   a piece with aliases left, an alias over anything mapped or aliased, an unreserve with aliases
+//   left: UpstreamFailure. An alias costs what a map costs, an unalias what an unmap costs (the
+//   same driver calls minus create/release). Latency ASSUMPTION until measured on the
 //   H200: a map costs what the model's allocation of the same size costs, an unmap what its free
 //   costs (cuMemCreate+cuMemMap+cuMemSetAccess and cuMemUnmap+cuMemRelease are of the order of
 //   cudaMalloc/cudaFree); reserve/unreserve cost nothing.
@@ -69,9 +73,11 @@ class SimulatedUpstream final : public Upstream {
   std::size_t capacity() const { return capacity_; }
   std::size_t memory_capacity() const override { return capacity_; }
   bool supports_virtual() const override { return true; }
+  bool supports_alias() const override { return true; }
   std::size_t vm_granularity() const override { return kGranule; }
   static constexpr std::size_t kGranule = std::size_t{2} << 20;
   std::size_t mapped_bytes() const;  // all ranges together
+  std::size_t aliased_bytes() const;  // second mappings, all ranges together (no memory)
 
   // --- the virtual device ---
   Stream new_stream();
@@ -105,12 +111,17 @@ class SimulatedUpstream final : public Upstream {
   void do_map(std::uintptr_t addr, std::size_t bytes) override;
   void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
   void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
+  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override;
+  void do_unalias(std::uintptr_t dst, std::size_t bytes) override;
 
  private:
   struct Range {
     std::size_t size = 0;
     std::map<std::uintptr_t, std::size_t> pieces;  // mapped: address -> bytes
+    std::map<std::uintptr_t, std::pair<std::uintptr_t, std::size_t>> aliases;  // address -> (source piece, bytes)
   };
+  bool occupied_locked(const Range& r, std::uintptr_t addr, std::size_t bytes) const;
+  std::map<std::uintptr_t, std::size_t> alias_refs_;  // source piece -> aliases of it
   double busy_locked(Stream s) const;
   // A call that would invalidate an active capture on a GPU: record it (under mu_).
   void check_capture_locked(const char* call, bool synchronizes);

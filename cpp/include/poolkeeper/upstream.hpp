@@ -27,6 +27,18 @@
 //   releases whole physical allocations). Throws UpstreamFailure; a failing unmap leaves the
 //   piece mapped.
 // - unreserve(addr, bytes): a whole range from reserve() with nothing mapped in it any more.
+// Aliases (optional; supports_alias() says whether an upstream has them): a second mapping of
+// physical memory that is already mapped, at another address (CUDA: cuMemMap of the same
+// physical handle + cuMemSetAccess). They take no memory, so they are counted apart
+// (aliases/unaliases), never as allocations.
+// - alias(dst, src, bytes): [src, src+bytes) is exactly one earlier map's range, still mapped;
+//   [dst, dst+bytes) is granule-aligned, inside a reserved range, and neither mapped nor aliased.
+//   Afterwards the same bytes are reachable at both. Throws UpstreamFailure (a failing alias maps
+//   nothing).
+// - unalias(dst, bytes): exactly one earlier alias's range; the memory stays mapped at its source.
+//   Throws UpstreamFailure (the alias stays).
+// - unmap(src) while an alias of src exists, or unreserve of a range with an alias in it, is a
+//   contract violation (UpstreamFailure on the simulated device and the fake driver).
 // Every call may come from any thread; a pool serializes the calls on its own range.
 //
 // CUDA-graph capture (capture.hpp; docs/integrations.md, "CUDA graphs"): while a stream is being
@@ -61,6 +73,7 @@ struct UpstreamCounters {
   std::uint64_t failed_allocations = 0, failed_deallocations = 0;
   // Virtual memory: maps/unmaps are also in allocations/deallocations (see above).
   std::uint64_t maps = 0, unmaps = 0, reserves = 0, unreserves = 0;
+  std::uint64_t aliases = 0, unaliases = 0;  // second mappings (not allocations)
 };
 
 class Upstream {
@@ -80,7 +93,10 @@ class Upstream {
   void map(std::uintptr_t addr, std::size_t bytes);
   void unmap(std::uintptr_t addr, std::size_t bytes);
   void unreserve(std::uintptr_t addr, std::size_t bytes);
+  void alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes);
+  void unalias(std::uintptr_t dst, std::size_t bytes);
   virtual bool supports_virtual() const { return false; }
+  virtual bool supports_alias() const { return false; }
   // The unit of reserve/map/unmap sizes and addresses (CUDA: cuMemGetAllocationGranularity).
   virtual std::size_t vm_granularity() const { return std::size_t{2} << 20; }
   // Physical memory the upstream can hand out in all, or 0 when unknown (sizes a default range).
@@ -122,12 +138,14 @@ class Upstream {
   virtual void do_map(std::uintptr_t addr, std::size_t bytes);
   virtual void do_unmap(std::uintptr_t addr, std::size_t bytes);
   virtual void do_unreserve(std::uintptr_t addr, std::size_t bytes);
+  virtual void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes);
+  virtual void do_unalias(std::uintptr_t dst, std::size_t bytes);
 
  private:
   std::atomic<std::uint64_t> allocations_{0}, deallocations_{0}, bytes_allocated_{0}, bytes_deallocated_{0};
   std::atomic<std::uint64_t> outstanding_{0}, peak_outstanding_{0}, alloc_ns_{0}, dealloc_ns_{0};
   std::atomic<std::uint64_t> failed_allocations_{0}, failed_deallocations_{0};
-  std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0};
+  std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0}, aliases_{0}, unaliases_{0};
   std::atomic<int> captures_{0};
   void count_alloc(std::size_t nbytes, std::uint64_t t0);
   void count_dealloc(std::size_t nbytes, std::uint64_t t0);

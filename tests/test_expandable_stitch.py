@@ -1,0 +1,315 @@
+"""Expandable arena with stitching: wholly free pieces mapped a second time into a fresh range.
+
+When no free chunk and no hole can serve a request without mapping more, ``stitch=True`` maps
+wholly free pieces (their physical memory) again, end to end, into a stitched range of their own:
+a backing outside the main range. Its pieces are lent: they leave the main range's chunks, so
+every physical byte is tiled by exactly one chunk. validate() proves that (segments cover only
+pieces not lent; each lent piece belongs to exactly one stitched range whose size is its pieces');
+accounting.check re-verifies the partition from the snapshot. The fake-driver tests are in
+test_cuda_fake_driver.py.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import poolkeeper as pk
+from poolkeeper import _core
+
+from expandable_traffic import random_traffic
+from expandable_helpers import G, KiB, MiB, sim  # noqa: F401
+from expandable_helpers import pool_in_granules as pieces_pool
+from test_expandable_holes import consistent
+
+
+def pool_pieces(up, **kw):
+    """One granule per map call, no thread cache, no automatic scans, stitching on."""
+    return pieces_pool(up, **{"shrink_interval": 0, "stitch": True, **kw})
+
+
+def fragmented(up, n=6, **kw):
+    """n one-granule blocks; the odd ones freed (none of the free pieces adjacent), the last live."""
+    pool = pool_pieces(up, **kw)
+    blocks = [pool.allocate(G) for _ in range(n + 1)]
+    for p in blocks[1:n:2]:
+        pool.deallocate(p)
+    return pool, blocks[0::2], blocks[0]
+
+
+def in_main(pool, p, base):
+    return base <= p < base + pool.stats()["va_bytes"]
+
+
+def test_a_request_with_no_contiguous_fit_is_stitched_instead_of_growing():
+    up = sim()
+    pool, keep, base = fragmented(up)  # 7 pieces mapped; pieces 1, 3, 5 free
+    before = consistent(pool, up)
+    p = pool.allocate(3 * G)
+    st = consistent(pool, up)
+    assert not in_main(pool, p, base)  # served from the stitched range
+    assert st["map_calls"] == before["map_calls"] == 7 and st["reserved_bytes"] == 7 * G
+    assert (st["stitches"], st["stitched_ranges"], st["stitched_bytes"], st["alias_calls"]) == (1, 1, 3 * G, 3)
+    assert up.counters()["aliases"] == 3 and up.aliased_bytes() == 3 * G and up.mapped_bytes() == 7 * G
+    assert st["live_bytes"] == 3 * G + 4 * G and st["free_bytes"] == 0
+    # The last block of the stitched range freed: the range goes at once, its pieces rejoin the
+    # main range (one segment again) and the memory is not given back to the device.
+    pool.deallocate(p)
+    st = consistent(pool, up)
+    assert (st["stitched_ranges"], st["stitch_teardowns"], st["unalias_calls"]) == (0, 1, 3)
+    assert st["backings"] == 1 and st["reserved_bytes"] == 7 * G and st["free_bytes"] == 3 * G
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    c = up.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 3 and c["unreserves"] == 2
+
+
+def test_without_stitch_the_same_request_maps_more():
+    up = sim()
+    pool, keep, base = fragmented(up, stitch=False)
+    p = pool.allocate(3 * G)
+    st = consistent(pool, up)
+    assert in_main(pool, p, base) and st["map_calls"] == 8 and st["alias_calls"] == 0
+    assert st["reserved_bytes"] == 10 * G  # 3 G more, where stitching held 7 G
+    pool.deallocate(p)
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+
+
+def test_a_release_whose_shrink_scan_tears_the_stitched_range_down_first_is_safe():
+    up = sim()
+    # Every locked release runs a scan; the hysteresis keeps the scans from unmapping free pieces.
+    pool, keep, base = fragmented(up, shrink_interval=1, shrink_hysteresis=1000)
+    p = pool.allocate(3 * G)
+    pool.deallocate(p)  # the scan inside this release tears the range down before the release hook
+    st = consistent(pool, up)
+    assert (st["stitched_ranges"], st["stitch_teardowns"], st["unalias_calls"]) == (0, 1, 3)
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    assert up.counters()["outstanding_bytes"] == 0
+
+
+def test_the_stitched_range_serves_other_requests_from_its_free_rest_and_goes_when_wholly_free():
+    up = sim()
+    pool, keep, base = fragmented(up)
+    p = pool.allocate(2 * G + MiB)  # 3 pieces stitched; 1 MiB of the range is left free
+    q = pool.allocate(MiB)  # fits the stitched range's rest: no growth
+    st = consistent(pool, up)
+    assert not in_main(pool, q, base) and st["map_calls"] == 7 and st["free_bytes"] == 0
+    pool.deallocate(p)
+    st = consistent(pool, up)
+    assert st["stitched_ranges"] == 1  # q still lives there
+    pool.deallocate(q)
+    st = consistent(pool, up)
+    assert st["stitched_ranges"] == 0 and st["unalias_calls"] == 3
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+
+
+def test_pending_releases_are_never_stitched_nor_unmapped():
+    up = sim()
+    pool = pool_pieces(up)
+    s = up.stream()
+    blocks = [pool.allocate(G, s) for _ in range(5)]
+    up.enqueue(s, 100.0)  # the stream still works on what is released now
+    pool.deallocate(blocks[1], s)
+    pool.deallocate(blocks[3], s)
+    p = pool.allocate(2 * G)  # another stream's request: the pending pieces are not free
+    st = consistent(pool, up)
+    assert st["alias_calls"] == 0 and st["map_calls"] == 6 and st["pending_bytes"] == 2 * G
+    assert pool.trim() == 0  # nothing free to unmap yet (the stream has not passed the releases)
+    up.advance(200.0)
+    pool.deallocate(p)
+    assert pool.trim() == 4 * G  # now the pieces are free: unmapped
+    consistent(pool, up)
+    for x in blocks[0::2]:
+        pool.deallocate(x, s)
+    pool.synchronize()
+    pool.close()
+
+
+def test_a_stitched_block_released_on_a_stream_is_torn_down_only_when_the_stream_is_done():
+    up = sim()
+    pool, keep, base = fragmented(up)
+    s = up.stream()
+    p = pool.allocate(3 * G, s)
+    up.enqueue(s, 100.0)
+    pool.deallocate(p, s)
+    assert pool.trim() == 0  # pending: neither torn down nor unmapped
+    st = consistent(pool, up)
+    assert st["stitched_ranges"] == 1 and st["unalias_calls"] == 0 and st["unmap_calls"] == 0
+    up.advance(200.0)
+    assert pool.trim() == 3 * G  # torn down, then its pieces (free in the main range) unmapped
+    st = consistent(pool, up)
+    assert st["stitched_ranges"] == 0 and st["unalias_calls"] == 3 and st["unmap_calls"] == 3
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    assert up.counters()["outstanding_bytes"] == 0
+
+
+def test_close_tears_down_stitched_ranges_left_and_unreserves_both_ranges():
+    up = sim()
+    pool, keep, base = fragmented(up)
+    s = up.stream()
+    p = pool.allocate(3 * G, s)
+    up.enqueue(s, 50.0)
+    pool.deallocate(p, s)  # pending: the range stays until close
+    for x in keep:
+        pool.deallocate(x)
+    pool.synchronize()
+    pool.close()
+    c = up.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 3
+    assert (c["reserves"], c["unreserves"]) == (2, 2) and up.aliased_bytes() == 0 and up.mapped_bytes() == 0
+
+
+def test_no_stitch_and_no_teardown_while_a_capture_scope_is_open():
+    up = pk.upstream.Simulated(latency="none")
+    pool, keep, base = fragmented(up)
+    q = pool.allocate(3 * G)  # stitched before the capture
+    gp = _core.GraphPools(pool)
+    s = up.stream()
+    gp.begin((1, 0), s)
+    up.begin_capture(s)
+    try:
+        pool.deallocate(q)  # the stitched range's last block: torn down later, not now
+        st = pool.stats()
+        assert st["stitched_ranges"] == 1 and st["unalias_calls"] == 0
+        p = pool.allocate(5 * G)  # no stitch during a capture: growth maps
+        assert pool.stats()["alias_calls"] == 3 and in_main(pool, p, base)
+    finally:
+        valid = up.end_capture(s)
+        gp.end((1, 0))
+    assert valid and up.capture_violations == 0
+    consistent(pool)
+    pool.deallocate(p)
+    pool.trim()
+    assert pool.stats()["stitched_ranges"] == 0
+    consistent(pool)
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+
+
+def test_a_refused_alias_mid_stitch_keeps_the_aliased_pieces_stitched_and_grows():
+    inner = sim()
+    # Watched calls 0-6 are the maps of the seven blocks; the stitch's aliases are calls 7, 8, 9.
+    up = pk.upstream.Faulty(inner, fail_at=[8], error="upstream")
+    pool, keep, base = fragmented(up)
+    p = pool.allocate(3 * G)
+    st = consistent(pool, inner)
+    assert st["alias_failures"] == 1 and st["stitched_ranges"] == 1 and st["stitched_bytes"] == G
+    assert in_main(pool, p, base) and st["map_calls"] == 8  # served by growth (one map of 3 G)
+    assert st["free_bytes"] == 3 * G  # the one-piece stitched range, and two free pieces
+    pool.deallocate(p)
+    pool.trim()
+    st = consistent(pool, inner)
+    assert st["stitched_ranges"] == 0
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    c = inner.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 1
+
+
+def test_a_refused_unalias_shortens_the_stitched_range_and_a_later_trim_finishes():
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_frees=True, armed=False, fail_every=2)
+    pool, keep, base = fragmented(up)
+    p = pool.allocate(3 * G)
+    up.armed = True  # every second watched call is refused: the teardown's second unalias
+    start = up.calls
+    pool.deallocate(p)  # unaliases last first: pieces 3 goes back, piece 2 is refused
+    up.armed = False
+    st = consistent(pool, inner)
+    assert start % 2 == 0  # (the refused call is the teardown's second)
+    assert st["alias_failures"] == 1 and st["unalias_calls"] == 1
+    assert st["stitched_ranges"] == 1 and st["stitched_bytes"] == 2 * G and st["free_bytes"] == 3 * G
+    assert pool.trim() == 3 * G  # the rest torn down; the three free pieces unmapped
+    st = consistent(pool, inner)
+    assert st["stitched_ranges"] == 0 and st["unalias_calls"] == 3
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+    c = inner.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 3
+
+
+def test_stitch_options_need_expandable():
+    with pytest.raises(pk.errors.InvalidArgumentError, match="stitch"):
+        pk.ArenaPool(sim(), stitch=True)
+    with pytest.raises(pk.errors.InvalidArgumentError, match="stitch_max_parts"):
+        pk.ArenaPool(sim(), stitch_max_parts=4)
+
+
+def test_stitch_max_parts_bounds_the_alias_calls_of_one_stitch():
+    up = sim()
+    pool, keep, base = fragmented(up, stitch_max_parts=2)
+    p = pool.allocate(3 * G)  # three pieces would be needed: growth instead
+    st = consistent(pool, up)
+    assert st["alias_calls"] == 0 and in_main(pool, p, base)
+    pool.deallocate(p)
+    for x in keep:
+        pool.deallocate(x)
+    pool.close()
+
+
+def test_a_pool_dropped_with_live_stitched_blocks_gives_back_only_what_is_free():
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import gc, json
+        import poolkeeper as pk
+        G = 2 << 20
+        up = pk.upstream.Simulated(latency_us=0)
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+        blocks = [pool.allocate(G) for _ in range(9)]
+        for p in blocks[1:8:2]:
+            pool.deallocate(p)
+        a = pool.allocate(2 * G)  # stitched from two free pieces, stays live
+        b = pool.allocate(2 * G)  # the other two
+        pool.deallocate(b)  # that range is torn down at once
+        del pool
+        gc.collect()
+        print(json.dumps([up.mapped_bytes(), up.aliased_bytes(), up.counters()["unaliases"]]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mapped, aliased, unaliases = json.loads(r.stdout.strip().splitlines()[-1])
+    # The live blocks keep their pieces (5 under live blocks, 2 under the stitched range) and the
+    # range's aliases; the free pieces went back.
+    assert (mapped, aliased) == (7 * G, 2 * G) and unaliases == 2
+
+
+@pytest.mark.parametrize("seed", range(1, 8))  # seeds whose traffic stitches (asserted at the end)
+def test_random_multi_stream_traffic_with_stitching_stays_consistent(seed):
+    rng = random.Random(seed)
+    inner = sim(capacity=160 * MiB)
+    up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0 if seed % 2 else 0.0625,
+                        max_step=8 * MiB, shrink_interval=64, map_piece=G if seed % 4 else 4 * MiB, stitch=True,
+                        release_on_grow=seed % 3 == 1, thread_cache_bytes=256 * KiB if seed % 2 else 0)
+    stitched = []
+
+    def after_step():
+        st = consistent(pool, inner)
+        assert st["stitched_bytes"] <= st["reserved_bytes"]
+        stitched.append(st["stitches"])
+
+    # Mostly granule-sized blocks, so wholly free pieces (what stitching takes) occur.
+    sizes = [100 * KiB, G, G, G, 2 * G, 3 * G, 5 * G]
+    random_traffic(pool, inner, up, rng, 600, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]), after_step,
+                   alloc_p=0.45, trim_p=0.01)
+    stitched = stitched[-1]
+    c = inner.counters()
+    assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["unreserves"] == c["reserves"]
+    assert c["aliases"] == c["unaliases"] and inner.aliased_bytes() == 0
+    assert stitched > 0  # the traffic did stitch
