@@ -24,6 +24,7 @@ ArenaOptions arena_options(nb::handle opts) {
   o.map_piece = r.size("map_piece", o.map_piece);
   o.reclaim_holes = r.flag("reclaim_holes", o.reclaim_holes);
   o.release_on_grow = r.flag("release_on_grow", o.release_on_grow);
+  o.shards = r.size("shards", o.shards);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)
