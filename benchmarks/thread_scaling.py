@@ -2,14 +2,19 @@
 C ABI for 1..16 native threads, per pool and request size, with p99 call latency per size.
 
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
-        [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
-        [--json benchmarks/results/thread_scaling.json --key NAME]
+        [--warmup 0.2] [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
+        [--cases "32 MiB;mixed, cross-thread frees"] [--json benchmarks/results/thread_scaling.json --key NAME]
+
+The first output line is the command itself (results files keep it).
 
 Each cell: `threads` native threads (capi_bench_threads in the bindings), each doing rounds of 8
-allocations then 8 frees on the pool registered for the device, for --seconds. Cases: one size at
+allocations then 8 frees on the pool registered for the device, for --warmup seconds unmeasured
+(the blocks a steady state keeps in flight get into the pool first), then --seconds measured. Cases: one size at
 a time (4 KiB, 256 KiB, 2 MiB, 32 MiB) freed by the allocating thread, and "mixed": the four sizes
 at once with every round's blocks freed by the next thread (cross-thread frees). Streams: none
-(stream=None contract), so the figures are the pools' own paths, not stream bookkeeping.
+(stream=None contract), so the figures are the pools' own paths, not stream bookkeeping. The JSON rows also carry each cell's upstream calls
+(after the warm-up they are growth the steady state still needed, or memory given back and taken
+again).
 
 Backends: sim = Simulated(latency="none") (a miss costs no device time: the pool's own work is all
 that is measured); cuda = CudaDevice(0) (misses are real cuMemAlloc/cuMemFree; the pools are
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 
 import poolkeeper as pk
@@ -70,16 +76,24 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
 
 
-def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float) -> dict:
+def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float, warmup: float) -> dict:
     up = make_upstream(backend, kind)
     pool = make_pool(kind, up)
     _core.registry_set(DEVICE, pool)
     try:
-        r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
+        try:
+            r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross, warmup=warmup)
+        except TypeError:  # a build from before the warm-up (an older commit measured side by side)
+            r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
+            r["warmup_unsupported"] = True
     finally:
         _core.registry_set(DEVICE, None)
     pool.validate()  # the books balance after the storm (quiescent now)
     st = pool.stats()
+    r["upstream_allocations"] = st.get("upstream_allocations", 0)  # warm-up included
+    r["upstream_deallocations"] = st.get("upstream_deallocations", 0)
+    r["peak_reserved_bytes"] = st.get("peak_reserved_bytes", 0)
+    r["shards"] = st.get("shards", 1)
     assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"], st
     pool.trim()
     pool.close()
@@ -90,9 +104,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--warmup", type=float, default=0.2, help="unmeasured seconds of the same traffic first")
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--pools", default="arena,size_class,arena_expandable,direct")
-    ap.add_argument("--cases", default="", help="comma-separated case labels to run (default: all)")
+    ap.add_argument("--cases", default="", help="semicolon-separated case labels to run (default: all)")
     ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
                     "file's object (other keys kept: one results file for every machine)")
     ap.add_argument("--key", default="")
@@ -100,19 +115,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     threads = [int(x) for x in args.threads.split(",")]
     kinds = [k for k in args.pools.split(",") if k]
-    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(";")]
     if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
         kinds.remove("arena_expandable")
         print("arena_expandable skipped: the upstream has no virtual memory")
-    out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
-    print(f"thread scaling, backend {args.backend}, {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
+    command = "python3 benchmarks/thread_scaling.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "warmup": args.warmup,
+           "label": args.label, "command": command, "rows": []}
+    print(f"command: {command}")
+    print(f"thread scaling, backend {args.backend}, {args.warmup}s warm-up + {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
     hdr = "".join(f"{t:>9d}t" for t in threads)
     print(f"{'pool':17s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
     for kind in kinds:
         for label, sizes, cross in cases:
             cells = []
             for t in threads:
-                r = run_cell(args.backend, kind, sizes, cross, t, args.seconds)
+                r = run_cell(args.backend, kind, sizes, cross, t, args.seconds, args.warmup)
                 cells.append(r)
                 out["rows"].append({"pool": kind, "case": label, "sizes": sizes, "cross_thread_frees": cross, **r})
             rates = [c["pairs_per_s"] / 1e6 for c in cells]

@@ -344,11 +344,11 @@ ArenaPool* ArenaPool::owner_shard(std::uintptr_t a) {
 // may home grow; if the upstream refuses, the other shards give back their wholly free backings
 // and home tries once more.
 void* ArenaPool::allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s) {
-  if (void* r = home->try_allocate_locked_nowait(nbytes, s)) return r;
+  if (void* r = home->try_reuse_nowait(nbytes, s)) return r;
   for (std::size_t i = 0; i < nshards_; ++i) {
     ArenaPool* sh = i ? existing_shard(i) : this;
     if (sh && sh != home)
-      if (void* r = sh->try_allocate_locked_nowait(nbytes, s)) return r;
+      if (void* r = sh->try_reuse_nowait(nbytes, s)) return r;
   }
   try {
     return home->allocate(nbytes, s);
@@ -500,9 +500,14 @@ void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
     ThreadCache* tc = detail::tls_find_cache(id_);
     if (tc && tc->home) {
       ArenaPool* home = existing_shard(tc->home);
-      return home ? home->try_allocate_locked_nowait(nbytes, s) : nullptr;
+      return home ? home->try_reuse_nowait(nbytes, s) : nullptr;
     }
   }
+  return try_reuse_nowait(nbytes, s);
+}
+
+// This shard's own books only (no routing): reuse if its lock is free at once.
+void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked

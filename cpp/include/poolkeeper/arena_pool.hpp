@@ -156,6 +156,7 @@ class ArenaPool final : public Pool {
   // its backings that is not a live block; false if p is not its.
   bool deallocate_if_owned(std::uintptr_t a, Stream s);
   std::size_t trim_own();  // trim() of shard 0 alone
+  void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
   Snapshot snapshot_locked();
   // The backing sources work on the arena's books under its lock (backing_source.hpp).
   friend class detail::SeparateBackings;
