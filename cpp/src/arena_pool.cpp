@@ -339,12 +339,19 @@ ArenaPool* ArenaPool::owner_shard(std::uintptr_t a) {
   return nullptr;
 }
 
-// Home first, without waiting; then what another shard can give at once (its lock free, no
-// growth): sharding must not grow the footprint while a fitting chunk sits elsewhere. Only then
-// may home grow; if the upstream refuses, the other shards give back their wholly free backings
-// and home tries once more.
+// Home first (its lock, reuse only); then what another shard can give at once (its lock free,
+// no growth): sharding must not grow the footprint while a fitting chunk sits elsewhere. Only
+// then may home grow; if the upstream refuses, the other shards give back their wholly free
+// backings and home tries once more.
 void* ArenaPool::allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s) {
-  if (void* r = home->try_reuse_nowait(nbytes, s)) return r;
+  {
+    std::lock_guard<detail::SpinMutex> g(home->mu_);
+    home->check_open();
+    if (void* r = home->reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s)) {
+      ++home->slow_allocs_;
+      return r;
+    }
+  }
   for (std::size_t i = 0; i < nshards_; ++i) {
     ArenaPool* sh = i ? existing_shard(i) : this;
     if (sh && sh != home)
