@@ -311,6 +311,7 @@ ArenaPool* ArenaPool::shard(std::size_t i) {
   if (ArenaPool* sh = existing_shard(i)) return sh;
   auto* sh = new ArenaPool(upstream_, opt_, ShardTag{}, id_);
   shards_[i - 1].store(sh, std::memory_order_release);
+  inner_shards_.fetch_add(1, std::memory_order_release);
   return sh;
 }
 
@@ -527,7 +528,7 @@ void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
 void ArenaPool::deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
-  if (nshards_ > 1)
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
     if (ArenaPool* sh = owner_shard(a)) return sh->deallocate(p, s);
   Detached detached;
   std::string err, reason;
@@ -573,7 +574,7 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
 bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) return false;
-  if (nshards_ > 1)
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
     if (ArenaPool* sh = owner_shard(a)) return sh->try_deallocate_locked_nowait(p, s);
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
@@ -618,7 +619,7 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
 
 void ArenaPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (nshards_ > 1)
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
     if (ArenaPool* sh = owner_shard(a)) return sh->record_stream(p, s);
   std::unique_lock<detail::SpinMutex> g(mu_);
   check_open();

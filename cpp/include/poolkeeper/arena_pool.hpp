@@ -195,6 +195,7 @@ class ArenaPool final : public Pool {
   std::size_t nshards_ = 1;
   std::unique_ptr<std::atomic<ArenaPool*>[]> shards_;  // nshards_-1 inner shards; written under shard_mu_
   std::mutex shard_mu_;                                 // making an inner shard (never under mu_)
+  std::atomic<std::size_t> inner_shards_{0};            // inner shards made so far
   std::size_t homes_assigned_ = 0;                      // guarded by mu_
   // Guards everything below except the atomics and what the thread caches own (thread_cache.hpp).
   // Spins briefly, then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
