@@ -2,7 +2,8 @@
 C ABI for 1..16 native threads, per pool and request size, with p99 call latency per size.
 
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
-        [--warmup 0.2] [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
+        [--warmup 0.2] [--threads 1,2,4,8,16]
+        [--pools arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct]
         [--cases "32 MiB;mixed, cross-thread frees"] [--json benchmarks/results/thread_scaling.json --key NAME]
 
 The first output line is the command itself (results files keep it).
@@ -20,7 +21,8 @@ Backends: sim = Simulated(latency="none") (a miss costs no device time: the pool
 that is measured); cuda = CudaDevice(0) (misses are real cuMemAlloc/cuMemFree; the pools are
 warmed by the first round, so a steady state touches the upstream only when a pool gives memory
 back; the expandable arena runs over CudaVirtual). The direct pool is the reference: every pair is
-an upstream call.
+an upstream call. arena_1shard and arena_expandable_1shard are the arenas with shards=1 (one pool
+lock for everything above the thread cache, as before the arena shards): the A/B in one run.
 
 The "16/1" column is aggregate pairs/s at 16 threads over 1 thread. A machine with fewer cores
 than threads cannot show scaling beyond its core count, but a collapse (ratio far below 1) still
@@ -47,7 +49,7 @@ DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal fo
 def make_upstream(backend: str, kind: str = ""):
     if backend == "cuda":
         # The expandable arena needs virtual memory: CudaVirtual maps physical pieces into one range.
-        return pk.upstream.CudaVirtual(DEVICE) if kind == "arena_expandable" else pk.upstream.CudaDevice(DEVICE)
+        return pk.upstream.CudaVirtual(DEVICE) if kind.startswith("arena_expandable") else pk.upstream.CudaDevice(DEVICE)
     return pk.upstream.Simulated(latency="none")
 
 
@@ -56,6 +58,11 @@ def make_pool(kind: str, up):
         return pk.ArenaPool(up)
     if kind == "arena_expandable":
         return pk.ArenaPool(up, expandable=True)
+    # The same arenas with one shard: the single pool lock of before, side by side in one run.
+    if kind == "arena_1shard":
+        return pk.ArenaPool(up, shards=1)
+    if kind == "arena_expandable_1shard":
+        return pk.ArenaPool(up, expandable=True, shards=1)
     if kind == "size_class":
         return pk.SizeClassPool(up)
     if kind == "direct":
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5)
     ap.add_argument("--warmup", type=float, default=0.2, help="unmeasured seconds of the same traffic first")
     ap.add_argument("--threads", default="1,2,4,8,16")
-    ap.add_argument("--pools", default="arena,size_class,arena_expandable,direct")
+    ap.add_argument("--pools", default="arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct")
     ap.add_argument("--cases", default="", help="semicolon-separated case labels to run (default: all)")
     ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
                     "file's object (other keys kept: one results file for every machine)")
@@ -116,16 +123,17 @@ def main(argv=None) -> int:
     threads = [int(x) for x in args.threads.split(",")]
     kinds = [k for k in args.pools.split(",") if k]
     cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(";")]
-    if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
-        kinds.remove("arena_expandable")
-        print("arena_expandable skipped: the upstream has no virtual memory")
+    if not make_upstream(args.backend, "arena_expandable").supports_virtual:
+        for k in [k for k in kinds if k.startswith("arena_expandable")]:
+            kinds.remove(k)
+            print(f"{k} skipped: the upstream has no virtual memory")
     command = "python3 benchmarks/thread_scaling.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "warmup": args.warmup,
            "label": args.label, "command": command, "rows": []}
     print(f"command: {command}")
     print(f"thread scaling, backend {args.backend}, {args.warmup}s warm-up + {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
     hdr = "".join(f"{t:>9d}t" for t in threads)
-    print(f"{'pool':17s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
+    print(f"{'pool':23s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
     for kind in kinds:
         for label, sizes, cross in cases:
             cells = []
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
             rates = [c["pairs_per_s"] / 1e6 for c in cells]
             ratio = rates[-1] / rates[0] if rates[0] else float("nan")
             p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
-            print(f"{kind:17s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
+            print(f"{kind:23s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
     if args.json:
         doc = out
         if args.key:

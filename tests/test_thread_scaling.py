@@ -286,3 +286,18 @@ def test_arena_one_shard_with_a_limit_or_when_asked():
 def test_arena_shards_option_is_checked(bad):
     with pytest.raises(pk.errors.InvalidArgumentError):
         pk.ArenaPool(sim(), shards=bad)
+
+
+def test_capi_bench_threads_samples_every_size_and_takes_a_warm_up():
+    pool = pk.ArenaPool(sim())
+    _core.registry_set(7, pool)
+    try:
+        # One thread, two sizes: a timed round every 8 rounds would only ever time the first size.
+        r = _core.capi_bench_threads(7, [4 * KiB, 32 * MiB], 1, 0.1, False, warmup=0.05)
+        with pytest.raises(pk.errors.InvalidArgumentError):
+            _core.capi_bench_threads(7, [4096], 1, 0.1, warmup=-1.0)
+    finally:
+        _core.registry_set(7, None)
+    assert all(s["pairs"] > 0 and s["alloc_p99_ns"] > 0 for s in r["per_size"])  # every size sampled
+    balanced(pool)
+    pool.close()
