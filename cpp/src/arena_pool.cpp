@@ -390,6 +390,9 @@ bool ArenaPool::deallocate_if_owned(std::uintptr_t a, Stream s) {
     if (!table_.find(a, c)) {
       err = locate_locked(a, reason);
       if (reason == "unknown") return false;
+    } else if (c->st() != ChunkState::Live) {
+      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
+      reason = "double_free";
     } else {
       release_live_locked(c, a, s, detached);
     }
@@ -530,31 +533,11 @@ void ArenaPool::deallocate(void* p, Stream s) {
   if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
     if (ArenaPool* sh = owner_shard(a)) return sh->deallocate(p, s);
-  Detached detached;
-  std::string err, reason;
-  {
-    std::lock_guard<detail::SpinMutex> g(mu_);
-    check_open();
-    ArenaChunk* c = nullptr;
-    if (!table_.find(a, c)) {
-      err = locate_locked(a, reason);
-    } else if (c->st() != ChunkState::Live) {
-      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
-      reason = "double_free";
-    } else {
-      release_live_locked(c, a, s, detached);
-    }
-  }
-  if (!err.empty()) {
-    if (reason == "unknown") {
-      // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
-      for (std::size_t i = 1; i < nshards_; ++i)
-        if (ArenaPool* sh = existing_shard(i); sh && sh->deallocate_if_owned(a, s)) return;
-      throw_foreign_pointer(a, err);
-    }
-    throw InvalidPointer(err, a, reason);
-  }
-  free_detached(detached);
+  if (deallocate_if_owned(a, s)) return;
+  // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i); sh && sh->deallocate_if_owned(a, s)) return;
+  throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {

@@ -152,8 +152,8 @@ class ArenaPool final : public Pool {
   ArenaPool* owner_shard(std::uintptr_t a);  // lock-free probe; nullptr: shard 0 or nobody
   void* allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s);
   std::size_t trim_shards(const ArenaPool* except);  // trim every shard but `except`; bytes freed
-  // Under that shard's lock: release p if it is live there (true); throws for a pointer inside
-  // its backings that is not a live block; false if p is not its.
+  // These books' locked free: release p if it is live here (true); throws InvalidPointer for a
+  // pointer here that is not a live block (double free, interior); false if p is not ours.
   bool deallocate_if_owned(std::uintptr_t a, Stream s);
   std::size_t trim_own();  // trim() of shard 0 alone
   void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
