@@ -2,20 +2,27 @@
 C ABI for 1..16 native threads, per pool and request size, with p99 call latency per size.
 
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
-        [--threads 1,2,4,8,16] [--pools arena,size_class,arena_expandable,direct]
-        [--json benchmarks/results/thread_scaling.json --key NAME]
+        [--warmup 0.2] [--threads 1,2,4,8,16]
+        [--pools arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct]
+        [--cases "32 MiB;mixed, cross-thread frees"] [--json benchmarks/results/thread_scaling.json --key NAME]
+
+The first output line is the command itself (results files keep it).
 
 Each cell: `threads` native threads (capi_bench_threads in the bindings), each doing rounds of 8
-allocations then 8 frees on the pool registered for the device, for --seconds. Cases: one size at
+allocations then 8 frees on the pool registered for the device, for --warmup seconds unmeasured
+(the blocks a steady state keeps in flight get into the pool first), then --seconds measured. Cases: one size at
 a time (4 KiB, 256 KiB, 2 MiB, 32 MiB) freed by the allocating thread, and "mixed": the four sizes
 at once with every round's blocks freed by the next thread (cross-thread frees). Streams: none
-(stream=None contract), so the figures are the pools' own paths, not stream bookkeeping.
+(stream=None contract), so the figures are the pools' own paths, not stream bookkeeping. The JSON rows also carry each cell's upstream calls
+(after the warm-up they are growth the steady state still needed, or memory given back and taken
+again).
 
 Backends: sim = Simulated(latency="none") (a miss costs no device time: the pool's own work is all
 that is measured); cuda = CudaDevice(0) (misses are real cuMemAlloc/cuMemFree; the pools are
 warmed by the first round, so a steady state touches the upstream only when a pool gives memory
 back; the expandable arena runs over CudaVirtual). The direct pool is the reference: every pair is
-an upstream call.
+an upstream call. arena_1shard and arena_expandable_1shard are the arenas with shards=1 (one pool
+lock for everything above the thread cache, as before the arena shards): the A/B in one run.
 
 The "16/1" column is aggregate pairs/s at 16 threads over 1 thread. A machine with fewer cores
 than threads cannot show scaling beyond its core count, but a collapse (ratio far below 1) still
@@ -26,11 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import sys
 
 import poolkeeper as pk
 from poolkeeper import _core
-from poolkeeper.bench.machine import machine_info
 
 KiB, MiB = 1 << 10, 1 << 20
 CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB", [2 * MiB], False),
@@ -38,23 +46,61 @@ CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB",
 DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
 
 
-def make_upstream(backend: str, kind: str = "arena"):
+def make_upstream(backend: str, kind: str = ""):
     if backend == "cuda":
-        # The kind's own CUDA upstream: CudaVirtual for the expandable arena, CudaDevice otherwise.
-        return pk.upstream.make_upstream(pk.pools.pool_kind(kind).cuda_upstream, DEVICE)
-    return pk.upstream.make_upstream("simulated", latency="none")
+        # The expandable arena needs virtual memory: CudaVirtual maps physical pieces into one range.
+        return pk.upstream.CudaVirtual(DEVICE) if kind.startswith("arena_expandable") else pk.upstream.CudaDevice(DEVICE)
+    return pk.upstream.Simulated(latency="none")
 
 
-def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float) -> dict:
+def make_pool(kind: str, up):
+    if kind == "arena":
+        return pk.ArenaPool(up)
+    if kind == "arena_expandable":
+        return pk.ArenaPool(up, expandable=True)
+    # The same arenas with one shard: the single pool lock of before, side by side in one run.
+    if kind == "arena_1shard":
+        return pk.ArenaPool(up, shards=1)
+    if kind == "arena_expandable_1shard":
+        return pk.ArenaPool(up, expandable=True, shards=1)
+    if kind == "size_class":
+        return pk.SizeClassPool(up)
+    if kind == "direct":
+        return pk.Direct(up)
+    raise SystemExit(f"unknown pool kind {kind!r}")
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+
+
+def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float, warmup: float) -> dict:
     up = make_upstream(backend, kind)
-    pool = pk.make_pool(kind, up)
+    pool = make_pool(kind, up)
     _core.registry_set(DEVICE, pool)
     try:
-        r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
+        try:
+            r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross, warmup=warmup)
+        except TypeError:  # a build from before the warm-up (an older commit measured side by side)
+            r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross)
+            r["warmup_unsupported"] = True
     finally:
         _core.registry_set(DEVICE, None)
     pool.validate()  # the books balance after the storm (quiescent now)
     st = pool.stats()
+    r["upstream_allocations"] = st.get("upstream_allocations", 0)  # warm-up included
+    r["upstream_deallocations"] = st.get("upstream_deallocations", 0)
+    r["peak_reserved_bytes"] = st.get("peak_reserved_bytes", 0)
+    r["shards"] = st.get("shards", 1)
     assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"], st
     pool.trim()
     pool.close()
@@ -65,9 +111,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--warmup", type=float, default=0.2, help="unmeasured seconds of the same traffic first")
     ap.add_argument("--threads", default="1,2,4,8,16")
-    ap.add_argument("--pools", default="arena,size_class,arena_expandable,direct")
-    ap.add_argument("--cases", default="", help="comma-separated case labels to run (default: all)")
+    ap.add_argument("--pools", default="arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct")
+    ap.add_argument("--cases", default="", help="semicolon-separated case labels to run (default: all)")
     ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
                     "file's object (other keys kept: one results file for every machine)")
     ap.add_argument("--key", default="")
@@ -75,25 +122,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     threads = [int(x) for x in args.threads.split(",")]
     kinds = [k for k in args.pools.split(",") if k]
-    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
-    if "arena_expandable" in kinds and not make_upstream(args.backend, "arena_expandable").supports_virtual:
-        kinds.remove("arena_expandable")
-        print("arena_expandable skipped: the upstream has no virtual memory")
-    out = {"machine": machine_info(), "backend": args.backend, "seconds": args.seconds, "label": args.label, "rows": []}
-    print(f"thread scaling, backend {args.backend}, {args.seconds}s per cell ({machine_info()['cpu']}, {os.cpu_count()} cores)")
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(";")]
+    if not make_upstream(args.backend, "arena_expandable").supports_virtual:
+        for k in [k for k in kinds if k.startswith("arena_expandable")]:
+            kinds.remove(k)
+            print(f"{k} skipped: the upstream has no virtual memory")
+    command = "python3 benchmarks/thread_scaling.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out = {"machine": machine(), "backend": args.backend, "seconds": args.seconds, "warmup": args.warmup,
+           "label": args.label, "command": command, "rows": []}
+    print(f"command: {command}")
+    print(f"thread scaling, backend {args.backend}, {args.warmup}s warm-up + {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
     hdr = "".join(f"{t:>9d}t" for t in threads)
-    print(f"{'pool':17s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
+    print(f"{'pool':23s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
     for kind in kinds:
         for label, sizes, cross in cases:
             cells = []
             for t in threads:
-                r = run_cell(args.backend, kind, sizes, cross, t, args.seconds)
+                r = run_cell(args.backend, kind, sizes, cross, t, args.seconds, args.warmup)
                 cells.append(r)
                 out["rows"].append({"pool": kind, "case": label, "sizes": sizes, "cross_thread_frees": cross, **r})
             rates = [c["pairs_per_s"] / 1e6 for c in cells]
             ratio = rates[-1] / rates[0] if rates[0] else float("nan")
             p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
-            print(f"{kind:17s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
+            print(f"{kind:23s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
     if args.json:
         doc = out
         if args.key:

@@ -454,7 +454,9 @@ def test_threads_share_an_expandable_pool():
         pool.deallocate(p)
     pool.validate()
     st = pool.stats()
-    assert st["live_bytes"] == 0 and st["backings"] == 1
+    # One segment per range: threads homed in other arena shards (requests above the thread
+    # cache, docs/threads.md) have a range of their own.
+    assert st["live_bytes"] == 0 and st["backings"] == st.get("shards", 1)
     pool.close()
     assert up.counters()["outstanding_bytes"] == 0
 

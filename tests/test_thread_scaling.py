@@ -175,3 +175,129 @@ def test_capi_bench_threads_refuses_bad_arguments():
         _core.capi_bench_threads(7, [], 2, 0.1)
     with pytest.raises(pk.errors.InvalidArgumentError):
         _core.capi_bench_threads(7, [4096], 0, 0.1)
+
+
+# ---------------------------------------------------------------- ArenaPool shards (issue 20)
+# Requests above thread_cache_max_block (2 MiB) are served by the calling thread's home shard.
+# The first thread to use a pool is home in shard 0 (the pool's own books); the next in shard 1.
+
+
+def test_arena_second_thread_large_blocks_live_in_its_own_shard_and_free_from_anywhere():
+    up = sim()
+    pool = pk.ArenaPool(up, shards=4)
+    a = pool.allocate(4 * MiB)  # main thread: shard 0
+    b = in_thread(lambda: pool.allocate(4 * MiB))  # worker: shard 1, a backing of its own
+    st = balanced(pool)
+    assert st["shards"] == 2 and st["backings"] == 2 and st["live_blocks"] == 2
+    assert up.counters()["allocations"] == 2
+    pool.validate()
+    pool.deallocate(b)  # a cross-thread free reaches the owning shard
+    in_thread(lambda: pool.deallocate(a))
+    st = balanced(pool)
+    assert st["live_blocks"] == 0 and st["live_bytes"] == 0
+    pool.validate()
+    # trim() covers every shard; an inner shard keeps no resident backing (its thread may be gone).
+    assert pool.trim() == 4 * MiB
+    assert balanced(pool)["reserved_bytes"] == 4 * MiB  # shard 0's resident backing
+    pool.close()
+    assert up.counters()["outstanding_bytes"] == 0
+
+
+def test_arena_shard_borrows_a_fitting_chunk_from_another_shard_before_growing():
+    up = sim()
+    pool = pk.ArenaPool(up, shards=4)
+    pool.deallocate(pool.allocate(4 * MiB))  # shard 0 now holds a free 4 MiB chunk
+    assert up.counters()["allocations"] == 1
+    p = in_thread(lambda: pool.allocate(4 * MiB))  # home shard 1 is empty: borrowed, not grown
+    assert up.counters()["allocations"] == 1
+    st = balanced(pool)
+    assert st["live_blocks"] == 1 and st["backings"] == 1
+    pool.deallocate(p)
+    pool.validate()
+    pool.close()
+
+
+def test_arena_growth_failure_in_one_shard_takes_back_other_shards_free_backings():
+    up = pk.upstream.Simulated(latency="none", capacity=24 * MiB)
+    pool = pk.ArenaPool(up, shards=4)
+    ready, done = threading.Event(), threading.Event()
+
+    def worker():  # shard 1: leaves a wholly free 16 MiB backing behind, then idles
+        pool.deallocate(pool.allocate(16 * MiB))
+        ready.set()
+        done.wait(30)
+
+    pool.deallocate(pool.allocate(4 * KiB))  # the main thread takes shard 0 first
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert ready.wait(30)
+        # Shard 0 cannot borrow 20 MiB anywhere and the upstream has 24 - 2 - 16 MiB left: the
+        # idle shard's free backing must go back before this fails.
+        p = pool.allocate(20 * MiB)
+        st = balanced(pool)
+        assert st["live_blocks"] == 1 and st["ooms"] == 0
+        pool.deallocate(p)
+        pool.validate()
+    finally:
+        done.set()
+        t.join()
+    pool.close()
+
+
+def test_arena_shard_blocks_errors_are_decided_by_the_owning_shard():
+    pool = pk.ArenaPool(sim(), shards=4)
+    pool.deallocate(pool.allocate(4 * KiB))  # main thread: shard 0
+    p = in_thread(lambda: pool.allocate(4 * MiB))  # shard 1
+    with pytest.raises(pk.errors.InvalidPointerError) as e:
+        pool.deallocate(p + 256)
+    assert e.value.reason == "interior"
+    pool.deallocate(p)
+    with pytest.raises(pk.errors.InvalidPointerError) as e:
+        in_thread(lambda: pool.deallocate(p))
+    assert e.value.reason == "double_free"
+    pool.validate()
+    pool.close()
+
+
+def test_arena_close_counts_live_blocks_in_every_shard():
+    pool = pk.ArenaPool(sim(), shards=4)
+    pool.deallocate(pool.allocate(4 * KiB))
+    p = in_thread(lambda: pool.allocate(4 * MiB))
+    with pytest.raises(pk.errors.LiveBlocksError) as e:
+        pool.close()
+    assert e.value.blocks == 1 and not pool.closed
+    pool.deallocate(p)
+    pool.close()
+    assert pool.closed
+
+
+def test_arena_one_shard_with_a_limit_or_when_asked():
+    for pool in (pk.ArenaPool(sim(), shards=1), pk.ArenaPool(sim(), limit=64 * MiB, shards=4)):
+        pool.deallocate(pool.allocate(4 * KiB))
+        p = in_thread(lambda: pool.allocate(4 * MiB))
+        st = balanced(pool)
+        assert "shards" not in st and st["backings"] == 2  # one set of books: the ramp's 2 backings
+        pool.deallocate(p)
+        pool.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 65, "x"])
+def test_arena_shards_option_is_checked(bad):
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        pk.ArenaPool(sim(), shards=bad)
+
+
+def test_capi_bench_threads_samples_every_size_and_takes_a_warm_up():
+    pool = pk.ArenaPool(sim())
+    _core.registry_set(7, pool)
+    try:
+        # One thread, two sizes: a timed round every 8 rounds would only ever time the first size.
+        r = _core.capi_bench_threads(7, [4 * KiB, 32 * MiB], 1, 0.1, False, warmup=0.05)
+        with pytest.raises(pk.errors.InvalidArgumentError):
+            _core.capi_bench_threads(7, [4096], 1, 0.1, warmup=-1.0)
+    finally:
+        _core.registry_set(7, None)
+    assert all(s["pairs"] > 0 and s["alloc_p99_ns"] > 0 for s in r["per_size"])  # every size sampled
+    balanced(pool)
+    pool.close()

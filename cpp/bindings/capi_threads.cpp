@@ -6,9 +6,12 @@
 // takes them in turn, offset by its index, so different sizes run at the same moment). With
 // cross_thread_frees, a round's 8 blocks are handed to the next thread, which frees them: the
 // pattern of a producer/consumer server, where the freeing thread's cache never saw the block.
-// Latency: one round in `sample_every` times each call with the steady clock (reading the clock
-// on every call would add ~40 ns to a ~50 ns pair and hide the allocator); per size, log-linear
-// histograms merged over threads give p50 and p99 of single calls.
+// Latency: one cycle of sizes in `sample_every` times each call with the steady clock (reading the
+// clock on every call would add ~40 ns to a ~50 ns pair and hide the allocator); per size,
+// log-linear histograms merged over threads give p50 and p99 of single calls.
+// Warm-up: the threads run the pattern for `warmup` seconds before the measured window, so the
+// blocks in flight (with cross-thread frees, up to 5 rounds per thread) are already in the pool:
+// the window measures the steady state, not the pool's first growth.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -75,16 +78,17 @@ void bind_capi_threads(nb::module_& m) {
   m.def(
       "capi_bench_threads",
       [](int device, std::vector<std::size_t> sizes, std::size_t threads, double seconds, bool cross_thread_frees,
-         nb::handle stream, std::size_t sample_every) {
-        if (sizes.empty() || threads == 0 || threads > 1024 || !(seconds > 0) || sample_every == 0)
-          throw InvalidArgument("capi_bench_threads: need sizes, 1..1024 threads, seconds > 0, sample_every >= 1");
+         nb::handle stream, std::size_t sample_every, double warmup) {
+        if (sizes.empty() || threads == 0 || threads > 1024 || !(seconds > 0) || sample_every == 0 || !(warmup >= 0))
+          throw InvalidArgument(
+              "capi_bench_threads: need sizes, 1..1024 threads, seconds > 0, sample_every >= 1, warmup >= 0");
         const Stream s = parse_stream(stream);
         constexpr int kBlocks = 8;
         const std::size_t nsz = sizes.size();
         std::vector<PerThread> per(threads);
         std::vector<Inbox> inbox(threads);
         std::atomic<std::size_t> ready{0};
-        std::atomic<bool> go{false}, stop{false};
+        std::atomic<bool> go{false}, stop{false}, measuring{warmup == 0};
         double elapsed = 0;
         {
           nb::gil_scoped_release nogil;
@@ -114,10 +118,15 @@ void bind_capi_threads(nb::module_& m) {
               while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
               Inbox& mine = inbox[t];
               Inbox& next = inbox[(t + 1) % threads];
+              bool counting = false;
               for (std::uint64_t round = 0; !stop.load(std::memory_order_relaxed); ++round) {
+                if (!counting && measuring.load(std::memory_order_relaxed)) {  // the window opens: start afresh
+                  counting = true;
+                  for (std::size_t i = 0; i < nsz; ++i) me.alloc_h[i] = Hist(), me.free_h[i] = Hist(), me.pairs[i] = 0;
+                }
                 const std::size_t k = (t + round) % nsz;
                 const std::size_t n = sizes[k];
-                const bool timed = round % sample_every == 0;
+                const bool timed = (round / nsz) % sample_every == 0;  // whole cycles: every size sampled
                 for (auto& b : blk) {
                   if (timed) {
                     const auto t0 = Clock::now();
@@ -166,8 +175,14 @@ void bind_capi_threads(nb::module_& m) {
             });
           }
           while (ready.load() < threads) std::this_thread::yield();
-          const auto t0 = Clock::now();
           go.store(true, std::memory_order_release);
+          if (warmup > 0) {
+            const auto w0 = Clock::now();
+            while (!stop.load() && std::chrono::duration<double>(Clock::now() - w0).count() < warmup)
+              std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+          const auto t0 = Clock::now();
+          measuring.store(true);
           while (!stop.load() && std::chrono::duration<double>(Clock::now() - t0).count() < seconds)
             std::this_thread::sleep_for(std::chrono::milliseconds(2));
           stop.store(true);
@@ -207,11 +222,11 @@ void bind_capi_threads(nb::module_& m) {
         return out;
       },
       "device"_a, "sizes"_a, "threads"_a, "seconds"_a = 1.0, "cross_thread_frees"_a = false,
-      "stream"_a = nb::none(), "sample_every"_a = 8,
+      "stream"_a = nb::none(), "sample_every"_a = 8, "warmup"_a = 0.0,
       "Run `threads` native threads doing rounds of 8 poolkeeper_malloc then 8 poolkeeper_free on the "
       "registered pool of `device` for `seconds`; returns aggregate pairs/s and per-size p50/p99 call "
-      "latency (one round in sample_every timed). cross_thread_frees: each round's blocks are freed by "
-      "the next thread.");
+      "latency (one cycle of sizes in sample_every timed). cross_thread_frees: each round's blocks are "
+      "freed by the next thread. warmup: seconds of the same traffic before the measured window.");
 }
 
 }  // namespace poolkeeper::py

@@ -90,6 +90,8 @@ PoolStats ArenaPool::stats_locked() {
 }
 
 void ArenaPool::reset_peaks() {
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i)) sh->reset_peaks();
   std::lock_guard<detail::SpinMutex> g(mu_);
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   for (auto& tc : caches_) {
@@ -102,9 +104,50 @@ void ArenaPool::reset_peaks() {
   peak_reserved_ = reserved_;
 }
 
+namespace {
+// Adds one shard's books to another's. Each shard balances on its own, so the sum does too; the
+// peaks add up to an upper bound of the pool's (the shards peak at different moments).
+void add_shard_stats(PoolStats& to, const PoolStats& from) {
+  to.reserved += from.reserved;
+  to.live += from.live;
+  to.free += from.free;
+  to.pending += from.pending;
+  to.overhead += from.overhead;
+  to.thread_cached += from.thread_cached;
+  to.thread_cached_pending += from.thread_cached_pending;
+  to.largest_free = std::max(to.largest_free, from.largest_free);
+  to.peak_reserved += from.peak_reserved;
+  to.peak_live += from.peak_live;
+  to.live_blocks += from.live_blocks;
+  to.free_chunks += from.free_chunks;
+  to.pending_blocks += from.pending_blocks;
+  to.backings += from.backings;
+  for (auto& [st, b] : from.pending_by_stream) {
+    auto it = std::find_if(to.pending_by_stream.begin(), to.pending_by_stream.end(),
+                           [st = st](const auto& e) { return e.first == st; });
+    if (it == to.pending_by_stream.end()) to.pending_by_stream.emplace_back(st, b);
+    else it->second += b;
+  }
+  for (auto& [k, v] : from.extra) {
+    auto it = std::find_if(to.extra.begin(), to.extra.end(), [&k = k](const auto& e) { return e.first == k; });
+    if (it == to.extra.end()) to.extra.emplace_back(k, v);
+    else it->second += v;
+  }
+}
+}  // namespace
+
 PoolStats ArenaPool::stats() {
-  std::lock_guard<detail::SpinMutex> g(mu_);
-  return stats_locked();
+  PoolStats st;
+  {
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    st = stats_locked();
+  }
+  if (nshards_ > 1) {
+    for (std::size_t i = 1; i < nshards_; ++i)
+      if (ArenaPool* sh = existing_shard(i)) add_shard_stats(st, sh->stats());
+    st.extra.emplace_back("shards", shards_in_use());
+  }
+  return st;
 }
 
 OomFigures ArenaPool::figures_locked(std::size_t requested) {
@@ -124,6 +167,9 @@ OomFigures ArenaPool::figures_locked(std::size_t requested) {
 }
 
 void ArenaPool::validate() {
+  // Every shard's books must balance on their own (the pool's totals are their sums).
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i)) sh->validate();
   std::lock_guard<detail::SpinMutex> g(mu_);
   auto fail = [&](const std::string& m) { throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": " + m); };
   std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
@@ -215,7 +261,29 @@ void ArenaPool::validate() {
 }
 
 Snapshot ArenaPool::snapshot() {
+  Snapshot snap;
+  if (nshards_ > 1) {
+    // The inner shards' backings join shard 0's, by address; the stats are the pool's.
+    {
+      std::lock_guard<detail::SpinMutex> g(mu_);
+      snap = snapshot_locked();
+    }
+    for (std::size_t i = 1; i < nshards_; ++i) {
+      ArenaPool* sh = existing_shard(i);
+      if (!sh) continue;
+      Snapshot inner = sh->snapshot();
+      for (auto& b : inner.backings) snap.backings.push_back(std::move(b));
+    }
+    std::sort(snap.backings.begin(), snap.backings.end(),
+              [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+    snap.stats = stats();
+    return snap;
+  }
   std::lock_guard<detail::SpinMutex> g(mu_);
+  return snapshot_locked();
+}
+
+Snapshot ArenaPool::snapshot_locked() {
   Snapshot snap;
   snap.pool = name();
   snap.upstream = upstream_->name();

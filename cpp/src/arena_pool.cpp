@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include "arena_registry.hpp"
 
@@ -32,21 +33,47 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   opt_.max_backing = align_up(opt_.max_backing, opt_.alignment);
   if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
+  if (opt_.shards > 64) throw InvalidArgument("shards must be at most 64; got " + std::to_string(opt_.shards));
+  // Homes live in the thread caches, and a limit is one budget kept by one set of books.
+  nshards_ = opt_.shards ? opt_.shards : std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 16);
+  if (!cache_enabled_ || opt_.limit) nshards_ = 1;
+  if (nshards_ > 1) {
+    shards_ = std::make_unique<std::atomic<ArenaPool*>[]>(nshards_ - 1);
+    for (std::size_t i = 0; i + 1 < nshards_; ++i) shards_[i].store(nullptr, std::memory_order_relaxed);
+  }
   source_ = opt_.expandable ? detail::make_virtual_range(*this) : detail::make_separate_backings(*this);
   detail::arena_registry_add(id_, this);
   join_directory();  // last: the pool is whole now
 }
 
+ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt, ShardTag, std::uint64_t parent_id)
+    : Pool(std::move(upstream)), opt_(opt), index_(opt.alignment), order_(upstream_.get()) {
+  id_ = parent_id;  // errors and messages name the pool the caller knows
+  shard_child_ = true;
+  opt_.thread_cache_bytes = 0;
+  opt_.limit = 0;
+  opt_.shards = 1;
+  cache_enabled_ = false;
+  source_ = opt_.expandable ? detail::make_virtual_range(*this) : detail::make_separate_backings(*this);
+}
+
 ArenaPool::~ArenaPool() {
   unregister();
-  if (forked()) return;  // its lock may have been held at the fork (the child forgot it, see arena_registry_add)
+  if (forked()) {
+    // Inner shards' locks may have been held at the fork too: leave them alone (leaked).
+    for (std::size_t i = 1; i < nshards_; ++i) shards_[i - 1].store(nullptr, std::memory_order_relaxed);
+    return;  // its lock may have been held at the fork (the child forgot it, see arena_registry_add)
+  }
   // First: no exiting thread may flush into us any more.
-  detail::arena_registry_remove(id_);
+  if (!shard_child_) detail::arena_registry_remove(id_);
   try {
     close();
+    for (std::size_t i = 1; i < nshards_; ++i) delete existing_shard(i);
     return;
   } catch (...) {
   }
+  // Each inner shard gives back what holds nothing live, like this one below.
+  for (std::size_t i = 1; i < nshards_; ++i) delete existing_shard(i);
   // Live blocks remain: their backings stay with the user (never freed under them); return the
   // backings that hold nothing live.
   Detached out;
@@ -276,12 +303,115 @@ void ArenaPool::tick_locked(Detached& out) {
   release_free_backings_locked(out, true);
 }
 
+// ---------------------------------------------------------------- shards
+
+ArenaPool* ArenaPool::shard(std::size_t i) {
+  if (ArenaPool* sh = existing_shard(i)) return sh;
+  std::lock_guard<std::mutex> g(shard_mu_);  // never under a shard lock: making one may reserve a range
+  if (ArenaPool* sh = existing_shard(i)) return sh;
+  auto* sh = new ArenaPool(upstream_, opt_, ShardTag{}, id_);
+  shards_[i - 1].store(sh, std::memory_order_release);
+  inner_shards_.fetch_add(1, std::memory_order_release);
+  return sh;
+}
+
+std::size_t ArenaPool::shards_in_use() const {
+  std::size_t n = 1;
+  for (std::size_t i = 1; i < nshards_; ++i) n += existing_shard(i) != nullptr;
+  return n;
+}
+
+ArenaPool* ArenaPool::home_shard() {
+  ThreadCache* tc = detail::tls_find_cache(id_);
+  if (!tc) {  // first visit: the cache (and the home) is made under the lock, once
+    detail::tls_prune();
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    check_open();
+    tc = cache_locked();
+  }
+  return tc->home ? shard(tc->home) : nullptr;
+}
+
+ArenaPool* ArenaPool::owner_shard(std::uintptr_t a) {
+  ArenaChunk* c = nullptr;
+  if (table_.find(a, c)) return nullptr;
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i); sh && sh->table_.find(a, c)) return sh;
+  return nullptr;
+}
+
+// Home first (its lock, reuse only); then what another shard can give at once (its lock free,
+// no growth): sharding must not grow the footprint while a fitting chunk sits elsewhere. Only
+// then may home grow; if the upstream refuses, the other shards give back their wholly free
+// backings and home tries once more.
+void* ArenaPool::allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s) {
+  {
+    std::lock_guard<detail::SpinMutex> g(home->mu_);
+    home->check_open();
+    if (void* r = home->reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s)) {
+      ++home->slow_allocs_;
+      return r;
+    }
+  }
+  for (std::size_t i = 0; i < nshards_; ++i) {
+    ArenaPool* sh = i ? existing_shard(i) : this;
+    if (sh && sh != home)
+      if (void* r = sh->try_reuse_nowait(nbytes, s)) return r;
+  }
+  try {
+    return home->allocate(nbytes, s);
+  } catch (const OutOfMemory&) {
+    if (!trim_shards(home)) throw;
+    home->ooms_.fetch_sub(1, std::memory_order_relaxed);  // recovered: not an error yet
+  }
+  return home->allocate(nbytes, s);
+}
+
+std::size_t ArenaPool::trim_shards(const ArenaPool* except) {
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < nshards_; ++i) {
+    ArenaPool* sh = i ? existing_shard(i) : this;
+    if (!sh || sh == except) continue;
+    try {
+      bytes += i ? sh->trim() : sh->trim_own();
+    } catch (const PoolClosed&) {
+    }
+  }
+  return bytes;
+}
+
+bool ArenaPool::deallocate_if_owned(std::uintptr_t a, Stream s) {
+  Detached detached;
+  std::string err, reason;
+  {
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    check_open();
+    ArenaChunk* c = nullptr;
+    if (!table_.find(a, c)) {
+      err = locate_locked(a, reason);
+      if (reason == "unknown") return false;
+    } else if (c->st() != ChunkState::Live) {
+      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
+      reason = "double_free";
+    } else {
+      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
+      release_live_locked(c, a, s, detached);
+      if (s == kNoStream) source_->released(backing);
+    }
+  }
+  if (!err.empty()) throw InvalidPointer(err, a, reason);
+  free_detached(detached);
+  return true;
+}
+
 // ---------------------------------------------------------------- allocate / deallocate
 
 void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   check_request(nbytes);
   check_open();
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
+  if (nshards_ > 1 && rounded > opt_.thread_cache_max_block)
+    if (ArenaPool* home = home_shard()) return allocate_in_shard(home, nbytes, s);
   Detached detached;
   struct FreeAfter {
     ArenaPool* self;
@@ -327,9 +457,11 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
     }
     // What the source can give back that would let the retry succeed; never in a capture scope.
     if (upstream_->captures_underway() == 0) source_->release_for_oom(detached);
-    if (!detached.empty()) {
+    const bool others = shards_in_use() > 1;  // their wholly free backings, from the same upstream
+    if (!detached.empty() || others) {
       g.unlock();
       free_detached(detached);
+      if (others) trim_shards(this);
       g.lock();
     }
     if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
@@ -377,6 +509,18 @@ void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s)
 
 void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   if (nbytes == 0 || nbytes > kMaxRequest) return nullptr;  // the blocking path explains
+  if (nshards_ > 1 && align_up(nbytes, opt_.alignment) > opt_.thread_cache_max_block) {
+    ThreadCache* tc = detail::tls_find_cache(id_);
+    if (tc && tc->home) {
+      ArenaPool* home = existing_shard(tc->home);
+      return home ? home->try_reuse_nowait(nbytes, s) : nullptr;
+    }
+  }
+  return try_reuse_nowait(nbytes, s);
+}
+
+// This shard's own books only (no routing): reuse if its lock is free at once.
+void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
@@ -389,28 +533,13 @@ void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
 void ArenaPool::deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
-  Detached detached;
-  std::string err, reason;
-  {
-    std::lock_guard<detail::SpinMutex> g(mu_);
-    check_open();
-    ArenaChunk* c = nullptr;
-    if (!table_.find(a, c)) {
-      err = locate_locked(a, reason);
-    } else if (c->st() != ChunkState::Live) {
-      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
-      reason = "double_free";
-    } else {
-      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
-      release_live_locked(c, a, s, detached);
-      if (s == kNoStream) source_->released(backing);
-    }
-  }
-  if (!err.empty()) {
-    if (reason == "unknown") throw_foreign_pointer(a, err);
-    throw InvalidPointer(err, a, reason);
-  }
-  free_detached(detached);
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
+    if (ArenaPool* sh = owner_shard(a)) return sh->deallocate(p, s);
+  if (deallocate_if_owned(a, s)) return;
+  // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i); sh && sh->deallocate_if_owned(a, s)) return;
+  throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
@@ -430,6 +559,8 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
 bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) return false;
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
+    if (ArenaPool* sh = owner_shard(a)) return sh->try_deallocate_locked_nowait(p, s);
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
@@ -474,10 +605,27 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
 
 void ArenaPool::record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<detail::SpinMutex> g(mu_);
+  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
+    if (ArenaPool* sh = owner_shard(a)) return sh->record_stream(p, s);
+  std::unique_lock<detail::SpinMutex> g(mu_);
   check_open();
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) || c->st() != ChunkState::Live)
+  if (!table_.find(a, c) && nshards_ > 1) {
+    g.unlock();  // a lock-free probe may miss: the inner shards decide under their locks
+    for (std::size_t i = 1; i < nshards_; ++i) {
+      ArenaPool* sh = existing_shard(i);
+      if (!sh) continue;
+      std::lock_guard<detail::SpinMutex> gs(sh->mu_);
+      if (sh->table_.find(a, c) && c->st() == ChunkState::Live) {
+        if (s == c->alloc_stream || s == kNoStream) return;
+        if (!c->used_on) c->used_on = new std::vector<Stream>();
+        if (std::find(c->used_on->begin(), c->used_on->end(), s) == c->used_on->end()) c->used_on->push_back(s);
+        return;
+      }
+    }
+    c = nullptr;
+  }
+  if (!c || c->st() != ChunkState::Live)
     throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
   if (s == c->alloc_stream || s == kNoStream) return;
   if (!c->used_on) c->used_on = new std::vector<Stream>();
@@ -487,6 +635,9 @@ void ArenaPool::record_stream(void* p, Stream s) {
 // ---------------------------------------------------------------- maintenance
 
 std::size_t ArenaPool::process_pending() {
+  std::size_t inner = 0;
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i)) inner += sh->process_pending();
   std::lock_guard<detail::SpinMutex> g(mu_);
   const std::size_t before = order_.pending_bytes();
   if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) {
@@ -496,10 +647,12 @@ std::size_t ArenaPool::process_pending() {
     if (tagged) flush_cache_locked(tc);
   }
   drain_locked(false);
-  return before >= order_.pending_bytes() ? before - order_.pending_bytes() : 0;
+  return inner + (before >= order_.pending_bytes() ? before - order_.pending_bytes() : 0);
 }
 
 void ArenaPool::synchronize() {
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i)) sh->synchronize();
   std::lock_guard<detail::SpinMutex> g(mu_);
   // Every thread's cache: stream-tagged blocks in an idle thread's cache are pending too, and
   // "nothing stays pending" must hold whoever freed them.
@@ -508,6 +661,11 @@ void ArenaPool::synchronize() {
 }
 
 std::size_t ArenaPool::trim() {
+  check_open();
+  return trim_own() + trim_shards(this);
+}
+
+std::size_t ArenaPool::trim_own() {
   Detached d;
   std::size_t bytes;
   {
@@ -523,12 +681,14 @@ std::size_t ArenaPool::trim() {
 
 std::size_t ArenaPool::shrink_scan() {
   Detached d;
-  std::size_t bytes;
+  std::size_t bytes = 0;
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i)) bytes += sh->shrink_scan();
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();
     ++shrink_scans_;
-    bytes = release_free_backings_locked(d, true);
+    bytes += release_free_backings_locked(d, true);
   }
   free_detached(d);
   return bytes;
@@ -536,11 +696,25 @@ std::size_t ArenaPool::shrink_scan() {
 
 void ArenaPool::close() {
   Detached d;
+  // Inner shards' live blocks count too; they close only once every shard is empty (close needs
+  // quiescence, so nothing refills one meanwhile).
+  std::int64_t inner_blocks = 0, inner_live = 0;
+  std::vector<std::uintptr_t> inner_sample;
+  for (std::size_t i = 1; i < nshards_; ++i) {
+    ArenaPool* sh = existing_shard(i);
+    if (!sh) continue;
+    std::lock_guard<detail::SpinMutex> g(sh->mu_);
+    inner_blocks += static_cast<std::int64_t>(sh->live_blocks_);
+    inner_live += static_cast<std::int64_t>(sh->live_.load());
+    sh->table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
+      if (c->st() == ChunkState::Live && inner_sample.size() < 8) inner_sample.push_back(a);
+    });
+  }
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     if (closed()) return;
-    std::int64_t blocks = static_cast<std::int64_t>(live_blocks_);
-    std::int64_t live = static_cast<std::int64_t>(live_.load());
+    std::int64_t blocks = static_cast<std::int64_t>(live_blocks_) + inner_blocks;
+    std::int64_t live = static_cast<std::int64_t>(live_.load()) + inner_live;
     for (auto& tc : caches_) {
       const auto k = tc->read();
       blocks += k.blocks_delta;
@@ -551,11 +725,15 @@ void ArenaPool::close() {
       table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
         if (c->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
       });
+      for (std::uintptr_t a : inner_sample)
+        if (sample.size() < 8) sample.push_back(a);
       throw LiveBlocksAtClose("cannot close ArenaPool #" + std::to_string(id_) + ": " + std::to_string(blocks) +
                                   " block(s), " + format_bytes(static_cast<std::size_t>(live)) +
                                   " still live; free them first",
                               static_cast<std::size_t>(blocks), static_cast<std::size_t>(live), sample);
     }
+    for (std::size_t i = 1; i < nshards_; ++i)
+      if (ArenaPool* sh = existing_shard(i)) sh->close();  // empty: cannot throw LiveBlocksAtClose
     reclaim_caches_locked();
     drain_locked(true);
     coalesce_locked();  // nothing is live, cached or pending now: each backing merges to one chunk
@@ -577,9 +755,14 @@ void ArenaPool::close() {
 }
 
 bool ArenaPool::owns_live(std::uintptr_t p) {
-  std::lock_guard<detail::SpinMutex> g(mu_);
-  ArenaChunk* c;
-  return table_.find(p, c) && c->st() == ChunkState::Live;
+  {
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    ArenaChunk* c;
+    if (table_.find(p, c) && c->st() == ChunkState::Live) return true;
+  }
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i); sh && sh->owns_live(p)) return true;
+  return false;
 }
 
 }  // namespace poolkeeper

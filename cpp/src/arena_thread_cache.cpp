@@ -202,6 +202,8 @@ ThreadCache* ArenaPool::cache_locked() {
   caches_.push_back(std::make_unique<ThreadCache>());
   ncaches_.store(caches_.size(), std::memory_order_relaxed);
   ThreadCache* tc = caches_.back().get();
+  // Round robin in order of first visit: the first thread (a single-threaded pool) stays home.
+  tc->home = static_cast<std::uint32_t>(homes_assigned_++ % nshards_);
   detail::tls_add_cache(id_, tc);
   return tc;
 }

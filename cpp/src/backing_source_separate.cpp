@@ -75,8 +75,9 @@ class SeparateBackings final : public BackingSource {
 
  private:
   ArenaBacking* adopt(std::uintptr_t addr, std::size_t size, bool oversize) {
-    // The first ramp backing is resident: a steady small workload keeps a warm arena.
-    const bool resident = !oversize && !resident_assigned_;
+    // The first ramp backing is resident: a steady small workload keeps a warm arena. An inner
+    // shard keeps none: its thread may never come back, and trim() must return all of it.
+    const bool resident = !oversize && !resident_assigned_ && !a_.shard_child_;
     resident_assigned_ |= resident;
     if (!oversize) ++ramp_steps_;
     return a_.adopt_locked(addr, size, oversize, resident);

@@ -13,7 +13,8 @@
 // thread reclaim every other thread's cache while those threads run their lock-free cache paths
 // (the cross-thread reclaim of ArenaPool's thread caches). SizeClassPool runs sharded (the default
 // count, and 2 or 1 shards for 8-32 threads: shared shards, blocks moving between shards on every
-// miss, frees landing in another thread's shard).
+// miss, frees landing in another thread's shard). ArenaPool runs with 3 arena shards too (blocks
+// above the thread cache in the allocating thread's home shard, freed from any thread).
 //
 // Between phases every thread waits at a barrier; at that quiescent point one thread runs
 // validate(), checks stats() against what the threads hold (live blocks and bytes), checks that
@@ -155,9 +156,10 @@ struct Case {
 
 std::vector<Case> all_cases() {
   auto arena = [](std::size_t initial, std::size_t max, std::size_t cache, std::size_t interval, std::size_t hyst,
-                  double growth) {
+                  double growth, std::size_t shards = 0) {
     return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
       ArenaOptions o;
+      o.shards = shards;
       o.initial_backing = initial;
       o.max_backing = max;
       o.thread_cache_bytes = cache;
@@ -169,9 +171,10 @@ std::vector<Case> all_cases() {
     };
   };
   // One reserved range grown by 2 MiB pieces; frequent scans unmap the free tail under traffic.
-  auto expandable = [](std::size_t cache) {
+  auto expandable = [](std::size_t cache, std::size_t shards = 0) {
     return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
       ArenaOptions o;
+      o.shards = shards;
       o.expandable = true;
       o.max_step = 2 << 20;
       o.thread_cache_bytes = cache;
@@ -228,6 +231,15 @@ std::vector<Case> all_cases() {
       {"arena_nocache-sim", false, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},
       {"arena_expandable-sim", false, expandable(256 << 10)},
       {"arena_expandable_nocache-sim", false, expandable(0)},
+      // Arena shards (issue 20) whatever the core count: blocks above the 64 KiB cache limit live
+      // in the allocating thread's home shard, so hand-offs free into another thread's shard,
+      // interior-pointer probes are decided by the owning shard, and trim/synchronize/stats/
+      // snapshot/close walk every shard while the others run. 3 shards for up to 32 threads:
+      // shared homes; tiny backings: growth, oversize backings and shrink scans in each shard.
+      {"arena_3shards-host", true, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0, 3)},
+      {"arena_3shards_tiny-host", true, arena(16 << 10, 64 << 10, 64 << 10, 32, 1, 1.5, 3)},
+      {"arena_3shards-sim", false, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0, 3)},
+      {"arena_expandable_3shards-sim", false, expandable(256 << 10, 3)},
   };
 }
 
@@ -299,6 +311,9 @@ class Run {
       if (st.live != 0 || st.live_blocks != 0 || st.thread_cached != 0)
         fail(c_.name + ": after all threads exited: live " + std::to_string(st.live) + " B in " +
              std::to_string(st.live_blocks) + " blocks, " + std::to_string(st.thread_cached) + " B still thread-cached");
+      // A sharded case must have spread its large blocks over several shards.
+      if (auto* a = arena_of(pool_.get()); a && c_.name.find("shards") != std::string::npos && a->shards_in_use() < 2)
+        fail(c_.name + ": only one arena shard was used");
       pool_->trim();
       pool_->close();
       if (!pool_->closed()) fail(c_.name + ": close() did not close");

@@ -167,7 +167,10 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
     ``thread_cache_max_block`` (2 MiB: a round of 2 MiB blocks stays off the pool lock),
     ``shrink_hysteresis`` (2), ``shrink_interval`` (4096;
     0 disables automatic scans), ``oversize_threshold`` (32 MiB, clamped to ``max_backing``;
-    requests above it get an oversize backing of their own), ``limit`` (None: no cap; 0 is refused).
+    requests above it get an oversize backing of their own), ``limit`` (None: no cap; 0 is refused),
+    ``shards`` (0: one per hardware thread, at most 16; requests above ``thread_cache_max_block``
+    are served by the calling thread's home shard, each with its own lock and backings, see
+    docs/threads.md; 1 with a ``limit`` or without a thread cache).
     With ``expandable=True`` (docs/expandable.md) also ``va_bytes``, ``step_fraction`` and
     ``max_step``; given without it they are an ``InvalidArgumentError``.
     """
@@ -186,12 +189,14 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         shrink_interval: int = 4096,
         oversize_threshold: int = 32 * MiB,
         limit: Optional[int] = None,
+        shards: int = 0,
         **unknown: Any,
     ) -> None:
         super().__init__(
             _check_upstream(upstream),
             _opts(
                 **unknown,
+                shards=shards,
                 initial_backing=initial_backing,
                 max_backing=max_backing,
                 growth_factor=growth_factor,

@@ -41,10 +41,21 @@
 //   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
+// Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
+// the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
+// shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
+// backing) with their own lock, free index, stream order and backings. Threads get homes round
+// robin on their first visit, so a pool used by one thread never leaves shard 0. A free goes to
+// the shard that owns the block (found by lock-free pointer-table probes, decided again under
+// the locks before it becomes an error); a home shard that cannot reuse borrows from the others
+// with try_lock before it grows; a failed growth trims the other shards and retries once.
+// Each shard's books balance on their own, so stats() (the sum) balances too; peaks are then the
+// sum of the shards' peaks (an upper bound). With a limit (one budget) there is one shard.
 // Thread safety: all members may be called concurrently; validate() and close() need quiescence.
-// One pool lock (mu_, a SpinMutex) for everything outside the thread caches; upstream frees run
-// after it is released (free_detached); growth and the expandable map/unmap still call the upstream
-// under it (docs/threads.md).
+// One lock per shard (mu_, a SpinMutex) for everything outside the thread caches; a shard lock is
+// never held while another is taken, except by close() (shard 0, then an inner one). Upstream frees run after it is
+// released (free_detached); growth and the expandable map/unmap call the upstream under the
+// growing shard's lock only (docs/threads.md).
 #pragma once
 #include <memory>
 #include <mutex>
@@ -97,6 +108,9 @@ struct ArenaOptions {
   bool stitch = true;
   // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
   std::size_t stitch_max_parts = 16;
+  // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
+  // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit or without a cache.
+  std::size_t shards = 0;
 };
 
 class ArenaPool final : public Pool {
@@ -132,8 +146,26 @@ class ArenaPool final : public Pool {
   void flush_thread_cache();
   // Thread-exit hook (internal): fold a dying thread's cache into the pool.
   void on_thread_exit(detail::ThreadCache* tc);
+  // Shards in use (1 + inner shards made so far).
+  std::size_t shards_in_use() const;
 
  private:
+  struct ShardTag {};
+  // An inner shard: shares the parent's id (its errors name the parent), joins no directory or
+  // thread-exit registry, keeps no resident backing.
+  ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt, ShardTag, std::uint64_t parent_id);
+  ArenaPool* shard(std::size_t i);         // inner shard i (1..nshards_-1), made on first use
+  ArenaPool* existing_shard(std::size_t i) const { return shards_[i - 1].load(std::memory_order_acquire); }
+  ArenaPool* home_shard();                 // nullptr: this thread's home is shard 0
+  ArenaPool* owner_shard(std::uintptr_t a);  // lock-free probe; nullptr: shard 0 or nobody
+  void* allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s);
+  std::size_t trim_shards(const ArenaPool* except);  // trim every shard but `except`; bytes freed
+  // These books' locked free: release p if it is live here (true); throws InvalidPointer for a
+  // pointer here that is not a live block (double free, interior); false if p is not ours.
+  bool deallocate_if_owned(std::uintptr_t a, Stream s);
+  std::size_t trim_own();  // trim() of shard 0 alone
+  void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
+  Snapshot snapshot_locked();
   // The backing sources work on the arena's books under its lock (backing_source.hpp).
   friend class detail::SeparateBackings;
   friend class detail::VirtualRange;
@@ -167,6 +199,12 @@ class ArenaPool final : public Pool {
 
   ArenaOptions opt_;
   bool cache_enabled_;
+  bool shard_child_ = false;
+  std::size_t nshards_ = 1;
+  std::unique_ptr<std::atomic<ArenaPool*>[]> shards_;  // nshards_-1 inner shards; written under shard_mu_
+  std::mutex shard_mu_;                                 // making an inner shard (never under mu_)
+  std::atomic<std::size_t> inner_shards_{0};            // inner shards made so far
+  std::size_t homes_assigned_ = 0;                      // guarded by mu_
   // Guards everything below except the atomics and what the thread caches own (thread_cache.hpp).
   // Spins briefly, then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
   mutable detail::SpinMutex mu_;

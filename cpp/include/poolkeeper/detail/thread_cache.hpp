@@ -49,6 +49,9 @@ class alignas(64) ThreadCache {
   // --- owner only ---
   Bin bins[kBins];
   int hint = 0;                   // the bin the last hit used: a steady loop skips the scan
+  // The arena shard serving this thread's requests above the cache (set once, under the pool's
+  // lock, before the owner can read it; 0: the pool's own books).
+  std::uint32_t home = 0;
   std::size_t bytes = 0;          // cached bytes (owner's view of cached_free + cached_pending)
   void begin() {
     seq_.store(seq_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
