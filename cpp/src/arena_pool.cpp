@@ -278,9 +278,7 @@ void ArenaPool::tick_locked(Detached& out) {
 
 // ---------------------------------------------------------------- allocate / deallocate
 
-void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
-  check_request(nbytes);
-  check_open();
+void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   Detached detached;
   struct FreeAfter {
@@ -293,7 +291,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
 
   if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   std::unique_lock<detail::SpinMutex> g(mu_);
-  check_open();
+  check_open();  // again under the lock: close() may have run since Pool::allocate looked
   ++slow_allocs_;
   if (cache_enabled_) cache_locked();
   // No shrink tick here: a scan inside an allocation could return the very backing that would
@@ -336,15 +334,9 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   }
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
-  const std::size_t pending_total = f.pending;
-  if (f.thread_cached && f.free >= rounded && f.free - f.thread_cached < rounded && f.largest_free < rounded)
-    f.cause = "thread_cache";  // refilled by their owners since the reclaim above
-  else if (pending_total && pending_total + f.free >= rounded && f.largest_free < rounded) f.cause = "pending";
-  else if (f.free >= rounded && f.largest_free < rounded) f.cause = "fragmentation";
-  else if (opt_.limit && reserved_ + rounded > opt_.limit) f.cause = "limit";
-  else f.cause = "upstream";
+  const bool limit_hit = opt_.limit && reserved_ + rounded > opt_.limit;
   g.unlock();
-  throw_oom(std::move(f));
+  throw_oom(std::move(f), rounded, limit_hit, FreeFit::AnyPiece);
 }
 
 // The reuse steps of an allocation, none of which waits or calls the upstream: a block this
@@ -386,29 +378,19 @@ void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   return r;
 }
 
-void ArenaPool::deallocate(void* p, Stream s) {
+Refusal ArenaPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   Detached detached;
-  std::string err, reason;
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
-    check_open();
+    check_open();  // again under the lock: close() may have run since Pool::deallocate looked
     ArenaChunk* c = nullptr;
-    if (!table_.find(a, c)) {
-      err = locate_locked(a, reason);
-    } else if (c->st() != ChunkState::Live) {
-      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
-      reason = "double_free";
-    } else {
-      release_live_locked(c, a, s, detached);
-    }
-  }
-  if (!err.empty()) {
-    if (reason == "unknown") throw_foreign_pointer(a, err);
-    throw InvalidPointer(err, a, reason);
+    if (!table_.find(a, c)) return locate_locked(a);
+    if (c->st() != ChunkState::Live) return {Refusal::DoubleFree, c->st()};
+    release_live_locked(c, a, s, detached);
   }
   free_detached(detached);
+  return {};
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
@@ -442,7 +424,8 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   return true;
 }
 
-std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
+// Why a pointer the table does not hold is refused: inside a chunk of a backing, or unknown.
+Refusal ArenaPool::locate_locked(std::uintptr_t a) {
   auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
                              [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
   if (it != backings_.begin()) {
@@ -450,35 +433,22 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
     if (a < b->addr + b->size) {
       for (ArenaChunk* c = b->first; c; c = c->next_addr) {
         if (a < c->addr || a >= c->addr + c->size) continue;
+        // Not live: a block freed before (its chunk may have merged with neighbours since) or
+        // an address this pool never handed out. Either way nothing live is there.
         const ChunkState st = c->st();
-        if (st != ChunkState::Live) {
-          // Free memory: a block freed before (its chunk may have merged with neighbours since)
-          // or an address this pool never handed out. Either way nothing live is there.
-          reason = "double_free";
-          return format_ptr(a) + " points into " + chunk_state_name(st) + " memory (the " + chunk_state_name(st) +
-                 " chunk at " + format_ptr(c->addr) + ", offset " + std::to_string(a - c->addr) +
-                 "): already freed (double free) or never allocated here";
-        }
-        reason = "interior";
-        return format_ptr(a) + " points inside the live block at " + format_ptr(c->addr) + " (offset " +
-               std::to_string(a - c->addr) + "): free the block's start address";
+        return {st == ChunkState::Live ? Refusal::Interior : Refusal::FreedMemory, st, c->addr};
       }
     }
   }
-  reason = "unknown";
-  return "is not a block of this pool (never allocated here)";
+  return {Refusal::Unknown};
 }
 
-void ArenaPool::record_stream(void* p, Stream s) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
+bool ArenaPool::do_record_stream(void* p, Stream s) {
   std::lock_guard<detail::SpinMutex> g(mu_);
-  check_open();
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) || c->st() != ChunkState::Live)
-    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
-  if (s == c->alloc_stream || s == kNoStream) return;
-  if (!c->used_on) c->used_on = new std::vector<Stream>();
-  if (std::find(c->used_on->begin(), c->used_on->end(), s) == c->used_on->end()) c->used_on->push_back(s);
+  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c) || c->st() != ChunkState::Live) return false;
+  c->add_use(s);
+  return true;
 }
 
 // ---------------------------------------------------------------- maintenance
@@ -531,27 +501,24 @@ std::size_t ArenaPool::shrink_scan() {
   return bytes;
 }
 
-void ArenaPool::close() {
+bool ArenaPool::do_close(LiveAtClose& live) {
   Detached d;
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
-    if (closed()) return;
     std::int64_t blocks = static_cast<std::int64_t>(live_blocks_);
-    std::int64_t live = static_cast<std::int64_t>(live_.load());
+    std::int64_t live_bytes = static_cast<std::int64_t>(live_.load());
     for (auto& tc : caches_) {
       const auto k = tc->read();
       blocks += k.blocks_delta;
-      live += k.live_delta;
+      live_bytes += k.live_delta;
     }
     if (blocks > 0) {
-      std::vector<std::uintptr_t> sample;
+      live.blocks = static_cast<std::size_t>(blocks);
+      live.bytes = static_cast<std::size_t>(live_bytes);
       table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
-        if (c->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
+        if (c->st() == ChunkState::Live) live.note(a);
       });
-      throw LiveBlocksAtClose("cannot close ArenaPool #" + std::to_string(id_) + ": " + std::to_string(blocks) +
-                                  " block(s), " + format_bytes(static_cast<std::size_t>(live)) +
-                                  " still live; free them first",
-                              static_cast<std::size_t>(blocks), static_cast<std::size_t>(live), sample);
+      return false;
     }
     reclaim_caches_locked();
     drain_locked(true);
@@ -559,7 +526,7 @@ void ArenaPool::close() {
     for (auto& tc : caches_) fold_cache_locked(tc.get());
     source_->close(d);
     table_.clear();
-    closed_.store(true, std::memory_order_release);
+    mark_closed();
   }
   for (auto& [p, n] : d) {
     try {
@@ -571,9 +538,10 @@ void ArenaPool::close() {
     std::lock_guard<detail::SpinMutex> g(mu_);
     releasing_ -= n;
   }
+  return true;
 }
 
-bool ArenaPool::owns_live(std::uintptr_t p) {
+bool ArenaPool::find_live(std::uintptr_t p) {
   std::lock_guard<detail::SpinMutex> g(mu_);
   ArenaChunk* c;
   return table_.find(p, c) && c->st() == ChunkState::Live;

@@ -66,6 +66,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
     shards_.back()->free.resize(nclasses_);
   }
   shard_mask_ = static_cast<std::uint32_t>(n - 1);
+  budget_.limit = opt_.limit;
   join_directory();  // last: the pool is whole now
 }
 
@@ -142,7 +143,7 @@ SizeClassPool::Block* SizeClassPool::pop_free_locked(Shard& sh, std::uint32_t cl
 // sh and grow_mu_ locked; b is in no list.
 void SizeClassPool::retire_locked(Shard& sh, Block* b, Detached& out) {
   table_.erase(b->addr);
-  reserved_ -= b->size;
+  budget_.release(b->size);
   sh.reserved -= b->size;
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   nodes_.destroy(b);
@@ -177,23 +178,17 @@ void SizeClassPool::free_detached(Detached& v) {
     b->cls = static_cast<std::uint32_t>(class_index(n));
     b->shard.store(sh.index, std::memory_order_relaxed);
     table_.insert(b->addr, b);
-    reserved_ += n;
+    budget_.reserved += n;  // back on the books it left: not a new peak
     sh.reserved += n;
     make_free_locked(sh, b);
   }
   v.clear();
 }
 
-std::size_t SizeClassPool::pending_bytes_all_locked() const {
-  std::size_t p = 0;
-  for (auto& sh : shards_) p += sh->order.pending_bytes();
-  return p;
-}
-
-OomFigures SizeClassPool::figures_all_locked(std::size_t requested, const char* cause) {
+OomFigures SizeClassPool::figures_all_locked(std::size_t requested) {
   OomFigures f;
   f.requested = requested;
-  f.reserved = reserved_;
+  f.reserved = budget_.reserved;
   std::map<Stream, std::size_t> by_stream;
   for (auto& sp : shards_) {
     Shard& sh = *sp;
@@ -210,7 +205,6 @@ OomFigures SizeClassPool::figures_all_locked(std::size_t requested, const char* 
   }
   f.pending_by_stream.assign(by_stream.begin(), by_stream.end());
   f.limit = opt_.limit;
-  f.cause = cause;
   return f;
 }
 
@@ -287,9 +281,7 @@ void* SizeClassPool::serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, S
   return reinterpret_cast<void*>(b->addr);
 }
 
-void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
-  check_request(nbytes);
-  check_open();
+void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
   const auto cls = static_cast<std::uint32_t>(class_index(csize));
   Shard& sh = my_shard();
@@ -312,12 +304,8 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     bool over = false;
     {
       Guard g(grow_mu_);
-      if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
-        over = true;
-      } else {
-        ++misses_;
-        claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
-      }
+      over = !budget_.claim(csize);
+      if (!over) ++misses_;
     }
     if (over) {
       if (!retried) {
@@ -333,9 +321,9 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       OomFigures f;
       {
         AllLocks all(this);
-        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "limit");
+        f = figures_all_locked(nbytes);
       }
-      throw_oom(std::move(f));
+      throw_oom(std::move(f), csize, true, FreeFit::OwnClass);
     }
     void* p = nullptr;
     try {
@@ -343,7 +331,7 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     } catch (const UpstreamOutOfMemory& e) {
       {
         Guard g(grow_mu_);
-        claimed_ -= csize;
+        budget_.cancel(csize);
       }
       if (!retried) {
         retried = true;
@@ -356,20 +344,18 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
       OomFigures f;
       {
         AllLocks all(this);
-        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "upstream");
+        f = figures_all_locked(nbytes);
       }
       f.upstream_error = e.what();
-      throw_oom(std::move(f));
+      throw_oom(std::move(f), csize, false, FreeFit::OwnClass);
     } catch (...) {
       Guard g(grow_mu_);
-      claimed_ -= csize;
+      budget_.cancel(csize);
       throw;
     }
     Guard g(sh.mu);
     Guard g2(grow_mu_);
-    claimed_ -= csize;
-    reserved_ += csize;
-    peak_reserved_ = std::max(peak_reserved_, reserved_);
+    budget_.commit(csize);
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
     nb->size = csize;
@@ -443,9 +429,8 @@ void SizeClassPool::release_block_locked(Shard& sh, Block* b, Stream s, Detached
   make_free_locked(sh, b);
 }
 
-void SizeClassPool::deallocate(void* p, Stream s) {
+Refusal SizeClassPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   Detached detached;
   Block* b = nullptr;
   bool done = false;
@@ -456,74 +441,52 @@ void SizeClassPool::deallocate(void* p, Stream s) {
     Shard& sh = *shards_[k & shard_mask_];
     Guard g(sh.mu);
     if (b->home() == k && b->addr == a) {
-      check_open();
-      if (b->st() != ChunkState::Live)
-        throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
-                                 chunk_state_name(b->st()) + ")",
-                             a, "double_free");
+      if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
       release_block_locked(sh, b, s, detached);
       done = true;
     }
   }
   if (!done) {
     // Not found lock-free (an error, or the table was being rewritten): decide under every lock.
-    std::string inside;
-    {
-      AllLocks all(this);
-      check_open();
-      if (table_.find(a, b)) {
-        if (b->st() != ChunkState::Live)
-          throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
-                                   chunk_state_name(b->st()) + ")",
-                               a, "double_free");
-        grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
-        try {
-          release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
-        } catch (...) {
-          grow_mu_.lock();
-          throw;
-        }
-        grow_mu_.lock();
-        done = true;
-      } else {
-        table_.for_each([&](std::uintptr_t k, Block* x) {
-          if (inside.empty() && a > k && a < k + x->size)
-            inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " +
-                     std::to_string(a - k) + "): free the block's start address";
-        });
-      }
+    AllLocks all(this);
+    if (!table_.find(a, b)) {
+      Refusal r{Refusal::Unknown};
+      table_.for_each([&](std::uintptr_t k, Block* x) {
+        if (r.kind != Refusal::Interior && a > k && a < k + x->size) r = {Refusal::Interior, x->st(), k};
+      });
+      return r;
     }
-    if (!done) {
-      if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
-      throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
+    if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
+    grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
+    try {
+      release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
+    } catch (...) {
+      grow_mu_.lock();
+      throw;
     }
+    grow_mu_.lock();
   }
   free_detached(detached);
+  return {};
 }
 
-void SizeClassPool::record_stream(void* p, Stream s) {
+bool SizeClassPool::do_record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   Block* b = nullptr;
   if (table_.find(a, b) && b->st() == ChunkState::Live) {
     const std::uint32_t k = b->home();
     Shard& sh = *shards_[k & shard_mask_];
     Guard g(sh.mu);
-    check_open();
     if (b->home() == k && b->addr == a && b->st() == ChunkState::Live) {
-      if (s == b->alloc_stream) return;
-      if (!b->used_on) b->used_on = new std::vector<Stream>();
-      if (std::find(b->used_on->begin(), b->used_on->end(), s) == b->used_on->end()) b->used_on->push_back(s);
-      return;
+      b->add_use(s);
+      return true;
     }
   }
   // Not found lock-free (bad input, or the table was being rewritten): decide under every lock.
   AllLocks all(this);
-  check_open();
-  if (!table_.find(a, b) || b->st() != ChunkState::Live)
-    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
-  if (s == b->alloc_stream) return;
-  if (!b->used_on) b->used_on = new std::vector<Stream>();
-  if (std::find(b->used_on->begin(), b->used_on->end(), s) == b->used_on->end()) b->used_on->push_back(s);
+  if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;
+  b->add_use(s);
+  return true;
 }
 
 std::size_t SizeClassPool::process_pending() {
@@ -587,9 +550,9 @@ PoolStats SizeClassPool::stats() {
       dead += sh.order.dead_stream_settles();
       peak_shard = std::max(peak_shard, sh.peak_live);
     }
-    st.reserved = reserved_;
+    st.reserved = budget_.reserved;
     peak_live_ = std::max({peak_live_, st.live, peak_shard});
-    st.peak_reserved = peak_reserved_;
+    st.peak_reserved = budget_.peak_reserved;
     st.peak_live = peak_live_;
     st.backings = table_.size();
     st.extra.emplace_back("hits", hits);
@@ -667,8 +630,8 @@ void SizeClassPool::validate() {
     total_reserved += sh.reserved;
     total_free += sh.free_bytes;
   }
-  if (total_reserved != reserved_)
-    throw InvariantViolation("SizeClassPool: reserved " + std::to_string(reserved_) + " but the shards hold " +
+  if (total_reserved != budget_.reserved)
+    throw InvariantViolation("SizeClassPool: reserved " + std::to_string(budget_.reserved) + " but the shards hold " +
                              std::to_string(total_reserved));
   if (capped() && cached_total_.load() != total_free)
     throw InvariantViolation("SizeClassPool: cached-bytes counter does not match the free lists");
@@ -676,22 +639,16 @@ void SizeClassPool::validate() {
     throw InvariantViolation("SizeClassPool: pointer table does not match the blocks");
 }
 
-void SizeClassPool::close() {
+bool SizeClassPool::do_close(LiveAtClose& live) {
   Detached detached;
   {
     AllLocks all(this);
-    if (closed()) return;
-    std::size_t live_blocks = 0, live = 0;
-    for (auto& sh : shards_) live_blocks += sh->live_blocks, live += sh->live;
-    if (live_blocks) {
-      std::vector<std::uintptr_t> sample;
+    for (auto& sh : shards_) live.blocks += sh->live_blocks, live.bytes += sh->live;
+    if (live.blocks) {
       table_.for_each([&](std::uintptr_t a, Block* b) {
-        if (b->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
+        if (b->st() == ChunkState::Live) live.note(a);
       });
-      throw LiveBlocksAtClose("cannot close SizeClassPool #" + std::to_string(id_) + ": " +
-                                  std::to_string(live_blocks) + " block(s), " + format_bytes(live) +
-                                  " still live; free them first",
-                              live_blocks, live, sample);
+      return false;
     }
     for (auto& sp : shards_) {
       Shard& sh = *sp;
@@ -699,9 +656,10 @@ void SizeClassPool::close() {
       for (std::uint32_t c = 0; c < nclasses_; ++c)
         while (Block* b = pop_free_locked(sh, c)) retire_locked(sh, b, detached);
     }
-    closed_.store(true, std::memory_order_release);
+    mark_closed();
   }
   free_detached(detached);
+  return true;
 }
 
 Snapshot SizeClassPool::snapshot() {
@@ -730,7 +688,7 @@ Snapshot SizeClassPool::snapshot() {
   return snap;
 }
 
-bool SizeClassPool::owns_live(std::uintptr_t p) {
+bool SizeClassPool::find_live(std::uintptr_t p) {
   Guard g(grow_mu_);  // the table is written only under it
   Block* b;
   return table_.find(p, b) && b->st() == ChunkState::Live;
@@ -746,7 +704,7 @@ void SizeClassPool::reset_peaks() {
     live += sp->live;
   }
   peak_live_ = live;
-  peak_reserved_ = reserved_;
+  budget_.reset_peak();
 }
 
 }  // namespace poolkeeper

@@ -96,8 +96,6 @@ class ArenaPool final : public Pool {
   ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt = {});
   ~ArenaPool() override;
 
-  void* allocate(std::size_t nbytes, Stream s) override;
-  void deallocate(void* p, Stream s) override;
   // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
@@ -105,16 +103,13 @@ class ArenaPool final : public Pool {
   // releases, no shrink scan, no event recording: those may call the upstream or wait).
   void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) override;
   bool try_deallocate_locked_nowait(void* p, Stream s) override;
-  void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void reset_peaks() override;
   void validate() override;
   std::size_t trim() override;
   std::size_t process_pending() override;
   void synchronize() override;
-  void close() override;
   Snapshot snapshot() override;
-  bool owns_live(std::uintptr_t p) override;
   std::string name() const override { return "ArenaPool"; }
   std::size_t alignment() const override { return opt_.alignment; }
 
@@ -126,6 +121,12 @@ class ArenaPool final : public Pool {
   void on_thread_exit(detail::ThreadCache* tc);
 
  private:
+  void* do_allocate(std::size_t nbytes, Stream s) override;
+  Refusal do_deallocate(void* p, Stream s) override;
+  bool do_record_stream(void* p, Stream s) override;
+  bool do_close(LiveAtClose& live) override;
+  bool find_live(std::uintptr_t p) override;
+
   // The backing sources work on the arena's books under its lock (backing_source.hpp).
   friend class detail::SeparateBackings;
   friend class detail::VirtualRange;
@@ -154,7 +155,7 @@ class ArenaPool final : public Pool {
   void drain_locked(bool wait);
   PoolStats stats_locked();
   void note_peak_locked();
-  std::string locate_locked(std::uintptr_t p, std::string& reason);
+  Refusal locate_locked(std::uintptr_t p);
   OomFigures figures_locked(std::size_t requested);
 
   ArenaOptions opt_;

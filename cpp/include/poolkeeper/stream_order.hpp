@@ -87,6 +87,14 @@ struct BlockRecord {
     delete used_on;
     used_on = nullptr;
   }
+  // record_stream's step (the owner's lock held): its release also waits for s from now on.
+  void add_use(Stream s) {
+    if (s == alloc_stream || s == kNoStream) return;
+    if (!used_on) used_on = new std::vector<Stream>();
+    for (Stream x : *used_on)
+      if (x == s) return;
+    used_on->push_back(s);
+  }
 };
 
 class StreamOrder {
