@@ -107,21 +107,7 @@ PoolStats ArenaPool::stats() {
   return stats_locked();
 }
 
-OomFigures ArenaPool::figures_locked(std::size_t requested) {
-  const PoolStats st = stats_locked();
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = st.reserved;
-  f.live = st.live;
-  f.free = st.free;
-  f.largest_free = st.largest_free;
-  f.free_chunks = st.free_chunks;
-  f.pending = st.pending;
-  f.pending_by_stream = st.pending_by_stream;
-  f.thread_cached = st.thread_cached;
-  f.limit = opt_.limit;
-  return f;
-}
+OomFigures ArenaPool::figures_locked(std::size_t requested) { return oom_figures(stats_locked(), requested); }
 
 void ArenaPool::validate() {
   std::lock_guard<detail::SpinMutex> g(mu_);
@@ -216,11 +202,7 @@ void ArenaPool::validate() {
 
 Snapshot ArenaPool::snapshot() {
   std::lock_guard<detail::SpinMutex> g(mu_);
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats_locked();
+  Snapshot snap = snapshot_head(stats_locked());
   for (ArenaBacking* b : backings_) {
     BackingInfo bi;
     bi.address = b->addr;

@@ -19,28 +19,23 @@ DirectPool::~DirectPool() {
   table_.for_each([&](std::uintptr_t, BlockRecord* b) { b->drop_used_on(); });
 }
 
-OomFigures DirectPool::figures_locked(std::size_t requested) const {
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = budget_.reserved;
-  f.live = live_;
-  f.limit = opt_.limit;
-  return f;
-}
-
 void* DirectPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t n = align_up(nbytes, opt_.alignment);
+  bool claimed;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (!budget_.claim(n)) throw_oom(figures_locked(nbytes), n, true, FreeFit::OwnClass);
+    claimed = budget_.claim(n);
   }
+  if (!claimed) throw_oom(oom_figures(stats(), nbytes), n, true, FreeFit::OwnClass);
   void* p;
   try {
     p = upstream_alloc(n);
   } catch (const UpstreamOutOfMemory& e) {
-    std::lock_guard<std::mutex> g(mu_);
-    budget_.cancel(n);
-    OomFigures f = figures_locked(nbytes);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      budget_.cancel(n);
+    }
+    OomFigures f = oom_figures(stats(), nbytes);
     f.upstream_error = e.what();
     throw_oom(std::move(f), n, false, FreeFit::OwnClass);
   } catch (...) {
@@ -149,27 +144,12 @@ bool DirectPool::do_close(LiveAtClose& live) {
 }
 
 Snapshot DirectPool::snapshot() {
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats();
-  std::lock_guard<std::mutex> g(mu_);
-  table_.for_each([&](std::uintptr_t a, BlockRecord* b) {
-    BackingInfo bi;
-    bi.address = a;
-    bi.size = b->size;
-    ChunkInfo c;
-    c.size = b->size;
-    c.requested = b->requested;
-    c.state = ChunkState::Live;
-    c.alloc_stream = b->alloc_stream;
-    c.last_stream = b->last_stream;
-    bi.chunks.push_back(c);
-    snap.backings.push_back(std::move(bi));
-  });
-  std::sort(snap.backings.begin(), snap.backings.end(),
-            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+  Snapshot snap = snapshot_head(stats());
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    table_.for_each([&](std::uintptr_t, BlockRecord* b) { snap.backings.push_back(block_backing(*b)); });
+  }
+  sort_backings(snap);
   return snap;
 }
 

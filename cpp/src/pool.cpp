@@ -160,6 +160,35 @@ OomCause diagnose_oom(const OomFigures& f, std::size_t need, bool limit_hit, Fre
   return limit_hit ? OomCause::Limit : OomCause::Upstream;
 }
 
+OomFigures oom_figures(const PoolStats& st, std::size_t requested) {
+  OomFigures f;
+  f.requested = requested;
+  f.reserved = st.reserved;
+  f.live = st.live;
+  f.free = st.free;
+  f.largest_free = st.largest_free;
+  f.free_chunks = st.free_chunks;
+  f.pending = st.pending;
+  f.pending_by_stream = st.pending_by_stream;
+  f.thread_cached = st.thread_cached;
+  f.limit = st.limit;
+  return f;
+}
+
+Snapshot Pool::snapshot_head(PoolStats st) const {
+  Snapshot snap;
+  snap.pool = name();
+  snap.upstream = upstream_->name();
+  snap.alignment = alignment();
+  snap.stats = std::move(st);
+  return snap;
+}
+
+void Pool::sort_backings(Snapshot& s) {
+  std::sort(s.backings.begin(), s.backings.end(),
+            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+}
+
 void Pool::throw_oom(OomFigures f, std::size_t need, bool limit_hit, FreeFit fit) {
   ooms_.fetch_add(1, std::memory_order_relaxed);
   f.cause = diagnose_oom(f, need, limit_hit, fit);

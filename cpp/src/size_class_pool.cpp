@@ -185,29 +185,6 @@ void SizeClassPool::free_detached(Detached& v) {
   v.clear();
 }
 
-OomFigures SizeClassPool::figures_all_locked(std::size_t requested) {
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = budget_.reserved;
-  std::map<Stream, std::size_t> by_stream;
-  for (auto& sp : shards_) {
-    Shard& sh = *sp;
-    f.live += sh.live;
-    f.free += sh.free_bytes;
-    f.free_chunks += sh.free_blocks;
-    f.pending += sh.order.pending_bytes();
-    for (auto& [st, n] : sh.order.by_stream()) by_stream[st] += n;
-    for (std::size_t c = nclasses_; c-- > 0;)
-      if (sh.free[c].head) {
-        f.largest_free = std::max(f.largest_free, sh.free[c].head->size);
-        break;
-      }
-  }
-  f.pending_by_stream.assign(by_stream.begin(), by_stream.end());
-  f.limit = opt_.limit;
-  return f;
-}
-
 // Detach every shard's cached blocks (after settling completed releases when drain), one shard at
 // a time: each step keeps that shard's books whole. Returns the bytes detached.
 std::size_t SizeClassPool::detach_all_free(Detached& out, bool drain) {
@@ -287,6 +264,22 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
   Shard& sh = my_shard();
   Detached detached;
   bool retried = false;
+  // Recovery, once: give cached blocks of other classes back (after an upstream refusal, pending
+  // ones settled too), then retry. False: nothing left to try.
+  auto recover = [&](bool drain) {
+    if (retried) return false;
+    retried = true;
+    if (!detach_all_free(detached, drain) && !drain) return false;
+    free_detached(detached);
+    Guard g(grow_mu_);
+    ++oom_retries_;
+    return true;
+  };
+  auto fail = [&](bool limit_hit, const char* upstream_error) {
+    OomFigures f = oom_figures(stats(), nbytes);  // stats(): one observation under every lock
+    if (upstream_error) f.upstream_error = upstream_error;
+    throw_oom(std::move(f), csize, limit_hit, FreeFit::OwnClass);
+  };
   for (;;) {
     {
       std::unique_lock<detail::SpinMutex> g(sh.mu);
@@ -308,22 +301,8 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
       if (!over) ++misses_;
     }
     if (over) {
-      if (!retried) {
-        // Give cached blocks of other classes back, then retry once.
-        retried = true;
-        if (detach_all_free(detached, false)) {
-          free_detached(detached);
-          Guard g(grow_mu_);
-          ++oom_retries_;
-          continue;
-        }
-      }
-      OomFigures f;
-      {
-        AllLocks all(this);
-        f = figures_all_locked(nbytes);
-      }
-      throw_oom(std::move(f), csize, true, FreeFit::OwnClass);
+      if (recover(false)) continue;
+      fail(true, nullptr);
     }
     void* p = nullptr;
     try {
@@ -333,21 +312,8 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
         Guard g(grow_mu_);
         budget_.cancel(csize);
       }
-      if (!retried) {
-        retried = true;
-        detach_all_free(detached, true);
-        free_detached(detached);
-        Guard g(grow_mu_);
-        ++oom_retries_;
-        continue;
-      }
-      OomFigures f;
-      {
-        AllLocks all(this);
-        f = figures_all_locked(nbytes);
-      }
-      f.upstream_error = e.what();
-      throw_oom(std::move(f), csize, false, FreeFit::OwnClass);
+      if (recover(true)) continue;
+      fail(false, e.what());
     } catch (...) {
       Guard g(grow_mu_);
       budget_.cancel(csize);
@@ -663,28 +629,16 @@ bool SizeClassPool::do_close(LiveAtClose& live) {
 }
 
 Snapshot SizeClassPool::snapshot() {
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats();
-  AllLocks all(this);
-  table_.for_each([&](std::uintptr_t a, Block* b) {
-    BackingInfo bi;
-    bi.address = a;
-    bi.size = b->size;
-    ChunkInfo c;
-    c.size = b->size;
-    c.state = b->st();
-    c.requested = b->requested;
-    c.alloc_stream = b->alloc_stream;
-    c.last_stream = b->last_stream;
-    if (c.state == ChunkState::Pending) shards_[b->home()]->order.describe(b, c.waits_on, c.event);
-    bi.chunks.push_back(std::move(c));
-    snap.backings.push_back(std::move(bi));
-  });
-  std::sort(snap.backings.begin(), snap.backings.end(),
-            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+  Snapshot snap = snapshot_head(stats());
+  {
+    AllLocks all(this);
+    table_.for_each([&](std::uintptr_t, Block* b) {
+      BackingInfo& bi = snap.backings.emplace_back(block_backing(*b));
+      if (b->st() == ChunkState::Pending)
+        shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
+    });
+  }
+  sort_backings(snap);
   return snap;
 }
 

@@ -121,11 +121,7 @@ class ArenaPool final : public Pool {
   void on_thread_exit(detail::ThreadCache* tc);
 
  private:
-  void* do_allocate(std::size_t nbytes, Stream s) override;
-  Refusal do_deallocate(void* p, Stream s) override;
-  bool do_record_stream(void* p, Stream s) override;
-  bool do_close(LiveAtClose& live) override;
-  bool find_live(std::uintptr_t p) override;
+  POOLKEEPER_POOL_HOOKS;
 
   // The backing sources work on the arena's books under its lock (backing_source.hpp).
   friend class detail::SeparateBackings;

@@ -40,12 +40,7 @@ class DirectPool final : public Pool {
   std::size_t alignment() const override { return opt_.alignment; }
 
  private:
-  void* do_allocate(std::size_t nbytes, Stream s) override;
-  Refusal do_deallocate(void* p, Stream s) override;
-  bool do_record_stream(void* p, Stream s) override;
-  bool do_close(LiveAtClose& live) override;
-  bool find_live(std::uintptr_t p) override;
-  OomFigures figures_locked(std::size_t requested) const;
+  POOLKEEPER_POOL_HOOKS;
 
   const DirectOptions opt_;
   std::mutex mu_;  // guards everything below

@@ -205,6 +205,9 @@ class Pool {
       throw_closed();
   }
   void mark_closed() { closed_.store(true, std::memory_order_release); }
+  // A snapshot's pool, upstream, alignment and stats; the pool adds its backings.
+  Snapshot snapshot_head(PoolStats st) const;
+  static void sort_backings(Snapshot& s);
   // "ArenaPool #3": how errors name this pool.
   std::string label() const { return name() + " #" + std::to_string(id_); }
   // Join the directory of open pools. Each most-derived constructor calls it last: a pool in the
@@ -251,9 +254,20 @@ class Pool {
   std::atomic<bool> forked_{false};
 };
 
+// Declares Pool's hooks in a pool class (each pool defines all five in its .cpp); an adaptor that
+// forwards to an inner pool (LoggingPool) declares its own.
+#define POOLKEEPER_POOL_HOOKS                                      \
+  void* do_allocate(std::size_t nbytes, Stream s) override;        \
+  Refusal do_deallocate(void* p, Stream s) override;               \
+  bool do_record_stream(void* p, Stream s) override;               \
+  bool do_close(LiveAtClose& live) override;                       \
+  bool find_live(std::uintptr_t p) override
+
 // The cause of an OOM from what the pool holds: enough free or pending memory that could not
 // serve the request names why; otherwise the limit or the upstream refused.
 OomCause diagnose_oom(const OomFigures& f, std::size_t need, bool limit_hit, FreeFit fit);
+// The figures of an OOM error from the pool's stats at the failure.
+OomFigures oom_figures(const PoolStats& st, std::size_t requested);
 
 
 }  // namespace poolkeeper

@@ -82,11 +82,7 @@ class SizeClassPool final : public Pool {
   std::size_t class_index(std::size_t rounded) const;
 
  private:
-  void* do_allocate(std::size_t nbytes, Stream s) override;
-  Refusal do_deallocate(void* p, Stream s) override;
-  bool do_record_stream(void* p, Stream s) override;
-  bool do_close(LiveAtClose& live) override;
-  bool find_live(std::uintptr_t p) override;
+  POOLKEEPER_POOL_HOOKS;
 
   struct Block : BlockRecord {
     Block* next_free = nullptr;  // guarded by the owning shard's lock
@@ -129,7 +125,6 @@ class SizeClassPool final : public Pool {
   Block* steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh, std::uint32_t cls, std::size_t csize, Stream s);
   std::size_t detach_all_free(Detached& out, bool drain);  // every shard's free blocks, retired
   void free_detached(Detached& v);
-  OomFigures figures_all_locked(std::size_t requested);
   void release_block_locked(Shard& sh, Block* b, Stream s, Detached& out);
 
   SizeClassOptions opt_;

@@ -97,6 +97,20 @@ struct BlockRecord {
   }
 };
 
+// A block that is its own backing (DirectPool, SizeClassPool), for a snapshot: one chunk.
+inline BackingInfo block_backing(const BlockRecord& b) {
+  BackingInfo bi;
+  bi.address = b.addr;
+  bi.size = b.size;
+  ChunkInfo& c = bi.chunks.emplace_back();
+  c.size = b.size;
+  c.state = b.st();
+  c.requested = b.requested;
+  c.alloc_stream = b.alloc_stream;
+  c.last_stream = b.last_stream;
+  return bi;
+}
+
 class StreamOrder {
   static constexpr std::uint32_t kMultiLane = 0xffffffffu;
   static constexpr std::uint32_t kCaptureLane = 0xfffffffeu;  // waits for a capture to end
