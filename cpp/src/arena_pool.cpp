@@ -33,15 +33,12 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
   source_ = opt_.expandable ? detail::make_virtual_range(*this) : detail::make_separate_backings(*this);
-  detail::arena_registry_add(id_, this);
   join_directory();  // last: the pool is whole now
 }
 
 ArenaPool::~ArenaPool() {
-  unregister();
-  if (forked()) return;  // its lock may have been held at the fork (the child forgot it, see arena_registry_add)
-  // First: no exiting thread may flush into us any more.
-  detail::arena_registry_remove(id_);
+  unregister();  // first: no exiting thread may fold its cache into us any more
+  if (forked()) return;  // its lock may have been held at the fork
   try {
     close();
     return;

@@ -22,8 +22,8 @@ namespace {
 // Every open pool, so a pointer freed into the wrong pool can be traced to its owner.
 std::mutex g_dir_mu;
 std::vector<Pool*>& directory() {
-  static std::vector<Pool*> d;
-  return d;
+  static auto* d = new std::vector<Pool*>();  // never destroyed: threads may exit after static destructors
+  return *d;
 }
 std::atomic<std::uint64_t> g_next_id{1};
 
@@ -61,6 +61,17 @@ void Pool::join_directory() {
 }
 
 Pool::~Pool() { unregister(); }
+
+bool Pool::with_pool(std::uint64_t id, void (*fn)(Pool&, void*), void* ctx) {
+  std::lock_guard<std::mutex> g(g_dir_mu);
+  for (Pool* p : directory())
+    if (p->id_ == id) {
+      if (p->forked()) return false;  // its lock may have been held at the fork
+      fn(*p, ctx);
+      return true;
+    }
+  return false;
+}
 
 void Pool::unregister() {
   std::lock_guard<std::mutex> g(g_dir_mu);

@@ -185,6 +185,11 @@ class Pool {
   // The fork child handler's step (pool.cpp): closed, and forked() from now on.
   void mark_forked();
   std::uint64_t id() const { return id_; }
+  // The directory's lookup by id: fn(pool, ctx) under the directory lock, so the pool cannot be
+  // destroyed meanwhile (lock order: the directory, then a pool's own lock). False when no pool of
+  // that id is in the directory, or it was inherited through fork(). (ArenaPool's thread-exit
+  // hook folds a dying thread's cache into its pool this way.)
+  static bool with_pool(std::uint64_t id, void (*fn)(Pool&, void*), void* ctx);
 
  protected:
   // ---- the hooks. Called after the checks above: nbytes valid, p non-null, the pool open (as
@@ -210,6 +215,8 @@ class Pool {
   static void sort_backings(Snapshot& s);
   // "ArenaPool #3": how errors name this pool.
   std::string label() const { return name() + " #" + std::to_string(id_); }
+  // The process-wide directory (pool.cpp) lists every pool from its constructor's end to its
+  // destructor's start: to name the owner of a foreign pointer, and to find a pool by id.
   // Join the directory of open pools. Each most-derived constructor calls it last: a pool in the
   // directory may be asked find_live() by another thread at any moment, so it must be whole.
   void join_directory();
