@@ -12,8 +12,10 @@ using detail::ArenaChunk;
 using detail::ThreadCache;
 
 void ArenaPool::note_peak_locked() {
-  // Exact live bytes need every cache's delta; read them only when another thread has a cache
-  // (a single-threaded pool keeps its peak from the fast path's own estimate).
+  // Exact live bytes need every cache's delta, so every cache is read here, at each locked
+  // allocation. Between locked calls only the fast path of a pool with a single cache
+  // (ncaches_ == 1) keeps a peak estimate of its own (peak_live_pub, folded in by stats_locked);
+  // with several caches a peak reached on the fast paths alone is seen at the next locked call.
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   for (auto& tc : caches_) live += tc->read().live_delta;
   if (live > static_cast<std::int64_t>(peak_live_)) peak_live_ = static_cast<std::size_t>(live);

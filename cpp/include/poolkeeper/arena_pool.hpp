@@ -154,11 +154,14 @@ class ArenaPool final : public Pool {
   Refusal locate_locked(std::uintptr_t p);
   OomFigures figures_locked(std::size_t requested);
 
+  // Set by the constructor, read-only afterwards (read lock-free by the fast paths).
   ArenaOptions opt_;
   bool cache_enabled_;
-  // Guards everything below except the atomics and what the thread caches own (thread_cache.hpp).
-  // Spins briefly, then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
+  // The pool lock: guards every field below marked "guarded by mu_", and the chunk records of
+  // everything outside the thread caches (what the caches own: thread_cache.hpp). Spins briefly,
+  // then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
   mutable detail::SpinMutex mu_;
+  // Structure, guarded by mu_.
   detail::NodeArena<detail::ArenaChunk> chunk_nodes_;
   detail::PointerTable<detail::ArenaChunk*> table_;  // Live and ThreadCached chunks
   detail::FreeIndex index_;
@@ -166,16 +169,21 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
+  // Written under mu_, read lock-free (relaxed) by the fast paths and stats().
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
+  // The books, guarded by mu_ (stats_locked() and validate() read them under it).
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
-  std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
+  std::size_t peak_reserved_ = 0, peak_live_ = 0;
+  std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
+  // Event counters for stats() extras, guarded by mu_.
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
                 slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
-  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted slow.
+  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted
+  // slow. Guarded by mu_.
   std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
 };
 
