@@ -71,11 +71,8 @@ void bind_pools(nb::module_& m) {
       .def("__init__", [](SizeClassPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
         new (self) SizeClassPool(std::move(up), size_class_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
-      .def("release_cached", [](SizeClassPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        return p.release_cached();
-      })
+      .def("release_cached",
+           [](SizeClassPool& p) { return pool_call_nogil(p, [](SizeClassPool& q) { return q.release_cached(); }); })
       .def_static("class_size", &SizeClassPool::class_size_for, "nbytes"_a, "alignment"_a = 256,
                   "classes_per_doubling"_a = 4);
 
@@ -83,16 +80,10 @@ void bind_pools(nb::module_& m) {
       .def("__init__", [](ArenaPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
         new (self) ArenaPool(std::move(up), arena_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
-      .def("shrink_scan", [](ArenaPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        return p.shrink_scan();
-      }, "Run one automatic shrink scan now; returns bytes released.")
-      .def("flush_thread_cache", [](ArenaPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        p.flush_thread_cache();
-      }, "Return the calling thread's cached blocks to the pool.");
+      .def("shrink_scan", [](ArenaPool& p) { return pool_call_nogil(p, [](ArenaPool& q) { return q.shrink_scan(); }); },
+           "Run one automatic shrink scan now; returns bytes released.")
+      .def("flush_thread_cache", [](ArenaPool& p) { pool_call_nogil(p, [](ArenaPool& q) { q.flush_thread_cache(); }); },
+           "Return the calling thread's cached blocks to the pool.");
 }
 
 }  // namespace poolkeeper::py

@@ -172,18 +172,9 @@ OomCause diagnose_oom(const OomFigures& f, std::size_t need, bool limit_hit, Fre
 }
 
 OomFigures oom_figures(const PoolStats& st, std::size_t requested) {
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = st.reserved;
-  f.live = st.live;
-  f.free = st.free;
-  f.largest_free = st.largest_free;
-  f.free_chunks = st.free_chunks;
-  f.pending = st.pending;
-  f.pending_by_stream = st.pending_by_stream;
-  f.thread_cached = st.thread_cached;
-  f.limit = st.limit;
-  return f;
+  return OomFigures{.requested = requested, .reserved = st.reserved, .live = st.live, .free = st.free,
+                    .largest_free = st.largest_free, .pending = st.pending, .free_chunks = st.free_chunks,
+                    .limit = st.limit, .thread_cached = st.thread_cached, .pending_by_stream = st.pending_by_stream};
 }
 
 Snapshot Pool::snapshot_head(PoolStats st) const {
