@@ -485,8 +485,9 @@ PoolStats SizeClassPool::stats() {
   PoolStats st;
   std::map<Stream, std::size_t> by_stream;
   std::vector<bool> cached(nclasses_, false);
-  std::uint64_t hits = 0, migrated = 0, reuses = 0, fences = 0, dead = 0, retired = 0;
-  std::size_t fences_out = 0, lanes = 0, peak_shard = 0;
+  std::uint64_t hits = 0, migrated = 0;
+  std::size_t peak_shard = 0;
+  StreamOrderCounters so;
   {
     AllLocks all(this);
     for (auto& sp : shards_) {
@@ -508,12 +509,7 @@ PoolStats SizeClassPool::stats() {
         if (sh.free[c].count) cached[c] = true;
       hits += sh.hits;
       migrated += sh.migrated;
-      reuses += sh.order.same_stream_reuses();
-      fences += sh.order.fences_recorded();
-      fences_out += sh.order.fences_outstanding();
-      lanes += sh.order.lanes();
-      retired += sh.order.lanes_retired();
-      dead += sh.order.dead_stream_settles();
+      so.add(sh.order);
       peak_shard = std::max(peak_shard, sh.peak_live);
     }
     st.reserved = budget_.reserved;
@@ -521,21 +517,13 @@ PoolStats SizeClassPool::stats() {
     st.peak_reserved = budget_.peak_reserved;
     st.peak_live = peak_live_;
     st.backings = table_.size();
-    st.extra.emplace_back("hits", hits);
-    st.extra.emplace_back("misses", misses_);
-    st.extra.emplace_back("cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true)));
-    st.extra.emplace_back("released_blocks", released_blocks_);
-    st.extra.emplace_back("same_stream_reuses", reuses);
-    st.extra.emplace_back("fences_recorded", fences);
-    st.extra.emplace_back("fences_outstanding", fences_out);
-    st.extra.emplace_back("stream_lanes", lanes);
-    st.extra.emplace_back("stream_lanes_retired", retired);
-    st.extra.emplace_back("dead_stream_settles", dead);
-    st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
-    st.extra.emplace_back("oom_retries", oom_retries_);
-    st.extra.emplace_back("table_capacity", table_.capacity());
-    st.extra.emplace_back("shards", shards_.size());
-    st.extra.emplace_back("shard_migrations", migrated);
+    add_extras(st, {{"hits", hits}, {"misses", misses_},
+                    {"cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true))},
+                    {"released_blocks", released_blocks_}});
+    so.report(st);
+    add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
+                    {"table_capacity", table_.capacity()}, {"shards", shards_.size()},
+                    {"shard_migrations", migrated}});
   }
   st.limit = opt_.limit;
   st.pending_by_stream.assign(by_stream.begin(), by_stream.end());

@@ -20,6 +20,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -260,6 +261,11 @@ class Pool {
 
   std::atomic<bool> forked_{false};
 };
+
+// Appends a pool's own counters to stats().extra, in the order given.
+inline void add_extras(PoolStats& st, std::initializer_list<std::pair<const char*, std::uint64_t>> items) {
+  for (const auto& [k, v] : items) st.extra.emplace_back(k, v);
+}
 
 // Declares Pool's hooks in a pool class (each pool defines all five in its .cpp); an adaptor that
 // forwards to an inner pool (LoggingPool) declares its own.

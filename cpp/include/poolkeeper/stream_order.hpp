@@ -332,4 +332,20 @@ void StreamOrder::clear(F&& on_each) {
   }
 }
 
+// StreamOrder's counters as a pool's stats() reports them (summed over a sharded pool's orders).
+struct StreamOrderCounters {
+  std::uint64_t same_stream_reuses = 0, fences_recorded = 0, fences_outstanding = 0, lanes = 0, lanes_retired = 0,
+                dead_stream_settles = 0;
+  void add(const StreamOrder& o) {
+    same_stream_reuses += o.same_stream_reuses(), fences_recorded += o.fences_recorded();
+    fences_outstanding += o.fences_outstanding(), lanes += o.lanes();
+    lanes_retired += o.lanes_retired(), dead_stream_settles += o.dead_stream_settles();
+  }
+  void report(PoolStats& st) const {
+    add_extras(st, {{"same_stream_reuses", same_stream_reuses}, {"fences_recorded", fences_recorded},
+                    {"fences_outstanding", fences_outstanding}, {"stream_lanes", lanes},
+                    {"stream_lanes_retired", lanes_retired}, {"dead_stream_settles", dead_stream_settles}});
+  }
+};
+
 }  // namespace poolkeeper
