@@ -24,6 +24,21 @@ nb::dict stats_to_dict(const PoolStats& st);
 nb::dict snapshot_to_dict(const Snapshot& snap);
 nb::dict upstream_counters_to_dict(const UpstreamCounters& c);
 
+// A dict from alternating keys and values: dict_of("chunks", c.chunks, "bytes", c.bytes). How the
+// bindings report a struct: one call naming its fields, not one assignment per field.
+inline void put_items(nb::dict&) {}
+template <class V, class... Rest>
+void put_items(nb::dict& d, const char* key, const V& value, const Rest&... rest) {
+  d[key] = value;
+  put_items(d, rest...);
+}
+template <class... Items>
+nb::dict dict_of(const Items&... items) {
+  nb::dict d;
+  put_items(d, items...);
+  return d;
+}
+
 // Releases the GIL for a blocking core call; takes it back at scope exit -- except on a
 // non-exiting thread once the interpreter is exiting, which then waits forever instead of being
 // unwound through this destructor (see nogil.cpp). Use it, not nb::gil_scoped_release, and hold
@@ -39,6 +54,34 @@ class ReleaseGil {
   PyThreadState* state_;
 };
 void install_exit_guard(nb::module_& m);
+
+// f(pool) without the GIL, after refusing a pool inherited through fork(): how a binding calls a
+// pool method that may wait for the pool's lock or the device. Returns f's (C++) result.
+template <class P, class F>
+auto pool_call_nogil(P& pool, F f) {
+  pool.check_not_forked();
+  ReleaseGil nogil;
+  return f(pool);
+}
+
+// Pool.allocate/deallocate: the non-blocking attempt under the GIL, then the blocking call
+// without it (pools.cpp binds them through nanobind; fast_methods.cpp as raw descriptors).
+inline std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
+  p.check_not_forked();
+  const std::size_t n = parse_size(nbytes);
+  const Stream s = parse_stream(stream);
+  if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
+  ReleaseGil nogil;
+  return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
+}
+inline void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
+  p.check_not_forked();
+  void* a = reinterpret_cast<void*>(parse_ptr(ptr));
+  const Stream s = parse_stream(stream);
+  if (p.try_deallocate_nowait(a, s)) return;
+  ReleaseGil nogil;
+  p.deallocate(a, s);
+}
 
 // Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
 void set_python_error(const std::exception_ptr& p);

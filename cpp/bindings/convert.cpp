@@ -159,23 +159,13 @@ nb::object stream_to_py(Stream s) {
 }
 
 nb::dict stats_to_dict(const PoolStats& st) {
-  nb::dict d;
-  d["reserved_bytes"] = st.reserved;
-  d["live_bytes"] = st.live;
-  d["free_bytes"] = st.free;
-  d["pending_bytes"] = st.pending;
-  d["overhead_bytes"] = st.overhead;
-  d["thread_cached_bytes"] = st.thread_cached;
-  d["thread_cached_pending_bytes"] = st.thread_cached_pending;
-  d["largest_free_block"] = st.largest_free;
-  d["fragmentation"] = st.free ? 1.0 - double(st.largest_free) / double(st.free) : 0.0;
-  d["peak_reserved_bytes"] = st.peak_reserved;
-  d["peak_live_bytes"] = st.peak_live;
-  d["live_blocks"] = st.live_blocks;
-  d["free_chunks"] = st.free_chunks;
-  d["pending_blocks"] = st.pending_blocks;
-  d["backings"] = st.backings;
-  d["limit_bytes"] = st.limit ? nb::object(nb::int_(st.limit)) : nb::none();
+  nb::dict d = dict_of(
+      "reserved_bytes", st.reserved, "live_bytes", st.live, "free_bytes", st.free, "pending_bytes", st.pending,
+      "overhead_bytes", st.overhead, "thread_cached_bytes", st.thread_cached, "thread_cached_pending_bytes",
+      st.thread_cached_pending, "largest_free_block", st.largest_free, "fragmentation",
+      st.free ? 1.0 - double(st.largest_free) / double(st.free) : 0.0, "peak_reserved_bytes", st.peak_reserved,
+      "peak_live_bytes", st.peak_live, "live_blocks", st.live_blocks, "free_chunks", st.free_chunks, "pending_blocks",
+      st.pending_blocks, "backings", st.backings, "limit_bytes", st.limit ? nb::object(nb::int_(st.limit)) : nb::none());
   nb::dict ps;
   for (auto& [s, b] : st.pending_by_stream) ps[stream_to_py(s)] = nb::int_(b);
   d["pending_by_stream"] = ps;
@@ -184,60 +174,32 @@ nb::dict stats_to_dict(const PoolStats& st) {
 }
 
 nb::dict snapshot_to_dict(const Snapshot& snap) {
-  nb::dict d;
-  d["version"] = 1;
-  d["pool"] = snap.pool;
-  d["upstream"] = snap.upstream;
-  d["alignment"] = snap.alignment;
-  d["stats"] = stats_to_dict(snap.stats);
   nb::list backings;
   for (const auto& b : snap.backings) {
-    nb::dict bd;
-    bd["address"] = nb::int_(b.address);
-    bd["size"] = b.size;
-    bd["resident"] = b.resident;
-    bd["oversize"] = b.oversize;
     nb::list chunks;
     for (const auto& c : b.chunks) {
-      nb::dict cd;
-      cd["offset"] = c.offset;
-      cd["size"] = c.size;
-      cd["state"] = chunk_state_name(c.state);
-      cd["requested"] = c.state == ChunkState::Live ? nb::object(nb::int_(c.requested)) : nb::none();
-      cd["alloc_stream"] = stream_to_py(c.alloc_stream);
-      cd["last_stream"] = stream_to_py(c.last_stream);
-      cd["event"] = c.event ? nb::object(nb::int_(c.event)) : nb::none();
       nb::list w;
       for (Stream s : c.waits_on) w.append(stream_to_py(s));
-      cd["waits_on"] = w;
-      chunks.append(cd);
+      chunks.append(dict_of(
+          "offset", c.offset, "size", c.size, "state", chunk_state_name(c.state), "requested",
+          c.state == ChunkState::Live ? nb::object(nb::int_(c.requested)) : nb::none(), "alloc_stream",
+          stream_to_py(c.alloc_stream), "last_stream", stream_to_py(c.last_stream), "event",
+          c.event ? nb::object(nb::int_(c.event)) : nb::none(), "waits_on", w));
     }
-    bd["chunks"] = chunks;
-    backings.append(bd);
+    backings.append(dict_of("address", nb::int_(b.address), "size", b.size, "resident", b.resident, "oversize",
+                            b.oversize, "chunks", chunks));
   }
-  d["backings"] = backings;
-  return d;
+  return dict_of("version", 1, "pool", snap.pool, "upstream", snap.upstream, "alignment", snap.alignment, "stats",
+                 stats_to_dict(snap.stats), "backings", backings);
 }
 
 nb::dict upstream_counters_to_dict(const UpstreamCounters& c) {
-  nb::dict d;
-  d["allocations"] = c.allocations;
-  d["deallocations"] = c.deallocations;
-  d["bytes_allocated"] = c.bytes_allocated;
-  d["bytes_deallocated"] = c.bytes_deallocated;
-  d["outstanding_bytes"] = c.outstanding_bytes;
-  d["peak_outstanding_bytes"] = c.peak_outstanding_bytes;
-  d["alloc_ns"] = c.alloc_ns;
-  d["dealloc_ns"] = c.dealloc_ns;
-  d["failed_allocations"] = c.failed_allocations;
-  d["failed_deallocations"] = c.failed_deallocations;
-  d["maps"] = c.maps;
-  d["unmaps"] = c.unmaps;
-  d["reserves"] = c.reserves;
-  d["unreserves"] = c.unreserves;
-  d["aliases"] = c.aliases;
-  d["unaliases"] = c.unaliases;
-  return d;
+  return dict_of("allocations", c.allocations, "deallocations", c.deallocations, "bytes_allocated", c.bytes_allocated,
+                 "bytes_deallocated", c.bytes_deallocated, "outstanding_bytes", c.outstanding_bytes,
+                 "peak_outstanding_bytes", c.peak_outstanding_bytes, "alloc_ns", c.alloc_ns, "dealloc_ns",
+                 c.dealloc_ns, "failed_allocations", c.failed_allocations, "failed_deallocations",
+                 c.failed_deallocations, "maps", c.maps, "unmaps", c.unmaps, "reserves", c.reserves, "unreserves",
+                 c.unreserves, "aliases", c.aliases, "unaliases", c.unaliases);
 }
 
 }  // namespace poolkeeper::py

@@ -36,32 +36,19 @@ int mempool_attr_id(const std::string& name) {
 }
 
 nb::dict warm_state_to_dict(const WarmPoolState& s) {
-  nb::dict d;
-  nb::list devices, raised;
+  auto text_or_none = [](const std::string& t) { return t.empty() ? nb::none() : nb::object(nb::str(t.c_str())); };
+  nb::list devices, raised, msgs;
   for (const auto& dev : s.devices) {
-    nb::dict x;
-    x["device"] = dev.device;
-    x["handles"] = dev.handles;
-    x["raised"] = dev.raised;
-    x["previous"] = dev.raised ? nb::object(nb::int_(dev.previous)) : nb::none();
-    x["unsupported"] = dev.unsupported.empty() ? nb::none() : nb::object(nb::str(dev.unsupported.c_str()));
-    devices.append(x);
+    devices.append(dict_of("device", dev.device, "handles", dev.handles, "raised", dev.raised, "previous",
+                           dev.raised ? nb::object(nb::int_(dev.previous)) : nb::none(), "unsupported",
+                           text_or_none(dev.unsupported)));
     if (dev.raised) raised.append(dev.device);
   }
-  d["devices"] = devices;
-  d["raised_devices"] = raised;
-  d["total_handles"] = s.total_handles;
-  d["raises"] = s.raises;
-  d["restores"] = s.restores;
-  d["trims"] = s.trims;
-  d["left_alone"] = s.left_alone;
-  d["configure_failures"] = s.configure_failures;
-  d["release_failures"] = s.release_failures;
-  d["last_error"] = s.last_error.empty() ? nb::none() : nb::object(nb::str(s.last_error.c_str()));
-  nb::list msgs;
   for (const auto& m : s.messages) msgs.append(nb::str(m.c_str()));
-  d["messages"] = msgs;
-  return d;
+  return dict_of("devices", devices, "raised_devices", raised, "total_handles", s.total_handles, "raises", s.raises,
+                 "restores", s.restores, "trims", s.trims, "left_alone", s.left_alone, "configure_failures",
+                 s.configure_failures, "release_failures", s.release_failures, "last_error",
+                 text_or_none(s.last_error), "messages", msgs);
 }
 
 void bind_driver_helpers(nb::module_& m) {
@@ -72,16 +59,10 @@ void bind_driver_helpers(nb::module_& m) {
   m.def("cuda_driver_library", []() { return cuda::api().library; });
   m.def("cuda_device_info", [](int device) {
     const cuda::DeviceInfo i = cuda::device_info(device);
-    nb::dict d;
-    d["index"] = i.index;
-    d["name"] = i.name;
-    d["pci_bus_id"] = i.pci_bus_id;
-    d["total_memory"] = i.total_memory;
-    d["free_memory"] = i.free_memory;
-    d["compute_capability"] = nb::make_tuple(i.compute_capability_major, i.compute_capability_minor);
-    d["multiprocessors"] = i.multiprocessors;
-    d["memory_pools_supported"] = i.memory_pools_supported;
-    return d;
+    return dict_of("index", i.index, "name", i.name, "pci_bus_id", i.pci_bus_id, "total_memory", i.total_memory,
+                   "free_memory", i.free_memory, "compute_capability",
+                   nb::make_tuple(i.compute_capability_major, i.compute_capability_minor), "multiprocessors",
+                   i.multiprocessors, "memory_pools_supported", i.memory_pools_supported);
   }, "device"_a);
   m.def("cuda_current_device", &cuda::current_device,
         "Device of the calling thread's current context (-1 when none is current).");

@@ -44,7 +44,7 @@ void set_python_error(const std::exception_ptr& p) {
       d["pending_by_stream"] = by_stream;
       d["thread_cached"] = f.thread_cached;
       d["limit"] = f.limit ? nb::object(nb::int_(f.limit)) : nb::none();
-      d["cause"] = f.cause;
+      d["cause"] = oom_cause_name(f.cause);
       d["pool"] = f.pool;
       d["upstream"] = f.upstream;
       d["upstream_error"] = f.upstream_error;

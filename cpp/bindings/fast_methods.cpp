@@ -56,43 +56,30 @@ bool check_ready(PyObject* self) {
   return false;
 }
 
-PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+// A raw method (first, stream=None) on a ready Pool: body(pool, first, stream), errors mapped.
+template <class Body>
+PyObject* pool_method(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, const char* first,
+                      Body body) {
   PyObject *a0, *a1;
-  if (!check_ready(self) || !parse_args(args, nargs, kwnames, "nbytes", "stream", a0, a1, false)) return nullptr;
+  if (!check_ready(self) || !parse_args(args, nargs, kwnames, first, "stream", a0, a1, false)) return nullptr;
   try {
-    Pool* pool = nb::inst_ptr<Pool>(self);
-    pool->check_not_forked();
-    const std::size_t n = parse_size(a0);
-    const Stream s = parse_stream(a1);
-    void* r = pool->try_allocate_nowait(n, s);
-    if (!r) {
-      ReleaseGil nogil;
-      r = pool->allocate(n, s);
-    }
-    return PyLong_FromSize_t(reinterpret_cast<std::uintptr_t>(r));
+    return body(*nb::inst_ptr<Pool>(self), a0, a1);
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;
   }
 }
 
+PyObject* fast_allocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return pool_method(self, args, nargs, kwnames, "nbytes",
+                     [](Pool& p, PyObject* n, PyObject* s) { return PyLong_FromSize_t(py_allocate(p, n, s)); });
+}
+
 PyObject* fast_deallocate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  PyObject *a0, *a1;
-  if (!check_ready(self) || !parse_args(args, nargs, kwnames, "ptr", "stream", a0, a1, false)) return nullptr;
-  try {
-    Pool* pool = nb::inst_ptr<Pool>(self);
-    pool->check_not_forked();
-    void* p = reinterpret_cast<void*>(parse_ptr(a0));
-    const Stream s = parse_stream(a1);
-    if (!pool->try_deallocate_nowait(p, s)) {
-      ReleaseGil nogil;
-      pool->deallocate(p, s);
-    }
+  return pool_method(self, args, nargs, kwnames, "ptr", [](Pool& p, PyObject* a, PyObject* s) {
+    py_deallocate(p, a, s);
     Py_RETURN_NONE;
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
+  });
 }
 
 PyMethodDef g_allocate_def = {

@@ -34,14 +34,8 @@ CaptureFilter parse_filter(nb::handle h) {
 }
 
 nb::dict info_to_dict(const GraphPoolInfo& i) {
-  nb::dict d;
-  d["id"] = nb::make_tuple(i.id.first, i.id.second);
-  d["uses"] = i.uses;
-  d["open_scopes"] = i.open_scopes;
-  d["released"] = i.released;
-  d["live_blocks"] = i.live_blocks;
-  d["stats"] = stats_to_dict(i.stats);
-  return d;
+  return dict_of("id", nb::make_tuple(i.id.first, i.id.second), "uses", i.uses, "open_scopes", i.open_scopes,
+                 "released", i.released, "live_blocks", i.live_blocks, "stats", stats_to_dict(i.stats));
 }
 }  // namespace
 
@@ -95,13 +89,9 @@ void bind_graph_pools(nb::module_& m) {
       .def("counters",
            [](GraphPools& g) {
              const auto c = g.counters();
-             nb::dict d;
-             d["private_allocations"] = c.private_allocations;
-             d["private_deallocations"] = c.private_deallocations;
-             d["pools_created"] = c.pools_created;
-             d["pools_closed"] = c.pools_closed;
-             d["filter_errors"] = c.filter_errors;
-             return d;
+             return dict_of("private_allocations", c.private_allocations, "private_deallocations",
+                            c.private_deallocations, "pools_created", c.pools_created, "pools_closed", c.pools_closed,
+                            "filter_errors", c.filter_errors);
            })
       .def("validate", &GraphPools::validate);
   m.def("graph_pools", [](int device) { return graph_registry::get(device); }, "device"_a,

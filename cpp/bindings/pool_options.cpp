@@ -4,11 +4,29 @@
 
 namespace poolkeeper::py {
 
+namespace {
+// The options every pool kind has: its alignment and its limit.
+template <class O>
+void read_common(OptionReader& r, O& o) {
+  o.alignment = r.size("alignment", o.alignment, false);
+  o.limit = r.cap("limit", 0);
+}
+// A kind's options: the common ones, then `rest` reads the kind's own; unknown keys refused.
+template <class O, class Rest>
+O read_options(nb::handle opts, const char* kind, Rest rest) {
+  OptionReader r(opts, kind);
+  O o;
+  read_common(r, o);
+  rest(r, o);
+  r.finish();
+  return o;
+}
+}  // namespace
+
 ArenaOptions arena_options(nb::handle opts) {
   OptionReader r(opts, "ArenaPool");
   ArenaOptions o;
-  o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.cap("limit", 0);
+  read_common(r, o);
   o.initial_backing = r.size("initial_backing", o.initial_backing, false);
   o.max_backing = r.size("max_backing", o.max_backing, false);
   o.growth_factor = r.real("growth_factor", o.growth_factor);
@@ -39,24 +57,15 @@ ArenaOptions arena_options(nb::handle opts) {
 }
 
 SizeClassOptions size_class_options(nb::handle opts) {
-  OptionReader r(opts, "SizeClassPool");
-  SizeClassOptions o;
-  o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.cap("limit", 0);
-  o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
-  o.max_cached_bytes = r.size("max_cached_bytes", SIZE_MAX);  // 0: cache nothing; None: no cap
-  o.shards = r.size("shards", 0);
-  r.finish();
-  return o;
+  return read_options<SizeClassOptions>(opts, "SizeClassPool", [](OptionReader& r, SizeClassOptions& o) {
+    o.classes_per_doubling = r.size("classes_per_doubling", o.classes_per_doubling, false);
+    o.max_cached_bytes = r.size("max_cached_bytes", SIZE_MAX);  // 0: cache nothing; None: no cap
+    o.shards = r.size("shards", 0);
+  });
 }
 
 DirectOptions direct_options(nb::handle opts) {
-  OptionReader r(opts, "Direct");
-  DirectOptions o;
-  o.alignment = r.size("alignment", o.alignment, false);
-  o.limit = r.cap("limit", 0);
-  r.finish();
-  return o;
+  return read_options<DirectOptions>(opts, "Direct", [](OptionReader&, DirectOptions&) {});
 }
 
 }  // namespace poolkeeper::py

@@ -12,26 +12,6 @@
 
 namespace poolkeeper::py {
 
-namespace {
-std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
-  p.check_not_forked();
-  const std::size_t n = parse_size(nbytes);
-  const Stream s = parse_stream(stream);
-  if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
-  ReleaseGil nogil;
-  return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
-}
-
-void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
-  p.check_not_forked();
-  const std::uintptr_t a = parse_ptr(ptr);
-  const Stream s = parse_stream(stream);
-  if (p.try_deallocate_nowait(reinterpret_cast<void*>(a), s)) return;
-  ReleaseGil nogil;
-  p.deallocate(reinterpret_cast<void*>(a), s);
-}
-}  // namespace
-
 void bind_pools(nb::module_& m) {
   auto pool_cls = nb::class_<Pool>(m, "Pool", "A memory pool (abstract): see poolkeeper.pools for the documented classes.");
   pool_cls
@@ -47,45 +27,17 @@ void bind_pools(nb::module_& m) {
           },
           "ptr"_a.none(), "stream"_a.none())
       .def("stats",
-           [](Pool& p) {
-             p.check_not_forked();
-             PoolStats st;
-             {
-               ReleaseGil nogil;
-               st = p.stats();
-             }
-             return stats_to_dict(st);
-           })
+           [](Pool& p) { return stats_to_dict(pool_call_nogil(p, [](Pool& q) { return q.stats(); })); })
       .def("reset_peaks",
            [](Pool& p) {
              ReleaseGil nogil;
              p.reset_peaks();
            },
            "Restart peak_reserved_bytes and peak_live_bytes from the current reserved and live bytes.")
-      .def("validate",
-           [](Pool& p) {
-             p.check_not_forked();
-             ReleaseGil nogil;
-             p.validate();
-           })
-      .def("trim",
-           [](Pool& p) {
-             p.check_not_forked();
-             ReleaseGil nogil;
-             return p.trim();
-           })
-      .def("process_pending",
-           [](Pool& p) {
-             p.check_not_forked();
-             ReleaseGil nogil;
-             return p.process_pending();
-           })
-      .def("synchronize",
-           [](Pool& p) {
-             p.check_not_forked();
-             ReleaseGil nogil;
-             p.synchronize();
-           })
+      .def("validate", [](Pool& p) { pool_call_nogil(p, [](Pool& q) { q.validate(); }); })
+      .def("trim", [](Pool& p) { return pool_call_nogil(p, [](Pool& q) { return q.trim(); }); })
+      .def("process_pending", [](Pool& p) { return pool_call_nogil(p, [](Pool& q) { return q.process_pending(); }); })
+      .def("synchronize", [](Pool& p) { pool_call_nogil(p, [](Pool& q) { q.synchronize(); }); })
       .def("close",
            [](Pool& p) {
              if (p.forked()) return;  // already closed (in a forked child): closing again is a no-op
@@ -93,15 +45,7 @@ void bind_pools(nb::module_& m) {
              p.close();
            })
       .def("_snapshot_dict",
-           [](Pool& p) {
-             p.check_not_forked();
-             Snapshot s;
-             {
-               ReleaseGil nogil;
-               s = p.snapshot();
-             }
-             return snapshot_to_dict(s);
-           })
+           [](Pool& p) { return snapshot_to_dict(pool_call_nogil(p, [](Pool& q) { return q.snapshot(); })); })
       .def("owns", [](Pool& p, nb::handle ptr) {
              p.check_not_forked();
              return p.owns_live(parse_ptr(ptr));
@@ -127,11 +71,8 @@ void bind_pools(nb::module_& m) {
       .def("__init__", [](SizeClassPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
         new (self) SizeClassPool(std::move(up), size_class_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
-      .def("release_cached", [](SizeClassPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        return p.release_cached();
-      })
+      .def("release_cached",
+           [](SizeClassPool& p) { return pool_call_nogil(p, [](SizeClassPool& q) { return q.release_cached(); }); })
       .def_static("class_size", &SizeClassPool::class_size_for, "nbytes"_a, "alignment"_a = 256,
                   "classes_per_doubling"_a = 4);
 
@@ -139,16 +80,10 @@ void bind_pools(nb::module_& m) {
       .def("__init__", [](ArenaPool* self, std::shared_ptr<Upstream> up, nb::handle opts) {
         new (self) ArenaPool(std::move(up), arena_options(opts));
       }, "upstream"_a, "options"_a = nb::none())
-      .def("shrink_scan", [](ArenaPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        return p.shrink_scan();
-      }, "Run one automatic shrink scan now; returns bytes released.")
-      .def("flush_thread_cache", [](ArenaPool& p) {
-             p.check_not_forked();
-        ReleaseGil nogil;
-        p.flush_thread_cache();
-      }, "Return the calling thread's cached blocks to the pool.");
+      .def("shrink_scan", [](ArenaPool& p) { return pool_call_nogil(p, [](ArenaPool& q) { return q.shrink_scan(); }); },
+           "Run one automatic shrink scan now; returns bytes released.")
+      .def("flush_thread_cache", [](ArenaPool& p) { pool_call_nogil(p, [](ArenaPool& q) { q.flush_thread_cache(); }); },
+           "Return the calling thread's cached blocks to the pool.");
 }
 
 }  // namespace poolkeeper::py

@@ -4,6 +4,8 @@
 // pool's option struct, and the factory captures only that struct.
 #include "torch_factory.hpp"
 
+#include <nanobind/stl/shared_ptr.h>
+
 #include <functional>
 
 #include "options.hpp"
@@ -19,7 +21,6 @@ namespace poolkeeper::py {
 namespace {
 
 using PoolMaker = std::function<std::shared_ptr<Pool>(std::shared_ptr<Upstream>)>;
-using UpstreamMaker = std::function<std::shared_ptr<Upstream>(int device)>;
 
 PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
   if (kind == "arena") {
@@ -44,24 +45,35 @@ PoolMaker pool_maker(const std::string& kind, nb::handle opts) {
   throw InvalidArgument("unknown pool kind '" + kind + "' (valid: arena, arena_expandable, size_class, direct)");
 }
 
-UpstreamMaker upstream_maker(const std::string& upstream) {
-  if (upstream == "device") return [](int d) { return std::make_shared<CudaDeviceUpstream>(d); };
-  if (upstream == "async") return [](int d) { return std::make_shared<CudaAsyncUpstream>(d); };
-  if (upstream == "virtual") return [](int d) { return std::make_shared<CudaVirtualUpstream>(d); };
-  // A simulated device per index: lets CPU tests drive the lazy per-device path through the C ABI.
-  if (upstream == "simulated")
-    return [](int) { return std::make_shared<SimulatedUpstream>(LatencyModel::none()); };
-  throw InvalidArgument("unknown factory upstream '" + upstream + "' (valid: device, async, virtual, simulated)");
+using UpstreamCtor = std::shared_ptr<Upstream> (*)(int device);
+struct NamedUpstream {
+  const char* name;
+  UpstreamCtor make;
+};
+const NamedUpstream kUpstreams[] = {
+    {"device", [](int d) -> std::shared_ptr<Upstream> { return std::make_shared<CudaDeviceUpstream>(d); }},
+    {"async", [](int d) -> std::shared_ptr<Upstream> { return std::make_shared<CudaAsyncUpstream>(d); }},
+    {"virtual", [](int d) -> std::shared_ptr<Upstream> { return std::make_shared<CudaVirtualUpstream>(d); }},
+    // A simulated device per index: lets CPU tests drive the lazy per-device path through the C ABI.
+    {"simulated", [](int) -> std::shared_ptr<Upstream> { return std::make_shared<SimulatedUpstream>(LatencyModel::none()); }},
+};
+
+UpstreamCtor find_upstream(const std::string& name) {
+  for (const auto& u : kUpstreams)
+    if (name == u.name) return u.make;
+  throw InvalidArgument("unknown factory upstream '" + name + "' (valid: device, async, virtual, simulated)");
 }
 
 }  // namespace
+
+std::shared_ptr<Upstream> upstream_by_name(const std::string& name, int device) { return find_upstream(name)(device); }
 
 void bind_torch_factory(nb::module_& m) {
   m.def(
       "registry_set_factory",
       [](const std::string& kind, nb::handle options, const std::string& upstream) {
         PoolMaker make_pool = pool_maker(kind, options);  // throws on a bad kind or option, changing nothing
-        UpstreamMaker make_up = upstream_maker(upstream);
+        const UpstreamCtor make_up = find_upstream(upstream);
         // An expandable arena maps pages into one reserved range: only the virtual-memory
         // upstream (or the simulated device, which has that interface) can back it.
         if (kind == "arena_expandable" && upstream != "virtual" && upstream != "simulated")
@@ -79,6 +91,9 @@ void bind_torch_factory(nb::module_& m) {
       "('arena', 'arena_expandable', 'size_class', 'direct') with `options` over a `upstream` ('device': "
       "CudaDevice, 'async': CudaAsync, 'virtual': CudaVirtual, 'simulated': a simulated device, for "
       "tests). Options are validated now.");
+  m.def("upstream_by_name", &upstream_by_name, "name"_a, "device"_a = 0,
+        "A new upstream by name for device: 'device' (CudaDevice), 'async' (CudaAsync), 'virtual' (CudaVirtual), "
+        "'simulated' (a simulated device). The names registry_set_factory accepts.");
   m.def("registry_clear_factory", []() { registry::set_factory(nullptr); },
         "Remove the factory (pools it already made stay installed).");
   m.def("registry_has_factory", &registry::has_factory);

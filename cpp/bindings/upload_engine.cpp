@@ -19,26 +19,14 @@ CopyBackend parse_backend(const std::string& s) {
 
 nb::dict outcome_to_dict(const UploadOutcome& o) {
   const UploadCounters& c = o.counters;
-  nb::dict d;
-  d["chunks"] = c.chunks;
-  d["bytes"] = c.bytes;
-  d["overlapped_fills"] = c.overlapped_fills;
-  d["fill_ns"] = c.fill_ns;
-  d["wait_ns"] = c.wait_ns;
-  d["enqueue_ns"] = c.enqueue_ns;
-  d["wall_ns"] = c.wall_ns;
-  d["first_enqueue_ns"] = c.first_enqueue_ns;
-  d["last_start_ns"] = c.last_start_ns;
-  d["last_fill_end_ns"] = c.last_fill_end_ns;
-  d["workers"] = c.workers;
-  d["nt_fill"] = c.nt_fill;
   nb::list lost, per;
   for (auto i : o.lost) lost.append(i);
   for (auto b : o.buffer_bytes) per.append(b);
-  d["lost"] = lost;
-  d["buffer_bytes"] = per;
-  d["failed"] = static_cast<bool>(o.error);
-  return d;
+  return dict_of("chunks", c.chunks, "bytes", c.bytes, "overlapped_fills", c.overlapped_fills, "fill_ns", c.fill_ns,
+                 "wait_ns", c.wait_ns, "enqueue_ns", c.enqueue_ns, "wall_ns", c.wall_ns, "first_enqueue_ns",
+                 c.first_enqueue_ns, "last_start_ns", c.last_start_ns, "last_fill_end_ns", c.last_fill_end_ns,
+                 "workers", c.workers, "nt_fill", c.nt_fill, "lost", lost, "buffer_bytes", per, "failed",
+                 static_cast<bool>(o.error));
 }
 }  // namespace
 

@@ -174,12 +174,8 @@ void bind_upstreams(nb::module_& m) {
            "Bytes mapped a second time (aliases) now; they take no memory.")
       .def_prop_ro("latency_model", [](const SimulatedUpstream& u) {
         const auto& m = u.model();
-        nb::dict d;
-        d["alloc_base_us"] = m.alloc_base_us;
-        d["alloc_per_mib_us"] = m.alloc_per_mib_us;
-        d["free_base_us"] = m.free_base_us;
-        d["free_per_mib_us"] = m.free_per_mib_us;
-        return d;
+        return dict_of("alloc_base_us", m.alloc_base_us, "alloc_per_mib_us", m.alloc_per_mib_us, "free_base_us",
+                       m.free_base_us, "free_per_mib_us", m.free_per_mib_us);
       });
 }
 

@@ -12,8 +12,10 @@ using detail::ArenaChunk;
 using detail::ThreadCache;
 
 void ArenaPool::note_peak_locked() {
-  // Exact live bytes need every cache's delta; read them only when another thread has a cache
-  // (a single-threaded pool keeps its peak from the fast path's own estimate).
+  // Exact live bytes need every cache's delta, so every cache is read here, at each locked
+  // allocation. Between locked calls only the fast path of a pool with a single cache
+  // (ncaches_ == 1) keeps a peak estimate of its own (peak_live_pub, folded in by stats_locked);
+  // with several caches a peak reached on the fast paths alone is seen at the next locked call.
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   for (auto& tc : caches_) live += tc->read().live_delta;
   if (live > static_cast<std::int64_t>(peak_live_)) peak_live_ = static_cast<std::size_t>(live);
@@ -56,35 +58,20 @@ PoolStats ArenaPool::stats_locked() {
   std::size_t oversize = 0;
   for (ArenaBacking* b : backings_) oversize += b->oversize;
   fill_upstream_counts(st);
-  st.extra.emplace_back("oversize_backings", oversize);
-  st.extra.emplace_back("backings_created", backings_created_);
-  st.extra.emplace_back("oversize_backings_created", oversize_backings_created_);
-  st.extra.emplace_back("backings_released", backings_released_);
-  st.extra.emplace_back("coalesce_passes", coalesce_passes_);
-  st.extra.emplace_back("merges", merges_);
-  st.extra.emplace_back("shrink_scans", shrink_scans_);
-  st.extra.emplace_back("pressure_passes", pressure_passes_);
-  st.extra.emplace_back("thread_cache_hits", hits);
-  st.extra.emplace_back("thread_cache_frees", fast_frees);
-  st.extra.emplace_back("thread_caches", caches_.size());
-  st.extra.emplace_back("cache_flushes", cache_flushes_);
-  st.extra.emplace_back("caches_reclaimed", caches_reclaimed_);
-  st.extra.emplace_back("slow_allocations", slow_allocs_);
-  st.extra.emplace_back("slow_deallocations", slow_frees_);
-  st.extra.emplace_back("nowait_allocations", nowait_allocs_);
-  st.extra.emplace_back("nowait_deallocations", nowait_frees_);
-  st.extra.emplace_back("same_stream_reuses", order_.same_stream_reuses());
-  st.extra.emplace_back("fences_recorded", order_.fences_recorded());
-  st.extra.emplace_back("fences_outstanding", order_.fences_outstanding());
-  st.extra.emplace_back("stream_lanes", order_.lanes());
-  st.extra.emplace_back("stream_lanes_retired", order_.lanes_retired());
-  st.extra.emplace_back("dead_stream_settles", order_.dead_stream_settles());
-  st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
-  st.extra.emplace_back("oom_retries", oom_retries_);
-  st.extra.emplace_back("tree_chunks", index_.tree_size());
-  st.extra.emplace_back("table_capacity", table_.capacity());
-  st.extra.emplace_back("table_grows", table_.grows());
-  st.extra.emplace_back("chunk_nodes", chunk_nodes_.live());
+  add_extras(st, {{"oversize_backings", oversize}, {"backings_created", backings_created_},
+                  {"oversize_backings_created", oversize_backings_created_}, {"backings_released", backings_released_},
+                  {"coalesce_passes", coalesce_passes_}, {"merges", merges_}, {"shrink_scans", shrink_scans_},
+                  {"pressure_passes", pressure_passes_}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
+                  {"thread_caches", caches_.size()}, {"cache_flushes", cache_flushes_},
+                  {"caches_reclaimed", caches_reclaimed_}, {"slow_allocations", slow_allocs_},
+                  {"slow_deallocations", slow_frees_}, {"nowait_allocations", nowait_allocs_},
+                  {"nowait_deallocations", nowait_frees_}});
+  StreamOrderCounters so;
+  so.add(order_);
+  so.report(st);
+  add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
+                  {"tree_chunks", index_.tree_size()}, {"table_capacity", table_.capacity()},
+                  {"table_grows", table_.grows()}, {"chunk_nodes", chunk_nodes_.live()}});
   source_->stats(st);
   return st;
 }
@@ -150,21 +137,7 @@ PoolStats ArenaPool::stats() {
   return st;
 }
 
-OomFigures ArenaPool::figures_locked(std::size_t requested) {
-  const PoolStats st = stats_locked();
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = st.reserved;
-  f.live = st.live;
-  f.free = st.free;
-  f.largest_free = st.largest_free;
-  f.free_chunks = st.free_chunks;
-  f.pending = st.pending;
-  f.pending_by_stream = st.pending_by_stream;
-  f.thread_cached = st.thread_cached;
-  f.limit = opt_.limit;
-  return f;
-}
+OomFigures ArenaPool::figures_locked(std::size_t requested) { return oom_figures(stats_locked(), requested); }
 
 void ArenaPool::validate() {
   // Every shard's books must balance on their own (the pool's totals are their sums).
@@ -274,8 +247,7 @@ Snapshot ArenaPool::snapshot() {
       Snapshot inner = sh->snapshot();
       for (auto& b : inner.backings) snap.backings.push_back(std::move(b));
     }
-    std::sort(snap.backings.begin(), snap.backings.end(),
-              [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+    sort_backings(snap);
     snap.stats = stats();
     return snap;
   }
@@ -284,11 +256,7 @@ Snapshot ArenaPool::snapshot() {
 }
 
 Snapshot ArenaPool::snapshot_locked() {
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats_locked();
+  Snapshot snap = snapshot_head(stats_locked());
   for (ArenaBacking* b : backings_) {
     BackingInfo bi;
     bi.address = b->addr;

@@ -42,7 +42,6 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
     for (std::size_t i = 0; i + 1 < nshards_; ++i) shards_[i].store(nullptr, std::memory_order_relaxed);
   }
   source_ = opt_.expandable ? detail::make_virtual_range(*this) : detail::make_separate_backings(*this);
-  detail::arena_registry_add(id_, this);
   join_directory();  // last: the pool is whole now
 }
 
@@ -58,14 +57,12 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt, Shard
 }
 
 ArenaPool::~ArenaPool() {
-  unregister();
+  unregister();  // first: no exiting thread may fold its cache into us any more
   if (forked()) {
     // Inner shards' locks may have been held at the fork too: leave them alone (leaked).
     for (std::size_t i = 1; i < nshards_; ++i) shards_[i - 1].store(nullptr, std::memory_order_relaxed);
-    return;  // its lock may have been held at the fork (the child forgot it, see arena_registry_add)
+    return;  // its lock may have been held at the fork
   }
-  // First: no exiting thread may flush into us any more.
-  if (!shard_child_) detail::arena_registry_remove(id_);
   try {
     close();
     for (std::size_t i = 1; i < nshards_; ++i) delete existing_shard(i);
@@ -380,35 +377,9 @@ std::size_t ArenaPool::trim_shards(const ArenaPool* except) {
   return bytes;
 }
 
-bool ArenaPool::deallocate_if_owned(std::uintptr_t a, Stream s) {
-  Detached detached;
-  std::string err, reason;
-  {
-    std::lock_guard<detail::SpinMutex> g(mu_);
-    check_open();
-    ArenaChunk* c = nullptr;
-    if (!table_.find(a, c)) {
-      err = locate_locked(a, reason);
-      if (reason == "unknown") return false;
-    } else if (c->st() != ChunkState::Live) {
-      err = format_ptr(a) + " was already freed (double free; the block sits in a thread cache)";
-      reason = "double_free";
-    } else {
-      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
-      release_live_locked(c, a, s, detached);
-      if (s == kNoStream) source_->released(backing);
-    }
-  }
-  if (!err.empty()) throw InvalidPointer(err, a, reason);
-  free_detached(detached);
-  return true;
-}
-
 // ---------------------------------------------------------------- allocate / deallocate
 
-void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
-  check_request(nbytes);
-  check_open();
+void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   if (nshards_ > 1 && rounded > opt_.thread_cache_max_block)
     if (ArenaPool* home = home_shard()) return allocate_in_shard(home, nbytes, s);
@@ -423,7 +394,7 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
 
   if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   std::unique_lock<detail::SpinMutex> g(mu_);
-  check_open();
+  check_open();  // again under the lock: close() may have run since Pool::allocate looked
   ++slow_allocs_;
   if (cache_enabled_) cache_locked();
   // No shrink tick here: a scan inside an allocation could return the very backing that would
@@ -468,15 +439,9 @@ void* ArenaPool::allocate(std::size_t nbytes, Stream s) {
   }
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
-  const std::size_t pending_total = f.pending;
-  if (f.thread_cached && f.free >= rounded && f.free - f.thread_cached < rounded && f.largest_free < rounded)
-    f.cause = "thread_cache";  // refilled by their owners since the reclaim above
-  else if (pending_total && pending_total + f.free >= rounded && f.largest_free < rounded) f.cause = "pending";
-  else if (f.free >= rounded && f.largest_free < rounded) f.cause = "fragmentation";
-  else if (opt_.limit && reserved_ + rounded > opt_.limit) f.cause = "limit";
-  else f.cause = "upstream";
+  const bool limit_hit = opt_.limit && reserved_ + rounded > opt_.limit;
   g.unlock();
-  throw_oom(std::move(f));
+  throw_oom(std::move(f), rounded, limit_hit, FreeFit::AnyPiece);
 }
 
 // The reuse steps of an allocation, none of which waits or calls the upstream: a block this
@@ -530,16 +495,33 @@ void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   return r;
 }
 
-void ArenaPool::deallocate(void* p, Stream s) {
+Refusal ArenaPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
-    if (ArenaPool* sh = owner_shard(a)) return sh->deallocate(p, s);
-  if (deallocate_if_owned(a, s)) return;
+    if (ArenaPool* sh = owner_shard(a)) return sh->deallocate_here(a, s);
+  const Refusal r = deallocate_here(a, s);
+  if (r.kind != Refusal::Unknown) return r;
   // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
   for (std::size_t i = 1; i < nshards_; ++i)
-    if (ArenaPool* sh = existing_shard(i); sh && sh->deallocate_if_owned(a, s)) return;
-  throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
+    if (ArenaPool* sh = existing_shard(i))
+      if (const Refusal ri = sh->deallocate_here(a, s); ri.kind != Refusal::Unknown) return ri;
+  return r;
+}
+
+Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
+  Detached detached;
+  {
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    check_open();  // again under the lock: close() may have run since Pool::deallocate looked
+    ArenaChunk* c = nullptr;
+    if (!table_.find(a, c)) return locate_locked(a);
+    if (c->st() != ChunkState::Live) return {Refusal::DoubleFree, c->st()};
+    const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
+    release_live_locked(c, a, s, detached);
+    if (s == kNoStream) source_->released(backing);
+  }
+  free_detached(detached);
+  return {};
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
@@ -576,7 +558,8 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   return true;
 }
 
-std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
+// Why a pointer the table does not hold is refused: inside a chunk of a backing, or unknown.
+Refusal ArenaPool::locate_locked(std::uintptr_t a) {
   auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
                              [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
   if (it != backings_.begin()) {
@@ -584,52 +567,33 @@ std::string ArenaPool::locate_locked(std::uintptr_t a, std::string& reason) {
     if (a < b->addr + b->size) {
       for (ArenaChunk* c = b->first; c; c = c->next_addr) {
         if (a < c->addr || a >= c->addr + c->size) continue;
+        // Not live: a block freed before (its chunk may have merged with neighbours since) or
+        // an address this pool never handed out. Either way nothing live is there.
         const ChunkState st = c->st();
-        if (st != ChunkState::Live) {
-          // Free memory: a block freed before (its chunk may have merged with neighbours since)
-          // or an address this pool never handed out. Either way nothing live is there.
-          reason = "double_free";
-          return format_ptr(a) + " points into " + chunk_state_name(st) + " memory (the " + chunk_state_name(st) +
-                 " chunk at " + format_ptr(c->addr) + ", offset " + std::to_string(a - c->addr) +
-                 "): already freed (double free) or never allocated here";
-        }
-        reason = "interior";
-        return format_ptr(a) + " points inside the live block at " + format_ptr(c->addr) + " (offset " +
-               std::to_string(a - c->addr) + "): free the block's start address";
+        return {st == ChunkState::Live ? Refusal::Interior : Refusal::FreedMemory, st, c->addr};
       }
     }
   }
-  reason = "unknown";
-  return "is not a block of this pool (never allocated here)";
+  return {Refusal::Unknown};
 }
 
-void ArenaPool::record_stream(void* p, Stream s) {
+bool ArenaPool::do_record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
-    if (ArenaPool* sh = owner_shard(a)) return sh->record_stream(p, s);
-  std::unique_lock<detail::SpinMutex> g(mu_);
-  check_open();
+    if (ArenaPool* sh = owner_shard(a)) return sh->record_here(a, s);
+  if (record_here(a, s)) return true;
+  // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
+  for (std::size_t i = 1; i < nshards_; ++i)
+    if (ArenaPool* sh = existing_shard(i); sh && sh->record_here(a, s)) return true;
+  return false;
+}
+
+bool ArenaPool::record_here(std::uintptr_t a, Stream s) {
+  std::lock_guard<detail::SpinMutex> g(mu_);
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) && nshards_ > 1) {
-    g.unlock();  // a lock-free probe may miss: the inner shards decide under their locks
-    for (std::size_t i = 1; i < nshards_; ++i) {
-      ArenaPool* sh = existing_shard(i);
-      if (!sh) continue;
-      std::lock_guard<detail::SpinMutex> gs(sh->mu_);
-      if (sh->table_.find(a, c) && c->st() == ChunkState::Live) {
-        if (s == c->alloc_stream || s == kNoStream) return;
-        if (!c->used_on) c->used_on = new std::vector<Stream>();
-        if (std::find(c->used_on->begin(), c->used_on->end(), s) == c->used_on->end()) c->used_on->push_back(s);
-        return;
-      }
-    }
-    c = nullptr;
-  }
-  if (!c || c->st() != ChunkState::Live)
-    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
-  if (s == c->alloc_stream || s == kNoStream) return;
-  if (!c->used_on) c->used_on = new std::vector<Stream>();
-  if (std::find(c->used_on->begin(), c->used_on->end(), s) == c->used_on->end()) c->used_on->push_back(s);
+  if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;
+  c->add_use(s);
+  return true;
 }
 
 // ---------------------------------------------------------------- maintenance
@@ -694,7 +658,7 @@ std::size_t ArenaPool::shrink_scan() {
   return bytes;
 }
 
-void ArenaPool::close() {
+bool ArenaPool::do_close(LiveAtClose& live) {
   Detached d;
   // Inner shards' live blocks count too; they close only once every shard is empty (close needs
   // quiescence, so nothing refills one meanwhile).
@@ -712,25 +676,22 @@ void ArenaPool::close() {
   }
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
-    if (closed()) return;
+    if (closed()) return true;
     std::int64_t blocks = static_cast<std::int64_t>(live_blocks_) + inner_blocks;
-    std::int64_t live = static_cast<std::int64_t>(live_.load()) + inner_live;
+    std::int64_t live_bytes = static_cast<std::int64_t>(live_.load()) + inner_live;
     for (auto& tc : caches_) {
       const auto k = tc->read();
       blocks += k.blocks_delta;
-      live += k.live_delta;
+      live_bytes += k.live_delta;
     }
     if (blocks > 0) {
-      std::vector<std::uintptr_t> sample;
+      live.blocks = static_cast<std::size_t>(blocks);
+      live.bytes = static_cast<std::size_t>(live_bytes);
       table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
-        if (c->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
+        if (c->st() == ChunkState::Live) live.note(a);
       });
-      for (std::uintptr_t a : inner_sample)
-        if (sample.size() < 8) sample.push_back(a);
-      throw LiveBlocksAtClose("cannot close ArenaPool #" + std::to_string(id_) + ": " + std::to_string(blocks) +
-                                  " block(s), " + format_bytes(static_cast<std::size_t>(live)) +
-                                  " still live; free them first",
-                              static_cast<std::size_t>(blocks), static_cast<std::size_t>(live), sample);
+      for (std::uintptr_t a : inner_sample) live.note(a);
+      return false;
     }
     for (std::size_t i = 1; i < nshards_; ++i)
       if (ArenaPool* sh = existing_shard(i)) sh->close();  // empty: cannot throw LiveBlocksAtClose
@@ -740,7 +701,7 @@ void ArenaPool::close() {
     for (auto& tc : caches_) fold_cache_locked(tc.get());
     source_->close(d);
     table_.clear();
-    closed_.store(true, std::memory_order_release);
+    mark_closed();
   }
   for (auto& [p, n] : d) {
     try {
@@ -752,16 +713,17 @@ void ArenaPool::close() {
     std::lock_guard<detail::SpinMutex> g(mu_);
     releasing_ -= n;
   }
+  return true;
 }
 
-bool ArenaPool::owns_live(std::uintptr_t p) {
+bool ArenaPool::find_live(std::uintptr_t p) {
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     ArenaChunk* c;
     if (table_.find(p, c) && c->st() == ChunkState::Live) return true;
   }
   for (std::size_t i = 1; i < nshards_; ++i)
-    if (ArenaPool* sh = existing_shard(i); sh && sh->owns_live(p)) return true;
+    if (ArenaPool* sh = existing_shard(i); sh && sh->find_live(p)) return true;
   return false;
 }
 

@@ -1,5 +1,6 @@
-// Internal to ArenaPool: the per-thread lookup of a thread's cache for a pool, and the registry
-// of live arenas the thread-exit hook consults (so a dying thread never touches a dead pool).
+// Internal to ArenaPool: the per-thread lookup of a thread's cache for a pool. The thread-exit
+// hook finds live arenas through the pool directory (Pool::with_pool), so a dying thread never
+// touches a dead pool.
 #pragma once
 #include <cstdint>
 
@@ -13,11 +14,8 @@ ThreadCache* tls_find_cache(std::uint64_t id);
 // Record this thread's cache for pool `id` (called under the pool's lock, first use only).
 void tls_add_cache(std::uint64_t id, ThreadCache* tc);
 // Forget this thread's entries for pools that no longer exist, when there are many. Takes the
-// registry lock, so it must be called while holding no pool lock (lock order: registry, pool).
+// directory lock, so it must be called while holding no pool lock (lock order: directory, pool).
 void tls_prune();
-
-void arena_registry_add(std::uint64_t id, ArenaPool* pool);
-void arena_registry_remove(std::uint64_t id);
 
 }  // namespace detail
 }  // namespace poolkeeper

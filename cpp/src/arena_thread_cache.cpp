@@ -15,12 +15,6 @@ using detail::ThreadCache;
 
 namespace detail {
 namespace {
-std::mutex g_arena_mu;
-std::unordered_map<std::uint64_t, ArenaPool*>& arenas() {
-  static auto* m = new std::unordered_map<std::uint64_t, ArenaPool*>();  // never destroyed: exit order
-  return *m;
-}
-
 struct TlsEntry {
   std::uint64_t id = 0;
   ThreadCache* cache = nullptr;
@@ -29,13 +23,14 @@ struct TlsEntry {
 struct TlsCaches {
   std::vector<TlsEntry> entries;
   ~TlsCaches() {
-    // Thread exit: give each live pool its blocks back. The registry lock keeps a pool from being
-    // destroyed while we fold into it (lock order: registry, then pool).
-    std::lock_guard<std::mutex> g(g_arena_mu);
-    for (auto& e : entries) {
-      auto it = arenas().find(e.id);
-      if (it != arenas().end()) it->second->on_thread_exit(e.cache);
-    }
+    // Thread exit: give each pool that still exists its blocks back, through the pool directory
+    // (which keeps the pool from being destroyed while we fold into it, and skips pools inherited
+    // through fork(), whose lock may have been held at the fork). Ids are never reused, and an
+    // id with a thread cache is an ArenaPool's.
+    for (auto& e : entries)
+      Pool::with_pool(
+          e.id, [](Pool& p, void* tc) { static_cast<ArenaPool&>(p).on_thread_exit(static_cast<ThreadCache*>(tc)); },
+          e.cache);
   }
 };
 // The hot lookup reads a trivially constructed, initial-exec TLS slot: no init guard and no
@@ -63,34 +58,10 @@ void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
 void tls_prune() {
   TlsCaches& t = t_caches;
   if (t.entries.size() <= 64) return;
-  std::lock_guard<std::mutex> g(g_arena_mu);
-  std::erase_if(t.entries, [](const TlsEntry& e) { return !arenas().count(e.id); });
+  std::erase_if(t.entries, [](const TlsEntry& e) { return !Pool::with_pool(e.id, [](Pool&, void*) {}, nullptr); });
   t_last = t.entries.empty() ? TlsEntry{} : t.entries.back();
 }
 
-namespace {
-// fork(): a child must not fold a thread's cache into an inherited arena at thread exit (its lock
-// may have been held at the fork; the pool is closed there, see Pool::forked): the registry lock
-// is held across the fork and the child forgets every arena.
-void fork_prepare() { g_arena_mu.lock(); }
-void fork_parent() { g_arena_mu.unlock(); }
-void fork_child() {
-  arenas().clear();
-  g_arena_mu.unlock();
-}
-}  // namespace
-
-void arena_registry_add(std::uint64_t id, ArenaPool* pool) {
-  static const int atfork = pthread_atfork(fork_prepare, fork_parent, fork_child);
-  (void)atfork;
-  std::lock_guard<std::mutex> g(g_arena_mu);
-  arenas()[id] = pool;
-}
-
-void arena_registry_remove(std::uint64_t id) {
-  std::lock_guard<std::mutex> g(g_arena_mu);
-  arenas().erase(id);
-}
 }  // namespace detail
 
 void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {

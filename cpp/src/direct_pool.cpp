@@ -7,6 +7,7 @@ namespace poolkeeper {
 DirectPool::DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt) : Pool(std::move(upstream)), opt_(opt) {
   if (!is_pow2(opt_.alignment))
     throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  budget_.limit = opt_.limit;
   join_directory();  // last: the pool is whole now
 }
 
@@ -18,45 +19,32 @@ DirectPool::~DirectPool() {
   table_.for_each([&](std::uintptr_t, BlockRecord* b) { b->drop_used_on(); });
 }
 
-void* DirectPool::allocate(std::size_t nbytes, Stream s) {
-  check_request(nbytes);
-  check_open();
+void* DirectPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t n = align_up(nbytes, opt_.alignment);
+  bool claimed;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (opt_.limit && reserved_ + claimed_ + n > opt_.limit) {
-      OomFigures f;
-      f.requested = nbytes;
-      f.reserved = reserved_;
-      f.live = live_;
-      f.limit = opt_.limit;
-      f.cause = "limit";
-      throw_oom(std::move(f));
-    }
-    claimed_ += n;  // before the upstream call, so concurrent callers respect the limit
+    claimed = budget_.claim(n);
   }
+  if (!claimed) throw_oom(oom_figures(stats(), nbytes), n, true, FreeFit::OwnClass);
   void* p;
   try {
     p = upstream_alloc(n);
   } catch (const UpstreamOutOfMemory& e) {
-    std::lock_guard<std::mutex> g(mu_);
-    claimed_ -= n;
-    OomFigures f;
-    f.requested = nbytes;
-    f.reserved = reserved_;
-    f.live = live_;
-    f.limit = opt_.limit;
-    f.cause = "upstream";
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      budget_.cancel(n);
+    }
+    OomFigures f = oom_figures(stats(), nbytes);
     f.upstream_error = e.what();
-    throw_oom(std::move(f));
+    throw_oom(std::move(f), n, false, FreeFit::OwnClass);
   } catch (...) {
     std::lock_guard<std::mutex> g(mu_);
-    claimed_ -= n;
+    budget_.cancel(n);
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
-  claimed_ -= n;
-  reserved_ += n;
+  budget_.commit(n);
   BlockRecord* b = nodes_.create();
   b->addr = reinterpret_cast<std::uintptr_t>(p);
   b->size = n;
@@ -65,39 +53,26 @@ void* DirectPool::allocate(std::size_t nbytes, Stream s) {
   b->set(ChunkState::Live);
   table_.insert(b->addr, b);
   live_ += nbytes;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
   peak_live_ = std::max(peak_live_, live_);
   return p;
 }
 
-void DirectPool::deallocate(void* p, Stream s) {
+Refusal DirectPool::do_deallocate(void* p, Stream) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   BlockRecord* b = nullptr;
-  std::size_t n = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (closed()) throw PoolClosed("Direct #" + std::to_string(id_) + " is closed");
-    if (table_.find(a, b)) {
-      table_.erase(a);
-      n = b->size;
-    }
-  }
-  if (!b) {
-    std::string inside;
-    {
-      std::lock_guard<std::mutex> g(mu_);
+    if (!table_.find(a, b)) {
+      Refusal r{Refusal::UnknownOrFreed};
       table_.for_each([&](std::uintptr_t k, BlockRecord* x) {
-        if (inside.empty() && a > k && a < k + x->size)
-          inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " + std::to_string(a - k) +
-                   "): free the block's start address";
+        if (r.kind != Refusal::Interior && a > k && a < k + x->size) r = Refusal{Refusal::Interior, ChunkState::Live, k};
       });
+      return r;
     }
-    if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
-    throw_foreign_pointer(a, "is not a live block (never allocated here, or already freed)");
+    table_.erase(a);
   }
   try {
-    upstream_free(p, n);
+    upstream_free(p, b->size);
   } catch (...) {
     // The upstream kept the memory: the block is live again, nothing is lost from the books.
     std::lock_guard<std::mutex> g(mu_);
@@ -105,35 +80,34 @@ void DirectPool::deallocate(void* p, Stream s) {
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
-  reserved_ -= n;
+  budget_.release(b->size);
   live_ -= b->requested;
   b->drop_used_on();
   nodes_.destroy(b);
+  return {};
 }
 
-void DirectPool::record_stream(void* p, Stream s) {
+bool DirectPool::do_record_stream(void* p, Stream s) {
   std::lock_guard<std::mutex> g(mu_);
-  check_open();
   BlockRecord* b = nullptr;
-  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), b))
-    throw InvalidPointer("record_stream: " + format_ptr(reinterpret_cast<std::uintptr_t>(p)) + " is not live",
-                         reinterpret_cast<std::uintptr_t>(p), "unknown");
+  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), b)) return false;
   b->last_stream = s;
+  return true;
 }
 
 void DirectPool::reset_peaks() {
   std::lock_guard<std::mutex> g(mu_);
-  peak_reserved_ = reserved_;
+  budget_.reset_peak();
   peak_live_ = live_;
 }
 
 PoolStats DirectPool::stats() {
   std::lock_guard<std::mutex> g(mu_);
   PoolStats st;
-  st.reserved = reserved_;
+  st.reserved = budget_.reserved;
   st.live = live_;
-  st.overhead = reserved_ - live_;
-  st.peak_reserved = peak_reserved_;
+  st.overhead = budget_.reserved - live_;
+  st.peak_reserved = budget_.peak_reserved;
   st.peak_live = peak_live_;
   st.live_blocks = table_.size();
   st.backings = table_.size();
@@ -152,52 +126,34 @@ void DirectPool::validate() {
     l += b->requested;
     ++n;
   });
-  if (r != reserved_ || l != live_ || n != nodes_.live())
+  if (r != budget_.reserved || l != live_ || n != nodes_.live())
     throw InvariantViolation("Direct: reserved/live totals do not match the live blocks");
   if (!table_.consistent()) throw InvariantViolation("Direct: pointer table counts inconsistent");
 }
 
-void DirectPool::close() {
+bool DirectPool::do_close(LiveAtClose& live) {
   std::lock_guard<std::mutex> g(mu_);
-  if (closed()) return;
   if (table_.size()) {
-    std::vector<std::uintptr_t> sample;
-    table_.for_each([&](std::uintptr_t a, BlockRecord*) {
-      if (sample.size() < 8) sample.push_back(a);
-    });
-    throw LiveBlocksAtClose("cannot close Direct #" + std::to_string(id_) + ": " + std::to_string(table_.size()) +
-                                " block(s), " + format_bytes(live_) + " still live; free them first",
-                            table_.size(), live_, sample);
+    live.blocks = table_.size();
+    live.bytes = live_;
+    table_.for_each([&](std::uintptr_t a, BlockRecord*) { live.note(a); });
+    return false;
   }
-  closed_.store(true, std::memory_order_release);
+  mark_closed();
+  return true;
 }
 
 Snapshot DirectPool::snapshot() {
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats();
-  std::lock_guard<std::mutex> g(mu_);
-  table_.for_each([&](std::uintptr_t a, BlockRecord* b) {
-    BackingInfo bi;
-    bi.address = a;
-    bi.size = b->size;
-    ChunkInfo c;
-    c.size = b->size;
-    c.requested = b->requested;
-    c.state = ChunkState::Live;
-    c.alloc_stream = b->alloc_stream;
-    c.last_stream = b->last_stream;
-    bi.chunks.push_back(c);
-    snap.backings.push_back(std::move(bi));
-  });
-  std::sort(snap.backings.begin(), snap.backings.end(),
-            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+  Snapshot snap = snapshot_head(stats());
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    table_.for_each([&](std::uintptr_t, BlockRecord* b) { snap.backings.push_back(block_backing(*b)); });
+  }
+  sort_backings(snap);
   return snap;
 }
 
-bool DirectPool::owns_live(std::uintptr_t p) {
+bool DirectPool::find_live(std::uintptr_t p) {
   std::lock_guard<std::mutex> g(mu_);
   BlockRecord* b;
   return table_.find(p, b);

@@ -157,7 +157,7 @@ void LoggingPool::append_locked(std::unique_lock<std::mutex>& lk, const char* li
   write_out(out);
 }
 
-void* LoggingPool::allocate(std::size_t nbytes, Stream s) {
+void* LoggingPool::do_allocate(std::size_t nbytes, Stream s) {
   void* p;
   try {
     p = inner_->allocate(nbytes, s);
@@ -189,7 +189,7 @@ void* LoggingPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
   return p;
 }
 
-void LoggingPool::deallocate(void* p, Stream s) {
+Refusal LoggingPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::size_t n = 0;
   {
@@ -214,6 +214,7 @@ void LoggingPool::deallocate(void* p, Stream s) {
     }
     throw;
   }
+  return {};
 }
 
 bool LoggingPool::try_deallocate_locked_nowait(void* p, Stream s) {
@@ -288,17 +289,18 @@ void LoggingPool::finish_file() {
   }
 }
 
-void LoggingPool::close() {
+bool LoggingPool::do_close(LiveAtClose&) {
   inner_->close();
   {
     std::lock_guard<std::mutex> g(g_open_mu);
     open_pools().erase(this);
   }
   finish_file();
-  closed_.store(true, std::memory_order_release);
+  mark_closed();
   if (write_errors_)
     throw Error("LoggingPool: " + std::to_string(write_errors_) + " write(s) to '" + path_ +
                 "' failed; the log is incomplete");
+  return true;
 }
 
 }  // namespace poolkeeper

@@ -22,8 +22,8 @@ namespace {
 // Every open pool, so a pointer freed into the wrong pool can be traced to its owner.
 std::mutex g_dir_mu;
 std::vector<Pool*>& directory() {
-  static std::vector<Pool*> d;
-  return d;
+  static auto* d = new std::vector<Pool*>();  // never destroyed: threads may exit after static destructors
+  return *d;
 }
 std::atomic<std::uint64_t> g_next_id{1};
 
@@ -44,7 +44,7 @@ void Pool::mark_forked() {
 }
 
 void Pool::throw_forked() const {
-  throw PoolClosed(name() + " #" + std::to_string(id_) +
+  throw PoolClosed(label() +
                    " was inherited through fork(): it is closed in the child process (another thread may have "
                    "held its lock at the fork); make a new pool in the child");
 }
@@ -62,78 +62,187 @@ void Pool::join_directory() {
 
 Pool::~Pool() { unregister(); }
 
+bool Pool::with_pool(std::uint64_t id, void (*fn)(Pool&, void*), void* ctx) {
+  std::lock_guard<std::mutex> g(g_dir_mu);
+  for (Pool* p : directory())
+    if (p->id_ == id) {
+      if (p->forked()) return false;  // its lock may have been held at the fork
+      fn(*p, ctx);
+      return true;
+    }
+  return false;
+}
+
 void Pool::unregister() {
   std::lock_guard<std::mutex> g(g_dir_mu);
   auto& d = directory();
   d.erase(std::remove(d.begin(), d.end(), this), d.end());
 }
 
-void Pool::throw_foreign_pointer(std::uintptr_t p, const std::string& what_we_know) {
+void Pool::throw_closed() const {
+  check_not_forked();
+  throw PoolClosed(label() + " is closed");
+}
+
+void Pool::throw_null_free() { throw InvalidPointer("cannot free a null pointer", 0, "null"); }
+
+void Pool::throw_refusal(std::uintptr_t p, const Refusal& r) {
+  const std::string at = format_ptr(p), block = format_ptr(r.block), off = std::to_string(p - r.block);
+  switch (r.kind) {
+    case Refusal::DoubleFree:
+      throw InvalidPointer(at + " was already freed (double free; " +
+                               (r.state == ChunkState::ThreadCached ? std::string("the block sits in a thread cache")
+                                                                    : "the block is " + std::string(chunk_state_name(r.state))) +
+                               ")",
+                           p, "double_free");
+    case Refusal::FreedMemory: {
+      const std::string st = chunk_state_name(r.state);
+      throw InvalidPointer(at + " points into " + st + " memory (the " + st + " chunk at " + block + ", offset " + off +
+                               "): already freed (double free) or never allocated here",
+                           p, "double_free");
+    }
+    case Refusal::Interior:
+      throw InvalidPointer(at + " points inside the " + (r.state == ChunkState::Live ? "live " : "") + "block at " +
+                               block + " (offset " + off +
+                               "): free the block's start address",
+                           p, "interior");
+    default: break;
+  }
   // Called without this pool's lock held, so asking the others cannot deadlock on us.
   std::string owner;
   {
     std::lock_guard<std::mutex> g(g_dir_mu);
     for (Pool* other : directory()) {
       if (other == this || other->closed()) continue;
-      if (other->owns_live(p)) {
-        owner = other->name() + " #" + std::to_string(other->id());
+      if (other->find_live(p)) {
+        owner = other->label();
         break;
       }
     }
   }
-  const std::string me = name() + " #" + std::to_string(id_);
   if (!owner.empty())
-    throw InvalidPointer(format_ptr(p) + " belongs to " + owner + ", not to " + me + ": free it into its own pool",
-                         p, "other_pool");
-  throw InvalidPointer(format_ptr(p) + " " + what_we_know + " (" + me + ")", p, "unknown");
+    throw InvalidPointer(at + " belongs to " + owner + ", not to " + label() + ": free it into its own pool", p,
+                         "other_pool");
+  throw InvalidPointer(at + (r.kind == Refusal::UnknownOrFreed
+                                 ? " is not a live block (never allocated here, or already freed)"
+                                 : " is not a block of this pool (never allocated here)") +
+                           " (" + label() + ")",
+                       p, "unknown");
 }
 
-void Pool::throw_oom(OomFigures f) {
+void Pool::record_stream(void* p, Stream s) {
+  check_open();
+  if (!do_record_stream(p, s)) {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
+  }
+}
+
+void Pool::close() {
+  if (closed()) return;
+  LiveAtClose live;
+  if (!do_close(live))
+    throw LiveBlocksAtClose("cannot close " + label() + ": " + std::to_string(live.blocks) + " block(s), " +
+                                format_bytes(live.bytes) + " still live; free them first",
+                            live.blocks, live.bytes, live.sample);
+}
+
+const char* oom_cause_name(OomCause c) {
+  switch (c) {
+    case OomCause::Upstream: return "upstream";
+    case OomCause::Limit: return "limit";
+    case OomCause::Pending: return "pending";
+    case OomCause::ThreadCache: return "thread_cache";
+    case OomCause::Fragmentation: return "fragmentation";
+  }
+  return "?";
+}
+
+OomCause diagnose_oom(const OomFigures& f, std::size_t need, bool limit_hit, FreeFit fit) {
+  if (fit == FreeFit::AnyPiece) {
+    const bool no_piece = f.largest_free < need;
+    // Refilled by their owners since the pool reclaimed them during recovery.
+    if (f.thread_cached && f.free >= need && f.free - f.thread_cached < need && no_piece) return OomCause::ThreadCache;
+    if (f.pending && f.pending + f.free >= need && no_piece) return OomCause::Pending;
+    if (f.free >= need && no_piece) return OomCause::Fragmentation;
+  } else if (f.pending >= need) {
+    return OomCause::Pending;
+  }
+  return limit_hit ? OomCause::Limit : OomCause::Upstream;
+}
+
+OomFigures oom_figures(const PoolStats& st, std::size_t requested) {
+  return OomFigures{.requested = requested, .reserved = st.reserved, .live = st.live, .free = st.free,
+                    .largest_free = st.largest_free, .pending = st.pending, .free_chunks = st.free_chunks,
+                    .limit = st.limit, .thread_cached = st.thread_cached, .pending_by_stream = st.pending_by_stream};
+}
+
+Snapshot Pool::snapshot_head(PoolStats st) const {
+  Snapshot snap;
+  snap.pool = name();
+  snap.upstream = upstream_->name();
+  snap.alignment = alignment();
+  snap.stats = std::move(st);
+  return snap;
+}
+
+void Pool::sort_backings(Snapshot& s) {
+  std::sort(s.backings.begin(), s.backings.end(),
+            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+}
+
+void Pool::throw_oom(OomFigures f, std::size_t need, bool limit_hit, FreeFit fit) {
   ooms_.fetch_add(1, std::memory_order_relaxed);
-  f.pool = name() + " #" + std::to_string(id_);
+  f.cause = diagnose_oom(f, need, limit_hit, fit);
+  f.pool = label();
   f.upstream = upstream_->name();
   std::ostringstream d;
   d << "out of memory in " << f.pool << ": requested " << format_bytes(f.requested) << "; ";
-  if (f.cause == "limit") {
-    d << "limit of " << format_bytes(f.limit) << " reached (" << format_bytes(f.reserved) << " reserved, "
-      << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free)";
-  } else if (f.cause == "pending") {
-    std::size_t top_bytes = 0;
-    Stream top = kNoStream;
-    for (auto& [s, b] : f.pending_by_stream)
-      if (b > top_bytes) top_bytes = b, top = s;
-    d << format_bytes(f.pending) << " pending on stream " << format_stream(top) << " (" << format_bytes(top_bytes)
-      << ")";
-    if (f.pending_by_stream.size() > 1) d << " and " << f.pending_by_stream.size() - 1 << " other stream(s)";
-    d << " until its event completes; synchronize the stream or free with stream=None once its work is done ("
-      << format_bytes(f.free) << " free, largest " << format_bytes(f.largest_free) << ")";
-  } else if (f.cause == "thread_cache") {
-    d << format_bytes(f.thread_cached) << " of the " << format_bytes(f.free)
-      << " free sit in other threads' caches, refilled since they were reclaimed (largest free block outside them "
-      << format_bytes(f.largest_free) << ", " << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live)
-      << " live); retry, or lower thread_cache_bytes";
-  } else if (f.cause == "fragmentation") {
-    d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks";
-    if (f.thread_cached) d << " (" << format_bytes(f.thread_cached) << " of it in thread caches)";
-    d << " but the largest is " << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings (" << format_bytes(f.reserved)
-      << " reserved";
-    if (f.limit) d << " of a " << format_bytes(f.limit) << " limit";
-    else d << ", the upstream refused more";
-    d << ", " << format_bytes(f.live) << " live)";
-  } else {
-    d << "upstream " << f.upstream << " exhausted (" << format_bytes(f.reserved) << " reserved by this pool, "
-      << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free, largest "
-      << format_bytes(f.largest_free) << ")";
-    if (!f.upstream_error.empty()) d << ": " << f.upstream_error;
+  switch (f.cause) {
+    case OomCause::Limit:
+      d << "limit of " << format_bytes(f.limit) << " reached (" << format_bytes(f.reserved) << " reserved, "
+        << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free)";
+      break;
+    case OomCause::Pending: {
+      std::size_t top_bytes = 0;
+      Stream top = kNoStream;
+      for (auto& [s, b] : f.pending_by_stream)
+        if (b > top_bytes) top_bytes = b, top = s;
+      d << format_bytes(f.pending) << " pending on stream " << format_stream(top) << " (" << format_bytes(top_bytes)
+        << ")";
+      if (f.pending_by_stream.size() > 1) d << " and " << f.pending_by_stream.size() - 1 << " other stream(s)";
+      d << " until its event completes; synchronize the stream or free with stream=None once its work is done ("
+        << format_bytes(f.free) << " free, largest " << format_bytes(f.largest_free) << ")";
+      break;
+    }
+    case OomCause::ThreadCache:
+      d << format_bytes(f.thread_cached) << " of the " << format_bytes(f.free)
+        << " free sit in other threads' caches, refilled since they were reclaimed (largest free block outside them "
+        << format_bytes(f.largest_free) << ", " << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live)
+        << " live); retry, or lower thread_cache_bytes";
+      break;
+    case OomCause::Fragmentation:
+      d << format_bytes(f.free) << " free in " << f.free_chunks << " chunks";
+      if (f.thread_cached) d << " (" << format_bytes(f.thread_cached) << " of it in thread caches)";
+      d << " but the largest is " << format_bytes(f.largest_free) << ": fragmentation in " << name() << " backings ("
+        << format_bytes(f.reserved) << " reserved";
+      if (f.limit) d << " of a " << format_bytes(f.limit) << " limit";
+      else d << ", the upstream refused more";
+      d << ", " << format_bytes(f.live) << " live)";
+      break;
+    case OomCause::Upstream:
+      d << "upstream " << f.upstream << " exhausted (" << format_bytes(f.reserved) << " reserved by this pool, "
+        << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free, largest "
+        << format_bytes(f.largest_free) << ")";
+      if (!f.upstream_error.empty()) d << ": " << f.upstream_error;
+      break;
   }
   throw OutOfMemory(d.str(), std::move(f));
 }
 
-std::size_t check_request(std::size_t nbytes) {
+void throw_bad_request(std::size_t nbytes) {
   if (nbytes == 0) throw InvalidArgument("allocation size must be positive; got 0 bytes");
-  if (nbytes > kMaxRequest)
-    throw InvalidArgument("allocation size " + std::to_string(nbytes) + " bytes is absurd (above 2^62)");
-  return nbytes;
+  throw InvalidArgument("allocation size " + std::to_string(nbytes) + " bytes is absurd (above 2^62)");
 }
 
 }  // namespace poolkeeper

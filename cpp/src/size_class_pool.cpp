@@ -66,6 +66,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
     shards_.back()->free.resize(nclasses_);
   }
   shard_mask_ = static_cast<std::uint32_t>(n - 1);
+  budget_.limit = opt_.limit;
   join_directory();  // last: the pool is whole now
 }
 
@@ -142,7 +143,7 @@ SizeClassPool::Block* SizeClassPool::pop_free_locked(Shard& sh, std::uint32_t cl
 // sh and grow_mu_ locked; b is in no list.
 void SizeClassPool::retire_locked(Shard& sh, Block* b, Detached& out) {
   table_.erase(b->addr);
-  reserved_ -= b->size;
+  budget_.release(b->size);
   sh.reserved -= b->size;
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   nodes_.destroy(b);
@@ -177,41 +178,11 @@ void SizeClassPool::free_detached(Detached& v) {
     b->cls = static_cast<std::uint32_t>(class_index(n));
     b->shard.store(sh.index, std::memory_order_relaxed);
     table_.insert(b->addr, b);
-    reserved_ += n;
+    budget_.reserved += n;  // back on the books it left: not a new peak
     sh.reserved += n;
     make_free_locked(sh, b);
   }
   v.clear();
-}
-
-std::size_t SizeClassPool::pending_bytes_all_locked() const {
-  std::size_t p = 0;
-  for (auto& sh : shards_) p += sh->order.pending_bytes();
-  return p;
-}
-
-OomFigures SizeClassPool::figures_all_locked(std::size_t requested, const char* cause) {
-  OomFigures f;
-  f.requested = requested;
-  f.reserved = reserved_;
-  std::map<Stream, std::size_t> by_stream;
-  for (auto& sp : shards_) {
-    Shard& sh = *sp;
-    f.live += sh.live;
-    f.free += sh.free_bytes;
-    f.free_chunks += sh.free_blocks;
-    f.pending += sh.order.pending_bytes();
-    for (auto& [st, n] : sh.order.by_stream()) by_stream[st] += n;
-    for (std::size_t c = nclasses_; c-- > 0;)
-      if (sh.free[c].head) {
-        f.largest_free = std::max(f.largest_free, sh.free[c].head->size);
-        break;
-      }
-  }
-  f.pending_by_stream.assign(by_stream.begin(), by_stream.end());
-  f.limit = opt_.limit;
-  f.cause = cause;
-  return f;
 }
 
 // Detach every shard's cached blocks (after settling completed releases when drain), one shard at
@@ -287,14 +258,28 @@ void* SizeClassPool::serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, S
   return reinterpret_cast<void*>(b->addr);
 }
 
-void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
-  check_request(nbytes);
-  check_open();
+void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
   const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
   const auto cls = static_cast<std::uint32_t>(class_index(csize));
   Shard& sh = my_shard();
   Detached detached;
   bool retried = false;
+  // Recovery, once: give cached blocks of other classes back (after an upstream refusal, pending
+  // ones settled too), then retry. False: nothing left to try.
+  auto recover = [&](bool drain) {
+    if (retried) return false;
+    retried = true;
+    if (!detach_all_free(detached, drain) && !drain) return false;
+    free_detached(detached);
+    Guard g(grow_mu_);
+    ++oom_retries_;
+    return true;
+  };
+  auto fail = [&](bool limit_hit, const char* upstream_error) {
+    OomFigures f = oom_figures(stats(), nbytes);  // stats(): one observation under every lock
+    if (upstream_error) f.upstream_error = upstream_error;
+    throw_oom(std::move(f), csize, limit_hit, FreeFit::OwnClass);
+  };
   for (;;) {
     {
       std::unique_lock<detail::SpinMutex> g(sh.mu);
@@ -312,30 +297,12 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     bool over = false;
     {
       Guard g(grow_mu_);
-      if (opt_.limit && reserved_ + claimed_ + csize > opt_.limit) {
-        over = true;
-      } else {
-        ++misses_;
-        claimed_ += csize;  // before the upstream call, so concurrent callers respect the limit
-      }
+      over = !budget_.claim(csize);
+      if (!over) ++misses_;
     }
     if (over) {
-      if (!retried) {
-        // Give cached blocks of other classes back, then retry once.
-        retried = true;
-        if (detach_all_free(detached, false)) {
-          free_detached(detached);
-          Guard g(grow_mu_);
-          ++oom_retries_;
-          continue;
-        }
-      }
-      OomFigures f;
-      {
-        AllLocks all(this);
-        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "limit");
-      }
-      throw_oom(std::move(f));
+      if (recover(false)) continue;
+      fail(true, nullptr);
     }
     void* p = nullptr;
     try {
@@ -343,33 +310,18 @@ void* SizeClassPool::allocate(std::size_t nbytes, Stream s) {
     } catch (const UpstreamOutOfMemory& e) {
       {
         Guard g(grow_mu_);
-        claimed_ -= csize;
+        budget_.cancel(csize);
       }
-      if (!retried) {
-        retried = true;
-        detach_all_free(detached, true);
-        free_detached(detached);
-        Guard g(grow_mu_);
-        ++oom_retries_;
-        continue;
-      }
-      OomFigures f;
-      {
-        AllLocks all(this);
-        f = figures_all_locked(nbytes, pending_bytes_all_locked() >= csize ? "pending" : "upstream");
-      }
-      f.upstream_error = e.what();
-      throw_oom(std::move(f));
+      if (recover(true)) continue;
+      fail(false, e.what());
     } catch (...) {
       Guard g(grow_mu_);
-      claimed_ -= csize;
+      budget_.cancel(csize);
       throw;
     }
     Guard g(sh.mu);
     Guard g2(grow_mu_);
-    claimed_ -= csize;
-    reserved_ += csize;
-    peak_reserved_ = std::max(peak_reserved_, reserved_);
+    budget_.commit(csize);
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
     nb->size = csize;
@@ -443,9 +395,8 @@ void SizeClassPool::release_block_locked(Shard& sh, Block* b, Stream s, Detached
   make_free_locked(sh, b);
 }
 
-void SizeClassPool::deallocate(void* p, Stream s) {
+Refusal SizeClassPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (!a) throw InvalidPointer("cannot free a null pointer", 0, "null");
   Detached detached;
   Block* b = nullptr;
   bool done = false;
@@ -456,74 +407,52 @@ void SizeClassPool::deallocate(void* p, Stream s) {
     Shard& sh = *shards_[k & shard_mask_];
     Guard g(sh.mu);
     if (b->home() == k && b->addr == a) {
-      check_open();
-      if (b->st() != ChunkState::Live)
-        throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
-                                 chunk_state_name(b->st()) + ")",
-                             a, "double_free");
+      if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
       release_block_locked(sh, b, s, detached);
       done = true;
     }
   }
   if (!done) {
     // Not found lock-free (an error, or the table was being rewritten): decide under every lock.
-    std::string inside;
-    {
-      AllLocks all(this);
-      check_open();
-      if (table_.find(a, b)) {
-        if (b->st() != ChunkState::Live)
-          throw InvalidPointer(format_ptr(a) + " was already freed (double free; the block is " +
-                                   chunk_state_name(b->st()) + ")",
-                               a, "double_free");
-        grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
-        try {
-          release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
-        } catch (...) {
-          grow_mu_.lock();
-          throw;
-        }
-        grow_mu_.lock();
-        done = true;
-      } else {
-        table_.for_each([&](std::uintptr_t k, Block* x) {
-          if (inside.empty() && a > k && a < k + x->size)
-            inside = format_ptr(a) + " points inside the block at " + format_ptr(k) + " (offset " +
-                     std::to_string(a - k) + "): free the block's start address";
-        });
-      }
+    AllLocks all(this);
+    if (!table_.find(a, b)) {
+      Refusal r{Refusal::Unknown};
+      table_.for_each([&](std::uintptr_t k, Block* x) {
+        if (r.kind != Refusal::Interior && a > k && a < k + x->size) r = {Refusal::Interior, x->st(), k};
+      });
+      return r;
     }
-    if (!done) {
-      if (!inside.empty()) throw InvalidPointer(inside, a, "interior");
-      throw_foreign_pointer(a, "is not a block of this pool (never allocated here)");
+    if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
+    grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
+    try {
+      release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
+    } catch (...) {
+      grow_mu_.lock();
+      throw;
     }
+    grow_mu_.lock();
   }
   free_detached(detached);
+  return {};
 }
 
-void SizeClassPool::record_stream(void* p, Stream s) {
+bool SizeClassPool::do_record_stream(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   Block* b = nullptr;
   if (table_.find(a, b) && b->st() == ChunkState::Live) {
     const std::uint32_t k = b->home();
     Shard& sh = *shards_[k & shard_mask_];
     Guard g(sh.mu);
-    check_open();
     if (b->home() == k && b->addr == a && b->st() == ChunkState::Live) {
-      if (s == b->alloc_stream) return;
-      if (!b->used_on) b->used_on = new std::vector<Stream>();
-      if (std::find(b->used_on->begin(), b->used_on->end(), s) == b->used_on->end()) b->used_on->push_back(s);
-      return;
+      b->add_use(s);
+      return true;
     }
   }
   // Not found lock-free (bad input, or the table was being rewritten): decide under every lock.
   AllLocks all(this);
-  check_open();
-  if (!table_.find(a, b) || b->st() != ChunkState::Live)
-    throw InvalidPointer("record_stream: " + format_ptr(a) + " is not a live block of this pool", a, "unknown");
-  if (s == b->alloc_stream) return;
-  if (!b->used_on) b->used_on = new std::vector<Stream>();
-  if (std::find(b->used_on->begin(), b->used_on->end(), s) == b->used_on->end()) b->used_on->push_back(s);
+  if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;
+  b->add_use(s);
+  return true;
 }
 
 std::size_t SizeClassPool::process_pending() {
@@ -556,8 +485,9 @@ PoolStats SizeClassPool::stats() {
   PoolStats st;
   std::map<Stream, std::size_t> by_stream;
   std::vector<bool> cached(nclasses_, false);
-  std::uint64_t hits = 0, migrated = 0, reuses = 0, fences = 0, dead = 0, retired = 0;
-  std::size_t fences_out = 0, lanes = 0, peak_shard = 0;
+  std::uint64_t hits = 0, migrated = 0;
+  std::size_t peak_shard = 0;
+  StreamOrderCounters so;
   {
     AllLocks all(this);
     for (auto& sp : shards_) {
@@ -579,34 +509,21 @@ PoolStats SizeClassPool::stats() {
         if (sh.free[c].count) cached[c] = true;
       hits += sh.hits;
       migrated += sh.migrated;
-      reuses += sh.order.same_stream_reuses();
-      fences += sh.order.fences_recorded();
-      fences_out += sh.order.fences_outstanding();
-      lanes += sh.order.lanes();
-      retired += sh.order.lanes_retired();
-      dead += sh.order.dead_stream_settles();
+      so.add(sh.order);
       peak_shard = std::max(peak_shard, sh.peak_live);
     }
-    st.reserved = reserved_;
+    st.reserved = budget_.reserved;
     peak_live_ = std::max({peak_live_, st.live, peak_shard});
-    st.peak_reserved = peak_reserved_;
+    st.peak_reserved = budget_.peak_reserved;
     st.peak_live = peak_live_;
     st.backings = table_.size();
-    st.extra.emplace_back("hits", hits);
-    st.extra.emplace_back("misses", misses_);
-    st.extra.emplace_back("cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true)));
-    st.extra.emplace_back("released_blocks", released_blocks_);
-    st.extra.emplace_back("same_stream_reuses", reuses);
-    st.extra.emplace_back("fences_recorded", fences);
-    st.extra.emplace_back("fences_outstanding", fences_out);
-    st.extra.emplace_back("stream_lanes", lanes);
-    st.extra.emplace_back("stream_lanes_retired", retired);
-    st.extra.emplace_back("dead_stream_settles", dead);
-    st.extra.emplace_back("upstream_free_failures", upstream_free_failures_);
-    st.extra.emplace_back("oom_retries", oom_retries_);
-    st.extra.emplace_back("table_capacity", table_.capacity());
-    st.extra.emplace_back("shards", shards_.size());
-    st.extra.emplace_back("shard_migrations", migrated);
+    add_extras(st, {{"hits", hits}, {"misses", misses_},
+                    {"cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true))},
+                    {"released_blocks", released_blocks_}});
+    so.report(st);
+    add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
+                    {"table_capacity", table_.capacity()}, {"shards", shards_.size()},
+                    {"shard_migrations", migrated}});
   }
   st.limit = opt_.limit;
   st.pending_by_stream.assign(by_stream.begin(), by_stream.end());
@@ -667,8 +584,8 @@ void SizeClassPool::validate() {
     total_reserved += sh.reserved;
     total_free += sh.free_bytes;
   }
-  if (total_reserved != reserved_)
-    throw InvariantViolation("SizeClassPool: reserved " + std::to_string(reserved_) + " but the shards hold " +
+  if (total_reserved != budget_.reserved)
+    throw InvariantViolation("SizeClassPool: reserved " + std::to_string(budget_.reserved) + " but the shards hold " +
                              std::to_string(total_reserved));
   if (capped() && cached_total_.load() != total_free)
     throw InvariantViolation("SizeClassPool: cached-bytes counter does not match the free lists");
@@ -676,22 +593,16 @@ void SizeClassPool::validate() {
     throw InvariantViolation("SizeClassPool: pointer table does not match the blocks");
 }
 
-void SizeClassPool::close() {
+bool SizeClassPool::do_close(LiveAtClose& live) {
   Detached detached;
   {
     AllLocks all(this);
-    if (closed()) return;
-    std::size_t live_blocks = 0, live = 0;
-    for (auto& sh : shards_) live_blocks += sh->live_blocks, live += sh->live;
-    if (live_blocks) {
-      std::vector<std::uintptr_t> sample;
+    for (auto& sh : shards_) live.blocks += sh->live_blocks, live.bytes += sh->live;
+    if (live.blocks) {
       table_.for_each([&](std::uintptr_t a, Block* b) {
-        if (b->st() == ChunkState::Live && sample.size() < 8) sample.push_back(a);
+        if (b->st() == ChunkState::Live) live.note(a);
       });
-      throw LiveBlocksAtClose("cannot close SizeClassPool #" + std::to_string(id_) + ": " +
-                                  std::to_string(live_blocks) + " block(s), " + format_bytes(live) +
-                                  " still live; free them first",
-                              live_blocks, live, sample);
+      return false;
     }
     for (auto& sp : shards_) {
       Shard& sh = *sp;
@@ -699,38 +610,27 @@ void SizeClassPool::close() {
       for (std::uint32_t c = 0; c < nclasses_; ++c)
         while (Block* b = pop_free_locked(sh, c)) retire_locked(sh, b, detached);
     }
-    closed_.store(true, std::memory_order_release);
+    mark_closed();
   }
   free_detached(detached);
+  return true;
 }
 
 Snapshot SizeClassPool::snapshot() {
-  Snapshot snap;
-  snap.pool = name();
-  snap.upstream = upstream_->name();
-  snap.alignment = opt_.alignment;
-  snap.stats = stats();
-  AllLocks all(this);
-  table_.for_each([&](std::uintptr_t a, Block* b) {
-    BackingInfo bi;
-    bi.address = a;
-    bi.size = b->size;
-    ChunkInfo c;
-    c.size = b->size;
-    c.state = b->st();
-    c.requested = b->requested;
-    c.alloc_stream = b->alloc_stream;
-    c.last_stream = b->last_stream;
-    if (c.state == ChunkState::Pending) shards_[b->home()]->order.describe(b, c.waits_on, c.event);
-    bi.chunks.push_back(std::move(c));
-    snap.backings.push_back(std::move(bi));
-  });
-  std::sort(snap.backings.begin(), snap.backings.end(),
-            [](const BackingInfo& x, const BackingInfo& y) { return x.address < y.address; });
+  Snapshot snap = snapshot_head(stats());
+  {
+    AllLocks all(this);
+    table_.for_each([&](std::uintptr_t, Block* b) {
+      BackingInfo& bi = snap.backings.emplace_back(block_backing(*b));
+      if (b->st() == ChunkState::Pending)
+        shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
+    });
+  }
+  sort_backings(snap);
   return snap;
 }
 
-bool SizeClassPool::owns_live(std::uintptr_t p) {
+bool SizeClassPool::find_live(std::uintptr_t p) {
   Guard g(grow_mu_);  // the table is written only under it
   Block* b;
   return table_.find(p, b) && b->st() == ChunkState::Live;
@@ -746,7 +646,7 @@ void SizeClassPool::reset_peaks() {
     live += sp->live;
   }
   peak_live_ = live;
-  peak_reserved_ = reserved_;
+  budget_.reset_peak();
 }
 
 }  // namespace poolkeeper

@@ -13,19 +13,24 @@ std::uint64_t now_ns() {
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
           .count());
 }
+
+// An upstream call timed from t0: a failure is counted (failed, and its time in ns) and rethrown.
+template <class F>
+decltype(auto) timed_call(F&& f, std::uint64_t t0, std::atomic<std::uint64_t>& failed, std::atomic<std::uint64_t>& ns) {
+  try {
+    return f();
+  } catch (...) {
+    failed.fetch_add(1, std::memory_order_relaxed);
+    ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+}
 }  // namespace
 
 void* Upstream::allocate(std::size_t nbytes) {
   RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
   const auto t0 = now_ns();
-  void* p = nullptr;
-  try {
-    p = do_allocate(nbytes);
-  } catch (...) {
-    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
-    alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
+  void* p = timed_call([&] { return do_allocate(nbytes); }, t0, failed_allocations_, alloc_ns_);
   count_alloc(nbytes, t0);
   return p;
 }
@@ -63,13 +68,7 @@ void Upstream::unreserve(std::uintptr_t addr, std::size_t bytes) {
 void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
   RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
   const auto t0 = now_ns();
-  try {
-    do_map(addr, bytes);
-  } catch (...) {
-    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
-    alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
+  timed_call([&] { do_map(addr, bytes); }, t0, failed_allocations_, alloc_ns_);
   maps_.fetch_add(1, std::memory_order_relaxed);
   count_alloc(bytes, t0);
 }
@@ -77,13 +76,7 @@ void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
 void Upstream::unmap(std::uintptr_t addr, std::size_t bytes) {
   RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
-  try {
-    do_unmap(addr, bytes);
-  } catch (...) {
-    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
-    dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
+  timed_call([&] { do_unmap(addr, bytes); }, t0, failed_deallocations_, dealloc_ns_);
   unmaps_.fetch_add(1, std::memory_order_relaxed);
   count_dealloc(bytes, t0);
 }
@@ -117,13 +110,7 @@ void Upstream::do_unalias(std::uintptr_t, std::size_t) {
 void Upstream::deallocate(void* p, std::size_t nbytes) {
   RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
-  try {
-    do_deallocate(p, nbytes);
-  } catch (...) {
-    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
-    dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
+  timed_call([&] { do_deallocate(p, nbytes); }, t0, failed_deallocations_, dealloc_ns_);
   count_dealloc(nbytes, t0);
 }
 

@@ -60,39 +60,43 @@ void CudaPoolControl::synchronize(int device) {
 
 void CudaPoolControl::trim_to(int device, std::uint64_t keep_bytes) { cuda_mempool_trim_to(device, keep_bytes); }
 
-std::uint64_t cuda_mempool_attribute(int device, int attribute) {
+namespace {
+// One driver call on device's default memory pool, in the device's context; `what` names it in
+// the error.
+template <class Call>
+void mempool_call(int device, Call call, const std::string& what) {
   cuda::ScopedContext ctx(device);
-  CUmemoryPool pool = default_pool(device);
+  cuda::check(call(default_pool(device)), what.c_str());
+}
+std::string on(int device, const std::string& rest = "") {
+  return "(device " + std::to_string(device) + rest + ")";
+}
+}  // namespace
+
+std::uint64_t cuda_mempool_attribute(int device, int attribute) {
   std::uint64_t v = 0;
-  cuda::check(cuda::api().cuMemPoolGetAttribute(pool, attribute, &v),
-              ("cuMemPoolGetAttribute(device " + std::to_string(device) + ", attr " + std::to_string(attribute) + ")")
-                  .c_str());
+  mempool_call(device, [&](CUmemoryPool p) { return cuda::api().cuMemPoolGetAttribute(p, attribute, &v); },
+               "cuMemPoolGetAttribute" + on(device, ", attr " + std::to_string(attribute)));
   return v;
 }
 
 void cuda_mempool_set_release_threshold(int device, std::uint64_t value) {
-  cuda::ScopedContext ctx(device);
-  CUmemoryPool pool = default_pool(device);
-  cuda::check(cuda::api().cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &value),
-              ("cuMemPoolSetAttribute(device " + std::to_string(device) + ", release threshold)").c_str());
+  mempool_call(device,
+               [&](CUmemoryPool p) { return cuda::api().cuMemPoolSetAttribute(p, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &value); },
+               "cuMemPoolSetAttribute" + on(device, ", release threshold"));
 }
 
 void cuda_mempool_trim_to(int device, std::uint64_t keep_bytes) {
-  cuda::ScopedContext ctx(device);
-  CUmemoryPool pool = default_pool(device);
-  cuda::check(cuda::api().cuMemPoolTrimTo(pool, static_cast<std::size_t>(keep_bytes)),
-              ("cuMemPoolTrimTo(device " + std::to_string(device) + ")").c_str());
+  mempool_call(device, [&](CUmemoryPool p) { return cuda::api().cuMemPoolTrimTo(p, static_cast<std::size_t>(keep_bytes)); },
+               "cuMemPoolTrimTo" + on(device));
 }
 
 void cuda_mempool_reset_high(int device, int attribute) {
   if (attribute != CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && attribute != CU_MEMPOOL_ATTR_USED_MEM_HIGH)
     throw InvalidArgument("only the high watermarks (reserved_mem_high, used_mem_high) can be reset");
-  cuda::ScopedContext ctx(device);
-  CUmemoryPool pool = default_pool(device);
   std::uint64_t zero = 0;
-  cuda::check(cuda::api().cuMemPoolSetAttribute(pool, attribute, &zero),
-              ("cuMemPoolSetAttribute(device " + std::to_string(device) + ", reset attr " + std::to_string(attribute) + ")")
-                  .c_str());
+  mempool_call(device, [&](CUmemoryPool p) { return cuda::api().cuMemPoolSetAttribute(p, attribute, &zero); },
+               "cuMemPoolSetAttribute" + on(device, ", reset attr " + std::to_string(attribute)));
 }
 
 // ---- the policy ----

@@ -312,7 +312,7 @@ class Session {
       CHECK(n > (std::size_t{1} << 20) || kind_ == Kind::ArenaTiny || faults_possible() ||
                 (sim_ && sim_->counters().outstanding_bytes + 2 * std::max<std::size_t>(n, 1 << 20) > kSimCapacity),
             std::string("unexpected OutOfMemory: ") + e.what());
-      CHECK(!e.figures.cause.empty(), "OutOfMemory without a cause");
+      CHECK(std::string(oom_cause_name(e.figures.cause)) != "?", "OutOfMemory without a cause");
     } catch (const UpstreamFailure& e) {
       CHECK(faults_possible() && faulty_->plan().error == FaultPlan::Error::Failure,
             std::string("UpstreamFailure without an injected fault: ") + e.what());

@@ -118,8 +118,6 @@ class ArenaPool final : public Pool {
   ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt = {});
   ~ArenaPool() override;
 
-  void* allocate(std::size_t nbytes, Stream s) override;
-  void deallocate(void* p, Stream s) override;
   // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
@@ -127,16 +125,13 @@ class ArenaPool final : public Pool {
   // releases, no shrink scan, no event recording: those may call the upstream or wait).
   void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) override;
   bool try_deallocate_locked_nowait(void* p, Stream s) override;
-  void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void reset_peaks() override;
   void validate() override;
   std::size_t trim() override;
   std::size_t process_pending() override;
   void synchronize() override;
-  void close() override;
   Snapshot snapshot() override;
-  bool owns_live(std::uintptr_t p) override;
   std::string name() const override { return "ArenaPool"; }
   std::size_t alignment() const override { return opt_.alignment; }
 
@@ -150,6 +145,8 @@ class ArenaPool final : public Pool {
   std::size_t shards_in_use() const;
 
  private:
+  POOLKEEPER_POOL_HOOKS;
+
   struct ShardTag {};
   // An inner shard: shares the parent's id (its errors name the parent), joins no directory or
   // thread-exit registry, keeps no resident backing.
@@ -160,9 +157,10 @@ class ArenaPool final : public Pool {
   ArenaPool* owner_shard(std::uintptr_t a);  // lock-free probe; nullptr: shard 0 or nobody
   void* allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s);
   std::size_t trim_shards(const ArenaPool* except);  // trim every shard but `except`; bytes freed
-  // These books' locked free: release p if it is live here (true); throws InvalidPointer for a
-  // pointer here that is not a live block (double free, interior); false if p is not ours.
-  bool deallocate_if_owned(std::uintptr_t a, Stream s);
+  // These books' locked free (do_deallocate's body for one shard): Refusal::Unknown when p is not
+  // in these books, so the caller can ask the other shards.
+  Refusal deallocate_here(std::uintptr_t a, Stream s);
+  bool record_here(std::uintptr_t a, Stream s);  // do_record_stream for one shard
   std::size_t trim_own();  // trim() of shard 0 alone
   void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
   Snapshot snapshot_locked();
@@ -194,20 +192,24 @@ class ArenaPool final : public Pool {
   void drain_locked(bool wait);
   PoolStats stats_locked();
   void note_peak_locked();
-  std::string locate_locked(std::uintptr_t p, std::string& reason);
+  Refusal locate_locked(std::uintptr_t p);
   OomFigures figures_locked(std::size_t requested);
 
+  // Set by the constructor, read-only afterwards (read lock-free by the fast paths).
   ArenaOptions opt_;
   bool cache_enabled_;
   bool shard_child_ = false;
   std::size_t nshards_ = 1;
+  // Inner shards: each an ArenaPool with its own lock and books (docs/threads.md).
   std::unique_ptr<std::atomic<ArenaPool*>[]> shards_;  // nshards_-1 inner shards; written under shard_mu_
   std::mutex shard_mu_;                                 // making an inner shard (never under mu_)
   std::atomic<std::size_t> inner_shards_{0};            // inner shards made so far
   std::size_t homes_assigned_ = 0;                      // guarded by mu_
-  // Guards everything below except the atomics and what the thread caches own (thread_cache.hpp).
-  // Spins briefly, then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
+  // The pool lock: guards every field below marked "guarded by mu_", and the chunk records of
+  // everything outside the thread caches (what the caches own: thread_cache.hpp). Spins briefly,
+  // then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
   mutable detail::SpinMutex mu_;
+  // Structure, guarded by mu_.
   detail::NodeArena<detail::ArenaChunk> chunk_nodes_;
   detail::PointerTable<detail::ArenaChunk*> table_;  // Live and ThreadCached chunks
   detail::FreeIndex index_;
@@ -215,16 +217,21 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
+  // Written under mu_, read lock-free (relaxed) by the fast paths and stats().
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
+  // The books, guarded by mu_ (stats_locked() and validate() read them under it).
   std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
   std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
-  std::size_t peak_reserved_ = 0, peak_live_ = 0, ops_since_scan_ = 0;
+  std::size_t peak_reserved_ = 0, peak_live_ = 0;
+  std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
+  // Event counters for stats() extras, guarded by mu_.
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
                 slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
-  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted slow.
+  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted
+  // slow. Guarded by mu_.
   std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
 };
 

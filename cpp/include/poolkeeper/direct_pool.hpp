@@ -8,6 +8,7 @@
 #pragma once
 #include <mutex>
 
+#include "poolkeeper/detail/budget.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
 #include "poolkeeper/pool.hpp"
@@ -25,9 +26,6 @@ class DirectPool final : public Pool {
   DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt = {});
   ~DirectPool() override;
 
-  void* allocate(std::size_t nbytes, Stream s) override;
-  void deallocate(void* p, Stream s) override;
-  void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void reset_peaks() override;
   void validate() override;
@@ -37,19 +35,19 @@ class DirectPool final : public Pool {
   }
   std::size_t process_pending() override { return 0; }
   void synchronize() override { upstream_->synchronize(); }
-  void close() override;
   Snapshot snapshot() override;
-  bool owns_live(std::uintptr_t p) override;
   std::string name() const override { return "Direct"; }
   std::size_t alignment() const override { return opt_.alignment; }
 
  private:
-  DirectOptions opt_;
-  std::mutex mu_;
-  detail::NodeArena<BlockRecord> nodes_;
-  detail::PointerTable<BlockRecord*> table_;
-  std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
-  std::size_t reserved_ = 0, live_ = 0, peak_reserved_ = 0, peak_live_ = 0;
+  POOLKEEPER_POOL_HOOKS;
+
+  const DirectOptions opt_;
+  std::mutex mu_;  // guards everything below
+  detail::NodeArena<BlockRecord> nodes_;       // guarded by mu_
+  detail::PointerTable<BlockRecord*> table_;  // guarded by mu_: the live blocks
+  detail::Budget budget_;                      // guarded by mu_: reserved, in-flight claims, limit
+  std::size_t live_ = 0, peak_live_ = 0;       // guarded by mu_
 };
 
 }  // namespace poolkeeper

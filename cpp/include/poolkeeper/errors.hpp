@@ -77,12 +77,24 @@ class InvariantViolation : public Error {
   using Error::Error;
 };
 
+// Why an allocation failed, as Pool's one diagnosis (pool.cpp: diagnose_oom) classifies it.
+// Python sees the name (oom_cause_name): the `cause` of OutOfMemoryError's figures.
+enum class OomCause : std::uint8_t {
+  Upstream,       // the upstream refused more
+  Limit,          // the pool's limit would be passed
+  Pending,        // enough is pending on streams whose events have not completed
+  ThreadCache,    // enough is free, but in other threads' caches
+  Fragmentation,  // enough is free, but in no one piece
+};
+const char* oom_cause_name(OomCause c);
+
 // Out of memory after the pool's own recovery (drain completed pending, flush caches, trim, retry).
 struct OomFigures {
   std::size_t requested = 0, reserved = 0, live = 0, free = 0, largest_free = 0, pending = 0;
   std::size_t free_chunks = 0, limit = 0, thread_cached = 0;
   std::vector<std::pair<Stream, std::size_t>> pending_by_stream;
-  std::string pool, upstream, cause;  // cause: fragmentation | pending | thread_cache | limit | upstream
+  std::string pool, upstream;
+  OomCause cause = OomCause::Upstream;
   std::string upstream_error;         // the upstream's own error text when it refused
 };
 

@@ -41,22 +41,15 @@ class LoggingPool final : public Pool {
   LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, std::size_t buffer_bytes = std::size_t{1} << 20);
   ~LoggingPool() override;
 
-  void* allocate(std::size_t nbytes, Stream s) override;
-  void deallocate(void* p, Stream s) override;
   void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) override;
   bool try_deallocate_locked_nowait(void* p, Stream s) override;
-  void record_stream(void* p, Stream s) override { inner_->record_stream(p, s); }
   PoolStats stats() override;
   void reset_peaks() override { inner_->reset_peaks(); }
   void validate() override { inner_->validate(); }
   std::size_t trim() override { return inner_->trim(); }
   std::size_t process_pending() override { return inner_->process_pending(); }
   void synchronize() override { inner_->synchronize(); }
-  // Closes the inner pool (LiveBlocksAtClose propagates and both stay open), then writes the
-  // buffer and closes the file.
-  void close() override;
   Snapshot snapshot() override;
-  bool owns_live(std::uintptr_t p) override { return inner_->owns_live(p); }
   std::string name() const override { return "Logging(" + inner_->name() + ")"; }
   std::size_t alignment() const override { return inner_->alignment(); }
 
@@ -70,6 +63,17 @@ class LoggingPool final : public Pool {
   static void flush_all_at_exit();
 
  private:
+  void* do_allocate(std::size_t nbytes, Stream s) override;
+  Refusal do_deallocate(void* p, Stream s) override;  // the inner pool reports bad pointers
+  bool do_record_stream(void* p, Stream s) override {
+    inner_->record_stream(p, s);
+    return true;
+  }
+  // Closes the inner pool (LiveBlocksAtClose propagates and both stay open), then writes the
+  // buffer and closes the file.
+  bool do_close(LiveAtClose& live) override;
+  bool find_live(std::uintptr_t p) override { return inner_->owns_live(p); }
+
   // Appends one line; may hand the buffer to the file (then `lk` is released on return).
   void append_locked(std::unique_lock<std::mutex>& lk, const char* line, std::size_t len);
   void write_out(std::string& out);  // file_mu_ held

@@ -11,7 +11,7 @@
 //   added by record_stream) has completed. Throws InvalidPointer (null, unknown, double free,
 //   interior, another pool's) and leaves the pool unchanged.
 // - Accounting at one observation point: reserved == live + free + pending + overhead
-//   (see accounting.hpp). validate() checks it with every structural invariant and throws
+//   (PoolStats; each pool's header lists how its books add up). validate() checks it with every structural invariant and throws
 //   InvariantViolation; call it at a quiescent point (no concurrent allocate/deallocate).
 // - Thread safety: all members may be called concurrently, except close(), validate() and
 //   snapshot(), which need no concurrent allocate/deallocate on the same pool (ArenaPool's
@@ -20,6 +20,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -68,6 +69,48 @@ struct Snapshot {
   std::vector<BackingInfo> backings;
 };
 
+[[noreturn]] void throw_bad_request(std::size_t nbytes);
+// Validates a request size (0 < nbytes <= 2^62); returns it. Throws InvalidArgument with the figure.
+inline std::size_t check_request(std::size_t nbytes) {
+  if (nbytes - 1 >= kMaxRequest) [[unlikely]] throw_bad_request(nbytes);  // 0 wraps
+  return nbytes;
+}
+
+// Why a pool's do_deallocate refused a pointer (returned with the pool's lock released):
+// Pool::deallocate turns it into the one InvalidPointer text per kind. Trivially destructible, so
+// a successful free returns it in registers.
+struct Refusal {
+  enum Kind : std::uint8_t {
+    None,          // freed
+    DoubleFree,    // a block of this pool, not live now (state: what it is)
+    FreedMemory,   // inside a non-live chunk (block: its start; state: what it is)
+    Interior,      // inside a live block (block: its start)
+    Unknown,       // not this pool's: Pool names the owner if another pool holds it live
+    UnknownOrFreed,// as Unknown, for a pool that forgets a block when it is freed
+  } kind = None;
+  ChunkState state = ChunkState::Live;
+  std::uintptr_t block = 0;
+  explicit operator bool() const { return kind != None; }
+};
+
+// What close() found still live: the count, the bytes and up to kSample addresses for the error.
+struct LiveAtClose {
+  static constexpr std::size_t kSample = 8;
+  std::size_t blocks = 0, bytes = 0;
+  std::vector<std::uintptr_t> sample;
+  void note(std::uintptr_t a) {
+    if (sample.size() < kSample) sample.push_back(a);
+  }
+};
+
+// Where free memory can serve a request, for the OOM diagnosis: any free piece as large as the
+// request (an arena splits chunks), or only blocks of the request's own size class.
+enum class FreeFit : std::uint8_t { AnyPiece, OwnClass };
+
+// The skeleton (RMM's shape): the public allocate/deallocate/record_stream/close are not virtual;
+// they check the request, the pool's state and the pointer once, map errors once, and call the
+// do_* / find_live hooks each pool implements. The non-blocking and lock-free attempts
+// (try_*_nowait, try_*_fast) stay virtual: they are the measured fast paths.
 class Pool {
  public:
   explicit Pool(std::shared_ptr<Upstream> upstream);
@@ -75,8 +118,24 @@ class Pool {
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  virtual void* allocate(std::size_t nbytes, Stream s) = 0;
-  virtual void deallocate(void* p, Stream s) = 0;
+  // Inline: a call costs the checks and one virtual call, as it did when allocate was the hook.
+  void* allocate(std::size_t nbytes, Stream s) {
+    check_request(nbytes);
+    check_open();
+    return do_allocate(nbytes, s);
+  }
+  void deallocate(void* p, Stream s) {
+    if (!p) [[unlikely]] throw_null_free();
+    check_open();
+    if (const Refusal r = do_deallocate(p, s)) [[unlikely]] throw_refusal(reinterpret_cast<std::uintptr_t>(p), r);
+  }
+  // Mark live block p as used on stream s too: its release then also waits for s.
+  void record_stream(void* p, Stream s);
+  // Free everything. Throws LiveBlocksAtClose (and stays open) while blocks are live. Idempotent.
+  void close();
+  // Is p a live block of this pool? (used to name the owner of a foreign pointer)
+  bool owns_live(std::uintptr_t p) { return find_live(p); }
+
   // Lock-free attempts used by the bindings while holding the GIL; nullptr/false means "take the
   // full path" (which may block on the pool lock or the upstream, so it runs without the GIL).
   virtual void* try_allocate_fast(std::size_t nbytes, Stream s) { return nullptr; }
@@ -96,8 +155,6 @@ class Pool {
   // The pool-specific second step: what can be done under the pool lock if it is free at once.
   virtual void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) { return nullptr; }
   virtual bool try_deallocate_locked_nowait(void* p, Stream s) { return false; }
-  // Mark live block p as used on stream s too: its release then also waits for s.
-  virtual void record_stream(void* p, Stream s) = 0;
 
   virtual PoolStats stats() = 0;
   // Restart peak_reserved and peak_live from the current reserved and live bytes (what
@@ -111,11 +168,7 @@ class Pool {
   virtual std::size_t process_pending() = 0;
   // Wait for the device, then process_pending(): nothing is pending afterwards.
   virtual void synchronize() = 0;
-  // Free everything. Throws LiveBlocksAtClose (and stays open) while blocks are live.
-  virtual void close() = 0;
   virtual Snapshot snapshot() = 0;
-  // Is p a live block of this pool? (used to name the owner of a foreign pointer)
-  virtual bool owns_live(std::uintptr_t p) = 0;
   virtual std::string name() const = 0;
   virtual std::size_t alignment() const = 0;
 
@@ -133,22 +186,44 @@ class Pool {
   // The fork child handler's step (pool.cpp): closed, and forked() from now on.
   void mark_forked();
   std::uint64_t id() const { return id_; }
+  // The directory's lookup by id: fn(pool, ctx) under the directory lock, so the pool cannot be
+  // destroyed meanwhile (lock order: the directory, then a pool's own lock). False when no pool of
+  // that id is in the directory, or it was inherited through fork(). (ArenaPool's thread-exit
+  // hook folds a dying thread's cache into its pool this way.)
+  static bool with_pool(std::uint64_t id, void (*fn)(Pool&, void*), void* ctx);
 
  protected:
+  // ---- the hooks. Called after the checks above: nbytes valid, p non-null, the pool open (as
+  // seen without its lock; a pool that must exclude a concurrent close rechecks under it).
+  virtual void* do_allocate(std::size_t nbytes, Stream s) = 0;
+  // Refusal::None when freed. A refusal leaves the pool unchanged and its lock released (Pool may
+  // ask the other pools who owns p).
+  virtual Refusal do_deallocate(void* p, Stream s) = 0;
+  // Adds s to live block p's streams; false when p is not a live block of this pool.
+  virtual bool do_record_stream(void* p, Stream s) = 0;
+  // Frees everything and marks the pool closed (mark_closed), unless blocks are live: then fills
+  // `live` and returns false, changing nothing.
+  virtual bool do_close(LiveAtClose& live) = 0;
+  virtual bool find_live(std::uintptr_t p) = 0;
+
   void check_open() const {
-    if (closed_.load(std::memory_order_relaxed)) {
-      check_not_forked();
-      throw PoolClosed(name() + " #" + std::to_string(id_) + " is closed");
-    }
+    if (closed_.load(std::memory_order_relaxed)) [[unlikely]]
+      throw_closed();
   }
+  void mark_closed() { closed_.store(true, std::memory_order_release); }
+  // A snapshot's pool, upstream, alignment and stats; the pool adds its backings.
+  Snapshot snapshot_head(PoolStats st) const;
+  static void sort_backings(Snapshot& s);
+  // "ArenaPool #3": how errors name this pool.
+  std::string label() const { return name() + " #" + std::to_string(id_); }
+  // The process-wide directory (pool.cpp) lists every pool from its constructor's end to its
+  // destructor's start: to name the owner of a foreign pointer, and to find a pool by id.
   // Join the directory of open pools. Each most-derived constructor calls it last: a pool in the
-  // directory may be asked owns_live() by another thread at any moment, so it must be whole.
+  // directory may be asked find_live() by another thread at any moment, so it must be whole.
   void join_directory();
   // Leave the directory of open pools. Derived destructors call it first, so no other thread can
   // ask a half-destroyed pool whether it owns a pointer. Idempotent.
   void unregister();
-  // Error for a pointer this pool does not hold live: names another pool when one owns it.
-  [[noreturn]] void throw_foreign_pointer(std::uintptr_t p, const std::string& what_we_know);
   // Upstream calls made by this pool, counted per pool (an upstream may serve several pools).
   void* upstream_alloc(std::size_t n) {
     void* p = upstream_->allocate(n);
@@ -164,19 +239,48 @@ class Pool {
     st.extra.emplace_back("upstream_deallocations", up_frees_.load(std::memory_order_relaxed));
     st.extra.emplace_back("ooms", ooms_.load(std::memory_order_relaxed));
   }
-  std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0};
-  std::atomic<std::uint64_t> ooms_{0};  // OutOfMemory errors raised (PyTorch's num_ooms)
-  // Build the OOM error once recovery has failed.
-  [[noreturn]] void throw_oom(OomFigures f);
+  // The one OOM diagnosis, once recovery has failed: classifies f (diagnose_oom) for a request
+  // that needed `need` bytes, counts it, and throws OutOfMemory with the text for its cause.
+  // limit_hit: the pool's limit refused the growth (rather than the upstream).
+  [[noreturn]] void throw_oom(OomFigures f, std::size_t need, bool limit_hit, FreeFit fit);
 
   std::shared_ptr<Upstream> upstream_;
-  std::atomic<bool> closed_{false};
-  std::atomic<bool> forked_{false};
-  [[noreturn]] void throw_forked() const;
   std::uint64_t id_;
+  // Read relaxed by the fast paths (a hit on a closed pool is refused there, explained here).
+  std::atomic<bool> closed_{false};
+  // Counters of this pool's upstream calls and OOM errors (PyTorch's num_ooms): relaxed atomics,
+  // written by any thread, read by stats().
+  std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0}, ooms_{0};
+
+ private:
+  [[noreturn]] void throw_forked() const;
+  [[noreturn]] void throw_closed() const;
+  [[noreturn]] static void throw_null_free();
+  // The InvalidPointer for a refusal; for an unknown pointer, names the pool that owns it.
+  [[noreturn]] void throw_refusal(std::uintptr_t p, const Refusal& r);
+
+  std::atomic<bool> forked_{false};
 };
 
-// Validates a request size; returns it. Throws InvalidArgument with the figure.
-std::size_t check_request(std::size_t nbytes);
+// Appends a pool's own counters to stats().extra, in the order given.
+inline void add_extras(PoolStats& st, std::initializer_list<std::pair<const char*, std::uint64_t>> items) {
+  for (const auto& [k, v] : items) st.extra.emplace_back(k, v);
+}
+
+// Declares Pool's hooks in a pool class (each pool defines all five in its .cpp); an adaptor that
+// forwards to an inner pool (LoggingPool) declares its own.
+#define POOLKEEPER_POOL_HOOKS                                      \
+  void* do_allocate(std::size_t nbytes, Stream s) override;        \
+  Refusal do_deallocate(void* p, Stream s) override;               \
+  bool do_record_stream(void* p, Stream s) override;               \
+  bool do_close(LiveAtClose& live) override;                       \
+  bool find_live(std::uintptr_t p) override
+
+// The cause of an OOM from what the pool holds: enough free or pending memory that could not
+// serve the request names why; otherwise the limit or the upstream refused.
+OomCause diagnose_oom(const OomFigures& f, std::size_t need, bool limit_hit, FreeFit fit);
+// The figures of an OOM error from the pool's stats at the failure.
+OomFigures oom_figures(const PoolStats& st, std::size_t requested);
+
 
 }  // namespace poolkeeper

@@ -34,6 +34,7 @@
 #include <mutex>
 #include <vector>
 
+#include "poolkeeper/detail/budget.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
 #include "poolkeeper/detail/spin_mutex.hpp"
@@ -59,23 +60,18 @@ class SizeClassPool final : public Pool {
   SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOptions opt = {});
   ~SizeClassPool() override;
 
-  void* allocate(std::size_t nbytes, Stream s) override;
-  void deallocate(void* p, Stream s) override;
   // Hits only, and only when the caller's shard lock is free right now (try_lock): the caller
   // holds the GIL, so it must never wait here. Anything else (a miss, contention, an error) takes
   // the full path.
   void* try_allocate_fast(std::size_t nbytes, Stream s) override;
   bool try_deallocate_fast(void* p, Stream s) override;
-  void record_stream(void* p, Stream s) override;
   PoolStats stats() override;
   void reset_peaks() override;
   void validate() override;
   std::size_t trim() override { return release_cached(); }
   std::size_t process_pending() override;
   void synchronize() override;
-  void close() override;
   Snapshot snapshot() override;
-  bool owns_live(std::uintptr_t p) override;
   std::string name() const override { return "SizeClassPool"; }
   std::size_t alignment() const override { return opt_.alignment; }
 
@@ -86,6 +82,8 @@ class SizeClassPool final : public Pool {
   std::size_t class_index(std::size_t rounded) const;
 
  private:
+  POOLKEEPER_POOL_HOOKS;
+
   struct Block : BlockRecord {
     Block* next_free = nullptr;  // guarded by the owning shard's lock
     std::uint32_t cls = 0;
@@ -127,23 +125,20 @@ class SizeClassPool final : public Pool {
   Block* steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh, std::uint32_t cls, std::size_t csize, Stream s);
   std::size_t detach_all_free(Detached& out, bool drain);  // every shard's free blocks, retired
   void free_detached(Detached& v);
-  OomFigures figures_all_locked(std::size_t requested, const char* cause);
   void release_block_locked(Shard& sh, Block* b, Stream s, Detached& out);
-  std::size_t pending_bytes_all_locked() const;
 
   SizeClassOptions opt_;
   unsigned shift_;  // log2(classes_per_doubling)
   std::size_t nclasses_ = 0;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::uint32_t shard_mask_ = 0;
-  // grow_mu_ guards: table_ writes, nodes_, reserved_, claimed_, peak_reserved_, peak_live_,
-  // misses_, released_blocks_, upstream_free_failures_, oom_retries_. Taken after shard locks.
+  // Taken after the shard locks.
   mutable detail::SpinMutex grow_mu_;
-  detail::NodeArena<Block> nodes_;
+  detail::NodeArena<Block> nodes_;      // guarded by grow_mu_
   detail::PointerTable<Block*> table_;  // written under grow_mu_; read lock-free
-  std::size_t claimed_ = 0;  // bytes of upstream calls in flight: count against the limit, not reserved
-  std::size_t reserved_ = 0, peak_reserved_ = 0, peak_live_ = 0;
-  std::uint64_t misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;
+  detail::Budget budget_;               // guarded by grow_mu_: reserved, in-flight claims, limit
+  std::size_t peak_live_ = 0;           // guarded by grow_mu_ (with every shard lock: stats/reset)
+  std::uint64_t misses_ = 0, released_blocks_ = 0, upstream_free_failures_ = 0, oom_retries_ = 0;  // guarded by grow_mu_
   // Bytes in every shard's free lists; kept only with a max_cached_bytes cap (a shared counter
   // every free would write otherwise).
   std::atomic<std::size_t> cached_total_{0};

@@ -87,7 +87,29 @@ struct BlockRecord {
     delete used_on;
     used_on = nullptr;
   }
+  // record_stream's step (the owner's lock held): its release also waits for s from now on.
+  void add_use(Stream s) {
+    if (s == alloc_stream || s == kNoStream) return;
+    if (!used_on) used_on = new std::vector<Stream>();
+    for (Stream x : *used_on)
+      if (x == s) return;
+    used_on->push_back(s);
+  }
 };
+
+// A block that is its own backing (DirectPool, SizeClassPool), for a snapshot: one chunk.
+inline BackingInfo block_backing(const BlockRecord& b) {
+  BackingInfo bi;
+  bi.address = b.addr;
+  bi.size = b.size;
+  ChunkInfo& c = bi.chunks.emplace_back();
+  c.size = b.size;
+  c.state = b.st();
+  c.requested = b.requested;
+  c.alloc_stream = b.alloc_stream;
+  c.last_stream = b.last_stream;
+  return bi;
+}
 
 class StreamOrder {
   static constexpr std::uint32_t kMultiLane = 0xffffffffu;
@@ -309,5 +331,21 @@ void StreamOrder::clear(F&& on_each) {
     on_each(b);
   }
 }
+
+// StreamOrder's counters as a pool's stats() reports them (summed over a sharded pool's orders).
+struct StreamOrderCounters {
+  std::uint64_t same_stream_reuses = 0, fences_recorded = 0, fences_outstanding = 0, lanes = 0, lanes_retired = 0,
+                dead_stream_settles = 0;
+  void add(const StreamOrder& o) {
+    same_stream_reuses += o.same_stream_reuses(), fences_recorded += o.fences_recorded();
+    fences_outstanding += o.fences_outstanding(), lanes += o.lanes();
+    lanes_retired += o.lanes_retired(), dead_stream_settles += o.dead_stream_settles();
+  }
+  void report(PoolStats& st) const {
+    add_extras(st, {{"same_stream_reuses", same_stream_reuses}, {"fences_recorded", fences_recorded},
+                    {"fences_outstanding", fences_outstanding}, {"stream_lanes", lanes},
+                    {"stream_lanes_retired", lanes_retired}, {"dead_stream_settles", dead_stream_settles}});
+  }
+};
 
 }  // namespace poolkeeper
