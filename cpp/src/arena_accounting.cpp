@@ -95,20 +95,12 @@ namespace {
 // Adds one shard's books to another's. Each shard balances on its own, so the sum does too; the
 // peaks add up to an upper bound of the pool's (the shards peak at different moments).
 void add_shard_stats(PoolStats& to, const PoolStats& from) {
-  to.reserved += from.reserved;
-  to.live += from.live;
-  to.free += from.free;
-  to.pending += from.pending;
-  to.overhead += from.overhead;
-  to.thread_cached += from.thread_cached;
-  to.thread_cached_pending += from.thread_cached_pending;
+  for (std::size_t PoolStats::*m : {&PoolStats::reserved, &PoolStats::live, &PoolStats::free, &PoolStats::pending,
+                                     &PoolStats::overhead, &PoolStats::thread_cached, &PoolStats::thread_cached_pending,
+                                     &PoolStats::peak_reserved, &PoolStats::peak_live, &PoolStats::live_blocks,
+                                     &PoolStats::free_chunks, &PoolStats::pending_blocks, &PoolStats::backings})
+    to.*m += from.*m;
   to.largest_free = std::max(to.largest_free, from.largest_free);
-  to.peak_reserved += from.peak_reserved;
-  to.peak_live += from.peak_live;
-  to.live_blocks += from.live_blocks;
-  to.free_chunks += from.free_chunks;
-  to.pending_blocks += from.pending_blocks;
-  to.backings += from.backings;
   for (auto& [st, b] : from.pending_by_stream) {
     auto it = std::find_if(to.pending_by_stream.begin(), to.pending_by_stream.end(),
                            [st = st](const auto& e) { return e.first == st; });

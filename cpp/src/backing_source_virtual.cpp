@@ -18,6 +18,7 @@
 // free again, its pieces back in the main range, merged with their neighbours) at the next
 // growth, trim, shrink scan, OOM recovery or close.
 #include <algorithm>
+#include <initializer_list>
 #include <map>
 
 #include "poolkeeper/arena_pool.hpp"
@@ -285,23 +286,26 @@ class VirtualRange final : public BackingSource {
       }
     st.extra.emplace_back("expandable", 1);
     st.extra.emplace_back("mapped_bytes", mapped_);
-    st.extra.emplace_back("va_bytes", va_bytes_);
-    st.extra.emplace_back("map_calls", map_calls_);
-    st.extra.emplace_back("unmap_calls", unmap_calls_);
-    st.extra.emplace_back("mapped_pieces", pieces_.size());
-    st.extra.emplace_back("unmap_failures", unmap_failures_);
-    st.extra.emplace_back("holes", holes);
-    st.extra.emplace_back("hole_bytes", hole_bytes);
-    st.extra.emplace_back("hole_unmaps", hole_unmaps_);
-    st.extra.emplace_back("hole_refills", hole_refills_);
-    st.extra.emplace_back("stitch", stitch_ ? 1 : 0);
-    st.extra.emplace_back("stitched_ranges", stitches_.size());
-    st.extra.emplace_back("stitched_bytes", lent_bytes);
-    st.extra.emplace_back("stitches", stitches_made_);
-    st.extra.emplace_back("stitch_teardowns", teardowns_);
-    st.extra.emplace_back("alias_calls", alias_calls_);
-    st.extra.emplace_back("unalias_calls", unalias_calls_);
-    st.extra.emplace_back("alias_failures", alias_failures_);
+  for (const auto& [k, v] : std::initializer_list<std::pair<const char*, std::size_t>>{
+           {"va_bytes", static_cast<std::size_t>(va_bytes_)},
+           {"map_calls", static_cast<std::size_t>(map_calls_)},
+           {"unmap_calls", static_cast<std::size_t>(unmap_calls_)},
+           {"mapped_pieces", static_cast<std::size_t>(pieces_.size())},
+           {"unmap_failures", static_cast<std::size_t>(unmap_failures_)},
+           {"holes", static_cast<std::size_t>(holes)},
+           {"hole_bytes", static_cast<std::size_t>(hole_bytes)},
+           {"hole_unmaps", static_cast<std::size_t>(hole_unmaps_)},
+           {"hole_refills", static_cast<std::size_t>(hole_refills_)},
+           {"stitch", static_cast<std::size_t>(stitch_ ? 1 : 0)},
+           {"stitched_ranges", static_cast<std::size_t>(stitches_.size())},
+           {"stitched_bytes", static_cast<std::size_t>(lent_bytes)},
+           {"stitches", static_cast<std::size_t>(stitches_made_)},
+           {"stitch_teardowns", static_cast<std::size_t>(teardowns_)},
+           {"alias_calls", static_cast<std::size_t>(alias_calls_)},
+           {"unalias_calls", static_cast<std::size_t>(unalias_calls_)},
+           {"alias_failures", static_cast<std::size_t>(alias_failures_)},
+       })
+    st.extra.emplace_back(k, v);
   }
 
  private:

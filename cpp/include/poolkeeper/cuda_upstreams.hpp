@@ -139,14 +139,7 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   std::uint64_t leaked_ranges() const { return leaked_ranges_.load(std::memory_order_relaxed); }
 
  protected:
-  void* do_allocate(std::size_t nbytes) override;
-  void do_deallocate(void* p, std::size_t nbytes) override;
-  std::uintptr_t do_reserve(std::size_t bytes) override;
-  void do_map(std::uintptr_t addr, std::size_t bytes) override;
-  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
-  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
-  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override;
-  void do_unalias(std::uintptr_t dst, std::size_t bytes) override;
+  POOLKEEPER_VIRTUAL_UPSTREAM_HOOKS;
 
  private:
   struct Piece {

@@ -105,14 +105,7 @@ class SimulatedUpstream final : public Upstream {
   std::string last_capture_violation() const;
 
  protected:
-  void* do_allocate(std::size_t nbytes) override;
-  void do_deallocate(void* p, std::size_t nbytes) override;
-  std::uintptr_t do_reserve(std::size_t bytes) override;
-  void do_map(std::uintptr_t addr, std::size_t bytes) override;
-  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;
-  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;
-  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override;
-  void do_unalias(std::uintptr_t dst, std::size_t bytes) override;
+  POOLKEEPER_VIRTUAL_UPSTREAM_HOOKS;
 
  private:
   struct Range {

@@ -76,6 +76,18 @@ struct UpstreamCounters {
   std::uint64_t aliases = 0, unaliases = 0;  // second mappings (not allocations)
 };
 
+// The hooks of an upstream with virtual memory (supports_virtual()), declared once for every
+// such upstream.
+#define POOLKEEPER_VIRTUAL_UPSTREAM_HOOKS                                              \
+  void* do_allocate(std::size_t nbytes) override;                                    \
+  void do_deallocate(void* p, std::size_t nbytes) override;                          \
+  std::uintptr_t do_reserve(std::size_t bytes) override;                             \
+  void do_map(std::uintptr_t addr, std::size_t bytes) override;                      \
+  void do_unmap(std::uintptr_t addr, std::size_t bytes) override;                    \
+  void do_unreserve(std::uintptr_t addr, std::size_t bytes) override;                \
+  void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) override; \
+  void do_unalias(std::uintptr_t dst, std::size_t bytes) override
+
 class Upstream {
  public:
   virtual ~Upstream() = default;
