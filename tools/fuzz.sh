@@ -28,9 +28,9 @@ fi
 mkdir -p "$out/obj" "$out/corpus" "$out/artifacts"
 flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined
        -fno-sanitize-recover=all -DPOOLKEEPER_LIBFUZZER -Icpp/include)
-newest_header=$(ls -t cpp/include/poolkeeper/*.hpp cpp/include/poolkeeper/detail/*.hpp cpp/src/*.hpp | head -1)
+newest_header=$(ls -t cpp/include/poolkeeper/*/*.hpp cpp/src/*/*.hpp | head -1)
 pids=() objs=()
-for src in cpp/src/*.cpp cpp/tests/fuzz_pools.cpp; do
+for src in cpp/src/*/*.cpp cpp/tests/fuzz_pools.cpp; do
   obj="$out/obj/$(basename "${src%.cpp}").o"
   objs+=("$obj")
   if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ] || [ "$newest_header" -nt "$obj" ]; then

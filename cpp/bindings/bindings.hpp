@@ -5,7 +5,7 @@
 
 #include <atomic>
 
-#include "poolkeeper/pool.hpp"
+#include "poolkeeper/core/pool.hpp"
 
 namespace poolkeeper::py {
 namespace nb = nanobind;

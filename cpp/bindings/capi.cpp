@@ -4,8 +4,8 @@
 
 #include "../capi/poolkeeper_capi.h"
 #include "bindings.hpp"
-#include "poolkeeper/graph_registry.hpp"
-#include "poolkeeper/registry.hpp"
+#include "poolkeeper/pools/graph_registry.hpp"
+#include "poolkeeper/core/registry.hpp"
 
 namespace poolkeeper::py {
 

@@ -8,11 +8,11 @@
 #include <chrono>
 
 #include "bindings.hpp"
-#include "poolkeeper/cuda_driver.hpp"
-#include "poolkeeper/cuda_ops.hpp"
-#include "poolkeeper/cuda_upstreams.hpp"
-#include "poolkeeper/warm_pool.hpp"
-#include "poolkeeper/warm_pool_sim.hpp"
+#include "poolkeeper/cuda/cuda_driver.hpp"
+#include "poolkeeper/cuda/cuda_ops.hpp"
+#include "poolkeeper/cuda/cuda_upstreams.hpp"
+#include "poolkeeper/cuda/warm_pool.hpp"
+#include "poolkeeper/upstreams/warm_pool_sim.hpp"
 
 namespace poolkeeper::py {
 

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "bindings.hpp"
-#include "poolkeeper/graph_pools.hpp"
+#include "poolkeeper/pools/graph_pools.hpp"
 
 namespace poolkeeper::py {
 

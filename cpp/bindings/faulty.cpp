@@ -3,7 +3,7 @@
 #include <nanobind/stl/shared_ptr.h>
 
 #include "bindings.hpp"
-#include "poolkeeper/faulty_upstream.hpp"
+#include "poolkeeper/upstreams/faulty_upstream.hpp"
 
 namespace poolkeeper::py {
 

@@ -5,7 +5,7 @@
 #include <nanobind/stl/shared_ptr.h>
 
 #include "bindings.hpp"
-#include "poolkeeper/graph_registry.hpp"
+#include "poolkeeper/pools/graph_registry.hpp"
 
 namespace poolkeeper::py {
 

@@ -1,8 +1,8 @@
-// LoggingPool binding: the RMM-CSV logging adaptor (cpp/include/poolkeeper/logging_pool.hpp).
+// LoggingPool binding: the RMM-CSV logging adaptor (cpp/include/poolkeeper/pools/logging_pool.hpp).
 #include <nanobind/stl/shared_ptr.h>
 
 #include "bindings.hpp"
-#include "poolkeeper/logging_pool.hpp"
+#include "poolkeeper/pools/logging_pool.hpp"
 
 namespace poolkeeper::py {
 

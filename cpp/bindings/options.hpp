@@ -79,9 +79,9 @@ class OptionReader {
 // the per-device factory behind the C ABI).
 }  // namespace poolkeeper::py
 
-#include "poolkeeper/arena_pool.hpp"
-#include "poolkeeper/direct_pool.hpp"
-#include "poolkeeper/size_class_pool.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/pools/direct_pool.hpp"
+#include "poolkeeper/pools/size_class_pool.hpp"
 
 namespace poolkeeper::py {
 ArenaOptions arena_options(nb::handle opts);

@@ -6,9 +6,9 @@
 
 #include "bindings.hpp"
 #include "options.hpp"
-#include "poolkeeper/arena_pool.hpp"
-#include "poolkeeper/direct_pool.hpp"
-#include "poolkeeper/size_class_pool.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/pools/direct_pool.hpp"
+#include "poolkeeper/pools/size_class_pool.hpp"
 
 namespace poolkeeper::py {
 

@@ -9,12 +9,12 @@
 #include <functional>
 
 #include "options.hpp"
-#include "poolkeeper/arena_pool.hpp"
-#include "poolkeeper/cuda_upstreams.hpp"
-#include "poolkeeper/direct_pool.hpp"
-#include "poolkeeper/registry.hpp"
-#include "poolkeeper/simulated_upstream.hpp"
-#include "poolkeeper/size_class_pool.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/cuda/cuda_upstreams.hpp"
+#include "poolkeeper/pools/direct_pool.hpp"
+#include "poolkeeper/core/registry.hpp"
+#include "poolkeeper/upstreams/simulated_upstream.hpp"
+#include "poolkeeper/pools/size_class_pool.hpp"
 
 namespace poolkeeper::py {
 

@@ -6,7 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bindings.hpp"
-#include "poolkeeper/upload_engine.hpp"
+#include "poolkeeper/staging/upload_engine.hpp"
 
 namespace poolkeeper::py {
 

@@ -2,8 +2,8 @@
 #include <nanobind/stl/shared_ptr.h>
 
 #include "bindings.hpp"
-#include "poolkeeper/host_upstream.hpp"
-#include "poolkeeper/simulated_upstream.hpp"
+#include "poolkeeper/upstreams/host_upstream.hpp"
+#include "poolkeeper/upstreams/simulated_upstream.hpp"
 
 namespace poolkeeper::py {
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "poolkeeper/graph_registry.hpp"
-#include "poolkeeper/registry.hpp"
+#include "poolkeeper/pools/graph_registry.hpp"
+#include "poolkeeper/core/registry.hpp"
 
 #define PK_EXPORT extern "C" __attribute__((visibility("default")))
 

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "poolkeeper/graph_registry.hpp"
+#include "poolkeeper/pools/graph_registry.hpp"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 

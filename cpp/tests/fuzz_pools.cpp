@@ -34,12 +34,12 @@
 #include <string>
 #include <vector>
 
-#include "poolkeeper/arena_pool.hpp"
-#include "poolkeeper/direct_pool.hpp"
-#include "poolkeeper/faulty_upstream.hpp"
-#include "poolkeeper/host_upstream.hpp"
-#include "poolkeeper/simulated_upstream.hpp"
-#include "poolkeeper/size_class_pool.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/pools/direct_pool.hpp"
+#include "poolkeeper/upstreams/faulty_upstream.hpp"
+#include "poolkeeper/upstreams/host_upstream.hpp"
+#include "poolkeeper/upstreams/simulated_upstream.hpp"
+#include "poolkeeper/pools/size_class_pool.hpp"
 
 using namespace poolkeeper;
 

@@ -41,13 +41,13 @@
 #include <thread>
 #include <vector>
 
-#include "poolkeeper/arena_pool.hpp"
-#include "poolkeeper/logging_pool.hpp"
-#include "poolkeeper/direct_pool.hpp"
-#include "poolkeeper/host_upstream.hpp"
-#include "poolkeeper/registry.hpp"
-#include "poolkeeper/simulated_upstream.hpp"
-#include "poolkeeper/size_class_pool.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/pools/logging_pool.hpp"
+#include "poolkeeper/pools/direct_pool.hpp"
+#include "poolkeeper/upstreams/host_upstream.hpp"
+#include "poolkeeper/core/registry.hpp"
+#include "poolkeeper/upstreams/simulated_upstream.hpp"
+#include "poolkeeper/pools/size_class_pool.hpp"
 
 using namespace poolkeeper;
 

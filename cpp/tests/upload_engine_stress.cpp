@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include "poolkeeper/errors.hpp"
-#include "poolkeeper/upload_engine.hpp"
+#include "poolkeeper/core/errors.hpp"
+#include "poolkeeper/staging/upload_engine.hpp"
 
 using namespace poolkeeper;
 

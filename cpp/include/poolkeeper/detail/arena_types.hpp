@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "poolkeeper/stream_order.hpp"
+#include "poolkeeper/core/stream_order.hpp"
 
 namespace poolkeeper::detail {
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <thread>
 
-#include "poolkeeper/types.hpp"
+#include "poolkeeper/core/types.hpp"
 
 namespace poolkeeper::detail {
 

@@ -1,0 +1,238 @@
+// ArenaPool: large backings from the upstream, sliced into chunks. Upstream calls scale with the
+// high-water footprint, not with the allocation count (docs/design.md).
+//
+// Structure
+// - Backings: a doubling ramp initial_backing * growth^k up to max_backing, then max_backing
+//   each; a request above max_backing gets its own oversize backing. The first non-oversize
+//   backing is resident: never shrunk, so a steady small workload keeps a warm arena.
+// - Each backing is an address-ordered doubly linked chunk list that tiles it exactly.
+// - Free index: 128 exact-size fast bins (chunk sizes alignment*1 .. alignment*128) with a
+//   two-word occupancy bitmap, plus a (size, address) ordered tree for everything else. An
+//   occupied exact bin is already the best fit; otherwise the tree's lower_bound is.
+// - Deferred coalescing: deallocate files a chunk in its bin/tree and returns. Merging runs in one
+//   pass over dirty backings only when a request cannot be served from what is indexed, so a loop
+//   cycling through a few sizes never merges (counter: coalesce_passes).
+// - Thread cache (thread_cache.hpp): exact-size blocks per thread in front of everything; a hit
+//   takes no lock. Blocks released on a stream are cached tagged with that stream and reused only
+//   by it (they are pending for everyone else).
+// - Shrink: every shrink_interval locked releases, a scan counts, per backing, consecutive scans
+//   in which it was wholly free; at shrink_hysteresis it goes back upstream. Bytes on their way
+//   back still count against the limit until the upstream accepts them (a refused free is
+//   re-adopted, so the books never lose bytes and never pass the limit).
+// - Bookkeeping nodes (chunks, tree nodes) come from node arenas, never the heap on the hot path.
+// - Backings come from a BackingSource (backing_source.hpp): separate upstream allocations (the
+//   ramp above), or one virtual range. The policy code here does not know which.
+// - Expandable mode (option `expandable`, docs/expandable.md): instead of separate backings the
+//   pool reserves ONE virtual range of va_bytes from an upstream with virtual memory and maps
+//   physical pieces into it (map_piece bytes at most per map call): no waste between backings,
+//   a free run merges with new growth, steps are small (max(need, mapped * step_fraction) clamped
+//   to [granularity, max_step]). Wholly free pieces anywhere in the range (never a piece with a
+//   live, pending or thread-cached byte; never the first piece; never during a capture scope) are
+//   unmapped by trim(), by shrink scans after shrink_hysteresis scans, at OOM recovery and, with
+//   release_on_grow, before a growth; growth refills the lowest hole that fits first. Every
+//   backing is a segment (a run of consecutive mapped pieces); holes between segments carry no
+//   chunk. reserved_bytes = mapped bytes. Extra invariants: segments cover exactly the mapped
+//   pieces not lent to a stitched range, never touch, and lie inside the range. With `stitch`,
+//   wholly free pieces may be mapped a second time into a stitched range (a backing of its own
+//   outside the range) instead of growing; each piece is then tiled by chunks in exactly one place.
+//
+// Invariants (validate()):
+//   reserved == live + free + pending + overhead  (thread caches included)
+//   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
+//   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
+//   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
+// Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
+// the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
+// shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
+// backing) with their own lock, free index, stream order and backings. Threads get homes round
+// robin on their first visit, so a pool used by one thread never leaves shard 0. A free goes to
+// the shard that owns the block (found by lock-free pointer-table probes, decided again under
+// the locks before it becomes an error); a home shard that cannot reuse borrows from the others
+// with try_lock before it grows; a failed growth trims the other shards and retries once.
+// Each shard's books balance on their own, so stats() (the sum) balances too; peaks are then the
+// sum of the shards' peaks (an upper bound). With a limit (one budget) there is one shard.
+// Thread safety: all members may be called concurrently; validate() and close() need quiescence.
+// One lock per shard (mu_, a SpinMutex) for everything outside the thread caches; a shard lock is
+// never held while another is taken, except by close() (shard 0, then an inner one). Upstream frees run after it is
+// released (free_detached); growth and the expandable map/unmap call the upstream under the
+// growing shard's lock only (docs/threads.md).
+#pragma once
+#include <memory>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "poolkeeper/pools/backing_source.hpp"
+#include "poolkeeper/detail/arena_types.hpp"
+#include "poolkeeper/detail/free_index.hpp"
+#include "poolkeeper/detail/node_arena.hpp"
+#include "poolkeeper/detail/pointer_table.hpp"
+#include "poolkeeper/detail/spin_mutex.hpp"
+#include "poolkeeper/detail/thread_cache.hpp"
+#include "poolkeeper/core/pool.hpp"
+#include "poolkeeper/core/stream_order.hpp"
+
+namespace poolkeeper {
+
+struct ArenaOptions {
+  std::size_t alignment = 256;
+  std::size_t initial_backing = std::size_t{2} << 20;
+  std::size_t max_backing = std::size_t{128} << 20;
+  double growth_factor = 1.5;
+  // Per thread; 0 disables. Covers the common large classes too (a round of 8 blocks of 2 MiB fits):
+  // with many threads, everything above the cache meets on the pool lock (issue 20).
+  std::size_t thread_cache_bytes = std::size_t{32} << 20;
+  std::size_t thread_cache_max_block = std::size_t{2} << 20;
+  std::size_t shrink_hysteresis = 2;
+  std::size_t shrink_interval = 4096;  // locked releases between automatic scans; 0: never
+  std::size_t limit = 0;
+  // Requests above this get an oversize backing of their own (clamped to max_backing). Large
+  // blocks then do not fragment the ramp backings, and a freed one is a whole hole for the next.
+  std::size_t oversize_threshold = std::size_t{32} << 20;
+  // Expandable (virtual-memory) backing; needs upstream->supports_virtual() (else InvalidArgument).
+  bool expandable = false;
+  std::size_t va_bytes = 0;       // range to reserve; 0: the upstream's memory_capacity() (1 TiB if unknown)
+  double step_fraction = 0.0625;  // growth step as a fraction of what is mapped
+  std::size_t max_step = std::size_t{64} << 20;
+  // Expandable: largest physical piece one map call creates (0: a growth step is one piece).
+  // Only whole pieces can be unmapped, so smaller pieces free holes sooner for more map calls.
+  std::size_t map_piece = 0;
+  // Expandable: unmap wholly free pieces anywhere in the range (trim, shrink scans, OOM recovery)
+  // and refill the lowest holes first; false: only the free tail is unmapped.
+  bool reclaim_holes = true;
+  // Expandable: before mapping more, unmap the wholly free pieces the request could not use.
+  bool release_on_grow = false;
+  // Expandable, upstreams with aliases (upstream.hpp): when nothing contiguous fits, map wholly
+  // free pieces a second time, end to end, into a fresh range instead of mapping more memory
+  // (backing_source_virtual.cpp, docs/expandable.md). Ignored by upstreams without aliases.
+  bool stitch = true;
+  // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
+  std::size_t stitch_max_parts = 16;
+  // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
+  // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit or without a cache.
+  std::size_t shards = 0;
+};
+
+class ArenaPool final : public Pool {
+ public:
+  ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt = {});
+  ~ArenaPool() override;
+
+  // Lock-free: served from / parked into the calling thread's cache, or nullptr/false.
+  void* try_allocate_fast(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_fast(void* p, Stream s) override;
+  // The locked reuse path if the pool lock is free at once (no growth, no settling of pending
+  // releases, no shrink scan, no event recording: those may call the upstream or wait).
+  void* try_allocate_locked_nowait(std::size_t nbytes, Stream s) override;
+  bool try_deallocate_locked_nowait(void* p, Stream s) override;
+  PoolStats stats() override;
+  void reset_peaks() override;
+  void validate() override;
+  std::size_t trim() override;
+  std::size_t process_pending() override;
+  void synchronize() override;
+  Snapshot snapshot() override;
+  std::string name() const override { return "ArenaPool"; }
+  std::size_t alignment() const override { return opt_.alignment; }
+
+  // One automatic shrink scan, now. Returns bytes released.
+  std::size_t shrink_scan();
+  // Return the calling thread's cached blocks to the pool.
+  void flush_thread_cache();
+  // Thread-exit hook (internal): fold a dying thread's cache into the pool.
+  void on_thread_exit(detail::ThreadCache* tc);
+  // Shards in use (1 + inner shards made so far).
+  std::size_t shards_in_use() const;
+
+ private:
+  POOLKEEPER_POOL_HOOKS;
+
+  struct ShardTag {};
+  // An inner shard: shares the parent's id (its errors name the parent), joins no directory or
+  // thread-exit registry, keeps no resident backing.
+  ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt, ShardTag, std::uint64_t parent_id);
+  ArenaPool* shard(std::size_t i);         // inner shard i (1..nshards_-1), made on first use
+  ArenaPool* existing_shard(std::size_t i) const { return shards_[i - 1].load(std::memory_order_acquire); }
+  ArenaPool* home_shard();                 // nullptr: this thread's home is shard 0
+  ArenaPool* owner_shard(std::uintptr_t a);  // lock-free probe; nullptr: shard 0 or nobody
+  void* allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s);
+  std::size_t trim_shards(const ArenaPool* except);  // trim every shard but `except`; bytes freed
+  // These books' locked free (do_deallocate's body for one shard): Refusal::Unknown when p is not
+  // in these books, so the caller can ask the other shards.
+  Refusal deallocate_here(std::uintptr_t a, Stream s);
+  bool record_here(std::uintptr_t a, Stream s);  // do_record_stream for one shard
+  std::size_t trim_own();  // trim() of shard 0 alone
+  void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
+  Snapshot snapshot_locked();
+  // The backing sources work on the arena's books under its lock (backing_source.hpp).
+  friend class detail::SeparateBackings;
+  friend class detail::VirtualRange;
+  using Detached = detail::Detached;
+  using LimitHit = detail::LimitHit;
+  detail::ThreadCache* cache_locked();
+  void flush_cache_locked(detail::ThreadCache* tc);
+  std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
+  void fold_cache_locked(detail::ThreadCache* tc);
+  void file_free_locked(detail::ArenaChunk* c);
+  detail::ArenaChunk* split_locked(detail::ArenaChunk* c, std::size_t rounded);
+  void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
+  void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
+  void release_live_locked(detail::ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out);
+  void coalesce_locked();
+  bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
+  void note_pending_locked(detail::ArenaChunk* c);
+  detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize, bool resident);
+  void release_backing_locked(detail::ArenaBacking* b, Detached& out);
+  std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
+  void free_detached(Detached& d);
+  void tick_locked(Detached& out);
+  void settle_locked();
+  void drain_locked(bool wait);
+  PoolStats stats_locked();
+  void note_peak_locked();
+  Refusal locate_locked(std::uintptr_t p);
+  OomFigures figures_locked(std::size_t requested);
+
+  // Set by the constructor, read-only afterwards (read lock-free by the fast paths).
+  ArenaOptions opt_;
+  bool cache_enabled_;
+  bool shard_child_ = false;
+  std::size_t nshards_ = 1;
+  // Inner shards: each an ArenaPool with its own lock and books (docs/threads.md).
+  std::unique_ptr<std::atomic<ArenaPool*>[]> shards_;  // nshards_-1 inner shards; written under shard_mu_
+  std::mutex shard_mu_;                                 // making an inner shard (never under mu_)
+  std::atomic<std::size_t> inner_shards_{0};            // inner shards made so far
+  std::size_t homes_assigned_ = 0;                      // guarded by mu_
+  // The pool lock: guards every field below marked "guarded by mu_", and the chunk records of
+  // everything outside the thread caches (what the caches own: thread_cache.hpp). Spins briefly,
+  // then parks (spin_mutex.hpp): std::mutex convoyed under many threads.
+  mutable detail::SpinMutex mu_;
+  // Structure, guarded by mu_.
+  detail::NodeArena<detail::ArenaChunk> chunk_nodes_;
+  detail::PointerTable<detail::ArenaChunk*> table_;  // Live and ThreadCached chunks
+  detail::FreeIndex index_;
+  StreamOrder order_;
+  std::vector<detail::ArenaBacking*> backings_;  // sorted by address
+  std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
+  std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
+  // Written under mu_, read lock-free (relaxed) by the fast paths and stats().
+  std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
+  std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
+  // The books, guarded by mu_ (stats_locked() and validate() read them under it).
+  std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
+  std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
+  std::size_t peak_reserved_ = 0, peak_live_ = 0;
+  std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
+  // Event counters for stats() extras, guarded by mu_.
+  std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
+                backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
+                upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
+                slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
+  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted
+  // slow. Guarded by mu_.
+  std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
+};
+
+}  // namespace poolkeeper

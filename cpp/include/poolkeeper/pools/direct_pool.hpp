@@ -1,0 +1,53 @@
+// Direct: the pass-through arm. Every allocate is one upstream allocation and every deallocate
+// one upstream free, so every comparison has its baseline. It keeps a table of live blocks only
+// to refuse bad pointers and to account honestly.
+//
+// Stream order: Direct holds nothing, so a release goes straight to the upstream (for CudaAsync
+// that is a stream-ordered free on the upstream's stream; cuMemFree itself waits for the device).
+// Thread-safe (one mutex).
+#pragma once
+#include <mutex>
+
+#include "poolkeeper/detail/budget.hpp"
+#include "poolkeeper/detail/node_arena.hpp"
+#include "poolkeeper/detail/pointer_table.hpp"
+#include "poolkeeper/core/pool.hpp"
+#include "poolkeeper/core/stream_order.hpp"
+
+namespace poolkeeper {
+
+struct DirectOptions {
+  std::size_t alignment = 256;
+  std::size_t limit = 0;  // 0: none
+};
+
+class DirectPool final : public Pool {
+ public:
+  DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt = {});
+  ~DirectPool() override;
+
+  PoolStats stats() override;
+  void reset_peaks() override;
+  void validate() override;
+  std::size_t trim() override {
+    check_open();
+    return 0;
+  }
+  std::size_t process_pending() override { return 0; }
+  void synchronize() override { upstream_->synchronize(); }
+  Snapshot snapshot() override;
+  std::string name() const override { return "Direct"; }
+  std::size_t alignment() const override { return opt_.alignment; }
+
+ private:
+  POOLKEEPER_POOL_HOOKS;
+
+  const DirectOptions opt_;
+  std::mutex mu_;  // guards everything below
+  detail::NodeArena<BlockRecord> nodes_;       // guarded by mu_
+  detail::PointerTable<BlockRecord*> table_;  // guarded by mu_: the live blocks
+  detail::Budget budget_;                      // guarded by mu_: reserved, in-flight claims, limit
+  std::size_t live_ = 0, peak_live_ = 0;       // guarded by mu_
+};
+
+}  // namespace poolkeeper

@@ -1,0 +1,124 @@
+// GraphPools: CUDA-graph private pools over one device pool (docs/integrations.md, "CUDA graphs").
+//
+// A captured graph bakes the addresses of every buffer it touches into its kernels. Memory the
+// graph allocated while it was captured must therefore keep its address, and never be handed to
+// other work, for as long as the graph can be replayed -- even where the capture freed it (the
+// replay writes there again). PyTorch names such memory a graph's private pool and tells an
+// allocator when to use one: begin(id, filter) before the capture starts, end(id) when it is
+// over, release(id) when the graph (or torch.cuda.MemPool) that held the pool is gone.
+//
+// The rules here:
+// - Between begin(id, filter) and end(id), an allocation whose stream passes filter comes from
+//   the private pool `id` (several scopes may be open at once, on several threads; the latest
+//   opened wins, as in PyTorch). Every other allocation goes to the device pool (`main`).
+// - A private pool is an ArenaPool with no thread cache and no automatic shrink, whose backings
+//   are blocks of the device pool: graph memory is drawn from (and given back to) the device
+//   pool's cache, so a capture usually needs no cuMemAlloc at all, and `main`'s trim() or
+//   torch.cuda.empty_cache() can never hand graph memory to the driver (to `main`, it is live).
+// - A block freed during a capture returns to its private pool, where only allocations of the
+//   same pool (later in the same capture, or a later capture sharing the pool) can reuse it --
+//   the order of one graph, or the replay order the user promised when sharing a pool handle.
+// - A block of a private pool freed at any later time goes back to that private pool.
+// - release(id) drops one use (begin(id) added one; a second capture into a shared handle adds
+//   another). At zero uses, once the pool has no live blocks and no capture scope is open on the
+//   device, the device is synchronized (a replay may still be in flight) and the private pool is
+//   closed: its backings go back to the device pool. With live blocks left (a graph's static
+//   output the caller still holds), that happens when the last of them is freed.
+//
+// Invariants (validate()): each private pool validates; what each private pool reserves equals
+// the bytes its backing upstream has outstanding in the device pool; the owner table holds
+// exactly the live blocks of the private pools; open scopes name existing pools.
+// Thread safety: every member may be called from any thread; one mutex (mu_) guards the scope
+// list, the pool table and the owner table, and private-pool calls are made under it (they are
+// rare: captures and the frees of graph-owned blocks). routing() and holds_private_blocks() are
+// lock-free reads for the C ABI's fast path.
+// Errors: allocate/deallocate/record_stream throw what the pools throw (OutOfMemory,
+// InvalidPointer, ...); begin/end/release of an unknown id throw InvalidArgument.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "poolkeeper/core/pool.hpp"
+
+namespace poolkeeper {
+
+using GraphPoolId = std::pair<std::uint64_t, std::uint64_t>;  // PyTorch's MempoolId_t
+using CaptureFilter = std::function<bool(Stream)>;
+
+struct GraphPoolInfo {
+  GraphPoolId id{};
+  int uses = 0;             // begin() calls not yet matched by release()
+  int open_scopes = 0;      // begin() calls not yet matched by end()
+  bool released = false;    // uses reached zero: closes once nothing is live
+  std::size_t live_blocks = 0;
+  PoolStats stats;
+};
+
+class GraphPools {
+ public:
+  explicit GraphPools(std::shared_ptr<Pool> main);
+  ~GraphPools();
+  GraphPools(const GraphPools&) = delete;
+  GraphPools& operator=(const GraphPools&) = delete;
+
+  void begin(GraphPoolId id, CaptureFilter filter);
+  void end(GraphPoolId id);
+  void release(GraphPoolId id);
+
+  // Lock-free: is any scope open / does any private pool hold a live block?
+  bool routing() const { return open_.load(std::memory_order_acquire) > 0; }
+  bool holds_private_blocks() const { return private_blocks_.load(std::memory_order_acquire) > 0; }
+
+  void* allocate(std::size_t nbytes, Stream s);
+  void deallocate(void* p, Stream s);
+  void record_stream(void* p, Stream s);
+  // Is p a live block of a private pool?
+  bool owns_private(std::uintptr_t p);
+
+  std::vector<GraphPoolInfo> info();
+  std::shared_ptr<Pool> private_pool(GraphPoolId id);  // nullptr when there is none
+  // Addresses of the live blocks of private pool id (empty when there is no such pool).
+  std::vector<std::uintptr_t> live_blocks(GraphPoolId id);
+  void validate();
+  const std::shared_ptr<Pool>& main() const { return main_; }
+
+  struct Counters {
+    std::uint64_t private_allocations = 0, private_deallocations = 0, pools_created = 0, pools_closed = 0,
+                  filter_errors = 0;
+  };
+  Counters counters();
+
+ private:
+  struct Private {
+    std::shared_ptr<Upstream> up;  // a view of main_ as an upstream
+    std::shared_ptr<Pool> pool;
+    int uses = 0, open_scopes = 0;
+    bool released = false;
+    std::size_t live_blocks = 0;
+  };
+  struct Scope {
+    GraphPoolId id;
+    CaptureFilter filter;
+  };
+  Private& create_or_use_locked(GraphPoolId id);
+  void maybe_close_locked(std::map<GraphPoolId, Private>::iterator it);
+  Private* route_locked(Stream s);
+
+  std::shared_ptr<Pool> main_;
+  std::mutex mu_;
+  std::vector<Scope> scopes_;                                   // guarded by mu_
+  std::map<GraphPoolId, Private> pools_;                        // guarded by mu_
+  std::unordered_map<std::uintptr_t, GraphPoolId> owner_;       // guarded by mu_
+  Counters counters_;                                           // guarded by mu_
+  std::atomic<int> open_{0};
+  std::atomic<std::size_t> private_blocks_{0};
+};
+
+}  // namespace poolkeeper

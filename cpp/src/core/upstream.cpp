@@ -1,0 +1,180 @@
+#include "poolkeeper/core/upstream.hpp"
+
+#include "poolkeeper/core/capture.hpp"
+
+#include <chrono>
+#include <cstdio>
+
+namespace poolkeeper {
+
+namespace {
+std::uint64_t now_ns() {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
+}
+
+// An upstream call timed from t0: a failure is counted (failed, and its time in ns) and rethrown.
+template <class F>
+decltype(auto) timed_call(F&& f, std::uint64_t t0, std::atomic<std::uint64_t>& failed, std::atomic<std::uint64_t>& ns) {
+  try {
+    return f();
+  } catch (...) {
+    failed.fetch_add(1, std::memory_order_relaxed);
+    ns.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+}
+}  // namespace
+
+void* Upstream::allocate(std::size_t nbytes) {
+  RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
+  const auto t0 = now_ns();
+  void* p = timed_call([&] { return do_allocate(nbytes); }, t0, failed_allocations_, alloc_ns_);
+  count_alloc(nbytes, t0);
+  return p;
+}
+
+void Upstream::count_alloc(std::size_t nbytes, std::uint64_t t0) {
+  alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+  bytes_allocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  const auto out = outstanding_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
+  auto peak = peak_outstanding_.load(std::memory_order_relaxed);
+  while (out > peak && !peak_outstanding_.compare_exchange_weak(peak, out, std::memory_order_relaxed)) {
+  }
+}
+
+void Upstream::count_dealloc(std::size_t nbytes, std::uint64_t t0) {
+  dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+  deallocations_.fetch_add(1, std::memory_order_relaxed);
+  bytes_deallocated_.fetch_add(nbytes, std::memory_order_relaxed);
+  outstanding_.fetch_sub(nbytes, std::memory_order_relaxed);
+}
+
+std::uintptr_t Upstream::reserve(std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  const std::uintptr_t a = do_reserve(bytes);
+  reserves_.fetch_add(1, std::memory_order_relaxed);
+  return a;
+}
+
+void Upstream::unreserve(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  do_unreserve(addr, bytes);
+  unreserves_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Upstream::map(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);  // growth during a graph capture must not invalidate it
+  const auto t0 = now_ns();
+  timed_call([&] { do_map(addr, bytes); }, t0, failed_allocations_, alloc_ns_);
+  maps_.fetch_add(1, std::memory_order_relaxed);
+  count_alloc(bytes, t0);
+}
+
+void Upstream::unmap(std::uintptr_t addr, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  const auto t0 = now_ns();
+  timed_call([&] { do_unmap(addr, bytes); }, t0, failed_deallocations_, dealloc_ns_);
+  unmaps_.fetch_add(1, std::memory_order_relaxed);
+  count_dealloc(bytes, t0);
+}
+
+void Upstream::alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  do_alias(dst, src, bytes);
+  aliases_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Upstream::unalias(std::uintptr_t dst, std::size_t bytes) {
+  RelaxedCapture relaxed(*this);
+  do_unalias(dst, bytes);
+  unaliases_.fetch_add(1, std::memory_order_relaxed);
+}
+
+static std::string no_vm(const std::string& who) {
+  return who + " has no virtual memory interface (supports_virtual() is false)";
+}
+std::uintptr_t Upstream::do_reserve(std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_map(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_unmap(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_unreserve(std::uintptr_t, std::size_t) { throw UpstreamFailure(no_vm(name()), name(), "NOT_SUPPORTED", 801); }
+void Upstream::do_alias(std::uintptr_t, std::uintptr_t, std::size_t) {
+  throw UpstreamFailure(name() + " cannot map memory twice (supports_alias() is false)", name(), "NOT_SUPPORTED", 801);
+}
+void Upstream::do_unalias(std::uintptr_t, std::size_t) {
+  throw UpstreamFailure(name() + " cannot map memory twice (supports_alias() is false)", name(), "NOT_SUPPORTED", 801);
+}
+
+void Upstream::deallocate(void* p, std::size_t nbytes) {
+  RelaxedCapture relaxed(*this);
+  const auto t0 = now_ns();
+  timed_call([&] { do_deallocate(p, nbytes); }, t0, failed_deallocations_, dealloc_ns_);
+  count_dealloc(nbytes, t0);
+}
+
+UpstreamCounters Upstream::counters() const {
+  UpstreamCounters c;
+  c.allocations = allocations_.load(std::memory_order_relaxed);
+  c.deallocations = deallocations_.load(std::memory_order_relaxed);
+  c.bytes_allocated = bytes_allocated_.load(std::memory_order_relaxed);
+  c.bytes_deallocated = bytes_deallocated_.load(std::memory_order_relaxed);
+  c.outstanding_bytes = outstanding_.load(std::memory_order_relaxed);
+  c.peak_outstanding_bytes = peak_outstanding_.load(std::memory_order_relaxed);
+  c.alloc_ns = alloc_ns_.load(std::memory_order_relaxed);
+  c.dealloc_ns = dealloc_ns_.load(std::memory_order_relaxed);
+  c.failed_allocations = failed_allocations_.load(std::memory_order_relaxed);
+  c.failed_deallocations = failed_deallocations_.load(std::memory_order_relaxed);
+  c.maps = maps_.load(std::memory_order_relaxed);
+  c.unmaps = unmaps_.load(std::memory_order_relaxed);
+  c.reserves = reserves_.load(std::memory_order_relaxed);
+  c.unreserves = unreserves_.load(std::memory_order_relaxed);
+  c.aliases = aliases_.load(std::memory_order_relaxed);
+  c.unaliases = unaliases_.load(std::memory_order_relaxed);
+  return c;
+}
+
+void Upstream::reset_counters() {
+  // Outstanding bytes are state, not history: they survive a reset (peak restarts from them).
+  allocations_ = 0;
+  deallocations_ = 0;
+  bytes_allocated_ = 0;
+  bytes_deallocated_ = 0;
+  peak_outstanding_ = outstanding_.load();
+  alloc_ns_ = 0;
+  dealloc_ns_ = 0;
+  failed_allocations_ = 0;
+  failed_deallocations_ = 0;
+  maps_ = 0;
+  unmaps_ = 0;
+  reserves_ = 0;
+  unreserves_ = 0;
+  aliases_ = 0;
+  unaliases_ = 0;
+}
+
+std::string format_bytes(std::size_t n) {
+  char buf[64];
+  const double d = static_cast<double>(n);
+  if (n >= (std::size_t{1} << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", d / double(1u << 30));
+  else if (n >= (std::size_t{1} << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", d / double(1u << 20));
+  else if (n >= (std::size_t{1} << 10)) std::snprintf(buf, sizeof buf, "%.2f KiB", d / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%zu B", n);
+  return buf;
+}
+
+std::string format_stream(Stream s) {
+  if (s == kNoStream) return "none";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(s));
+  return buf;
+}
+
+std::string format_ptr(std::uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,458 @@
+#include "poolkeeper/cuda/cuda_upstreams.hpp"
+
+#include "poolkeeper/cuda/cuda_driver.hpp"
+
+namespace poolkeeper {
+
+using namespace cuda::drv;
+
+namespace {
+CUevent as_event(std::uintptr_t e) { return reinterpret_cast<CUevent>(e); }
+std::string on_device(const char* call, std::size_t n, int device) {
+  return std::string(call) + "(" + format_bytes(n) + ") on device " + std::to_string(device);
+}
+}  // namespace
+
+// ---- events ----
+
+CudaEventPool::~CudaEventPool() {
+  if (cuda::shutting_down() || events_.empty()) return;
+  try {
+    cuda::ScopedContext ctx(device_);
+    for (std::uintptr_t e : events_) cuda::api().cuEventDestroy(as_event(e));
+  } catch (...) {
+    // A destructor cannot report; the events die with the context.
+  }
+}
+
+EventId CudaEventPool::record(Stream s) {
+  if (s == kNoStream) return kNullEvent;
+  const cuda::DriverApi& a = cuda::api();
+  cuda::ScopedContext ctx(device_);
+  EventId id;
+  std::uintptr_t ev;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      CUevent e = nullptr;
+      cuda::check(a.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      events_.push_back(reinterpret_cast<std::uintptr_t>(e));
+      busy_.push_back(false);
+      id = events_.size();
+    }
+    busy_[id - 1] = true;
+    ev = events_[id - 1];
+  }
+  const CUresult r = a.cuEventRecord(as_event(ev), reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(s)));
+  if (r != CUDA_SUCCESS) {
+    release(id);
+    cuda::throw_error(r, "cuEventRecord(stream " + format_stream(s) + ") on device " + std::to_string(device_));
+  }
+  return id;
+}
+
+std::uintptr_t CudaEventPool::lookup(EventId e, const char* what) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (e == kNullEvent || e > events_.size() || !busy_[e - 1])
+    throw InvalidArgument(std::string(what) + " of an unknown CUDA event id " + std::to_string(e));
+  return events_[e - 1];
+}
+
+bool CudaEventPool::query(EventId e) {
+  if (e == kNullEvent) return true;
+  const std::uintptr_t ev = lookup(e, "query");
+  cuda::ScopedContext ctx(device_);
+  const CUresult r = cuda::api().cuEventQuery(as_event(ev));
+  if (r == CUDA_SUCCESS) return true;
+  if (r == CUDA_ERROR_NOT_READY) return false;  // an answer, not an error: nothing to clear
+  cuda::throw_error(r, "cuEventQuery");
+}
+
+void CudaEventPool::wait(EventId e) {
+  if (e == kNullEvent) return;
+  const std::uintptr_t ev = lookup(e, "wait");
+  cuda::ScopedContext ctx(device_);
+  cuda::check(cuda::api().cuEventSynchronize(as_event(ev)), "cuEventSynchronize");
+}
+
+void CudaEventPool::release(EventId e) {
+  if (e == kNullEvent) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (e > events_.size() || !busy_[e - 1]) return;  // releasing twice is harmless
+  busy_[e - 1] = false;
+  free_.push_back(e);
+}
+
+std::size_t CudaEventPool::created() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return events_.size();
+}
+
+std::size_t CudaEventPool::in_use() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return events_.size() - free_.size();
+}
+
+// ---- device upstreams ----
+
+CudaDeviceUpstreamBase::CudaDeviceUpstreamBase(int device) : device_(device), events_(device) {
+  cuda::require_device(device);
+  cuda::primary_context(device);  // retain now: a broken device fails at construction
+}
+
+void CudaDeviceUpstreamBase::synchronize() {
+  cuda::ScopedContext ctx(device_);
+  cuda::check(cuda::api().cuCtxSynchronize(), "cuCtxSynchronize", name());
+}
+
+bool CudaDeviceUpstreamBase::stream_capturing(Stream s) {
+  if (s == kNoStream || cuda::shutting_down()) return false;
+  try {
+    const cuda::DriverApi& a = cuda::api();
+    if (!a.cuStreamIsCapturing) return false;
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(s));
+    const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(s), device_,
+                                            [&] { return a.cuStreamIsCapturing(st, &status); });
+    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return true;
+    return r == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE;
+  } catch (...) {
+    return false;
+  }
+}
+
+int CudaDeviceUpstreamBase::exchange_capture_mode(int mode) {
+  if (cuda::shutting_down()) return mode;
+  try {
+    const cuda::DriverApi& a = cuda::api();
+    if (!a.cuThreadExchangeStreamCaptureMode) return mode;
+    int m = mode;
+    if (a.cuThreadExchangeStreamCaptureMode(&m) != CUDA_SUCCESS) return mode;
+    return m;
+  } catch (...) {
+    return mode;
+  }
+}
+
+CudaDeviceUpstream::CudaDeviceUpstream(int device) : CudaDeviceUpstreamBase(device) {}
+
+std::string CudaDeviceUpstream::name() const { return "CudaDevice(" + std::to_string(device_) + ")"; }
+
+void* CudaDeviceUpstream::do_allocate(std::size_t nbytes) {
+  cuda::ScopedContext ctx(device_);
+  CUdeviceptr p = 0;
+  const CUresult r = cuda::api().cuMemAlloc(&p, nbytes);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemAlloc", nbytes, device_), name());
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+}
+
+void CudaDeviceUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  if (cuda::shutting_down()) return;
+  cuda::ScopedContext ctx(device_);
+  const CUresult r = cuda::api().cuMemFree(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)));
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemFree", nbytes, device_), name());
+}
+
+CudaAsyncUpstream::CudaAsyncUpstream(int device, Stream stream, bool warm)
+    : CudaDeviceUpstreamBase(device), stream_(stream == kNoStream ? 0 : stream) {
+  const cuda::DriverApi& a = cuda::api();
+  if (!a.has_stream_ordered_allocator())
+    throw CudaUnavailable("CudaAsync needs the stream-ordered allocator (cuMemAllocAsync, CUDA 11.2+); driver " +
+                          std::to_string(a.driver_version) + " lacks it");
+  if (!cuda::device_info(device).memory_pools_supported)
+    throw CudaUnavailable("CudaAsync: device " + std::to_string(device) +
+                          " does not support memory pools (cuMemAllocAsync)");
+  if (stream_ > CU_STREAM_PER_THREAD) {
+    // An explicit stream names its own context: cuMemAllocAsync would draw from that device's pool
+    // whatever `device` says (and warm the wrong one), so a stream of another device is refused.
+    int on = -1;
+    try {
+      cuda::ScopedContext in_stream_ctx = cuda::ScopedContext::for_stream(static_cast<std::uintptr_t>(stream_));
+      on = cuda::current_device();
+    } catch (const UpstreamFailure& e) {
+      throw InvalidArgument("CudaAsync(device=" + std::to_string(device) + "): stream " + format_stream(stream_) +
+                            " is not a usable stream handle: " + e.what());
+    }
+    if (on != device)
+      throw InvalidArgument("CudaAsync(device=" + std::to_string(device) + "): stream " + format_stream(stream_) +
+                            " belongs to device " + std::to_string(on) + "; its allocations would come from device " +
+                            std::to_string(on) + "'s memory pool. Pass a stream of device " + std::to_string(device) +
+                            " (or device=" + std::to_string(on) + ")");
+  }
+  if (warm) warm_ = std::make_unique<WarmPoolHandle>(WarmPoolManager::global(), device);
+}
+
+CudaAsyncUpstream::~CudaAsyncUpstream() {
+  // At process exit the driver may be tearing down: leave the threshold to die with the process.
+  if (warm_ && cuda::shutting_down()) warm_->dismiss();
+  warm_.reset();
+}
+
+std::string CudaAsyncUpstream::name() const { return "CudaAsync(" + std::to_string(device_) + ")"; }
+
+void* CudaAsyncUpstream::do_allocate(std::size_t nbytes) {
+  CUdeviceptr p = 0;
+  const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_));
+  const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(stream_), device_,
+                                          [&] { return cuda::api().cuMemAllocAsync(&p, nbytes, st); });
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemAllocAsync", nbytes, device_), name());
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+}
+
+void CudaAsyncUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  if (cuda::shutting_down()) return;
+  const auto st = reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream_));
+  const auto dp = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
+  const CUresult r = cuda::on_stream_call(static_cast<std::uintptr_t>(stream_), device_,
+                                          [&] { return cuda::api().cuMemFreeAsync(dp, st); });
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemFreeAsync", nbytes, device_), name());
+}
+
+// ---- virtual memory ----
+
+namespace {
+CUmemAllocationProp device_prop(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+std::string at_ptr(const char* call, std::uintptr_t a, std::size_t n, int device) {
+  return std::string(call) + "(" + format_ptr(a) + ", " + format_bytes(n) + ") on device " + std::to_string(device);
+}
+// Read/write for the device over a freshly mapped range (cuMemMap alone grants no access).
+CUresult allow_access(CUdeviceptr dp, std::size_t bytes, int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return cuda::api().cuMemSetAccess(dp, bytes, &access, 1);
+}
+}  // namespace
+
+CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
+  const cuda::DriverApi& a = cuda::api();
+  if (!a.has_virtual_memory())
+    throw CudaUnavailable("CudaVirtual needs the driver's virtual memory management (cuMemCreate, cuMemMap, ...); " +
+                          a.library + " lacks it");
+  int vmm = 0;
+  cuda::check(a.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device),
+              "cuDeviceGetAttribute", name());
+  if (!vmm)
+    throw CudaUnavailable("CudaVirtual: device " + std::to_string(device) + " does not support virtual memory management");
+  const CUmemAllocationProp prop = device_prop(device);
+  cuda::ScopedContext ctx(device_);
+  cuda::check(a.cuMemGetAllocationGranularity(&granularity_, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+              "cuMemGetAllocationGranularity", name());
+  if (!granularity_ || (granularity_ & (granularity_ - 1)))
+    throw UpstreamFailure("CudaVirtual: the driver's granularity " + std::to_string(granularity_) + " is not a power of two",
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+  capacity_ = cuda::device_info(device).total_memory;
+}
+
+CudaVirtualUpstream::~CudaVirtualUpstream() {
+  // Pools unmap what they mapped; whatever is left (a pool destroyed with live blocks) dies with
+  // the context.
+}
+
+std::string CudaVirtualUpstream::name() const { return "CudaVirtual(" + std::to_string(device_) + ")"; }
+
+std::size_t CudaVirtualUpstream::mapped_pieces() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return pieces_.size();
+}
+
+std::uintptr_t CudaVirtualUpstream::do_reserve(std::size_t bytes) {
+  if (!bytes || bytes % granularity_)  // the contract's error type, as the simulated device's
+    throw UpstreamFailure("CudaVirtual: reserve of " + format_bytes(bytes) + " is not a multiple of the granularity " +
+                              format_bytes(granularity_),
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+  cuda::ScopedContext ctx(device_);
+  CUdeviceptr p = 0;
+  const CUresult r = cuda::api().cuMemAddressReserve(&p, bytes, granularity_, 0, 0);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemAddressReserve", bytes, device_), name());
+  return static_cast<std::uintptr_t>(p);
+}
+
+void CudaVirtualUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
+  if (cuda::shutting_down()) return;
+  cuda::ScopedContext ctx(device_);
+  const CUresult r = cuda::api().cuMemAddressFree(static_cast<CUdeviceptr>(addr), bytes);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemAddressFree", addr, bytes, device_), name());
+}
+
+void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
+  if (!bytes || bytes % granularity_ || addr % granularity_)
+    throw UpstreamFailure("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) +
+                              " is not granule-aligned (" + format_bytes(granularity_) + ")",
+                          name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+  const cuda::DriverApi& a = cuda::api();
+  const CUmemAllocationProp prop = device_prop(device_);
+  cuda::ScopedContext ctx(device_);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = a.cuMemCreate(&h, bytes, &prop, 0);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemCreate", bytes, device_), name());
+  const auto dp = static_cast<CUdeviceptr>(addr);
+  r = a.cuMemMap(dp, bytes, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemRelease(h);
+    cuda::throw_error(r, at_ptr("cuMemMap", addr, bytes, device_), name());
+  }
+  r = allow_access(dp, bytes, device_);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemUnmap(dp, bytes);
+    a.cuMemRelease(h);
+    cuda::throw_error(r, at_ptr("cuMemSetAccess", addr, bytes, device_), name());
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  pieces_[addr] = Piece{bytes, h};
+}
+
+void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
+  Piece piece;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pieces_.find(addr);
+    if (it == pieces_.end() || it->second.size != bytes)
+      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " (" + format_bytes(bytes) +
+                                ") is not one mapped piece",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    if (it->second.aliases)
+      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " while " + std::to_string(it->second.aliases) +
+                                " alias(es) of it are mapped",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    piece = it->second;
+  }
+  if (cuda::shutting_down()) return;
+  const cuda::DriverApi& a = cuda::api();
+  cuda::ScopedContext ctx(device_);
+  CUresult r = a.cuMemUnmap(static_cast<CUdeviceptr>(addr), bytes);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", addr, bytes, device_), name());  // still mapped
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    pieces_.erase(addr);
+  }
+  // Unmapped: the unmap has happened, so it must not be reported as failed (the pool would keep
+  // the range as mapped and hand out unmapped addresses). A refused release only leaks the
+  // physical memory: counted (leaked_handles()), not thrown.
+  r = a.cuMemRelease(piece.handle);
+  if (r != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) { map_piece(addr, bytes); }
+
+std::size_t CudaVirtualUpstream::aliases() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return aliases_.size();
+}
+
+void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  unsigned long long h;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pieces_.find(src);
+    if (it == pieces_.end() || it->second.size != bytes || dst % granularity_)
+      throw UpstreamFailure("CudaVirtual: alias of " + format_ptr(src) + " (" + format_bytes(bytes) + ") at " + format_ptr(dst) +
+                                ": the source is not one mapped piece or the target is not granule-aligned",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    h = it->second.handle;
+    ++it->second.aliases;  // now: the source must not be unmapped while this map runs
+  }
+  auto undo = [&] {
+    std::lock_guard<std::mutex> g(mu_);
+    --pieces_[src].aliases;
+  };
+  const cuda::DriverApi& a = cuda::api();
+  cuda::ScopedContext ctx(device_);
+  const auto dp = static_cast<CUdeviceptr>(dst);
+  CUresult r = a.cuMemMap(dp, bytes, 0, h, 0);
+  if (r != CUDA_SUCCESS) {
+    undo();
+    cuda::throw_error(r, at_ptr("cuMemMap", dst, bytes, device_), name());
+  }
+  r = allow_access(dp, bytes, device_);
+  if (r != CUDA_SUCCESS) {
+    a.cuMemUnmap(dp, bytes);
+    undo();
+    cuda::throw_error(r, at_ptr("cuMemSetAccess", dst, bytes, device_), name());
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  aliases_[dst] = Alias{src, bytes};
+}
+
+void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
+  Alias al;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = aliases_.find(dst);
+    if (it == aliases_.end() || it->second.size != bytes)
+      throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(dst) + " (" + format_bytes(bytes) + ") is not one alias",
+                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    al = it->second;
+  }
+  if (!cuda::shutting_down()) {
+    cuda::ScopedContext ctx(device_);
+    const CUresult r = cuda::api().cuMemUnmap(static_cast<CUdeviceptr>(dst), bytes);
+    if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", dst, bytes, device_), name());  // still mapped
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  aliases_.erase(dst);
+  --pieces_[al.src].aliases;
+}
+
+void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) { unmap_piece(addr, bytes); }
+
+void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
+  const std::size_t n = align_up(nbytes, granularity_);
+  const std::uintptr_t a = do_reserve(n);
+  try {
+    map_piece(a, n);
+  } catch (...) {
+    try {
+      do_unreserve(a, n);
+    } catch (...) {
+    }
+    throw;
+  }
+  return reinterpret_cast<void*>(a);
+}
+
+void CudaVirtualUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const std::size_t n = align_up(nbytes, granularity_);
+  unmap_piece(a, n);  // throws only while the piece is still mapped: then nothing changed
+  try {
+    do_unreserve(a, n);
+  } catch (const Error&) {
+    leaked_ranges_.fetch_add(1, std::memory_order_relaxed);  // the memory itself was given back
+  }
+}
+
+// ---- pinned host memory ----
+
+CudaPinnedUpstream::CudaPinnedUpstream(int device) : device_(device) {
+  cuda::require_device(device);
+  cuda::primary_context(device);
+}
+
+void* CudaPinnedUpstream::do_allocate(std::size_t nbytes) {
+  cuda::ScopedContext ctx(device_);
+  void* p = nullptr;
+  const CUresult r = cuda::api().cuMemHostAlloc(&p, nbytes, CU_MEMHOSTALLOC_PORTABLE);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemHostAlloc", nbytes, device_), name());
+  return p;
+}
+
+void CudaPinnedUpstream::do_deallocate(void* p, std::size_t nbytes) {
+  if (cuda::shutting_down()) return;
+  cuda::ScopedContext ctx(device_);
+  const CUresult r = cuda::api().cuMemFreeHost(p);
+  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemFreeHost", nbytes, device_), name());
+}
+
+}  // namespace poolkeeper

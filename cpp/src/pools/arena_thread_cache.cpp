@@ -1,0 +1,265 @@
+// ArenaPool's thread cache: the lock-free hit paths, and moving blocks between a thread's cache
+// and the pool (under the pool's lock).
+#include <pthread.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "thread_cache_lookup.hpp"
+#include "poolkeeper/pools/arena_pool.hpp"
+
+namespace poolkeeper {
+
+using detail::ArenaChunk;
+using detail::ThreadCache;
+
+namespace detail {
+namespace {
+struct TlsEntry {
+  std::uint64_t id = 0;
+  ThreadCache* cache = nullptr;
+};
+
+struct TlsCaches {
+  std::vector<TlsEntry> entries;
+  ~TlsCaches() {
+    // Thread exit: give each pool that still exists its blocks back, through the pool directory
+    // (which keeps the pool from being destroyed while we fold into it, and skips pools inherited
+    // through fork(), whose lock may have been held at the fork). Ids are never reused, and an
+    // id with a thread cache is an ArenaPool's.
+    for (auto& e : entries)
+      Pool::with_pool(
+          e.id, [](Pool& p, void* tc) { static_cast<ArenaPool&>(p).on_thread_exit(static_cast<ThreadCache*>(tc)); },
+          e.cache);
+  }
+};
+// The hot lookup reads a trivially constructed, initial-exec TLS slot: no init guard and no
+// __tls_get_addr call on the fast path. The list with a destructor is touched only on first use.
+__attribute__((tls_model("initial-exec"))) thread_local TlsEntry t_last;
+thread_local TlsCaches t_caches;
+}  // namespace
+
+ThreadCache* tls_find_cache(std::uint64_t id) {
+  if (t_last.id == id) return t_last.cache;
+  for (auto& e : t_caches.entries)
+    if (e.id == id) {
+      t_last = e;
+      return e.cache;
+    }
+  return nullptr;
+}
+
+void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
+  TlsCaches& t = t_caches;
+  t.entries.push_back({id, tc});
+  t_last = t.entries.back();
+}
+
+void tls_prune() {
+  TlsCaches& t = t_caches;
+  if (t.entries.size() <= 64) return;
+  std::erase_if(t.entries, [](const TlsEntry& e) { return !Pool::with_pool(e.id, [](Pool&, void*) {}, nullptr); });
+  t_last = t.entries.empty() ? TlsEntry{} : t.entries.back();
+}
+
+}  // namespace detail
+
+void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
+  if (!cache_enabled_ || nbytes - 1 >= opt_.thread_cache_max_block) return nullptr;  // 0 wraps: refused
+  ThreadCache* tc = detail::tls_find_cache(id_);
+  if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
+  if (!tc->try_enter()) return nullptr;  // a reclaim is emptying this cache: the locked path serves
+  struct Leave {
+    ThreadCache* tc;
+    ~Leave() { tc->leave(); }
+  } leave{tc};
+  const std::size_t rounded = align_up(nbytes, opt_.alignment);
+  ThreadCache::Bin* hit = &tc->bins[tc->hint];
+  if (!(hit->count && hit->size == rounded && hit->stream == s)) {
+    hit = nullptr;
+    for (auto& b : tc->bins) {
+      if (!b.count || b.size != rounded) continue;
+      if (b.stream == s) {  // released on this very stream: preferred (otherwise pending for others)
+        hit = &b;
+        break;
+      }
+      if (b.stream == kNoStream && !hit) hit = &b;
+    }
+    if (!hit) return nullptr;
+    tc->hint = static_cast<int>(hit - tc->bins);
+  }
+  ArenaChunk* c = hit->items[--hit->count];
+  const auto size = static_cast<std::int64_t>(c->size);
+  const auto req = static_cast<std::int64_t>(nbytes);
+  c->requested = nbytes;
+  c->alloc_stream = c->last_stream = s;
+  c->set(ChunkState::Live);
+  tc->begin();
+  tc->add(hit->stream == kNoStream ? tc->cached_free : tc->cached_pending, -size);
+  tc->add(tc->live_delta, req);
+  tc->add(tc->overhead_delta, size - req);
+  tc->add(tc->blocks_delta, 1);
+  tc->add(tc->hits, 1);
+  tc->end();
+  tc->bytes -= c->size;  // an emptied bin keeps its key: the next free of that size lands there
+  // Peak estimate: exact while one thread uses the pool (the pool's own live bytes plus this
+  // cache's delta); with several threads the locked paths and stats() keep the peak.
+  if (ncaches_.load(std::memory_order_relaxed) != 1) return reinterpret_cast<void*>(c->addr);
+  const auto est = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed)) +
+                   tc->live_delta.load(std::memory_order_relaxed);
+  // Compared against the published value (not an owner-private copy) so reset_peaks(), which
+  // zeroes it from another thread, restarts this cache's tracking as well.
+  if (est > static_cast<std::int64_t>(tc->peak_live_pub.load(std::memory_order_relaxed)))
+    tc->peak_live_pub.store(static_cast<std::size_t>(est), std::memory_order_relaxed);
+  return reinterpret_cast<void*>(c->addr);
+}
+
+bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
+  if (!cache_enabled_) return false;
+  ThreadCache* tc = detail::tls_find_cache(id_);
+  if (!tc || closed_.load(std::memory_order_relaxed)) return false;
+  if (!tc->try_enter()) return false;  // a reclaim is emptying this cache: the locked path serves
+  struct Leave {
+    ThreadCache* tc;
+    ~Leave() { tc->leave(); }
+  } leave{tc};
+  ArenaChunk* c = nullptr;
+  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c)) return false;  // the locked path explains
+  if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
+  // Released on a stream other than its own: it must also wait for the allocating stream.
+  if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
+  if (tc->bytes + c->size > opt_.thread_cache_bytes) return false;
+  ThreadCache::Bin* slot = &tc->bins[tc->hint];
+  if (!(slot->size == c->size && slot->stream == s && slot->count < ThreadCache::kPerBin)) {
+    slot = nullptr;
+    ThreadCache::Bin* empty = nullptr;
+    for (auto& b : tc->bins) {
+      if (b.count) {
+        if (b.size == c->size && b.stream == s && b.count < ThreadCache::kPerBin) {
+          slot = &b;
+          break;
+        }
+      } else if (!empty) {
+        empty = &b;
+      }
+    }
+    if (!slot) {
+      if (!empty) return false;
+      slot = empty;
+      slot->size = c->size;
+      slot->stream = s;
+    }
+    tc->hint = static_cast<int>(slot - tc->bins);
+  }
+  slot->items[slot->count++] = c;
+  const auto size = static_cast<std::int64_t>(c->size);
+  const auto req = static_cast<std::int64_t>(c->requested);
+  c->set(ChunkState::ThreadCached);
+  c->cache_tag = s;
+  c->last_stream = s;
+  tc->begin();
+  tc->add(tc->live_delta, -req);
+  tc->add(tc->overhead_delta, req - size);
+  tc->add(tc->blocks_delta, -1);
+  tc->add(s == kNoStream ? tc->cached_free : tc->cached_pending, size);
+  tc->add(tc->frees, 1);
+  tc->end();
+  tc->bytes += c->size;
+  return true;
+}
+
+ThreadCache* ArenaPool::cache_locked() {
+  if (ThreadCache* tc = detail::tls_find_cache(id_)) return tc;
+  caches_.push_back(std::make_unique<ThreadCache>());
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
+  ThreadCache* tc = caches_.back().get();
+  // Round robin in order of first visit: the first thread (a single-threaded pool) stays home.
+  tc->home = static_cast<std::uint32_t>(homes_assigned_++ % nshards_);
+  detail::tls_add_cache(id_, tc);
+  return tc;
+}
+
+void ArenaPool::flush_cache_locked(ThreadCache* tc) {
+  std::int64_t freed = 0, pending = 0;
+  for (auto& b : tc->bins) {
+    for (std::uint32_t i = 0; i < b.count; ++i) {
+      ArenaChunk* c = b.items[i];
+      table_.erase(c->addr);
+      if (c->cache_tag == kNoStream) {
+        file_free_locked(c);
+        freed += static_cast<std::int64_t>(c->size);
+      } else {
+        order_.defer(c, c->cache_tag);  // released on that stream: pending for the others
+        note_pending_locked(c);
+        pending += static_cast<std::int64_t>(c->size);
+      }
+    }
+    b.count = 0;
+    b.size = 0;
+    b.stream = kNoStream;
+  }
+  tc->begin();
+  tc->add(tc->cached_free, -freed);
+  tc->add(tc->cached_pending, -pending);
+  tc->end();
+  tc->bytes = 0;
+  ++cache_flushes_;
+}
+
+// Every cache's blocks back into the pool now, the idle threads' included: they may never run
+// again, and their bytes must not be missing from an allocation, synchronize() or trim().
+std::size_t ArenaPool::reclaim_caches_locked() {
+  if (!cache_enabled_) return 0;
+  ThreadCache* own = detail::tls_find_cache(id_);
+  std::size_t bytes = 0;
+  for (auto& p : caches_) {
+    ThreadCache* tc = p.get();
+    if (tc == own) {  // this thread's fast paths are not running: no exclusion needed
+      bytes += tc->bytes;
+      if (tc->bytes) flush_cache_locked(tc);
+      continue;
+    }
+    tc->enter();
+    if (tc->bytes) {
+      bytes += tc->bytes;
+      flush_cache_locked(tc);
+      ++caches_reclaimed_;
+    }
+    tc->leave();
+  }
+  return bytes;
+}
+
+// Move a cache's balances into the pool's own counters (its owner is gone or idle).
+void ArenaPool::fold_cache_locked(ThreadCache* tc) {
+  const auto k = tc->read();
+  live_.store(static_cast<std::size_t>(static_cast<std::int64_t>(live_.load()) + k.live_delta));
+  overhead_ = static_cast<std::size_t>(static_cast<std::int64_t>(overhead_) + k.overhead_delta);
+  live_blocks_ = static_cast<std::size_t>(static_cast<std::int64_t>(live_blocks_) + k.blocks_delta);
+  peak_live_ = std::max(peak_live_, tc->peak_live_pub.load(std::memory_order_relaxed));
+  folded_hits_ += k.hits;
+  folded_frees_ += k.frees;
+  tc->begin();
+  tc->live_delta.store(0, std::memory_order_relaxed);
+  tc->overhead_delta.store(0, std::memory_order_relaxed);
+  tc->blocks_delta.store(0, std::memory_order_relaxed);
+  tc->hits.store(0, std::memory_order_relaxed);
+  tc->frees.store(0, std::memory_order_relaxed);
+  tc->end();
+}
+
+void ArenaPool::on_thread_exit(ThreadCache* tc) {
+  std::lock_guard<detail::SpinMutex> g(mu_);
+  if (closed()) return;
+  flush_cache_locked(tc);
+  fold_cache_locked(tc);
+  std::erase_if(caches_, [tc](const std::unique_ptr<ThreadCache>& p) { return p.get() == tc; });
+  ncaches_.store(caches_.size(), std::memory_order_relaxed);
+}
+
+void ArenaPool::flush_thread_cache() {
+  std::lock_guard<detail::SpinMutex> g(mu_);
+  if (ThreadCache* tc = cache_enabled_ ? detail::tls_find_cache(id_) : nullptr) flush_cache_locked(tc);
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,94 @@
+// SeparateBackings: each backing is one upstream allocation (backing_source.hpp).
+#include <algorithm>
+#include <cmath>
+
+#include "poolkeeper/pools/arena_pool.hpp"
+
+namespace poolkeeper::detail {
+
+class SeparateBackings final : public BackingSource {
+ public:
+  using BackingSource::BackingSource;
+
+  ArenaChunk* grow(std::size_t rounded) override {
+    const ArenaOptions& opt = a_.opt_;
+    const bool oversize = rounded > opt.oversize_threshold;
+    std::size_t size = rounded;
+    if (!oversize) {
+      // The ramp remembers how far it went: after a shrink, regrowth takes full-size backings
+      // rather than climbing again from initial_backing (which multiplied upstream calls).
+      const double ramp = double(opt.initial_backing) * std::pow(opt.growth_factor, double(ramp_steps_));
+      const std::size_t r = ramp >= double(opt.max_backing) ? opt.max_backing : static_cast<std::size_t>(ramp);
+      size = std::max(rounded, align_up(r, opt.alignment));
+    }
+    if (opt.limit) {
+      const std::size_t held = a_.reserved_ + a_.releasing_;  // a refused release comes back: count it
+      if (held + rounded > opt.limit) throw LimitHit{};
+      if (held + size > opt.limit) size = std::max(rounded, (opt.limit - held) & ~(opt.alignment - 1));
+    }
+    void* p;
+    try {
+      p = a_.upstream_alloc(size);
+    } catch (const UpstreamOutOfMemory&) {
+      if (size == rounded) throw;
+      size = rounded;  // the ramp asked for more than needed: ask for just the request
+      p = a_.upstream_alloc(size);
+    }
+    ++a_.backings_created_;
+    if (oversize) ++a_.oversize_backings_created_;
+    return adopt(reinterpret_cast<std::uintptr_t>(p), size, oversize)->first;
+  }
+
+  // Wholly free, non-resident backings: all of them, or those wholly free for shrink_hysteresis
+  // consecutive scans.
+  std::size_t release_free(Detached& out, bool hysteresis) override {
+    std::size_t bytes = 0;
+    for (ArenaBacking* b : std::vector<ArenaBacking*>(a_.backings_)) {
+      if (b->resident || !wholly_free(b)) {
+        b->free_scans = 0;
+        continue;
+      }
+      if (hysteresis && ++b->free_scans < a_.opt_.shrink_hysteresis) continue;
+      bytes += b->size;
+      a_.release_backing_locked(b, out);
+    }
+    return bytes;
+  }
+
+  std::size_t release_for_oom(Detached& out) override { return release_free(out, false); }
+
+  ArenaChunk* readopt(void* p, std::size_t n) override {
+    return adopt(reinterpret_cast<std::uintptr_t>(p), n, n > a_.opt_.oversize_threshold)->first;
+  }
+
+  void close(Detached& out) override {
+    for (ArenaBacking* b : std::vector<ArenaBacking*>(a_.backings_)) a_.release_backing_locked(b, out);
+  }
+
+  void release_unused(Detached& out) override {
+    for (ArenaBacking* b : std::vector<ArenaBacking*>(a_.backings_))
+      if (wholly_free(b)) a_.release_backing_locked(b, out);
+  }
+
+  void validate(const std::function<void(const std::string&)>&) const override {}
+  void stats(PoolStats&) const override {}
+
+ private:
+  ArenaBacking* adopt(std::uintptr_t addr, std::size_t size, bool oversize) {
+    // The first ramp backing is resident: a steady small workload keeps a warm arena. An inner
+    // shard keeps none: its thread may never come back, and trim() must return all of it.
+    const bool resident = !oversize && !resident_assigned_ && !a_.shard_child_;
+    resident_assigned_ |= resident;
+    if (!oversize) ++ramp_steps_;
+    return a_.adopt_locked(addr, size, oversize, resident);
+  }
+
+  bool resident_assigned_ = false;
+  std::size_t ramp_steps_ = 0;  // ramp backings ever made: the ramp never restarts after a shrink
+};
+
+std::unique_ptr<BackingSource> make_separate_backings(ArenaPool& arena) {
+  return std::make_unique<SeparateBackings>(arena);
+}
+
+}  // namespace poolkeeper::detail

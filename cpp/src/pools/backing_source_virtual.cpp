@@ -1,0 +1,785 @@
+// VirtualRange: one reserved virtual range with physical pieces mapped into it (backing_source.hpp,
+// docs/expandable.md).
+//
+// Books: `pieces_` lists every mapped piece (one earlier map each, by address); every backing of
+// the arena is a *segment*: a maximal run of consecutive mapped pieces, tiled by chunks. The gaps
+// between segments are the holes: unmapped, with no chunk over them, so nothing there can be
+// handed out. validate() proves that the segments cover exactly the pieces (reserved == mapped,
+// no byte reachable twice).
+//
+// Stitching (option `stitch`, upstreams with aliases): when no free chunk and no hole can serve a
+// request without mapping more, wholly free pieces anywhere in the range are mapped a second time
+// (upstream alias), one after another, into a fresh stretch of a second reserved range (the
+// stitch area); that stretch becomes a backing of its own. Its pieces are *lent*: their chunks
+// leave the main range (they lie between segments, like holes, but stay mapped), so each physical
+// byte is tiled by exactly one chunk: in its segment, or in the one stitched backing that holds
+// it. reserved counts each piece once (a segment's bytes, or a stitched backing's). A stitched
+// backing that is wholly free is torn down (its aliases unmapped, its stretch of the stitch area
+// free again, its pieces back in the main range, merged with their neighbours) at the next
+// growth, trim, shrink scan, OOM recovery or close.
+#include <algorithm>
+#include <initializer_list>
+#include <map>
+
+#include "poolkeeper/pools/arena_pool.hpp"
+
+namespace poolkeeper::detail {
+
+class VirtualRange final : public BackingSource {
+ public:
+  explicit VirtualRange(ArenaPool& arena) : BackingSource(arena) {
+    const ArenaOptions& opt = a_.opt_;
+    Upstream& up = *a_.upstream_;
+    if (!up.supports_virtual())
+      throw InvalidArgument("expandable=True needs an upstream with virtual memory; " + up.name() +
+                            " has none (supports_virtual() is false)");
+    granule_ = up.vm_granularity();
+    if (!is_pow2(granule_) || granule_ % opt.alignment)
+      throw InvalidArgument("expandable: the upstream's granularity " + std::to_string(granule_) +
+                            " is not a power of two multiple of alignment " + std::to_string(opt.alignment));
+    if (!(opt.step_fraction >= 0.0) || opt.step_fraction > 16.0) throw InvalidArgument("step_fraction must be in [0, 16]");
+    if (opt.max_step == 0) throw InvalidArgument("max_step must be positive");
+    piece_ = opt.map_piece ? align_up(opt.map_piece, granule_) : 0;
+    const std::size_t cap = up.memory_capacity();
+    // Holes fragment the address range, not only the memory: with holes reclaimed, twice the
+    // device's memory keeps the range from filling before the device does (addresses cost nothing).
+    const std::size_t dflt = cap ? (opt.reclaim_holes ? 2 * cap : cap) : std::size_t{1} << 40;
+    va_bytes_ = align_up(opt.va_bytes ? opt.va_bytes : dflt, granule_);
+    stitch_ = opt.stitch && up.supports_alias();
+    va_base_ = up.reserve(va_bytes_);  // throws the upstream's typed error; nothing to undo
+  }
+
+  // Map memory into the lowest hole where it joins free neighbours into a run that fits (the
+  // space after the last segment is the last hole). The step is what the request lacks beyond
+  // the free chunk ending at the hole, or a fraction of what is mapped (fewer map calls as the
+  // footprint grows), whichever is larger, clamped to max_step and to the hole. It is mapped in
+  // pieces of at most map_piece bytes.
+  ArenaChunk* grow(std::size_t rounded) override {
+    const ArenaOptions& opt = a_.opt_;
+    const bool quiet = a_.upstream_->captures_underway() == 0;
+    // Stitching serves the request from memory already mapped. Never while a capture scope is
+    // open (a teardown unmaps; a graph may keep addresses it saw).
+    const bool stitching = stitch_ && quiet;
+    if (stitching && dissolve_free_stitches())
+      if (ArenaChunk* c = a_.index_.take_best_fit(rounded)) return c;
+    std::vector<ArenaBacking*> segs = main_segments();
+    const std::uintptr_t va_end = va_base_ + va_bytes_;
+    std::uintptr_t gs = 0, ge = 0;
+    ArenaBacking *prev = nullptr, *next = nullptr;
+    std::size_t lead = 0, trail = 0;
+    bool found = false;
+    auto find_hole = [&] {
+      segs = main_segments();
+      found = false;
+      for (std::size_t i = 0; i <= segs.size() && !found; ++i) {
+        const std::uintptr_t from = i ? segs[i - 1]->addr + segs[i - 1]->size : va_base_;
+        const std::uintptr_t to = i < segs.size() ? segs[i]->addr : va_end;
+        // Between two segments lie unmapped holes and lent pieces (mapped, used through a
+        // stitched range): only the unmapped stretches can take memory.
+        auto lent = pieces_.lower_bound(from);
+        for (std::uintptr_t hs = from; !found;) {
+          const std::uintptr_t he = lent != pieces_.end() && lent->first < to ? lent->first : to;
+          if (he > hs) {
+            gs = hs;
+            ge = he;
+            prev = i && hs == from ? segs[i - 1] : nullptr;
+            next = i < segs.size() && he == to ? segs[i] : nullptr;
+            lead = prev && prev->last->st() == ChunkState::Free ? prev->last->size : 0;
+            trail = next && next->first->st() == ChunkState::Free ? next->first->size : 0;
+            found = lead + (ge - gs) + trail >= rounded;
+          }
+          if (found || he == to) break;
+          hs = he + lent->second.size;
+          ++lent;
+        }
+      }
+    };
+    find_hole();
+    // The free chunks the growth would extend stay out of the stitch: growing into them maps only
+    // what they lack, while stitching them away would leave that growth's memory unused.
+    if (stitching) {
+      const std::uint64_t made = stitches_made_;
+      if (ArenaChunk* c = found ? stitch(rounded, gs - lead, ge + trail) : stitch(rounded, 0, 0)) return c;
+      if (stitches_made_ != made) find_hole();  // a refused alias left a shorter stitch: pieces moved
+    }
+    // The free tail stays: this growth extends it. Only when the pieces to go add up to a growth
+    // step's worth (mapped * step_fraction, at least a granule): smaller releases would cost an
+    // unmap now and a map later for little.
+    if (opt.release_on_grow && opt.reclaim_holes && quiet &&
+        unmap_free(false, false, true, std::max(granule_, static_cast<std::size_t>(double(mapped_) * opt.step_fraction))))
+      find_hole();
+    const std::size_t tail_gap = segs.empty() ? va_bytes_ : va_end - (segs.back()->addr + segs.back()->size);
+    if (!found)
+      throw UpstreamOutOfMemory("ArenaPool #" + std::to_string(a_.id_) + ": its reserved range of " + format_bytes(va_bytes_) +
+                                    " is full (" + format_bytes(mapped_) + " mapped, " + format_bytes(tail_gap) +
+                                    " left at its end, " + format_bytes(rounded) + " needed; raise va_bytes)",
+                                a_.upstream_->name(), "POOLKEEPER_RANGE_FULL", 0);
+    const std::size_t hole = ge - gs;
+    const std::size_t need = std::min(hole, align_up(rounded > lead ? rounded - lead : granule_, granule_));
+    std::size_t step;
+    if (!mapped_) {
+      step = std::max(need, align_up(opt.initial_backing, granule_));
+    } else {
+      const std::size_t frac = align_up(static_cast<std::size_t>(double(mapped_) * opt.step_fraction), granule_);
+      step = std::max(need, std::min(std::max(frac, granule_), std::max(align_up(opt.max_step, granule_), granule_)));
+    }
+    if (opt.limit) {
+      const std::size_t held = a_.reserved_ + a_.releasing_;
+      if (held + need > opt.limit) throw LimitHit{};
+      if (held + step > opt.limit) step = std::max(need, (opt.limit - held) / granule_ * granule_);
+    }
+    step = std::min(step, hole);
+    std::size_t target = step, done = 0;
+    bool shrunk = false;
+    while (done < target) {
+      const std::size_t n = piece_ ? std::min(piece_, target - done) : target - done;
+      try {
+        a_.upstream_->map(gs + done, n);
+      } catch (const UpstreamOutOfMemory&) {
+        // The step asked for more than needed: ask for just the request, once.
+        if (!shrunk && std::max(need, done) < done + n) {
+          shrunk = true;
+          target = std::max(need, done);
+          continue;
+        }
+        if (ArenaChunk* r = absorb(gs, done, prev, next)) a_.file_free_locked(r);
+        throw;
+      } catch (...) {
+        if (ArenaChunk* r = absorb(gs, done, prev, next)) a_.file_free_locked(r);
+        throw;
+      }
+      ++map_calls_;
+      a_.up_allocs_.fetch_add(1, std::memory_order_relaxed);
+      pieces_.emplace(gs + done, Piece{n});
+      mapped_ += n;
+      done += n;
+    }
+    if (!a_.backings_created_) ++a_.backings_created_;
+    return absorb(gs, done, prev, next);
+  }
+
+  std::size_t release_free(Detached&, bool hysteresis) override {
+    dissolve_free_stitches();  // their pieces return to the range, where they can be unmapped
+    return unmap_free(hysteresis, false);
+  }
+
+  // The free memory that no request could use lies in pieces the failed growth did not extend:
+  // unmapping them frees physical memory for the retry's map.
+  // The free tail stays: the retry's growth extends it, and unmapping it would only make that map
+  // larger.
+  std::size_t release_for_oom(Detached&) override {
+    dissolve_free_stitches();
+    return a_.opt_.reclaim_holes ? unmap_free(false, false, true) : 0;
+  }
+
+  ArenaChunk* readopt(void*, std::size_t) override {
+    throw InvariantViolation("ArenaPool #" + std::to_string(a_.id_) + ": an expandable range never detaches backings");
+  }
+
+  void close(Detached&) override { release_all(); }
+
+  // Live blocks remain: only wholly free pieces go (never memory under the user); the range stays
+  // reserved unless nothing is left mapped.
+  void release_unused(Detached&) override {
+    if (a_.upstream_->captures_underway() > 0) return;
+    dissolve_free_stitches();
+    unmap_free(false, true);
+    if (pieces_.empty()) release_all();
+  }
+
+  // The last block of a stitched range freed: the range goes now (its pieces rejoin their
+  // neighbours in the main range), not at the next growth.
+  void released(std::uintptr_t backing_addr) override {
+    if (!stitch_ || in_main(backing_addr) || a_.upstream_->captures_underway() > 0) return;
+    auto it = stitches_.find(backing_addr);
+    if (it != stitches_.end()) dissolve(it);
+  }
+
+  bool wants_release(const ArenaChunk* c) const override {
+    const ArenaBacking* b = c->backing;
+    if (!stitch_ || in_main(b->addr)) return false;
+    for (const ArenaChunk* d = b->first; d; d = d->next_addr)
+      if (d != c && d->st() != ChunkState::Free) return false;
+    return true;
+  }
+
+  void validate(const std::function<void(const std::string&)>& fail) const override {
+    std::size_t mapped = 0, lent = 0;
+    for (const auto& [at, p] : pieces_) {
+      if (!p.size || p.size % granule_ || (at - va_base_) % granule_) fail("mapped piece at " + format_ptr(at) + " is not granule-aligned");
+      if (at < va_base_ || at + p.size > va_base_ + va_bytes_) fail("mapped piece outside the reserved range");
+      mapped += p.size;
+      if (p.lent_to) {
+        ++lent;
+        if (!stitches_.count(p.lent_to)) fail("piece at " + format_ptr(at) + " is lent to no stitched range");
+      }
+    }
+    if (mapped != mapped_) fail("mapped-byte count is off");
+    if (mapped != a_.reserved_) fail("mapped " + std::to_string(mapped) + " != reserved " + std::to_string(a_.reserved_));
+    // Each segment is exactly a run of consecutive pieces that are not lent; segments never touch
+    // (a hole or a lent piece lies between any two); every piece not lent lies in a segment.
+    auto it = pieces_.begin();
+    std::uintptr_t prev_end = 0;
+    bool first = true;
+    std::size_t stitched_backings = 0;
+    for (const ArenaBacking* b : a_.backings_) {
+      if (b->oversize) fail("an expandable range holds an oversize backing");
+      if (!in_main(b->addr)) {
+        // A stitched backing: exactly one stitched range's stretch.
+        auto s = stitches_.find(b->addr);
+        if (s == stitches_.end() || s->second.size != b->size) fail("backing at " + format_ptr(b->addr) + " is neither a segment nor a stitched range");
+        if (b->resident) fail("a stitched range is resident");
+        ++stitched_backings;
+        continue;
+      }
+      for (; it != pieces_.end() && it->first < b->addr; ++it)
+        if (!it->second.lent_to) fail("piece at " + format_ptr(it->first) + " lies in no segment");
+      if (!first && b->addr <= prev_end) fail("segments at " + format_ptr(b->addr) + " touch or overlap (no hole between)");
+      if (b->resident != (b->addr == va_base_)) fail("only the segment at the range's base is resident");
+      std::uintptr_t at = b->addr;
+      while (at < b->addr + b->size) {
+        if (it == pieces_.end() || it->first != at) fail("segment " + format_ptr(b->addr) + " covers unmapped bytes at " + format_ptr(at));
+        if (it->second.lent_to) fail("segment " + format_ptr(b->addr) + " covers a piece lent to a stitched range at " + format_ptr(at));
+        at += it->second.size;
+        ++it;
+      }
+      if (at != b->addr + b->size) fail("segment " + format_ptr(b->addr) + " ends inside a piece");
+      prev_end = at;
+      first = false;
+    }
+    for (; it != pieces_.end(); ++it)
+      if (!it->second.lent_to) fail("piece at " + format_ptr(it->first) + " lies in no segment");
+    if (!pieces_.empty() && pieces_.begin()->first != va_base_) fail("the resident first piece is not mapped");
+    // Stitched ranges: each is its pieces laid end to end in the stitch area, each piece lent to it
+    // and to no other (lent_to names one range); with the segments above, every mapped byte is
+    // tiled by exactly one chunk and reachable through one address while live.
+    if (stitched_backings != stitches_.size()) fail("a stitched range has no backing");
+    std::size_t parts = 0;
+    std::uintptr_t s_end = 0;
+    for (const auto& [dst, st] : stitches_) {
+      if (dst < sva_base_ || dst + st.size > sva_base_ + sva_bytes_ || dst < s_end) fail("stitched range at " + format_ptr(dst) + " outside the stitch area or overlapping another");
+      s_end = dst + st.size;
+      std::size_t sum = 0;
+      for (const auto& [src, n] : st.parts) {
+        auto p = pieces_.find(src);
+        if (p == pieces_.end() || p->second.size != n || p->second.lent_to != dst) fail("stitched range at " + format_ptr(dst) + " names a piece not lent to it");
+        sum += n;
+        ++parts;
+      }
+      if (sum != st.size || st.parts.empty()) fail("stitched range at " + format_ptr(dst) + " is not its pieces end to end");
+    }
+    if (parts != lent) fail("lent pieces and stitched parts differ");
+  }
+
+  void stats(PoolStats& st) const override {
+    std::size_t holes = 0, hole_bytes = 0, lent_bytes = 0;
+    const std::vector<ArenaBacking*> segs = main_segments();
+    for (std::size_t i = 1; i < segs.size(); ++i) {
+      ++holes;
+      hole_bytes += segs[i]->addr - (segs[i - 1]->addr + segs[i - 1]->size);
+    }
+    const std::uintptr_t last_end = segs.empty() ? va_base_ : segs.back()->addr + segs.back()->size;
+    for (const auto& [at, p] : pieces_)
+      if (p.lent_to) {
+        lent_bytes += p.size;
+        if (at < last_end) hole_bytes -= p.size;  // mapped, not a hole
+      }
+    st.extra.emplace_back("expandable", 1);
+    st.extra.emplace_back("mapped_bytes", mapped_);
+  for (const auto& [k, v] : std::initializer_list<std::pair<const char*, std::size_t>>{
+           {"va_bytes", static_cast<std::size_t>(va_bytes_)},
+           {"map_calls", static_cast<std::size_t>(map_calls_)},
+           {"unmap_calls", static_cast<std::size_t>(unmap_calls_)},
+           {"mapped_pieces", static_cast<std::size_t>(pieces_.size())},
+           {"unmap_failures", static_cast<std::size_t>(unmap_failures_)},
+           {"holes", static_cast<std::size_t>(holes)},
+           {"hole_bytes", static_cast<std::size_t>(hole_bytes)},
+           {"hole_unmaps", static_cast<std::size_t>(hole_unmaps_)},
+           {"hole_refills", static_cast<std::size_t>(hole_refills_)},
+           {"stitch", static_cast<std::size_t>(stitch_ ? 1 : 0)},
+           {"stitched_ranges", static_cast<std::size_t>(stitches_.size())},
+           {"stitched_bytes", static_cast<std::size_t>(lent_bytes)},
+           {"stitches", static_cast<std::size_t>(stitches_made_)},
+           {"stitch_teardowns", static_cast<std::size_t>(teardowns_)},
+           {"alias_calls", static_cast<std::size_t>(alias_calls_)},
+           {"unalias_calls", static_cast<std::size_t>(unalias_calls_)},
+           {"alias_failures", static_cast<std::size_t>(alias_failures_)},
+       })
+    st.extra.emplace_back(k, v);
+  }
+
+ private:
+  struct Piece {
+    std::size_t size;
+    std::uintptr_t lent_to = 0;  // the stitched range using it (0: in the main range)
+  };
+  struct Stitch {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> parts;  // (piece, bytes), laid end to end
+    std::size_t size = 0;
+  };
+
+  static void unindex(ArenaPool& a, ArenaChunk* c) {
+    if (c->where != ArenaChunk::kNowhere) a.index_.remove(c);
+  }
+
+  bool in_main(std::uintptr_t at) const { return at >= va_base_ && at < va_base_ + va_bytes_; }
+
+  // The backings that are segments of the main range, by address (the rest are stitched ranges).
+  std::vector<ArenaBacking*> main_segments() const {
+    std::vector<ArenaBacking*> out;
+    out.reserve(a_.backings_.size());
+    for (ArenaBacking* b : a_.backings_)
+      if (in_main(b->addr)) out.push_back(b);
+    return out;
+  }
+
+  // Take [at, at + n) (just mapped, or a lent piece coming back, at the start of the gap between
+  // prev and next) into the books: it extends prev (merging with a free last chunk) or starts a
+  // segment, and joins next when it fills the gap. Returns the free chunk holding the new
+  // memory, out of the index (nullptr when n == 0).
+  ArenaChunk* absorb(std::uintptr_t at, std::size_t n, ArenaBacking* prev, ArenaBacking* next, bool refill = true) {
+    if (!n) return nullptr;
+    const bool middle = next != nullptr;
+    if (middle && refill) ++hole_refills_;
+    ArenaBacking* seg;
+    ArenaChunk* run;
+    if (prev) {
+      seg = prev;
+      ArenaChunk* tail = seg->last;
+      seg->size += n;
+      a_.reserved_ += n;
+      a_.peak_reserved_ = std::max(a_.peak_reserved_, a_.reserved_);
+      if (tail->st() == ChunkState::Free) {  // the free tail grows in place: one chunk, not two
+        unindex(a_, tail);
+        tail->size += n;
+        run = tail;
+      } else {
+        run = a_.chunk_nodes_.create();
+        run->addr = at;
+        run->size = n;
+        run->backing = seg;
+        run->prev_addr = tail;
+        tail->next_addr = run;
+        seg->last = run;
+      }
+    } else {
+      seg = a_.adopt_locked(at, n, false, at == va_base_);
+      run = seg->first;
+    }
+    if (next && at + n == next->addr) {  // the gap is filled: next joins this segment
+      ArenaChunk* h = next->first;
+      if (h->st() == ChunkState::Free) {
+        unindex(a_, h);
+        run->size += h->size;
+        run->next_addr = h->next_addr;
+        if (h->next_addr) h->next_addr->prev_addr = run;
+        seg->last = next->last == h ? run : next->last;
+        a_.chunk_nodes_.destroy(h);
+      } else {
+        seg->last->next_addr = h;
+        h->prev_addr = seg->last;
+        seg->last = next->last;
+      }
+      for (ArenaChunk* c = run->next_addr; c; c = c->next_addr) c->backing = seg;
+      seg->size += next->size;
+      if (next->dirty) {
+        --a_.dirty_backings_;
+        if (!seg->dirty) seg->dirty = true, ++a_.dirty_backings_;
+      }
+      auto& segs = a_.backings_;
+      segs.erase(std::find(segs.begin(), segs.end(), next));
+      delete next;
+    }
+    return run;
+  }
+
+  // Every chunk over [ps, pe) is Free (never a live, pending or thread-cached byte)?
+  static bool chunks_free(const ArenaChunk* c, std::uintptr_t ps, std::uintptr_t pe) {
+    while (c->addr + c->size <= ps) c = c->next_addr;
+    for (const ArenaChunk* d = c; d && d->addr < pe; d = d->next_addr)
+      if (d->st() != ChunkState::Free) return false;
+    return true;
+  }
+
+  // Unmap wholly free pieces (every chunk over them Free: never live, pending or thread-cached
+  // bytes), except the resident first one: all of them, or all of them once shrink_hysteresis
+  // consecutive scans found some. With reclaim_holes off, only pieces of the free tail.
+  // Under the pool lock; a refused unmap stops the walk with that piece mapped and counted.
+  std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
+    std::vector<std::uintptr_t> victims;
+    const bool holes = a_.opt_.reclaim_holes || any;
+    const std::vector<ArenaBacking*> segs = main_segments();
+    // Where the free run ending the range starts (pieces from there on are its free tail).
+    std::uintptr_t tail_start = ~std::uintptr_t{0};
+    if (!segs.empty()) {
+      const ArenaChunk* t = segs.back()->last;
+      while (t && t->st() == ChunkState::Free) tail_start = t->addr, t = t->prev_addr;
+    }
+    for (std::size_t si = 0; si < segs.size(); ++si) {
+      const ArenaBacking* b = segs[si];
+      const ArenaChunk* c = b->first;
+      const std::uintptr_t end = b->addr + b->size;
+      for (auto it = pieces_.find(b->addr); it != pieces_.end() && it->first < end; ++it) {
+        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
+        while (c->addr + c->size <= ps) c = c->next_addr;
+        bool free = chunks_free(c, ps, pe);
+        const bool in_tail = si + 1 == segs.size() && ps >= tail_start;
+        if ((!holes && !in_tail) || (keep_tail && in_tail)) free = false;
+        if (free && ps != va_base_) victims.push_back(ps);
+      }
+    }
+    // Hysteresis as for separate backings: shrink_hysteresis consecutive scans that found
+    // something to give back, then all of it goes.
+    if (hysteresis) {
+      if (victims.empty() || ++scans_ < a_.opt_.shrink_hysteresis) {
+        if (victims.empty()) scans_ = 0;
+        return 0;
+      }
+      scans_ = 0;
+    }
+    if (min_bytes) {
+      std::size_t total = 0;
+      for (std::uintptr_t v : victims) total += pieces_.at(v).size;
+      if (total < min_bytes) return 0;
+    }
+    std::size_t released = 0;
+    // Last first: a tail given back piece by piece leaves the books as the old tail-only path did.
+    for (auto v = victims.rbegin(); v != victims.rend(); ++v) {
+      const std::size_t n = pieces_.at(*v).size;
+      try {
+        a_.upstream_->unmap(*v, n);
+      } catch (...) {
+        ++unmap_failures_;
+        ++a_.upstream_free_failures_;
+        break;
+      }
+      ++unmap_calls_;
+      a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
+      cut(*v, n);
+      released += n;
+    }
+    return released;
+  }
+
+  // [ps, ps + n): one piece, just unmapped, every chunk over it Free: out of the books.
+  void cut(std::uintptr_t ps, std::size_t n) {
+    if (detach(ps, n)) ++hole_unmaps_;
+    pieces_.erase(ps);
+    mapped_ -= n;
+  }
+
+  // [ps, ps + n): one piece of a segment, every chunk over it Free. Its chunks go (edge chunks
+  // are split at the piece's bounds; reserved drops by n); the segment keeps what lies before it
+  // and a new segment takes what lies after it. Returns whether it was not the range's free tail.
+  bool detach(std::uintptr_t ps, std::size_t n) {
+    const std::uintptr_t pe = ps + n;
+    auto& segs = a_.backings_;
+    auto sit = std::upper_bound(segs.begin(), segs.end(), ps, [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; }) - 1;
+    ArenaBacking* seg = *sit;
+    const std::uintptr_t seg_end = seg->addr + seg->size;
+    ArenaChunk* c = seg->first;
+    while (c->addr + c->size <= ps) c = c->next_addr;
+    if (c->addr < ps) {
+      unindex(a_, c);
+      ArenaChunk* r = a_.split_locked(c, ps - c->addr);
+      a_.index_.insert(c);
+      c = r;
+    }
+    ArenaChunk* before = c->prev_addr;
+    ArenaChunk* d = c;
+    while (d && d->addr < pe) {
+      unindex(a_, d);
+      if (d->addr + d->size > pe) a_.index_.insert(a_.split_locked(d, pe - d->addr));
+      ArenaChunk* nx = d->next_addr;
+      a_.chunk_nodes_.destroy(d);
+      d = nx;
+    }
+    ArenaChunk* after = d;
+    ArenaChunk* old_last = seg->last;
+    const bool last_seg = sit + 1 == segs.end() || !in_main((*(sit + 1))->addr);
+    const bool hole = !last_seg || pe != seg_end;  // not the range's free tail
+    a_.reserved_ -= n;
+    if (before) {
+      before->next_addr = nullptr;
+      seg->last = before;
+      seg->size = ps - seg->addr;
+      if (after) {
+        auto* r = new ArenaBacking();
+        r->addr = pe;
+        r->size = seg_end - pe;
+        r->first = after;
+        r->last = old_last;
+        after->prev_addr = nullptr;
+        for (ArenaChunk* x = after; x; x = x->next_addr) x->backing = r;
+        if (seg->dirty) r->dirty = true, ++a_.dirty_backings_;
+        segs.insert(sit + 1, r);
+      }
+    } else if (after) {  // the piece began the segment: the segment now starts after it
+      after->prev_addr = nullptr;
+      seg->first = after;
+      seg->addr = pe;
+      seg->size = seg_end - pe;
+    } else {  // the piece was the whole segment
+      if (seg->dirty) --a_.dirty_backings_;
+      segs.erase(sit);
+      delete seg;
+    }
+    return hole;
+  }
+
+  // A backing whose chunks are all Free leaves the books (chunks out of the index; reserved drops).
+  void drop_backing(ArenaBacking* b) {
+    for (ArenaChunk* c = b->first; c;) {
+      ArenaChunk* n = c->next_addr;
+      unindex(a_, c);
+      a_.chunk_nodes_.destroy(c);
+      c = n;
+    }
+    auto& segs = a_.backings_;
+    segs.erase(std::find(segs.begin(), segs.end(), b));
+    a_.reserved_ -= b->size;
+    if (b->dirty) --a_.dirty_backings_;
+    delete b;
+  }
+
+  ArenaBacking* backing_at(std::uintptr_t at) const {
+    const auto& segs = a_.backings_;
+    auto it = std::lower_bound(segs.begin(), segs.end(), at, [](const ArenaBacking* b, std::uintptr_t x) { return b->addr < x; });
+    return it != segs.end() && (*it)->addr == at ? *it : nullptr;
+  }
+
+  // A lent piece comes back to the main range: filed free, merged with free neighbours.
+  void give_back(std::uintptr_t ps, std::size_t n) {
+    pieces_.at(ps).lent_to = 0;
+    const auto& segs = a_.backings_;
+    auto it = std::upper_bound(segs.begin(), segs.end(), ps, [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
+    ArenaBacking* prev = it != segs.begin() && in_main((*(it - 1))->addr) && (*(it - 1))->addr + (*(it - 1))->size == ps ? *(it - 1) : nullptr;
+    ArenaBacking* next = it != segs.end() && (*it)->addr == ps + n ? *it : nullptr;
+    a_.file_free_locked(absorb(ps, n, prev, next, false));
+  }
+
+  // Tear down every stitched range that is wholly free (not a live, pending or thread-cached byte
+  // in it): aliases unmapped last first, pieces back in the main range. A refused unalias keeps
+  // the range's first pieces stitched (a shorter range, still free) and is counted. Returns
+  // whether any piece came back.
+  bool dissolve_free_stitches() {
+    if (stitches_.empty() || a_.upstream_->captures_underway() > 0) return false;
+    bool any = false;
+    for (auto it = stitches_.begin(); it != stitches_.end();) any |= dissolve(it);
+    return any;
+  }
+
+  // The stitched range at `it`, if wholly free: torn down (or shortened by a refused unalias).
+  // Advances `it`. Returns whether any piece came back.
+  bool dissolve(std::map<std::uintptr_t, Stitch>::iterator& it) {
+    {
+      ArenaBacking* b = backing_at(it->first);
+      if (!wholly_free(b)) {
+        ++it;
+        return false;
+      }
+      const std::uintptr_t dst = it->first;
+      Stitch& st = it->second;
+      std::size_t keep = st.parts.size(), keep_bytes = st.size;
+      while (keep) {
+        const std::size_t n = st.parts[keep - 1].second;
+        try {
+          a_.upstream_->unalias(dst + keep_bytes - n, n);
+        } catch (...) {
+          ++alias_failures_;
+          ++a_.upstream_free_failures_;
+          break;
+        }
+        ++unalias_calls_;
+        --keep;
+        keep_bytes -= n;
+      }
+      if (keep == st.parts.size()) {
+        ++it;
+        return false;
+      }
+      drop_backing(b);
+      for (std::size_t j = keep; j < st.parts.size(); ++j) give_back(st.parts[j].first, st.parts[j].second);
+      if (keep) {
+        st.parts.resize(keep);
+        st.size = keep_bytes;
+        a_.file_free_locked(a_.adopt_locked(dst, keep_bytes, false, false)->first);
+        ++it;
+      } else {
+        ++teardowns_;
+        it = stitches_.erase(it);
+      }
+    }
+    return true;
+  }
+
+  // The lowest free stretch of the stitch area that holds n bytes (reserved on first use), or 0.
+  std::uintptr_t stitch_slot(std::size_t n) {
+    if (!sva_base_) {
+      if (stitch_area_refused_) return 0;
+      try {
+        sva_base_ = a_.upstream_->reserve(va_bytes_);
+        sva_bytes_ = va_bytes_;
+      } catch (...) {
+        stitch_area_refused_ = true;  // not asked again: every growth would pay a refused call
+        return 0;
+      }
+    }
+    std::uintptr_t at = sva_base_;
+    for (const auto& [dst, st] : stitches_) {
+      if (dst - at >= n) return at;
+      at = dst + st.size;
+    }
+    return sva_base_ + sva_bytes_ - at >= n ? at : 0;
+  }
+
+  // Serve `rounded` bytes from wholly free pieces (never the resident first one) mapped a second
+  // time, end to end, into the stitch area, taken from the shortest runs of free pieces first. At
+  // most stitch_max_parts pieces (each is an upstream call); never a piece in [keep_lo, keep_hi).
+  // Returns the stitched backing's one chunk, out of the index, or nullptr (then the caller maps
+  // more). Pieces aliased before a refusal form a shorter stitched range, filed free.
+  ArenaChunk* stitch(std::size_t rounded, std::uintptr_t keep_lo, std::uintptr_t keep_hi) {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> cand;
+    std::size_t total = 0;
+    for (const ArenaBacking* b : main_segments()) {
+      const std::uintptr_t end = b->addr + b->size;
+      const ArenaChunk* c = b->first;
+      for (auto it = pieces_.find(b->addr); it != pieces_.end() && it->first < end; ++it) {
+        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
+        while (c->addr + c->size <= ps) c = c->next_addr;
+        if (ps != va_base_ && (pe <= keep_lo || ps >= keep_hi) && chunks_free(c, ps, pe))
+          cand.emplace_back(ps, it->second.size), total += it->second.size;
+      }
+    }
+    if (total < rounded) return nullptr;
+    // Runs of address-adjacent free pieces, smallest first: fragments no contiguous request can
+    // use go into the stitch, long free runs stay whole for the requests that fit them.
+    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (bytes, first index into cand)
+    for (std::size_t i = 0; i < cand.size(); ++i) {
+      if (i && cand[i - 1].first + cand[i - 1].second == cand[i].first) runs.back().first += cand[i].second;
+      else runs.emplace_back(cand[i].second, i);
+    }
+    std::stable_sort(runs.begin(), runs.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    std::vector<std::pair<std::uintptr_t, std::size_t>> chosen;
+    std::size_t need = rounded;
+    for (const auto& [bytes, i0] : runs) {
+      std::size_t left = bytes;
+      for (std::size_t i = i0; need && left; ++i) {
+        chosen.push_back(cand[i]);
+        need -= std::min(need, cand[i].second);
+        left -= cand[i].second;
+      }
+      if (!need) break;
+    }
+    std::sort(chosen.begin(), chosen.end());
+    if (need || chosen.size() > a_.opt_.stitch_max_parts) return nullptr;
+    std::size_t size = 0;
+    for (const auto& p : chosen) size += p.second;
+    const std::uintptr_t dst = stitch_slot(size);
+    if (!dst) return nullptr;
+    std::size_t done = 0, k = 0;
+    for (; k < chosen.size(); ++k) {
+      try {
+        a_.upstream_->alias(dst + done, chosen[k].first, chosen[k].second);
+      } catch (...) {
+        ++alias_failures_;
+        break;
+      }
+      ++alias_calls_;
+      done += chosen[k].second;
+    }
+    if (!k) return nullptr;
+    chosen.resize(k);
+    for (const auto& [src, n] : chosen) {
+      detach(src, n);
+      pieces_.at(src).lent_to = dst;
+    }
+    ArenaBacking* b = a_.adopt_locked(dst, done, false, false);
+    stitches_.emplace(dst, Stitch{chosen, done});
+    ++stitches_made_;
+    if (done < rounded) {
+      a_.file_free_locked(b->first);
+      return nullptr;
+    }
+    return b->first;
+  }
+
+  // close/destructor: every chunk gone, every alias and piece unmapped, the ranges unreserved
+  // (failures counted, never thrown; a piece that cannot be unmapped keeps its range reserved).
+  void release_all() {
+    bool aliases_left = false;
+    for (auto& [dst, st] : stitches_) {
+      std::size_t at = st.size;
+      for (auto p = st.parts.rbegin(); p != st.parts.rend(); ++p) {
+        at -= p->second;
+        try {
+          a_.upstream_->unalias(dst + at, p->second);
+          ++unalias_calls_;
+          pieces_.at(p->first).lent_to = 0;
+        } catch (...) {
+          ++alias_failures_;
+          ++a_.upstream_free_failures_;
+          aliases_left = true;
+        }
+      }
+    }
+    if (!aliases_left) stitches_.clear();
+    auto& segs = a_.backings_;
+    for (ArenaBacking* b : segs) {
+      for (ArenaChunk* c = b->first; c;) {
+        ArenaChunk* n = c->next_addr;
+        unindex(a_, c);
+        a_.chunk_nodes_.destroy(c);
+        c = n;
+      }
+      a_.reserved_ -= b->size;
+      if (b->dirty) --a_.dirty_backings_;
+      delete b;
+    }
+    if (!segs.empty()) ++a_.backings_released_;
+    segs.clear();
+    if (sva_base_ && !aliases_left) {
+      try {
+        a_.upstream_->unreserve(sva_base_, sva_bytes_);
+        sva_base_ = 0;
+      } catch (...) {
+        ++a_.upstream_free_failures_;
+      }
+    }
+    while (!pieces_.empty()) {
+      auto last = std::prev(pieces_.end());
+      try {
+        a_.upstream_->unmap(last->first, last->second.size);
+      } catch (...) {
+        ++unmap_failures_;
+        ++a_.upstream_free_failures_;
+        return;  // the rest stays mapped (leaked and counted); the range cannot be unreserved
+      }
+      ++unmap_calls_;
+      a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
+      mapped_ -= last->second.size;
+      pieces_.erase(last);
+    }
+    if (va_base_) {
+      try {
+        a_.upstream_->unreserve(va_base_, va_bytes_);
+        va_base_ = 0;
+      } catch (...) {
+        ++a_.upstream_free_failures_;
+      }
+    }
+  }
+
+  std::uintptr_t va_base_ = 0, sva_base_ = 0;
+  std::size_t va_bytes_ = 0, sva_bytes_ = 0, granule_ = 0, piece_ = 0, mapped_ = 0;
+  std::size_t scans_ = 0;  // consecutive shrink scans that found free pieces
+  bool stitch_ = false, stitch_area_refused_ = false;
+  std::map<std::uintptr_t, Piece> pieces_;      // every mapped piece, by address
+  std::map<std::uintptr_t, Stitch> stitches_;  // stitched ranges, by address in the stitch area
+  std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0, hole_unmaps_ = 0, hole_refills_ = 0;
+  std::uint64_t stitches_made_ = 0, teardowns_ = 0, alias_calls_ = 0, unalias_calls_ = 0, alias_failures_ = 0;
+};
+
+std::unique_ptr<BackingSource> make_virtual_range(ArenaPool& arena) { return std::make_unique<VirtualRange>(arena); }
+
+}  // namespace poolkeeper::detail

@@ -1,0 +1,162 @@
+#include "poolkeeper/pools/direct_pool.hpp"
+
+#include <algorithm>
+
+namespace poolkeeper {
+
+DirectPool::DirectPool(std::shared_ptr<Upstream> upstream, DirectOptions opt) : Pool(std::move(upstream)), opt_(opt) {
+  if (!is_pow2(opt_.alignment))
+    throw InvalidArgument("alignment must be a power of two; got " + std::to_string(opt_.alignment));
+  budget_.limit = opt_.limit;
+  join_directory();  // last: the pool is whole now
+}
+
+DirectPool::~DirectPool() {
+  unregister();
+  if (forked()) return;  // its lock may have been held at the fork
+  // Live blocks at destruction stay with the user (never freed under them); the rest is gone.
+  std::lock_guard<std::mutex> g(mu_);
+  table_.for_each([&](std::uintptr_t, BlockRecord* b) { b->drop_used_on(); });
+}
+
+void* DirectPool::do_allocate(std::size_t nbytes, Stream s) {
+  const std::size_t n = align_up(nbytes, opt_.alignment);
+  bool claimed;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    claimed = budget_.claim(n);
+  }
+  if (!claimed) throw_oom(oom_figures(stats(), nbytes), n, true, FreeFit::OwnClass);
+  void* p;
+  try {
+    p = upstream_alloc(n);
+  } catch (const UpstreamOutOfMemory& e) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      budget_.cancel(n);
+    }
+    OomFigures f = oom_figures(stats(), nbytes);
+    f.upstream_error = e.what();
+    throw_oom(std::move(f), n, false, FreeFit::OwnClass);
+  } catch (...) {
+    std::lock_guard<std::mutex> g(mu_);
+    budget_.cancel(n);
+    throw;
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  budget_.commit(n);
+  BlockRecord* b = nodes_.create();
+  b->addr = reinterpret_cast<std::uintptr_t>(p);
+  b->size = n;
+  b->requested = nbytes;
+  b->alloc_stream = b->last_stream = s;
+  b->set(ChunkState::Live);
+  table_.insert(b->addr, b);
+  live_ += nbytes;
+  peak_live_ = std::max(peak_live_, live_);
+  return p;
+}
+
+Refusal DirectPool::do_deallocate(void* p, Stream) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  BlockRecord* b = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!table_.find(a, b)) {
+      Refusal r{Refusal::UnknownOrFreed};
+      table_.for_each([&](std::uintptr_t k, BlockRecord* x) {
+        if (r.kind != Refusal::Interior && a > k && a < k + x->size) r = Refusal{Refusal::Interior, ChunkState::Live, k};
+      });
+      return r;
+    }
+    table_.erase(a);
+  }
+  try {
+    upstream_free(p, b->size);
+  } catch (...) {
+    // The upstream kept the memory: the block is live again, nothing is lost from the books.
+    std::lock_guard<std::mutex> g(mu_);
+    table_.insert(a, b);
+    throw;
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  budget_.release(b->size);
+  live_ -= b->requested;
+  b->drop_used_on();
+  nodes_.destroy(b);
+  return {};
+}
+
+bool DirectPool::do_record_stream(void* p, Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  BlockRecord* b = nullptr;
+  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), b)) return false;
+  b->last_stream = s;
+  return true;
+}
+
+void DirectPool::reset_peaks() {
+  std::lock_guard<std::mutex> g(mu_);
+  budget_.reset_peak();
+  peak_live_ = live_;
+}
+
+PoolStats DirectPool::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  PoolStats st;
+  st.reserved = budget_.reserved;
+  st.live = live_;
+  st.overhead = budget_.reserved - live_;
+  st.peak_reserved = budget_.peak_reserved;
+  st.peak_live = peak_live_;
+  st.live_blocks = table_.size();
+  st.backings = table_.size();
+  st.limit = opt_.limit;
+  fill_upstream_counts(st);
+  return st;
+}
+
+void DirectPool::validate() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::size_t r = 0, l = 0, n = 0;
+  table_.for_each([&](std::uintptr_t a, BlockRecord* b) {
+    if (b->addr != a || b->st() != ChunkState::Live) throw InvariantViolation("Direct: table entry mismatch");
+    if (b->requested > b->size) throw InvariantViolation("Direct: requested above block size");
+    r += b->size;
+    l += b->requested;
+    ++n;
+  });
+  if (r != budget_.reserved || l != live_ || n != nodes_.live())
+    throw InvariantViolation("Direct: reserved/live totals do not match the live blocks");
+  if (!table_.consistent()) throw InvariantViolation("Direct: pointer table counts inconsistent");
+}
+
+bool DirectPool::do_close(LiveAtClose& live) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (table_.size()) {
+    live.blocks = table_.size();
+    live.bytes = live_;
+    table_.for_each([&](std::uintptr_t a, BlockRecord*) { live.note(a); });
+    return false;
+  }
+  mark_closed();
+  return true;
+}
+
+Snapshot DirectPool::snapshot() {
+  Snapshot snap = snapshot_head(stats());
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    table_.for_each([&](std::uintptr_t, BlockRecord* b) { snap.backings.push_back(block_backing(*b)); });
+  }
+  sort_backings(snap);
+  return snap;
+}
+
+bool DirectPool::find_live(std::uintptr_t p) {
+  std::lock_guard<std::mutex> g(mu_);
+  BlockRecord* b;
+  return table_.find(p, b);
+}
+
+}  // namespace poolkeeper

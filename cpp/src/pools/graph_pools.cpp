@@ -1,0 +1,266 @@
+// GraphPools (graph_pools.hpp): private pools for CUDA-graph captures.
+#include "poolkeeper/pools/graph_pools.hpp"
+
+#include <algorithm>
+
+#include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/core/capture.hpp"
+
+namespace poolkeeper {
+
+namespace {
+
+// The device pool seen as an upstream: a private pool's backings are blocks of the device pool.
+// Stream and capture questions go to the device pool's own upstream (same device, same streams).
+class PoolBackedUpstream final : public Upstream {
+ public:
+  explicit PoolBackedUpstream(std::shared_ptr<Pool> parent) : parent_(std::move(parent)) {}
+  std::string name() const override { return "GraphPool(" + parent_->name() + ")"; }
+  MemoryKind kind() const override { return parent_->upstream()->kind(); }
+  int device() const override { return parent_->upstream()->device(); }
+  std::size_t alignment() const override { return parent_->alignment(); }
+  bool streams_supported() const override { return parent_->upstream()->streams_supported(); }
+  EventId record_event(Stream s) override { return parent_->upstream()->record_event(s); }
+  bool query_event(EventId e) override { return parent_->upstream()->query_event(e); }
+  void wait_event(EventId e) override { parent_->upstream()->wait_event(e); }
+  void release_event(EventId e) override { parent_->upstream()->release_event(e); }
+  void synchronize() override { parent_->upstream()->synchronize(); }
+  bool stream_capturing(Stream s) override { return parent_->upstream()->stream_capturing(s); }
+  int exchange_capture_mode(int mode) override { return parent_->upstream()->exchange_capture_mode(mode); }
+  int captures_underway() const override { return parent_->upstream()->captures_underway(); }
+
+ protected:
+  // kNoStream both ways: a backing is taken free for every stream, and given back only after the
+  // device was synchronized (GraphPools closes a private pool after a device synchronize).
+  void* do_allocate(std::size_t n) override { return parent_->allocate(n, kNoStream); }
+  void do_deallocate(void* p, std::size_t) override { parent_->deallocate(p, kNoStream); }
+
+ private:
+  std::shared_ptr<Pool> parent_;
+};
+
+std::string id_text(GraphPoolId id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+}  // namespace
+
+GraphPools::GraphPools(std::shared_ptr<Pool> main) : main_(std::move(main)) {
+  if (!main_) throw InvalidArgument("GraphPools needs a device pool");
+}
+
+GraphPools::~GraphPools() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (std::size_t i = 0; i < scopes_.size(); ++i) main_->upstream()->capture_scope_end();
+  scopes_.clear();
+  for (auto& [id, pp] : pools_) {
+    if (pp.live_blocks) continue;  // still referenced by live blocks: its backings stay live in main
+    try {
+      pp.pool->close();
+    } catch (...) {
+      // A destructor cannot report; whatever the pool could not return stays counted in main.
+    }
+  }
+}
+
+GraphPools::Private& GraphPools::create_or_use_locked(GraphPoolId id) {
+  auto it = pools_.find(id);
+  if (it == pools_.end()) {
+    Private pp;
+    pp.up = std::make_shared<PoolBackedUpstream>(main_);
+    ArenaOptions opt;
+    opt.alignment = main_->alignment();
+    opt.thread_cache_bytes = 0;  // every block's owner must be known under mu_
+    opt.shrink_interval = 0;     // graph memory stays until the pool is released
+    opt.initial_backing = std::size_t{2} << 20;
+    opt.max_backing = std::size_t{64} << 20;
+    pp.pool = std::make_shared<ArenaPool>(pp.up, opt);
+    it = pools_.emplace(id, std::move(pp)).first;
+    ++counters_.pools_created;
+  } else if (it->second.released && it->second.uses == 0) {
+    it->second.released = false;  // PyTorch may reuse an id; the pool comes back into use
+  }
+  ++it->second.uses;
+  return it->second;
+}
+
+void GraphPools::begin(GraphPoolId id, CaptureFilter filter) {
+  if (!filter) throw InvalidArgument("GraphPools.begin: a filter is required");
+  std::lock_guard<std::mutex> g(mu_);
+  Private& pp = create_or_use_locked(id);
+  ++pp.open_scopes;
+  scopes_.push_back({id, std::move(filter)});
+  main_->upstream()->capture_scope_begin();
+  open_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void GraphPools::end(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto s = std::find_if(scopes_.rbegin(), scopes_.rend(), [&](const Scope& x) { return x.id == id; });
+  if (s == scopes_.rend()) throw InvalidArgument("GraphPools.end: no open scope for pool " + id_text(id));
+  scopes_.erase(std::next(s).base());
+  main_->upstream()->capture_scope_end();
+  open_.fetch_sub(1, std::memory_order_acq_rel);
+  auto it = pools_.find(id);
+  if (it != pools_.end()) --it->second.open_scopes;
+  // A pool released while a capture was under way could not close then (that would synchronize
+  // the device during the capture); the last scope ending is the moment.
+  if (scopes_.empty())
+    for (auto p = pools_.begin(); p != pools_.end();) maybe_close_locked(p++);
+}
+
+void GraphPools::release(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return;  // PyTorch releases ids that never allocated here: nothing to do
+  if (it->second.uses > 0) --it->second.uses;
+  if (it->second.uses == 0) it->second.released = true;
+  maybe_close_locked(it);
+}
+
+void GraphPools::maybe_close_locked(std::map<GraphPoolId, Private>::iterator it) {
+  Private& pp = it->second;
+  if (!pp.released || pp.live_blocks || pp.open_scopes || !scopes_.empty()) return;
+  {
+    // A replay of the graph may still be running: its memory is reusable only once it is done.
+    RelaxedCapture relaxed(*main_->upstream());
+    main_->upstream()->synchronize();
+  }
+  pp.pool->close();  // backings back to the device pool, stream-free (the device is idle)
+  pools_.erase(it);
+  ++counters_.pools_closed;
+}
+
+GraphPools::Private* GraphPools::route_locked(Stream s) {
+  for (auto it = scopes_.rbegin(); it != scopes_.rend(); ++it) {
+    bool take = false;
+    try {
+      take = it->filter(s);
+    } catch (...) {
+      ++counters_.filter_errors;  // a filter that cannot answer does not claim the allocation
+    }
+    if (take) return &pools_.at(it->id);
+  }
+  return nullptr;
+}
+
+void* GraphPools::allocate(std::size_t nbytes, Stream s) {
+  if (routing()) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (Private* pp = route_locked(s)) {
+      void* p = pp->pool->allocate(nbytes, s);
+      auto it = std::find_if(pools_.begin(), pools_.end(), [&](auto& kv) { return &kv.second == pp; });
+      owner_.emplace(reinterpret_cast<std::uintptr_t>(p), it->first);
+      ++pp->live_blocks;
+      ++counters_.private_allocations;
+      private_blocks_.fetch_add(1, std::memory_order_acq_rel);
+      return p;
+    }
+  }
+  if (void* p = main_->try_allocate_fast(nbytes, s)) return p;
+  return main_->allocate(nbytes, s);
+}
+
+void GraphPools::deallocate(void* p, Stream s) {
+  if (holds_private_blocks()) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (o != owner_.end()) {
+      auto it = pools_.find(o->second);
+      it->second.pool->deallocate(p, s);  // throws before anything changes here
+      owner_.erase(o);
+      --it->second.live_blocks;
+      ++counters_.private_deallocations;
+      private_blocks_.fetch_sub(1, std::memory_order_acq_rel);
+      maybe_close_locked(it);
+      return;
+    }
+  }
+  if (!main_->try_deallocate_fast(p, s)) main_->deallocate(p, s);
+}
+
+void GraphPools::record_stream(void* p, Stream s) {
+  if (holds_private_blocks()) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (o != owner_.end()) {
+      pools_.at(o->second).pool->record_stream(p, s);
+      return;
+    }
+  }
+  main_->record_stream(p, s);
+}
+
+bool GraphPools::owns_private(std::uintptr_t p) {
+  if (!holds_private_blocks()) return false;
+  std::lock_guard<std::mutex> g(mu_);
+  return owner_.count(p) != 0;
+}
+
+std::vector<GraphPoolInfo> GraphPools::info() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<GraphPoolInfo> out;
+  for (auto& [id, pp] : pools_) {
+    GraphPoolInfo i;
+    i.id = id;
+    i.uses = pp.uses;
+    i.open_scopes = pp.open_scopes;
+    i.released = pp.released;
+    i.live_blocks = pp.live_blocks;
+    i.stats = pp.pool->stats();
+    out.push_back(std::move(i));
+  }
+  return out;
+}
+
+std::shared_ptr<Pool> GraphPools::private_pool(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = pools_.find(id);
+  return it == pools_.end() ? nullptr : it->second.pool;
+}
+
+std::vector<std::uintptr_t> GraphPools::live_blocks(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::uintptr_t> out;
+  for (auto& [p, owner] : owner_)
+    if (owner == id) out.push_back(p);
+  return out;
+}
+
+GraphPools::Counters GraphPools::counters() {
+  std::lock_guard<std::mutex> g(mu_);
+  return counters_;
+}
+
+void GraphPools::validate() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::size_t owned = 0;
+  for (auto& [id, pp] : pools_) {
+    pp.pool->validate();
+    const PoolStats st = pp.pool->stats();
+    if (st.reserved != pp.up->counters().outstanding_bytes)
+      throw InvariantViolation("graph pool " + id_text(id) + " reserves " + format_bytes(st.reserved) +
+                               " but holds " + format_bytes(pp.up->counters().outstanding_bytes) +
+                               " of the device pool");
+    if (st.live_blocks != pp.live_blocks)
+      throw InvariantViolation("graph pool " + id_text(id) + ": " + std::to_string(st.live_blocks) +
+                               " live blocks, the owner table names " + std::to_string(pp.live_blocks));
+    if (pp.uses < 0 || pp.open_scopes < 0 || (pp.released && pp.uses))
+      throw InvariantViolation("graph pool " + id_text(id) + ": bad use counts");
+    owned += pp.live_blocks;
+  }
+  if (owned != owner_.size() || owned != private_blocks_.load())
+    throw InvariantViolation("graph pools: owner table holds " + std::to_string(owner_.size()) + " blocks, pools " +
+                             std::to_string(owned));
+  for (auto& [p, id] : owner_) {
+    auto it = pools_.find(id);
+    if (it == pools_.end() || !it->second.pool->owns_live(p))
+      throw InvariantViolation("graph pools: " + format_ptr(p) + " is not live in pool " + id_text(id));
+  }
+  for (auto& sc : scopes_)
+    if (!pools_.count(sc.id)) throw InvariantViolation("graph pools: an open scope names no pool");
+  if (static_cast<int>(scopes_.size()) != open_.load())
+    throw InvariantViolation("graph pools: open scope count mismatch");
+}
+
+}  // namespace poolkeeper

@@ -1,0 +1,306 @@
+#include "poolkeeper/pools/logging_pool.hpp"
+
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <set>
+#include <thread>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace poolkeeper {
+
+namespace {
+
+constexpr const char* kHeader = "Thread,Time,Action,Pointer,Size,Stream\n";
+
+// Open adaptors, flushed by the exit handler: a process that never closes its pool (the usual
+// case for a process-wide allocator) still leaves a complete log.
+std::mutex g_open_mu;
+std::set<LoggingPool*>& open_pools() {
+  static std::set<LoggingPool*> s;
+  return s;
+}
+std::once_flag g_atexit_once;
+
+std::uint64_t thread_id() {
+  thread_local std::uint64_t tid = [] {
+#if defined(__linux__)
+    return static_cast<std::uint64_t>(::syscall(SYS_gettid));
+#else
+    return static_cast<std::uint64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+#endif
+  }();
+  return tid;
+}
+
+// "HH:MM:SS.ffffff" in local time; localtime_r only when the second changes (it takes a lock in
+// glibc and costs about a microsecond).
+char* put_time(char* out) {
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  thread_local time_t cached_sec = -1;
+  thread_local char hms[9];
+  if (ts.tv_sec != cached_sec) {
+    tm t{};
+    localtime_r(&ts.tv_sec, &t);
+    const int v[3] = {t.tm_hour, t.tm_min, t.tm_sec};
+    for (int i = 0; i < 3; ++i) {
+      hms[i * 3] = char('0' + v[i] / 10);
+      hms[i * 3 + 1] = char('0' + v[i] % 10);
+      if (i < 2) hms[i * 3 + 2] = ':';
+    }
+    cached_sec = ts.tv_sec;
+  }
+  std::memcpy(out, hms, 8);
+  out += 8;
+  *out++ = '.';
+  unsigned us = unsigned(ts.tv_nsec / 1000);
+  for (int i = 5; i >= 0; --i) {
+    out[i] = char('0' + us % 10);
+    us /= 10;
+  }
+  return out + 6;
+}
+
+// One CSV line into `out` (at least 128 bytes); returns its length.
+std::size_t format_line(char* out, const char* action, std::size_t action_len, std::uintptr_t p, std::size_t n,
+                        Stream s) {
+  char* o = out;
+  char* end = out + 128;
+  o = std::to_chars(o, end, thread_id()).ptr;
+  *o++ = ',';
+  o = put_time(o);
+  *o++ = ',';
+  std::memcpy(o, action, action_len);
+  o += action_len;
+  *o++ = ',';
+  o = std::to_chars(o, end, static_cast<std::uint64_t>(p), 16).ptr;
+  *o++ = ',';
+  o = std::to_chars(o, end, static_cast<std::uint64_t>(n)).ptr;
+  *o++ = ',';
+  o = std::to_chars(o, end, s == kNoStream ? std::uint64_t{0} : static_cast<std::uint64_t>(s), 16).ptr;
+  *o++ = '\n';
+  return std::size_t(o - out);
+}
+
+constexpr char kAlloc[] = "allocate";
+constexpr char kFree[] = "free";
+constexpr char kFail[] = "allocate failure";
+
+}  // namespace
+
+LoggingPool::LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, std::size_t buffer_bytes)
+    : Pool(inner ? inner->upstream() : nullptr), inner_(std::move(inner)), path_(path), cap_(buffer_bytes) {
+  if (!inner_) throw InvalidArgument("LoggingPool needs an inner pool");
+  if (inner_->closed()) throw PoolClosed(inner_->name() + " #" + std::to_string(inner_->id()) + " is closed");
+  if (path_.empty()) throw InvalidArgument("LoggingPool: the log path is empty");
+  if (cap_ < 4096) cap_ = 4096;
+  file_ = std::fopen(path_.c_str(), "w");
+  if (!file_)
+    throw InvalidArgument("LoggingPool: cannot create the log file '" + path_ + "': " + std::strerror(errno));
+  // Our own buffer does the batching; stdio's would only copy it once more.
+  std::setvbuf(file_, nullptr, _IONBF, 0);
+  buf_.reserve(cap_ + 256);
+  buf_.append(kHeader);
+  sizes_.reserve(1024);
+  std::call_once(g_atexit_once, [] { std::atexit(&LoggingPool::flush_all_at_exit); });
+  std::lock_guard<std::mutex> g(g_open_mu);
+  open_pools().insert(this);
+}
+
+LoggingPool::~LoggingPool() {
+  {
+    std::lock_guard<std::mutex> g(g_open_mu);
+    open_pools().erase(this);
+  }
+  try {
+    finish_file();
+  } catch (...) {
+  }
+}
+
+void LoggingPool::flush_all_at_exit() {
+  std::lock_guard<std::mutex> g(g_open_mu);
+  for (LoggingPool* p : open_pools()) {
+    try {
+      p->flush();
+    } catch (...) {
+    }
+  }
+}
+
+void LoggingPool::write_out(std::string& out) {
+  if (!file_ || out.empty()) return;
+  const std::size_t w = std::fwrite(out.data(), 1, out.size(), file_);
+  if (w != out.size()) ++write_errors_;
+  written_ += w;
+  out.clear();
+}
+
+void LoggingPool::append_locked(std::unique_lock<std::mutex>& lk, const char* line, std::size_t len) {
+  buf_.append(line, len);
+  ++events_;
+  if (buf_.size() < cap_) return;
+  // Hand the full buffer to the file outside the log lock; taking file_mu_ first keeps buffers
+  // in log order when two threads fill one each.
+  std::string out;
+  out.reserve(cap_ + 256);
+  out.swap(buf_);
+  std::unique_lock<std::mutex> f(file_mu_);
+  lk.unlock();
+  write_out(out);
+}
+
+void* LoggingPool::do_allocate(std::size_t nbytes, Stream s) {
+  void* p;
+  try {
+    p = inner_->allocate(nbytes, s);
+  } catch (const OutOfMemory&) {
+    char line[128];
+    const std::size_t len = format_line(line, kFail, sizeof(kFail) - 1, 0, nbytes, s);
+    std::unique_lock<std::mutex> lk(mu_);
+    append_locked(lk, line, len);
+    throw;
+  }
+  char line[128];
+  const std::size_t len = format_line(line, kAlloc, sizeof(kAlloc) - 1, reinterpret_cast<std::uintptr_t>(p), nbytes, s);
+  std::unique_lock<std::mutex> lk(mu_);
+  sizes_[reinterpret_cast<std::uintptr_t>(p)] = nbytes;
+  append_locked(lk, line, len);
+  return p;
+}
+
+void* LoggingPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock()) return nullptr;
+  // The inner attempt never blocks, so holding the log lock through it cannot deadlock.
+  void* p = inner_->try_allocate_nowait(nbytes, s);
+  if (!p) return nullptr;
+  char line[128];
+  const std::size_t len = format_line(line, kAlloc, sizeof(kAlloc) - 1, reinterpret_cast<std::uintptr_t>(p), nbytes, s);
+  sizes_[reinterpret_cast<std::uintptr_t>(p)] = nbytes;
+  append_locked(lk, line, len);
+  return p;
+}
+
+Refusal LoggingPool::do_deallocate(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::size_t n = 0;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    auto it = sizes_.find(a);
+    if (it != sizes_.end()) {
+      n = it->second;
+      sizes_.erase(it);
+      char line[128];
+      const std::size_t len = format_line(line, kFree, sizeof(kFree) - 1, a, n, s);
+      append_locked(lk, line, len);
+    }
+  }
+  try {
+    inner_->deallocate(p, s);
+  } catch (...) {
+    // The inner pool refused a block we had logged as live (its upstream failed to free it): it
+    // is still live, so keep it in the table; the `free` line already written stays.
+    if (n) {
+      std::lock_guard<std::mutex> g(mu_);
+      sizes_[a] = n;
+    }
+    throw;
+  }
+  return {};
+}
+
+bool LoggingPool::try_deallocate_locked_nowait(void* p, Stream s) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock()) return false;
+  auto it = sizes_.find(a);
+  if (it == sizes_.end()) return false;  // not ours or bad: the blocking path reports it
+  // Under the log lock: an allocate that gets this address back must log after this free.
+  if (!inner_->try_deallocate_nowait(p, s)) return false;
+  const std::size_t n = it->second;
+  sizes_.erase(it);
+  char line[128];
+  const std::size_t len = format_line(line, kFree, sizeof(kFree) - 1, a, n, s);
+  append_locked(lk, line, len);
+  return true;
+}
+
+PoolStats LoggingPool::stats() {
+  PoolStats st = inner_->stats();
+  std::uint64_t ev, errs, written;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ev = events_;
+  }
+  {
+    std::lock_guard<std::mutex> g(file_mu_);
+    errs = write_errors_;
+    written = written_;
+  }
+  st.extra.emplace_back("log_events", ev);
+  st.extra.emplace_back("log_bytes_written", written);
+  st.extra.emplace_back("log_write_errors", errs);
+  return st;
+}
+
+Snapshot LoggingPool::snapshot() {
+  Snapshot s = inner_->snapshot();
+  s.pool = name();
+  return s;
+}
+
+std::uint64_t LoggingPool::events() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return events_;
+}
+
+void LoggingPool::flush() {
+  std::string out;
+  std::unique_lock<std::mutex> lk(mu_);
+  out.swap(buf_);
+  buf_.reserve(cap_ + 256);
+  std::lock_guard<std::mutex> f(file_mu_);
+  lk.unlock();
+  write_out(out);
+  if (write_errors_)
+    throw Error("LoggingPool: " + std::to_string(write_errors_) + " write(s) to '" + path_ +
+                "' failed; the log is incomplete");
+}
+
+void LoggingPool::finish_file() {
+  std::string out;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    out.swap(buf_);
+  }
+  std::lock_guard<std::mutex> f(file_mu_);
+  write_out(out);
+  if (file_) {
+    if (std::fclose(file_) != 0) ++write_errors_;
+    file_ = nullptr;
+  }
+}
+
+bool LoggingPool::do_close(LiveAtClose&) {
+  inner_->close();
+  {
+    std::lock_guard<std::mutex> g(g_open_mu);
+    open_pools().erase(this);
+  }
+  finish_file();
+  mark_closed();
+  if (write_errors_)
+    throw Error("LoggingPool: " + std::to_string(write_errors_) + " write(s) to '" + path_ +
+                "' failed; the log is incomplete");
+  return true;
+}
+
+}  // namespace poolkeeper
