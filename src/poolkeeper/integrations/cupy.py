@@ -42,7 +42,6 @@ Importing this module does not import cupy; the functions do.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import os
@@ -374,7 +373,6 @@ def install(
                 alloc.native = alloc.cfunction_allocator = None  # see uninstall(): no cycle left behind
                 raise
         _INSTALLED = CupyInstallation(alloc, pinned_alloc, prev, prev_pinned, notes, given, alloc.native)
-        _register_exit_uninstall()
         return _INSTALLED
 
 
@@ -419,27 +417,6 @@ def _native_allocator(cupy: Any, alloc: _DeviceAllocator):
     alloc.cfunction_allocator = cfa
     stream = "CuPy's C stream getter" if native.c_stream_getter else "a Python stream getter"
     return cfa.malloc, f"native (CFunctionAllocator; current stream through {stream})"
-
-
-_EXIT_HOOKED = False
-
-
-def _register_exit_uninstall() -> None:
-    # CuPy keeps its allocator in a module-level C variable that is never cleared, so an
-    # installation still current at exit would hold poolkeeper objects past the interpreter's
-    # teardown (nanobind reports them as leaked). Uninstalling at exit drops that reference;
-    # arrays still alive return their blocks as they are collected.
-    global _EXIT_HOOKED
-    if not _EXIT_HOOKED:
-        _EXIT_HOOKED = True
-        atexit.register(_uninstall_at_exit)
-
-
-def _uninstall_at_exit() -> None:
-    try:
-        uninstall()
-    except Exception:
-        pass
 
 
 def _cupy_default_allocator(cupy: Any) -> Any:
