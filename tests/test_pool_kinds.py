@@ -101,3 +101,17 @@ def test_per_device_entry_points_accept_virtual_for_every_kind():
         assert pk.pools.resolve_cuda_upstream(kind, "virtual") == "virtual"
     with pytest.raises(InvalidArgumentError, match="unknown upstream 'host'"):
         pk.pools.resolve_cuda_upstream("arena", "host")  # a device pool needs device memory
+
+
+def test_make_upstream_and_make_pool_refuse_bad_options_with_a_typed_error():
+    # Hostile probing: an unknown keyword, a device that is not an ordinal or a log that is not a
+    # path raised a bare TypeError from the class or the binding.
+    for call in (lambda: pk.upstream.make_upstream("simulated", bogus=1),
+                 lambda: pk.upstream.make_upstream("host", latency_us=0),
+                 lambda: pk.upstream.make_upstream("device", 2**31),
+                 lambda: pk.upstream.make_upstream("device", "0"),
+                 lambda: pk.upstream.make_upstream("virtual", None),
+                 lambda: pk.upstream.make_upstream("async", True),
+                 lambda: pk.pools.make_pool("arena", pk.upstream.Simulated(latency_us=0), log=123)):
+        with pytest.raises(InvalidArgumentError):
+            call()

@@ -386,6 +386,10 @@ def make_pool(kind: str, upstream: _core.Upstream, *, log: "Optional[str | os.Pa
     ``log``: a path; the pool is then wrapped in a :class:`LoggingPool` writing that file.
     """
     k = pool_kind(kind)
+    if log is not None and not isinstance(log, (str, os.PathLike)):
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"log must be a path (str or os.PathLike); got {type(log).__name__}")
     pool = k.cls(upstream, **_with_fixed(k, options))
     if log is not None:
         try:

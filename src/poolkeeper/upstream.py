@@ -96,7 +96,8 @@ def make_upstream(name: str, device: int = 0, **options: Any) -> _core.Upstream:
     ``"simulated"`` (:class:`Simulated`). ``device`` applies to the CUDA ones; ``options`` go to
     the class (``latency_us=0`` for a fast simulated device, ``warm=False`` for ``"async"``).
 
-    Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name, and what the
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name, a device that is
+    not an ordinal, or an option the class does not take (or of the wrong type), and what the
     class raises (``CudaUnavailableError`` without a driver or device).
     """
     try:
@@ -105,8 +106,15 @@ def make_upstream(name: str, device: int = 0, **options: Any) -> _core.Upstream:
         from poolkeeper.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"unknown upstream {name!r} (valid: {', '.join(UPSTREAMS)})") from None
+    from poolkeeper.errors import InvalidArgumentError
+
+    if name in CUDA_UPSTREAMS and (isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31):
+        raise InvalidArgumentError(f"upstream {name!r}: device must be a CUDA ordinal (an int >= 0); got {device!r}")
     cls = globals()[cls_name] if cls_name in globals() else __getattr__(cls_name)
-    return cls(device, **options) if name in CUDA_UPSTREAMS else cls(**options)
+    try:
+        return cls(device, **options) if name in CUDA_UPSTREAMS else cls(**options)
+    except TypeError as e:  # an option the class does not take, or of the wrong type
+        raise InvalidArgumentError(f"upstream {name!r}: {e}") from e
 
 
 def __getattr__(name: str):
