@@ -14,6 +14,7 @@ const char* chunk_state_name(ChunkState s) {
     case ChunkState::Live: return "live";
     case ChunkState::Pending: return "pending";
     case ChunkState::ThreadCached: return "thread_cached";
+    case ChunkState::Remote: return "remote_free";
   }
   return "?";
 }

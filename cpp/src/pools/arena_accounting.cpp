@@ -22,6 +22,7 @@ void ArenaPool::note_peak_locked() {
 }
 
 PoolStats ArenaPool::stats_locked() {
+  drain_remote_locked();  // remote frees are counted live until filed: file them first
   PoolStats st;
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   std::int64_t overhead = static_cast<std::int64_t>(overhead_), blocks = static_cast<std::int64_t>(live_blocks_);
@@ -63,6 +64,7 @@ PoolStats ArenaPool::stats_locked() {
                   {"coalesce_passes", coalesce_passes_}, {"merges", merges_}, {"shrink_scans", shrink_scans_},
                   {"pressure_passes", pressure_passes_}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
                   {"thread_caches", caches_.size()}, {"cache_flushes", cache_flushes_},
+                  {"cache_refills", cache_refills_}, {"cache_spills", cache_spills_}, {"remote_frees", remote_frees_},
                   {"caches_reclaimed", caches_reclaimed_}, {"slow_allocations", slow_allocs_},
                   {"slow_deallocations", slow_frees_}, {"nowait_allocations", nowait_allocs_},
                   {"nowait_deallocations", nowait_frees_}});
@@ -136,6 +138,7 @@ void ArenaPool::validate() {
   for (std::size_t i = 1; i < nshards_; ++i)
     if (ArenaPool* sh = existing_shard(i)) sh->validate();
   std::lock_guard<detail::SpinMutex> g(mu_);
+  drain_remote_locked();
   auto fail = [&](const std::string& m) { throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": " + m); };
   std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
   std::uintptr_t prev_end = 0;

@@ -113,6 +113,7 @@ void* ArenaPool::make_live_locked(ArenaChunk* c, std::size_t nbytes, Stream s) {
   c->alloc_stream = c->last_stream = s;
   c->set(ChunkState::Live);
   c->backing->free_scans = 0;
+  c->used_epoch = scan_epoch_;
   table_.insert(c->addr, c);
   live_.store(live_.load(std::memory_order_relaxed) + nbytes, std::memory_order_relaxed);
   overhead_ += c->size - nbytes;
@@ -127,6 +128,7 @@ ArenaChunk* ArenaPool::split_locked(ArenaChunk* c, std::size_t rounded) {
   rest->addr = c->addr + rounded;
   rest->size = c->size - rounded;
   rest->backing = c->backing;
+  rest->used_epoch = c->used_epoch;
   rest->prev_addr = c;
   rest->next_addr = c->next_addr;
   if (c->next_addr) c->next_addr->prev_addr = rest;
@@ -169,6 +171,7 @@ void ArenaPool::coalesce_locked() {
           ArenaChunk* n = c->next_addr;
           index_.remove(n);
           c->size += n->size;
+          c->used_epoch = std::max(c->used_epoch, n->used_epoch);
           c->next_addr = n->next_addr;
           if (n->next_addr) n->next_addr->prev_addr = c;
           chunk_nodes_.destroy(n);
@@ -182,6 +185,7 @@ void ArenaPool::coalesce_locked() {
         while (same_lane_pending(c, c->next_addr)) {
           ArenaChunk* n = c->next_addr;
           order_.absorb(c, n);  // c->size grows; c keeps the later release position
+          c->used_epoch = std::max(c->used_epoch, n->used_epoch);
           c->next_addr = n->next_addr;
           if (n->next_addr) n->next_addr->prev_addr = c;
           chunk_nodes_.destroy(n);
@@ -218,6 +222,7 @@ void ArenaPool::drain_locked(bool wait) {
 // Settle everything this thread can settle without waiting: own cache back, completed pending
 // releases to free, merges owed.
 void ArenaPool::settle_locked() {
+  drain_remote_locked();
   if (cache_enabled_) {
     if (ThreadCache* tc = detail::tls_find_cache(id_); tc && tc->bytes) flush_cache_locked(tc);
   }
@@ -296,8 +301,14 @@ void ArenaPool::free_detached(Detached& d) {
 void ArenaPool::tick_locked(Detached& out) {
   if (!opt_.shrink_interval || ++ops_since_scan_ < opt_.shrink_interval) return;
   ops_since_scan_ = 0;
+  scan_locked(out);
+}
+
+std::size_t ArenaPool::scan_locked(Detached& out) {
   ++shrink_scans_;
-  release_free_backings_locked(out, true);
+  const std::size_t bytes = release_free_backings_locked(out, true);
+  ++scan_epoch_;  // chunks handed out from now on were used since this scan
+  return bytes;
 }
 
 // ---------------------------------------------------------------- shards
@@ -307,6 +318,7 @@ ArenaPool* ArenaPool::shard(std::size_t i) {
   std::lock_guard<std::mutex> g(shard_mu_);  // never under a shard lock: making one may reserve a range
   if (ArenaPool* sh = existing_shard(i)) return sh;
   auto* sh = new ArenaPool(upstream_, opt_, ShardTag{}, id_);
+  sh->shard_index_ = static_cast<std::uint32_t>(i);
   shards_[i - 1].store(sh, std::memory_order_release);
   inner_shards_.fetch_add(1, std::memory_order_release);
   return sh;
@@ -400,13 +412,20 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   // No shrink tick here: a scan inside an allocation could return the very backing that would
   // have served it (then grow again). Scans run on locked releases, when backings become free.
 
-  if (void* r = reuse_locked(rounded, nbytes, s)) return r;
+  if (void* r = reuse_locked(rounded, nbytes, s)) {
+    refill_cache_locked(rounded);
+    return r;
+  }
   ++pressure_passes_;
   settle_locked();  // drains completed releases and merges owed runs, pending ones included
   ArenaChunk* c = index_.take_best_fit(rounded);
   if (!c && s != kNoStream)
     if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
-  if (c) return carve_locked(c, rounded, nbytes, s);
+  if (c) {
+    void* r = carve_locked(c, rounded, nbytes, s);
+    refill_cache_locked(rounded);
+    return r;
+  }
 
   // Grow; on failure recover what can be recovered (every thread's cache, completed releases,
   // wholly free backings) and try once more before explaining the failure.
@@ -448,6 +467,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
 // stream released, the best indexed fit (after owed merges when it would split), a pending block
 // of this stream to split. nullptr: only settling, growth or recovery can serve the request.
 void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s) {
+  drain_remote_locked();
   if (s != kNoStream)
     if (auto* c = static_cast<ArenaChunk*>(order_.take_for_stream(s, rounded))) return make_live_locked(c, nbytes, s);
   ArenaChunk* c = index_.take_best_fit(rounded);
@@ -490,15 +510,19 @@ void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
   if (cache_enabled_) cache_locked();
-  void* r = reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s);
-  if (r) ++slow_allocs_, ++nowait_allocs_;  // a refusal is counted by the blocking path, once
+  const std::size_t rounded = align_up(nbytes, opt_.alignment);
+  void* r = reuse_locked(rounded, nbytes, s);
+  if (r) ++slow_allocs_, ++nowait_allocs_, refill_cache_locked(rounded);  // a refusal is counted by the blocking path, once
   return r;
 }
 
 Refusal ArenaPool::do_deallocate(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
-    if (ArenaPool* sh = owner_shard(a)) return sh->deallocate_here(a, s);
+  if (inner_shards_.load(std::memory_order_acquire)) {  // none yet: every block is shard 0's
+    const std::uint32_t home = caller_home();
+    if (ArenaPool* sh = owner_shard(a)) return sh->push_remote(a, s, home) ? Refusal{} : sh->deallocate_here(a, s);
+    if (push_remote(a, s, home)) return {};
+  }
   const Refusal r = deallocate_here(a, s);
   if (r.kind != Refusal::Unknown) return r;
   // A lock-free probe may miss (a table sweep): the inner shards decide under their locks.
@@ -510,12 +534,18 @@ Refusal ArenaPool::do_deallocate(void* p, Stream s) {
 
 Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
   Detached detached;
+  if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();  // again under the lock: close() may have run since Pool::deallocate looked
     ArenaChunk* c = nullptr;
+    drain_remote_locked();
     if (!table_.find(a, c)) return locate_locked(a);
     if (c->st() != ChunkState::Live) return {Refusal::DoubleFree, c->st()};
+    // A thread that only frees (the consumer of a producer/consumer server) gets a cache too, so
+    // its frees reach the pool in batches (arena_thread_cache.cpp).
+    if (cache_enabled_) cache_locked();
+    if (spill_and_cache_locked(c, s)) return {};  // the cache was full: a batch goes back instead
     const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
     release_live_locked(c, a, s, detached);
     if (s == kNoStream) source_->released(backing);
@@ -541,12 +571,20 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
 bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!a) return false;
-  if (inner_shards_.load(std::memory_order_acquire))  // none yet: every block is shard 0's
-    if (ArenaPool* sh = owner_shard(a)) return sh->try_deallocate_locked_nowait(p, s);
+  if (inner_shards_.load(std::memory_order_acquire)) {  // none yet: every block is shard 0's
+    const std::uint32_t home = caller_home();  // a push never waits or calls the upstream
+    if (ArenaPool* sh = owner_shard(a)) return sh->push_remote(a, s, home) || sh->try_deallocate_locked_nowait(p, s);
+    if (push_remote(a, s, home)) return true;
+  }
+  if (cache_enabled_ && !detail::tls_find_cache(id_)) return false;  // a first visit prunes caches, unlocked
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
+  if (spill_and_cache_locked(c, s, true)) {  // the cache was full: a batch goes back instead
+    ++nowait_frees_;
+    return true;
+  }
   // Releases that would record events (another stream used the block) call the upstream.
   if (s != kNoStream && StreamOrder::defer_records_events(c, s)) return false;
   if (s == kNoStream && source_->wants_release(c)) return false;  // it would unmap (a stitched range's last block)
@@ -594,6 +632,58 @@ bool ArenaPool::record_here(std::uintptr_t a, Stream s) {
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;
   c->add_use(s);
   return true;
+}
+
+// ---------------------------------------------------------------- remote frees
+
+std::uint32_t ArenaPool::caller_home() const {
+  const ThreadCache* tc = detail::tls_find_cache(id_);  // inner shards share the pool's id
+  return tc ? tc->home : ~0u;
+}
+
+// Why: a block freed by another thread used to take its owner shard's lock from that thread, so
+// the shard's index, table and chunk records moved to the freeing CPU and back to the owner's at
+// its next allocation, at every block (16 threads freeing each other's 32 MiB blocks ran below one
+// thread's rate, benchmarks/results/thread_scaling_h200.txt). A push moves one chunk record and
+// one list head; the owner files a whole list under one lock hold.
+// Only plain frees (no stream: a stream-ordered release records events under the lock), of
+// blocks the thread caches do not take, of a Live block whose state this CAS claims (a concurrent
+// second free of the same pointer loses it and is explained by the locked path).
+bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_home) {
+  if (s != kNoStream || caller_home == shard_index_) return false;
+  ArenaChunk* c = nullptr;
+  if (!table_.find(a, c) || c->used_on) return false;
+  if (cache_enabled_ && c->size <= opt_.thread_cache_max_block) return false;
+  ChunkState live = ChunkState::Live;
+  if (!c->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed))
+    return false;
+  ArenaChunk* head = remote_head_.load(std::memory_order_relaxed);
+  do {
+    c->bin_next = head;
+  } while (!remote_head_.compare_exchange_weak(head, c, std::memory_order_release, std::memory_order_relaxed));
+  return true;
+}
+
+// Every remote free into the books, as a plain locked free files it (no shrink scan here: the
+// count goes on, and the next locked release scans).
+void ArenaPool::drain_remote_locked() {
+  if (!remote_head_.load(std::memory_order_relaxed)) return;
+  ArenaChunk* c = remote_head_.exchange(nullptr, std::memory_order_acquire);
+  while (c) {
+    ArenaChunk* next = c->bin_next;
+    c->bin_next = nullptr;
+    const std::uintptr_t backing = c->backing->addr;
+    ++slow_frees_;
+    ++remote_frees_;
+    live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
+    overhead_ -= c->size - c->requested;
+    --live_blocks_;
+    table_.erase(c->addr);
+    file_free_locked(c);
+    ++ops_since_scan_;
+    source_->released(backing);
+    c = next;
+  }
 }
 
 // ---------------------------------------------------------------- maintenance
@@ -651,8 +741,7 @@ std::size_t ArenaPool::shrink_scan() {
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     check_open();
-    ++shrink_scans_;
-    bytes += release_free_backings_locked(d, true);
+    bytes += scan_locked(d);
   }
   free_detached(d);
   return bytes;
@@ -668,6 +757,7 @@ bool ArenaPool::do_close(LiveAtClose& live) {
     ArenaPool* sh = existing_shard(i);
     if (!sh) continue;
     std::lock_guard<detail::SpinMutex> g(sh->mu_);
+    sh->drain_remote_locked();
     inner_blocks += static_cast<std::int64_t>(sh->live_blocks_);
     inner_live += static_cast<std::int64_t>(sh->live_.load());
     sh->table_.for_each([&](std::uintptr_t a, ArenaChunk* c) {
@@ -677,6 +767,7 @@ bool ArenaPool::do_close(LiveAtClose& live) {
   {
     std::lock_guard<detail::SpinMutex> g(mu_);
     if (closed()) return true;
+    drain_remote_locked();
     std::int64_t blocks = static_cast<std::int64_t>(live_blocks_) + inner_blocks;
     std::int64_t live_bytes = static_cast<std::int64_t>(live_.load()) + inner_live;
     for (auto& tc : caches_) {

@@ -180,11 +180,19 @@ ThreadCache* ArenaPool::cache_locked() {
 }
 
 void ArenaPool::flush_cache_locked(ThreadCache* tc) {
+  flush_bins_locked(tc, 0);
+  ++cache_flushes_;
+}
+
+// The cache's bins of chunk size `size` (0: every bin) back into the books.
+void ArenaPool::flush_bins_locked(ThreadCache* tc, std::size_t size) {
   std::int64_t freed = 0, pending = 0;
   for (auto& b : tc->bins) {
+    if (!b.count || (size && b.size != size)) continue;
     for (std::uint32_t i = 0; i < b.count; ++i) {
       ArenaChunk* c = b.items[i];
       table_.erase(c->addr);
+      c->used_epoch = scan_epoch_;  // in use through the cache until now: not idle memory
       if (c->cache_tag == kNoStream) {
         file_free_locked(c);
         freed += static_cast<std::int64_t>(c->size);
@@ -202,8 +210,77 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
   tc->add(tc->cached_free, -freed);
   tc->add(tc->cached_pending, -pending);
   tc->end();
-  tc->bytes = 0;
-  ++cache_flushes_;
+  tc->bytes -= static_cast<std::size_t>(freed + pending);
+}
+
+// Batches between a thread's cache and the books (docs/threads.md). With several threads, blocks
+// flow from the threads that free them to the threads that allocate them (a producer/consumer
+// server): the freeing thread's cache fills, the allocating thread's runs dry, and each block then
+// crossed over alone through the pool lock, where every thread met (the "mixed, cross-thread
+// frees" case of benchmarks/thread_scaling.py collapsed below one thread's rate). So, under the
+// lock, a bin's worth moves at once: a full cache gives back its blocks of the size being freed,
+// and an allocation the cache missed takes the books' exact-size free chunks along. Only with
+// several caches: a single-threaded pool keeps its free chunks in the index, where they can merge,
+// as before.
+
+// An allocation of `rounded` bytes the cache missed: fill a bin with exact-size free chunks.
+void ArenaPool::refill_cache_locked(std::size_t rounded) {
+  if (!cache_enabled_ || rounded > opt_.thread_cache_max_block || ncaches_.load(std::memory_order_relaxed) < 2) return;
+  ThreadCache* tc = detail::tls_find_cache(id_);
+  if (!tc || tc->bytes + rounded > opt_.thread_cache_bytes) return;
+  ThreadCache::Bin* bin = nullptr;
+  for (auto& b : tc->bins) {
+    if (b.count && b.size == rounded && b.stream == kNoStream && b.count < ThreadCache::kPerBin) {
+      bin = &b;
+      break;
+    }
+    if (!b.count && !bin) bin = &b;
+  }
+  if (!bin) return;
+  std::int64_t moved = 0;
+  while (bin->count < ThreadCache::kPerBin && tc->bytes + rounded <= opt_.thread_cache_bytes) {
+    ArenaChunk* c = index_.take_exact(rounded);
+    if (!c) break;
+    c->set(ChunkState::ThreadCached);
+    c->cache_tag = kNoStream;
+    table_.insert(c->addr, c);
+    bin->size = rounded;
+    bin->stream = kNoStream;
+    bin->items[bin->count++] = c;
+    tc->bytes += rounded;
+    moved += static_cast<std::int64_t>(rounded);
+  }
+  if (!moved) return;
+  tc->begin();
+  tc->add(tc->cached_free, moved);
+  tc->end();
+  ++cache_refills_;
+}
+
+// A free of c (live, this thread's cache refused it): if only room was missing, give back the
+// cache's blocks of c's size (all of them if the byte budget still has no room) and cache c.
+// Returns true when c is cached now. nowait: refuse rather than give back stream-tagged blocks
+// (filing those as pending may record events, an upstream call).
+bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
+  if (!cache_enabled_ || ncaches_.load(std::memory_order_relaxed) < 2) return false;
+  ThreadCache* tc = detail::tls_find_cache(id_);
+  if (!tc || c->used_on || c->size > opt_.thread_cache_max_block) return false;
+  if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
+  bool bin = false, tagged = false;
+  for (const auto& b : tc->bins) {
+    bin |= !b.count || (b.size == c->size && b.stream == s && b.count < ThreadCache::kPerBin);
+    tagged |= b.count && b.stream != kNoStream;
+  }
+  if (!bin || tc->bytes + c->size > opt_.thread_cache_bytes) {
+    if (nowait && tagged) return false;
+    flush_bins_locked(tc, c->size);
+    if (tc->bytes + c->size > opt_.thread_cache_bytes) flush_bins_locked(tc, 0);
+    ++cache_spills_;
+  }
+  // The owner is this thread, inside no fast-path operation, and reclaimers need the lock we hold.
+  if (!try_deallocate_fast(reinterpret_cast<void*>(c->addr), s)) return false;
+  ++slow_frees_;  // a locked call all the same
+  return true;
 }
 
 // Every cache's blocks back into the pool now, the idle threads' included: they may never run

@@ -31,7 +31,9 @@
 
 namespace poolkeeper {
 
-enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3 };
+// Remote: freed by a thread whose home is another arena shard and waiting, still counted live, on
+// that shard's remote-free list until the shard's owner next holds its lock (arena_pool.hpp).
+enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3, Remote = 4 };
 const char* chunk_state_name(ChunkState s);
 
 struct PoolStats {

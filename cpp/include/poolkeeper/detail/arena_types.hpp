@@ -17,6 +17,10 @@ struct ArenaChunk : BlockRecord {
   ArenaChunk* bin_next = nullptr;
   enum : std::uint8_t { kNowhere = 0, kBin = 1, kTree = 2 } where = kNowhere;
   Stream cache_tag = kNoStream;  // while ThreadCached: the stream it may be reused on (kNoStream: any)
+  // The pool's shrink-scan epoch when this chunk was last handed out through the pool's books
+  // (or left a thread cache). A merge keeps the later one, a split copies it: a scan can tell a
+  // piece that was reused since the previous scan from one that sat free the whole interval.
+  std::uint64_t used_epoch = 0;
 };
 
 struct ArenaBacking {

@@ -57,6 +57,20 @@ class FreeIndex {
     c->where = ArenaChunk::kNowhere;
   }
 
+  // A chunk of exactly `size` bytes (a multiple of the alignment), removed; nullptr if none.
+  ArenaChunk* take_exact(std::size_t size) {
+    const std::size_t units = size / align_;
+    ArenaChunk* c = nullptr;
+    if (units <= kBins) {
+      c = bins_[units - 1];
+    } else {
+      auto it = tree_.lower_bound({size, 0, nullptr});
+      if (it != tree_.end() && it->size == size) c = it->chunk;
+    }
+    if (c) remove(c);
+    return c;
+  }
+
   // Best fit for `size` (a multiple of the alignment), removed from the index; nullptr if none.
   ArenaChunk* take_best_fit(std::size_t size) {
     const std::size_t units = size / align_;

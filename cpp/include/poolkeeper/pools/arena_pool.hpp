@@ -47,7 +47,10 @@
 // backing) with their own lock, free index, stream order and backings. Threads get homes round
 // robin on their first visit, so a pool used by one thread never leaves shard 0. A free goes to
 // the shard that owns the block (found by lock-free pointer-table probes, decided again under
-// the locks before it becomes an error); a home shard that cannot reuse borrows from the others
+// the locks before it becomes an error; a thread whose home is another shard pushes it on the
+// owner's remote-free list instead, one CAS, and the owner files it the next time it holds its
+// lock: a shard's books stay in its owner's CPU cache instead of moving to every thread that frees
+// there); a home shard that cannot reuse borrows from the others
 // with try_lock before it grows; a failed growth trims the other shards and retries once.
 // Each shard's books balance on their own, so stats() (the sum) balances too; peaks are then the
 // sum of the shards' peaks (an upper bound). With a limit (one budget) there is one shard.
@@ -160,6 +163,11 @@ class ArenaPool final : public Pool {
   // These books' locked free (do_deallocate's body for one shard): Refusal::Unknown when p is not
   // in these books, so the caller can ask the other shards.
   Refusal deallocate_here(std::uintptr_t a, Stream s);
+  // A free from a thread whose home is another shard: pushed onto this shard's remote-free list
+  // with one CAS, no lock (false: not such a free; the locked path decides). Lock-free.
+  bool push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_home);
+  std::uint32_t caller_home() const;  // the calling thread's home shard (~0u: none yet)
+  void drain_remote_locked();  // the remote-free list into the books (under mu_)
   bool record_here(std::uintptr_t a, Stream s);  // do_record_stream for one shard
   std::size_t trim_own();  // trim() of shard 0 alone
   void* try_reuse_nowait(std::size_t nbytes, Stream s);  // try_allocate_locked_nowait on these books only
@@ -171,6 +179,9 @@ class ArenaPool final : public Pool {
   using LimitHit = detail::LimitHit;
   detail::ThreadCache* cache_locked();
   void flush_cache_locked(detail::ThreadCache* tc);
+  void flush_bins_locked(detail::ThreadCache* tc, std::size_t size);  // size 0: every bin
+  void refill_cache_locked(std::size_t rounded);   // batches between caches and books (several threads)
+  bool spill_and_cache_locked(detail::ArenaChunk* c, Stream s, bool nowait = false);
   std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
@@ -188,6 +199,7 @@ class ArenaPool final : public Pool {
   std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
   void free_detached(Detached& d);
   void tick_locked(Detached& out);
+  std::size_t scan_locked(Detached& out);  // one shrink scan: hysteresis release, then a new epoch
   void settle_locked();
   void drain_locked(bool wait);
   PoolStats stats_locked();
@@ -199,6 +211,7 @@ class ArenaPool final : public Pool {
   ArenaOptions opt_;
   bool cache_enabled_;
   bool shard_child_ = false;
+  std::uint32_t shard_index_ = 0;  // 0: the pool itself; i: inner shard i
   std::size_t nshards_ = 1;
   // Inner shards: each an ArenaPool with its own lock and books (docs/threads.md).
   std::unique_ptr<std::atomic<ArenaPool*>[]> shards_;  // nshards_-1 inner shards; written under shard_mu_
@@ -217,6 +230,9 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
+  // Remote frees (push_remote): a lock-free stack of Remote chunks linked through bin_next, pushed
+  // by any thread, taken whole by drain_remote_locked() under mu_.
+  std::atomic<detail::ArenaChunk*> remote_head_{nullptr};
   // Written under mu_, read lock-free (relaxed) by the fast paths and stats().
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
@@ -225,11 +241,13 @@ class ArenaPool final : public Pool {
   std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
   std::size_t peak_reserved_ = 0, peak_live_ = 0;
   std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
+  std::uint64_t scan_epoch_ = 1;    // guarded by mu_: shrink scans so far + 1 (ArenaChunk::used_epoch)
   // Event counters for stats() extras, guarded by mu_.
   std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
                 backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
                 upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
-                slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0;
+                slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0, cache_refills_ = 0, cache_spills_ = 0,
+                remote_frees_ = 0;
   // Locked operations served by the non-blocking path (the caller kept the GIL); also counted
   // slow. Guarded by mu_.
   std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
