@@ -10,20 +10,20 @@ the pool only through its three lease hooks (``_take_back``, ``_free_unretired``
 
 States and transitions (docs/staging.md draws the same diagram)::
 
-                 begin_copy                     retire(witness)
-        +------+ ---------> +---------+         (no copy in flight, no view)
-        | LIVE |            | COPYING |   LIVE ----------------------------> RETIRED
-        +------+ <--------- +---------+                                    (pool._take_back)
-            |   every copy seen complete  |
-            |                             |   close, no view     ---> CLOSED  (waits copies, frees)
-            +------------- or ------------+   close, views alive ---> CLOSING
-                                              collected          ---> DROPPED (waits copies, frees)
+                 begin_copy
+        LIVE  ------------->  COPYING          (StagingBuffer.state shows "live" for both)
+          ^                      |
+          +----------------------+  every copy seen complete (a poll)
 
-        CLOSING --last view released, no copy in flight--> CLOSED  (frees at once)
-        CLOSING --buffer collected-----------------------> CLOSED  (waits copies, frees)
+  LIVE           -- retire(witness) ------------------------->  RETIRED  (pool._take_back)
+  LIVE, COPYING  -- close(), no view ------------------------->  CLOSED   (waits for copies, frees)
+  LIVE, COPYING  -- close(), views alive --------------------->  CLOSING  (.state shows "closed")
+  CLOSING        -- last view released, no copy in flight --->  CLOSED   (frees at once)
+  CLOSING        -- buffer collected ------------------------->  CLOSED   (waits for copies, frees)
+  LIVE, COPYING  -- buffer collected ------------------------->  DROPPED  (waits for copies, frees)
 
 RETIRED, CLOSED and DROPPED are terminal. ``COPYING`` leaves for ``LIVE`` when a poll
-(``copies_in_flight``, a write, a retire) sees every issued copy complete. A copy whose
+(``copies_in_flight``, a write, a retire, a mint) sees every issued copy complete. A copy whose
 completion can never be confirmed keeps the lease out of ``LIVE`` for good: it can only be closed
 or dropped, and then its memory is leaked (counted), never freed under a possible DMA.
 
