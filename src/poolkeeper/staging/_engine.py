@@ -21,6 +21,7 @@ import time
 from typing import Any, Optional
 
 from poolkeeper.errors import InvalidArgumentError, UpstreamError
+from poolkeeper.staging import _lease
 from poolkeeper.staging import witness as _witness
 from poolkeeper.staging._hostmem import BorrowedBuffer
 from poolkeeper.staging.buffer import StagingBuffer
@@ -158,15 +159,26 @@ class _EngineJob(_Job):
         return self._index not in self._run.lost
 
 
+def _begin_engine_run(bufs: list, run: _EngineRun) -> list:
+    """Register one native upload as one copy out of each of ``bufs``; returns their jobs (index
+    ``i`` is ``bufs[i]``'s). While it runs, view/fill/retire refuse, and a drop or close waits for
+    the engine before freeing."""
+    jobs: list = []
+    for i, b in enumerate(bufs):
+        jobs.append(_lease.of(b).begin_copy(lambda seq, i=i: _EngineJob(seq, run, i, jobs)))
+    return jobs
+
+
 def _mint_engine_observed(buffer: StagingBuffer, job: _EngineJob) -> "_witness.CopyCompleted":
     """The witness for a buffer whose copies the native engine has reported complete.
 
-    Same guarantees as every other witness (``_witness._mint`` re-checks completion, binds the
-    witness to this buffer's lease and registers its single-use token); only the job type differs.
+    Same guarantees as every other witness (the lease re-checks completion, binds the witness to
+    itself and registers its single-use token); only the job type differs.
     """
-    if type(job) is not _EngineJob or job not in buffer._lease.jobs:
+    lease = _lease.of(buffer)
+    if type(job) is not _EngineJob or not lease.issued(job):
         raise UpstreamError("internal error: an engine witness was requested for a copy the engine did not run")
-    return _witness._mint(buffer, job)
+    return lease.mint(job)
 
 
 # -- the host worker ---------------------------------------------------------------------------------
@@ -246,7 +258,7 @@ class PendingCopy:
                 raise UpstreamError("the copy was enqueued but its completion could not be tracked")
             if self._job.error is not None:
                 raise self._job.error
-            self._witness = _witness._mint(self._buffer, self._job)
+            self._witness = _lease.of(self._buffer).mint(self._job)
         return self._witness
 
     def __repr__(self) -> str:
@@ -282,7 +294,7 @@ def _start(dst: Any, staged: Any, nbytes: Optional[int], stream: Any, blocking: 
         )
     if nbytes is None:
         nbytes = staged.nbytes
-    _, nbytes = staged._range(0, nbytes)
+    _, nbytes = _lease.of(staged).check_range(0, nbytes)
     handle = _stream_handle(stream)
     if staged.pool.upstream.kind == "pinned":
         return _start_device(dst, staged, nbytes, handle, blocking)
@@ -327,7 +339,7 @@ def _device_dst(dst: Any, nbytes: int) -> int:
 def _start_host(dst: Any, staged: StagingBuffer, nbytes: int, blocking: bool) -> PendingCopy:
     address, hold = _host_dst(dst, nbytes)
     try:
-        job = staged._begin_copy(lambda seq: _HostJob(seq, nbytes, staged))
+        job = _lease.of(staged).begin_copy(lambda seq: _HostJob(seq, nbytes, staged))
     except BaseException:
         if hold is not None:
             hold.release()
@@ -348,7 +360,7 @@ def _start_host(dst: Any, staged: StagingBuffer, nbytes: int, blocking: bool) ->
 
 def _start_device(dst: Any, staged: StagingBuffer, nbytes: int, stream: Optional[int], blocking: bool) -> PendingCopy:
     ptr = _device_dst(dst, nbytes)
-    job: _DeviceJob = staged._begin_copy(lambda seq: _DeviceJob(seq, nbytes))
+    job: _DeviceJob = _lease.of(staged).begin_copy(lambda seq: _DeviceJob(seq, nbytes))
     if nbytes == 0:
         job._done = True  # nothing to read: complete at once
         return PendingCopy._new(staged, job)

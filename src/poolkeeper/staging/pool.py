@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Optional
 
 from poolkeeper.errors import InvalidArgumentError, PoolClosedError
+from poolkeeper.staging._lease import TERMINAL, Lease
 from poolkeeper.staging.buffer import StagingBuffer
 
 MiB = 1 << 20
@@ -115,6 +116,9 @@ class PinnedStagingPool:
         self._live_bytes = 0
         self._closed = False
         self._c = dict.fromkeys(_COUNTERS, 0)
+        # Every lease handed out and not yet collected (for validate(); weak: a lease belongs to
+        # its buffer, and a dropped buffer must stay collectable).
+        self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
         # Finalizers of dropped buffers may run inside a GC triggered anywhere, even while this
         # thread holds self._lock; they free at once (the upstream is thread-safe) and leave their
         # bookkeeping here (deque appends are atomic), folded in under the lock by _drain().
@@ -158,8 +162,8 @@ class PinnedStagingPool:
                 cap, ptr = self._retained.pop(i)
                 self._retained_bytes -= cap
                 self._c["reuses"] += 1
-                self._lease_out(cap)
-                return StagingBuffer._new(self, ptr, cap, nbytes)
+                lease = self._lease_out(ptr, cap, nbytes)
+                return StagingBuffer._new(lease)
             self._wait_readers()  # nothing changed since _drain(): waiting here is safe
             self._begin_transit()
         try:
@@ -170,9 +174,9 @@ class PinnedStagingPool:
             raise
         with self._lock:
             self._c["pinned_alloc_calls"] += 1
-            self._lease_out(cap)
+            lease = self._lease_out(ptr, cap, nbytes)
             self._end_transit()
-        return StagingBuffer._new(self, ptr, cap, nbytes)
+        return StagingBuffer._new(lease)
 
     def stats(self) -> dict:
         """Counters and current state: one consistent observation, also while other threads use
@@ -207,6 +211,37 @@ class PinnedStagingPool:
                 s.update(upstream_allocations=c["allocations"], upstream_deallocations=c["deallocations"],
                          upstream_outstanding_bytes=c["outstanding_bytes"])
             return s
+
+    def validate(self) -> None:
+        """Check the pool's invariants and those of every lease it has handed out that still
+        exists; raises AssertionError naming the broken one. Safe under traffic (one consistent
+        observation, as :meth:`stats`); meant for tests and debugging.
+
+        Invariants: the retained list is sorted, within both bounds, and its byte total is
+        ``retained_bytes``; every acquire was a pin or a reuse; every acquire is live, retired or
+        ended without retire (dropped, closed, leaked); every pin is freed, retained, live or
+        leaked; at most ``live_buffers`` leases are not yet ended (a lease ends before the pool
+        books it); each lease passes ``Lease.validate``.
+        """
+        with self._lock:
+            self._quiesce()
+            c, ret = self._c, self._retained
+            assert ret == sorted(ret), "retained buffers out of order"
+            assert self._retained_bytes == sum(cap for cap, _ in ret), "retained_bytes is not the retained total"
+            assert len(ret) <= self._max_buffers and self._retained_bytes <= self._max_bytes, "retained beyond bounds"
+            assert self._live_buffers >= 0 and self._live_bytes >= 0, "negative live count"
+            assert (self._live_buffers == 0) == (self._live_bytes == 0), "live buffers and live bytes disagree"
+            assert c["acquires"] == c["pinned_alloc_calls"] + c["reuses"], "an acquire neither pinned nor reused"
+            ended = c["retires"] + c["dropped_without_retire"] + c["closed_without_retire"] + c["leaked_unconfirmed"]
+            assert c["acquires"] == ended + self._live_buffers, "acquires != ended leases + live buffers"
+            assert c["pinned_alloc_calls"] == c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"], (
+                "pins != frees + retained + live + leaked"
+            )
+            leases = [lease for lease in list(self._leases) if lease.pool is self]
+            open_leases = sum(1 for lease in leases if lease.state not in TERMINAL)
+            assert open_leases <= self._live_buffers, f"{open_leases} open leases, {self._live_buffers} live buffers"
+        for lease in leases:
+            lease.validate()
 
     def trim(self) -> int:
         """Free every retained buffer; returns the bytes freed."""
@@ -256,10 +291,14 @@ class PinnedStagingPool:
         )
 
     # -- internals -------------------------------------------------------------------------------
-    def _lease_out(self, cap: int) -> None:
+    def _lease_out(self, ptr: int, cap: int, nbytes: int) -> Lease:
+        # Under self._lock: the lease is booked live before anyone can end it.
         self._c["acquires"] += 1
         self._live_buffers += 1
         self._live_bytes += cap
+        lease = Lease(self, ptr, cap, nbytes)
+        self._leases.add(lease)
+        return lease
 
     def _allocate(self, cap: int) -> int:
         try:
@@ -277,6 +316,8 @@ class PinnedStagingPool:
                 self._c["failed_allocs"] += 1
             raise
 
+    # -- the lease hooks: the only calls a Lease makes into its pool, each after its own lock is
+    # released, each once per lease (the lease's terminal transition decides which) ---------------
     def _take_back(self, ptr: int, cap: int) -> None:
         """A retire (witness already checked and consumed): retain within bounds, else free."""
         with self._lock:

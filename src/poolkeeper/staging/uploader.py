@@ -566,12 +566,9 @@ class Uploader:
         except BaseException:
             _give_back_unread(bufs)  # nothing copied out of them yet
             raise
-        # Each buffer carries one job for the whole upload: while it runs, view/fill/retire refuse,
-        # and a drop or close waits for the engine before freeing.
+        # Each buffer carries one job for the whole upload (_engine._begin_engine_run).
         run = _engine._EngineRun(eng)
-        jobs: list = []
-        for i, b in enumerate(bufs):
-            jobs.append(b._begin_copy(lambda seq, i=i: _engine._EngineJob(seq, run, i, jobs)))
+        jobs = _engine._begin_engine_run(bufs, run)
         try:
             eng.start(source.address, total, base, [(b.ptr, b.capacity) for b in bufs], self._chunk_native,
                       self._ramp, backend, stream, self._nt_fill, tail_ramp=self._tail_ramp, **self._faults)

@@ -16,10 +16,12 @@ names, call ``object.__new__`` or poke at private attributes. What this module g
   are read-only.
 - Minting (:func:`_mint`) takes the copy's job record and refuses unless that job has completed,
   so even poolkeeper's own code cannot mint early by mistake.
-- Every witness carries a fresh, unguessable token that is also registered on the buffer it
-  covers. ``retire`` accepts a witness only if it is of this exact type, covers *this* buffer
-  (identity, not address: a recycled address is a different lease), is not yet consumed, and its
-  token is still registered there; retiring removes the token and marks the witness consumed. A
+- Every witness carries a fresh, unguessable token that is also registered on the lease of the
+  buffer it covers (``_lease.Lease`` owns that registry: one witness per copy). ``retire``
+  accepts a witness only if it is of this exact type, covers *this* buffer (identity, not
+  address: a recycled address is a different lease), is not yet consumed, and its token is still
+  registered there; retiring removes the token and marks the witness consumed, and
+  a lease that ends (retired, closed, collected) voids every witness still registered on it. A
   witness built with ``object.__new__`` has no registered token, and a field-by-field duplicate of a
   real witness shares its token, so it can be used at most once between them.
 - ``retire`` also refuses while any *other* copy from the same buffer is still in flight, so a
@@ -100,28 +102,28 @@ class CopyCompleted:
         return f"<CopyCompleted #{self._serial}: copy {self._seq} of {where}, {self._nbytes} bytes, {state}>"
 
 
+# The package interface of this module: the lease (``_lease.Lease``) is its only caller. This
+# module knows a witness's layout; the lease owns the registry of minted witnesses and decides.
 def _mint(buffer: "StagingBuffer", job: Any) -> CopyCompleted:
-    """Create the witness for ``job`` (a completed copy out of ``buffer``). Copy path only."""
+    """Create the witness for ``job`` (a completed copy out of ``buffer``), with a fresh token.
+    The caller (``Lease.mint``) registers it."""
     if not job.query():
         raise WitnessError("internal error: a witness was requested for a copy that has not completed")
-    token = object()
     w = object.__new__(CopyCompleted)
     s = object.__setattr__
-    s(w, "_token", token)
+    s(w, "_token", object())
     s(w, "_buffer_ref", weakref.ref(buffer))
     s(w, "_seq", job.seq)
     s(w, "_nbytes", job.nbytes)
     s(w, "_serial", next(_serials))
     s(w, "_consumed", False)
-    buffer._register_witness_token(token, job.seq)
     return w
 
 
-def _check(witness: Any, buffer: "StagingBuffer", tokens: dict) -> object:
-    """Validate ``witness`` for retiring ``buffer`` without consuming it; return its token.
-
-    Called under the buffer's lock with the buffer's registered ``tokens``.
-    """
+def _fields(witness: Any, buffer: Any) -> tuple[object, int]:
+    """``(token, copy seq)`` of ``witness`` if it is an unused witness covering ``buffer``;
+    WitnessError if it is not a CopyCompleted, was not built by :func:`_mint`, was consumed, or
+    covers another buffer. Whether its token is registered is the lease's check."""
     if type(witness) is not CopyCompleted:
         raise WitnessError(
             "retire() needs the CopyCompleted returned by copy() or PendingCopy.wait() for this "
@@ -139,18 +141,21 @@ def _check(witness: Any, buffer: "StagingBuffer", tokens: dict) -> object:
     owner: Optional[Any] = ref() if callable(ref) else None
     if owner is not buffer:
         other = f"0x{owner.ptr:x}" if owner is not None else "a buffer that no longer exists"
+        where = f"0x{buffer.ptr:x}" if buffer is not None else "a buffer that no longer exists"
         raise WitnessError(
-            f"this witness covers copy {seq} of {other}, not this buffer (0x{buffer.ptr:x}); a "
+            f"this witness covers copy {seq} of {other}, not this buffer ({where}); a "
             "witness can only retire the buffer its own copy read from"
         )
-    if tokens.get(token) != seq:
-        raise WitnessError("this CopyCompleted was not minted by poolkeeper's copy path for this buffer")
-    return token
+    return token, seq
 
 
-def _consume(witness: CopyCompleted, tokens: dict, token: object) -> None:
-    """Mark ``witness`` used (after :func:`_check` passed and the retire is committed)."""
-    del tokens[token]
+def _token(witness: CopyCompleted) -> object:
+    """The token of a witness :func:`_mint` built."""
+    return witness._token
+
+
+def _consume(witness: CopyCompleted) -> None:
+    """Mark ``witness`` used (the lease has committed the retire it authorized)."""
     object.__setattr__(witness, "_consumed", True)
 
 
