@@ -27,7 +27,7 @@ PoolStats ArenaPool::stats_locked() {
   std::int64_t live = static_cast<std::int64_t>(live_.load(std::memory_order_relaxed));
   std::int64_t overhead = static_cast<std::int64_t>(overhead_), blocks = static_cast<std::int64_t>(live_blocks_);
   std::int64_t cached_free = 0, cached_pending = 0;
-  std::uint64_t hits = folded_hits_, fast_frees = folded_frees_;
+  std::uint64_t hits = ev_.folded_hits, fast_frees = ev_.folded_frees;
   std::size_t peak_live = peak_live_;
   for (auto& tc : caches_) {
     const auto k = tc->read();
@@ -40,7 +40,7 @@ PoolStats ArenaPool::stats_locked() {
     fast_frees += k.frees;
     peak_live = std::max(peak_live, tc->peak_live_pub.load(std::memory_order_relaxed));
   }
-  st.reserved = reserved_;
+  st.reserved = budget_.reserved;
   st.live = static_cast<std::size_t>(live);
   st.overhead = static_cast<std::size_t>(overhead);
   st.thread_cached = static_cast<std::size_t>(cached_free);
@@ -48,7 +48,7 @@ PoolStats ArenaPool::stats_locked() {
   st.free = index_.bytes() + st.thread_cached;
   st.pending = order_.pending_bytes() + st.thread_cached_pending;
   st.largest_free = index_.largest();
-  st.peak_reserved = peak_reserved_;
+  st.peak_reserved = budget_.peak_reserved;
   st.peak_live = std::max(peak_live, st.live);
   st.live_blocks = static_cast<std::size_t>(blocks);
   st.free_chunks = index_.count();
@@ -59,19 +59,19 @@ PoolStats ArenaPool::stats_locked() {
   std::size_t oversize = 0;
   for (ArenaBacking* b : backings_) oversize += b->oversize;
   fill_upstream_counts(st);
-  add_extras(st, {{"oversize_backings", oversize}, {"backings_created", backings_created_},
-                  {"oversize_backings_created", oversize_backings_created_}, {"backings_released", backings_released_},
-                  {"coalesce_passes", coalesce_passes_}, {"merges", merges_}, {"shrink_scans", shrink_scans_},
-                  {"pressure_passes", pressure_passes_}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
-                  {"thread_caches", caches_.size()}, {"cache_flushes", cache_flushes_},
-                  {"cache_refills", cache_refills_}, {"cache_spills", cache_spills_}, {"remote_frees", remote_frees_},
-                  {"caches_reclaimed", caches_reclaimed_}, {"slow_allocations", slow_allocs_},
-                  {"slow_deallocations", slow_frees_}, {"nowait_allocations", nowait_allocs_},
-                  {"nowait_deallocations", nowait_frees_}});
+  add_extras(st, {{"oversize_backings", oversize}, {"backings_created", ev_.backings_created},
+                  {"oversize_backings_created", ev_.oversize_backings_created}, {"backings_released", ev_.backings_released},
+                  {"coalesce_passes", ev_.coalesce_passes}, {"merges", ev_.merges}, {"shrink_scans", ev_.shrink_scans},
+                  {"pressure_passes", ev_.pressure_passes}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
+                  {"thread_caches", caches_.size()}, {"cache_flushes", ev_.cache_flushes},
+                  {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"remote_frees", ev_.remote_frees},
+                  {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
+                  {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
+                  {"nowait_deallocations", ev_.nowait_frees}});
   StreamOrderCounters so;
   so.add(order_);
   so.report(st);
-  add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
+  add_extras(st, {{"upstream_free_failures", ev_.upstream_free_failures}, {"oom_retries", ev_.oom_retries},
                   {"tree_chunks", index_.tree_size()}, {"table_capacity", table_.capacity()},
                   {"table_grows", table_.grows()}, {"chunk_nodes", chunk_nodes_.live()}});
   source_->stats(st);
@@ -90,7 +90,7 @@ void ArenaPool::reset_peaks() {
     tc->peak_live_pub.store(0, std::memory_order_relaxed);
   }
   peak_live_ = static_cast<std::size_t>(std::max<std::int64_t>(live, 0));
-  peak_reserved_ = reserved_;
+  budget_.reset_peak();
 }
 
 namespace {
@@ -218,7 +218,7 @@ void ArenaPool::validate() {
   }
   if (cache_bins_bytes != cached || cached_counted != static_cast<std::int64_t>(cached))
     fail("thread-cached bytes disagree with the caches");
-  if (reserved != reserved_) fail("reserved " + std::to_string(reserved_) + " but backings add to " + std::to_string(reserved));
+  if (reserved != budget_.reserved) fail("reserved " + std::to_string(budget_.reserved) + " but backings add to " + std::to_string(reserved));
   const PoolStats st = stats_locked();
   if (st.live != live || st.overhead != overhead || st.live_blocks != nlive)
     fail("live/overhead totals (" + std::to_string(st.live) + "/" + std::to_string(st.overhead) + ") disagree with the chunks (" +

@@ -33,6 +33,7 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   opt_.max_backing = align_up(opt_.max_backing, opt_.alignment);
   if (opt_.oversize_threshold == 0 || opt_.oversize_threshold > opt_.max_backing) opt_.oversize_threshold = opt_.max_backing;
   cache_enabled_ = opt_.thread_cache_bytes > 0 && opt_.thread_cache_max_block > 0;
+  budget_.limit = opt_.limit;
   if (opt_.shards > 64) throw InvalidArgument("shards must be at most 64; got " + std::to_string(opt_.shards));
   // Homes live in the thread caches, and a limit is one budget kept by one set of books.
   nshards_ = opt_.shards ? opt_.shards : std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 16);
@@ -161,7 +162,7 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
 
 void ArenaPool::coalesce_locked() {
   if (!dirty_backings_) return;
-  ++coalesce_passes_;
+  ++ev_.coalesce_passes;
   for (ArenaBacking* b : backings_) {
     if (!b->dirty) continue;
     for (ArenaChunk* c = b->first; c; c = c->next_addr) {
@@ -175,7 +176,7 @@ void ArenaPool::coalesce_locked() {
           c->next_addr = n->next_addr;
           if (n->next_addr) n->next_addr->prev_addr = c;
           chunk_nodes_.destroy(n);
-          ++merges_;
+          ++ev_.merges;
         }
         if (!c->next_addr) b->last = c;
         index_.insert(c);
@@ -189,7 +190,7 @@ void ArenaPool::coalesce_locked() {
           c->next_addr = n->next_addr;
           if (n->next_addr) n->next_addr->prev_addr = c;
           chunk_nodes_.destroy(n);
-          ++merges_;
+          ++ev_.merges;
         }
         if (!c->next_addr) b->last = c;
       }
@@ -246,9 +247,8 @@ ArenaBacking* ArenaPool::adopt_locked(std::uintptr_t addr, std::size_t size, boo
   backings_.insert(std::upper_bound(backings_.begin(), backings_.end(), b,
                                     [](const ArenaBacking* x, const ArenaBacking* y) { return x->addr < y->addr; }),
                    b);
-  reserved_ += size;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
-  return b;
+  budget_.grow(size);
+    return b;
 }
 
 void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
@@ -261,10 +261,9 @@ void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
     c = n;
   }
   backings_.erase(std::find(backings_.begin(), backings_.end(), b));
-  reserved_ -= b->size;
   if (b->dirty) --dirty_backings_;
-  ++backings_released_;
-  releasing_ += b->size;  // still counts against the limit until the upstream takes it back
+  ++ev_.backings_released;
+  budget_.start_release(b->size);  // still counts against the limit until the upstream takes it back
   out.emplace_back(reinterpret_cast<void*>(b->addr), b->size);
   delete b;
 }
@@ -286,12 +285,12 @@ void ArenaPool::free_detached(Detached& d) {
     try {
       upstream_free(p, n);
       std::lock_guard<detail::SpinMutex> g(mu_);
-      releasing_ -= n;
+      budget_.end_release(n);
     } catch (...) {
       std::lock_guard<detail::SpinMutex> g(mu_);
-      releasing_ -= n;
-      ++upstream_free_failures_;
-      --backings_released_;  // it was not released after all
+      budget_.end_release(n);
+      ++ev_.upstream_free_failures;
+      --ev_.backings_released;  // it was not released after all
       file_free_locked(source_->readopt(p, n));
     }
   }
@@ -305,7 +304,7 @@ void ArenaPool::tick_locked(Detached& out) {
 }
 
 std::size_t ArenaPool::scan_locked(Detached& out) {
-  ++shrink_scans_;
+  ++ev_.shrink_scans;
   const std::size_t bytes = release_free_backings_locked(out, true);
   ++scan_epoch_;  // chunks handed out from now on were used since this scan
   return bytes;
@@ -358,7 +357,7 @@ void* ArenaPool::allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s
     std::lock_guard<detail::SpinMutex> g(home->mu_);
     home->check_open();
     if (void* r = home->reuse_locked(align_up(nbytes, opt_.alignment), nbytes, s)) {
-      ++home->slow_allocs_;
+      ++home->ev_.slow_allocs;
       return r;
     }
   }
@@ -407,7 +406,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   std::unique_lock<detail::SpinMutex> g(mu_);
   check_open();  // again under the lock: close() may have run since Pool::allocate looked
-  ++slow_allocs_;
+  ++ev_.slow_allocs;
   if (cache_enabled_) cache_locked();
   // No shrink tick here: a scan inside an allocation could return the very backing that would
   // have served it (then grow again). Scans run on locked releases, when backings become free.
@@ -416,7 +415,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
     refill_cache_locked(rounded);
     return r;
   }
-  ++pressure_passes_;
+  ++ev_.pressure_passes;
   settle_locked();  // drains completed releases and merges owed runs, pending ones included
   ArenaChunk* c = index_.take_best_fit(rounded);
   if (!c && s != kNoStream)
@@ -438,7 +437,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
       upstream_error = e.what();
     }
     if (attempt == 1) break;
-    ++oom_retries_;
+    ++ev_.oom_retries;
     // Other threads' caches are emptied now, not when their owners next run: an idle thread's
     // cache once held 1.88 MiB of a 2 MiB limit while this request failed as "fragmentation".
     if (reclaim_caches_locked()) {
@@ -458,7 +457,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   }
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
-  const bool limit_hit = opt_.limit && reserved_ + rounded > opt_.limit;
+  const bool limit_hit = !budget_.grant(rounded, rounded, opt_.alignment);
   g.unlock();
   throw_oom(std::move(f), rounded, limit_hit, FreeFit::AnyPiece);
 }
@@ -512,7 +511,7 @@ void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   if (cache_enabled_) cache_locked();
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   void* r = reuse_locked(rounded, nbytes, s);
-  if (r) ++slow_allocs_, ++nowait_allocs_, refill_cache_locked(rounded);  // a refusal is counted by the blocking path, once
+  if (r) ++ev_.slow_allocs, ++ev_.nowait_allocs, refill_cache_locked(rounded);  // a refusal is counted by the blocking path, once
   return r;
 }
 
@@ -558,7 +557,7 @@ void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, D
   // First the step that can throw (recording events): if it does, the block is still live and
   // nothing was counted, so the caller's error leaves the pool as it was.
   if (s != kNoStream) order_.defer(c, s);
-  ++slow_frees_;
+  ++ev_.slow_frees;
   live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
   overhead_ -= c->size - c->requested;
   --live_blocks_;
@@ -582,7 +581,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
   if (spill_and_cache_locked(c, s, true)) {  // the cache was full: a batch goes back instead
-    ++nowait_frees_;
+    ++ev_.nowait_frees;
     return true;
   }
   // Releases that would record events (another stream used the block) call the upstream.
@@ -592,7 +591,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
   Detached none;
   release_live_locked(c, a, s, none);
-  ++nowait_frees_;
+  ++ev_.nowait_frees;
   return true;
 }
 
@@ -673,8 +672,8 @@ void ArenaPool::drain_remote_locked() {
     ArenaChunk* next = c->bin_next;
     c->bin_next = nullptr;
     const std::uintptr_t backing = c->backing->addr;
-    ++slow_frees_;
-    ++remote_frees_;
+    ++ev_.slow_frees;
+    ++ev_.remote_frees;
     live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
     overhead_ -= c->size - c->requested;
     --live_blocks_;
@@ -799,10 +798,10 @@ bool ArenaPool::do_close(LiveAtClose& live) {
       upstream_free(p, n);
     } catch (...) {
       std::lock_guard<detail::SpinMutex> g(mu_);
-      ++upstream_free_failures_;
+      ++ev_.upstream_free_failures;
     }
     std::lock_guard<detail::SpinMutex> g(mu_);
-    releasing_ -= n;
+    budget_.end_release(n);
   }
   return true;
 }

@@ -181,7 +181,7 @@ ThreadCache* ArenaPool::cache_locked() {
 
 void ArenaPool::flush_cache_locked(ThreadCache* tc) {
   flush_bins_locked(tc, 0);
-  ++cache_flushes_;
+  ++ev_.cache_flushes;
 }
 
 // The cache's bins of chunk size `size` (0: every bin) back into the books.
@@ -254,7 +254,7 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
   tc->begin();
   tc->add(tc->cached_free, moved);
   tc->end();
-  ++cache_refills_;
+  ++ev_.cache_refills;
 }
 
 // A free of c (live, this thread's cache refused it): if only room was missing, give back the
@@ -275,11 +275,11 @@ bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
     if (nowait && tagged) return false;
     flush_bins_locked(tc, c->size);
     if (tc->bytes + c->size > opt_.thread_cache_bytes) flush_bins_locked(tc, 0);
-    ++cache_spills_;
+    ++ev_.cache_spills;
   }
   // The owner is this thread, inside no fast-path operation, and reclaimers need the lock we hold.
   if (!try_deallocate_fast(reinterpret_cast<void*>(c->addr), s)) return false;
-  ++slow_frees_;  // a locked call all the same
+  ++ev_.slow_frees;  // a locked call all the same
   return true;
 }
 
@@ -300,7 +300,7 @@ std::size_t ArenaPool::reclaim_caches_locked() {
     if (tc->bytes) {
       bytes += tc->bytes;
       flush_cache_locked(tc);
-      ++caches_reclaimed_;
+      ++ev_.caches_reclaimed;
     }
     tc->leave();
   }
@@ -314,8 +314,8 @@ void ArenaPool::fold_cache_locked(ThreadCache* tc) {
   overhead_ = static_cast<std::size_t>(static_cast<std::int64_t>(overhead_) + k.overhead_delta);
   live_blocks_ = static_cast<std::size_t>(static_cast<std::int64_t>(live_blocks_) + k.blocks_delta);
   peak_live_ = std::max(peak_live_, tc->peak_live_pub.load(std::memory_order_relaxed));
-  folded_hits_ += k.hits;
-  folded_frees_ += k.frees;
+  ev_.folded_hits += k.hits;
+  ev_.folded_frees += k.frees;
   tc->begin();
   tc->live_delta.store(0, std::memory_order_relaxed);
   tc->overhead_delta.store(0, std::memory_order_relaxed);

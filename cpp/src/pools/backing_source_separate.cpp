@@ -21,11 +21,8 @@ class SeparateBackings final : public BackingSource {
       const std::size_t r = ramp >= double(opt.max_backing) ? opt.max_backing : static_cast<std::size_t>(ramp);
       size = std::max(rounded, align_up(r, opt.alignment));
     }
-    if (opt.limit) {
-      const std::size_t held = a_.reserved_ + a_.releasing_;  // a refused release comes back: count it
-      if (held + rounded > opt.limit) throw LimitHit{};
-      if (held + size > opt.limit) size = std::max(rounded, (opt.limit - held) & ~(opt.alignment - 1));
-    }
+    // Bytes on their way back count against the limit (a refused release comes back).
+    if (!(size = a_.budget_.grant(rounded, size, opt.alignment))) throw LimitHit{};
     void* p;
     try {
       p = a_.upstream_alloc(size);
@@ -34,8 +31,8 @@ class SeparateBackings final : public BackingSource {
       size = rounded;  // the ramp asked for more than needed: ask for just the request
       p = a_.upstream_alloc(size);
     }
-    ++a_.backings_created_;
-    if (oversize) ++a_.oversize_backings_created_;
+    ++a_.ev_.backings_created;
+    if (oversize) ++a_.ev_.oversize_backings_created;
     return adopt(reinterpret_cast<std::uintptr_t>(p), size, oversize)->first;
   }
 

@@ -123,11 +123,7 @@ class VirtualRange final : public BackingSource {
       const std::size_t frac = align_up(static_cast<std::size_t>(double(mapped_) * opt.step_fraction), granule_);
       step = std::max(need, std::min(std::max(frac, granule_), std::max(align_up(opt.max_step, granule_), granule_)));
     }
-    if (opt.limit) {
-      const std::size_t held = a_.reserved_ + a_.releasing_;
-      if (held + need > opt.limit) throw LimitHit{};
-      if (held + step > opt.limit) step = std::max(need, (opt.limit - held) / granule_ * granule_);
-    }
+    if (!(step = a_.budget_.grant(need, step, granule_))) throw LimitHit{};
     step = std::min(step, hole);
     std::size_t target = step, done = 0;
     bool shrunk = false;
@@ -154,7 +150,7 @@ class VirtualRange final : public BackingSource {
       mapped_ += n;
       done += n;
     }
-    if (!a_.backings_created_) ++a_.backings_created_;
+    if (!a_.ev_.backings_created) ++a_.ev_.backings_created;
     return absorb(gs, done, prev, next);
   }
 
@@ -215,7 +211,7 @@ class VirtualRange final : public BackingSource {
       }
     }
     if (mapped != mapped_) fail("mapped-byte count is off");
-    if (mapped != a_.reserved_) fail("mapped " + std::to_string(mapped) + " != reserved " + std::to_string(a_.reserved_));
+    if (mapped != a_.budget_.reserved) fail("mapped " + std::to_string(mapped) + " != reserved " + std::to_string(a_.budget_.reserved));
     // Each segment is exactly a run of consecutive pieces that are not lent; segments never touch
     // (a hole or a lent piece lies between any two); every piece not lent lies in a segment.
     auto it = pieces_.begin();
@@ -348,9 +344,8 @@ class VirtualRange final : public BackingSource {
       seg = prev;
       ArenaChunk* tail = seg->last;
       seg->size += n;
-      a_.reserved_ += n;
-      a_.peak_reserved_ = std::max(a_.peak_reserved_, a_.reserved_);
-      if (tail->st() == ChunkState::Free) {  // the free tail grows in place: one chunk, not two
+      a_.budget_.grow(n);
+            if (tail->st() == ChunkState::Free) {  // the free tail grows in place: one chunk, not two
         unindex(a_, tail);
         tail->size += n;
         run = tail;
@@ -458,7 +453,7 @@ class VirtualRange final : public BackingSource {
         a_.upstream_->unmap(*v, n);
       } catch (...) {
         ++unmap_failures_;
-        ++a_.upstream_free_failures_;
+        ++a_.ev_.upstream_free_failures;
         break;
       }
       ++unmap_calls_;
@@ -506,7 +501,7 @@ class VirtualRange final : public BackingSource {
     ArenaChunk* old_last = seg->last;
     const bool last_seg = sit + 1 == segs.end() || !in_main((*(sit + 1))->addr);
     const bool hole = !last_seg || pe != seg_end;  // not the range's free tail
-    a_.reserved_ -= n;
+    a_.budget_.release(n);
     if (before) {
       before->next_addr = nullptr;
       seg->last = before;
@@ -545,7 +540,7 @@ class VirtualRange final : public BackingSource {
     }
     auto& segs = a_.backings_;
     segs.erase(std::find(segs.begin(), segs.end(), b));
-    a_.reserved_ -= b->size;
+    a_.budget_.release(b->size);
     if (b->dirty) --a_.dirty_backings_;
     delete b;
   }
@@ -595,7 +590,7 @@ class VirtualRange final : public BackingSource {
           a_.upstream_->unalias(dst + keep_bytes - n, n);
         } catch (...) {
           ++alias_failures_;
-          ++a_.upstream_free_failures_;
+          ++a_.ev_.upstream_free_failures;
           break;
         }
         ++unalias_calls_;
@@ -727,7 +722,7 @@ class VirtualRange final : public BackingSource {
           pieces_.at(p->first).lent_to = 0;
         } catch (...) {
           ++alias_failures_;
-          ++a_.upstream_free_failures_;
+          ++a_.ev_.upstream_free_failures;
           aliases_left = true;
         }
       }
@@ -741,18 +736,18 @@ class VirtualRange final : public BackingSource {
         a_.chunk_nodes_.destroy(c);
         c = n;
       }
-      a_.reserved_ -= b->size;
+      a_.budget_.release(b->size);
       if (b->dirty) --a_.dirty_backings_;
       delete b;
     }
-    if (!segs.empty()) ++a_.backings_released_;
+    if (!segs.empty()) ++a_.ev_.backings_released;
     segs.clear();
     if (sva_base_ && !aliases_left) {
       try {
         a_.upstream_->unreserve(sva_base_, sva_bytes_);
         sva_base_ = 0;
       } catch (...) {
-        ++a_.upstream_free_failures_;
+        ++a_.ev_.upstream_free_failures;
       }
     }
     while (!pieces_.empty()) {
@@ -761,7 +756,7 @@ class VirtualRange final : public BackingSource {
         a_.upstream_->unmap(last->first, last->second.size);
       } catch (...) {
         ++unmap_failures_;
-        ++a_.upstream_free_failures_;
+        ++a_.ev_.upstream_free_failures;
         return;  // the rest stays mapped (leaked and counted); the range cannot be unreserved
       }
       ++unmap_calls_;
@@ -774,7 +769,7 @@ class VirtualRange final : public BackingSource {
         a_.upstream_->unreserve(va_base_, va_bytes_);
         va_base_ = 0;
       } catch (...) {
-        ++a_.upstream_free_failures_;
+        ++a_.ev_.upstream_free_failures;
       }
     }
   }

@@ -67,6 +67,7 @@
 
 #include "poolkeeper/pools/backing_source.hpp"
 #include "poolkeeper/detail/arena_types.hpp"
+#include "poolkeeper/detail/budget.hpp"
 #include "poolkeeper/detail/free_index.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
 #include "poolkeeper/detail/pointer_table.hpp"
@@ -240,20 +241,25 @@ class ArenaPool final : public Pool {
   std::atomic<std::size_t> live_{0};  // slow-path live bytes (caches hold their own deltas)
   std::atomic<std::size_t> ncaches_{0};  // thread caches alive (the fast path's peak estimate needs 1)
   // The books, guarded by mu_ (stats_locked() and validate() read them under it).
-  std::size_t reserved_ = 0, overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
-  std::size_t releasing_ = 0;  // detached backings whose upstream free has not returned yet
-  std::size_t peak_reserved_ = 0, peak_live_ = 0;
+  detail::Budget budget_;  // reserved bytes, bytes on their way back, the limit (budget.hpp)
+  std::size_t overhead_ = 0, live_blocks_ = 0, dirty_backings_ = 0;
+  std::size_t peak_live_ = 0;
   std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
   std::uint64_t scan_epoch_ = 1;    // guarded by mu_: shrink scans so far + 1 (ArenaChunk::used_epoch)
-  // Event counters for stats() extras, guarded by mu_.
-  std::uint64_t coalesce_passes_ = 0, merges_ = 0, shrink_scans_ = 0, backings_created_ = 0,
-                backings_released_ = 0, oversize_backings_created_ = 0, cache_flushes_ = 0, caches_reclaimed_ = 0,
-                upstream_free_failures_ = 0, oom_retries_ = 0, pressure_passes_ = 0, slow_allocs_ = 0,
-                slow_frees_ = 0, folded_hits_ = 0, folded_frees_ = 0, cache_refills_ = 0, cache_spills_ = 0,
-                remote_frees_ = 0;
-  // Locked operations served by the non-blocking path (the caller kept the GIL); also counted
-  // slow. Guarded by mu_.
-  std::uint64_t nowait_allocs_ = 0, nowait_frees_ = 0;
+  // Event counters for stats() extras.
+  struct Events {
+    std::uint64_t coalesce_passes = 0, merges = 0, shrink_scans = 0, pressure_passes = 0, oom_retries = 0;
+    std::uint64_t backings_created = 0, backings_released = 0, oversize_backings_created = 0,
+                  upstream_free_failures = 0;
+    std::uint64_t slow_allocs = 0, slow_frees = 0;
+    // Locked operations served by the non-blocking path (the caller kept the GIL); also counted slow.
+    std::uint64_t nowait_allocs = 0, nowait_frees = 0;
+    // Thread caches: flushes, reclaims of other threads' caches, batches (arena_thread_cache.cpp),
+    // and the hits/frees of caches folded in when their threads exited.
+    std::uint64_t cache_flushes = 0, caches_reclaimed = 0, cache_refills = 0, cache_spills = 0, folded_hits = 0,
+                  folded_frees = 0;
+    std::uint64_t remote_frees = 0;  // frees filed from the remote-free list
+  } ev_;  // guarded by mu_
 };
 
 }  // namespace poolkeeper
