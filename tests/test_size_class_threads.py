@@ -13,39 +13,10 @@ import poolkeeper as pk
 from poolkeeper import _core
 
 import capi_lib
+from test_thread_scaling import MANY, balanced, in_thread, sim  # (MANY: a shard per thread)
 
 KiB, MiB = 1 << 10, 1 << 20
-# Enough shards that the main thread and a fresh worker never share one (threads are numbered
-# round robin in the process; two threads share a shard only when numbered 1024 apart).
-MANY = 1024
 DEVICE = 7  # registry slot for the C-ABI tests
-
-
-def sim(**kw):
-    return pk.upstream.Simulated(latency="none", **kw)
-
-
-def in_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # surfaced in the main thread
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
-
-
-def balanced(pool) -> dict:
-    st = pool.stats()
-    assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"]
-    return st
 
 
 def free_all(pool, ps):
@@ -72,30 +43,23 @@ def test_cross_thread_frees_go_lock_free_to_the_allocating_shard_and_are_reused_
     pool.close()
 
 
-def test_a_miss_files_the_remote_list_before_it_borrows_or_grows():
-    up = sim()
-    pool = pk.SizeClassPool(up, shards=MANY)
-    ps = [pool.allocate(4 * KiB) for _ in range(4)]
-    in_thread(lambda: free_all(pool, ps))
-    # No observation in between: the allocation itself must find the blocks on the remote list.
-    qs = [pool.allocate(4 * KiB) for _ in range(4)]
-    assert sorted(qs) == sorted(ps) and up.counters()["allocations"] == 4
-    st = balanced(pool)
-    assert st["shard_migrations"] == 0 and st["misses"] == 4 and st["remote_frees"] == 4
-    free_all(pool, qs)
-    pool.validate()
-
-
-def test_another_thread_borrows_blocks_that_wait_on_a_remote_list():
+@pytest.mark.parametrize("reuser", ["allocating thread", "third thread"])
+def test_a_miss_files_the_remote_list_before_it_borrows_or_grows(reuser):
     up = sim()
     pool = pk.SizeClassPool(up, shards=MANY)
     ps = [pool.allocate(4 * KiB) for _ in range(4)]
     in_thread(lambda: free_all(pool, ps))  # on the main thread's shard's remote list
-    # A third thread, a third shard: its miss must see them (filed by the borrow), not grow.
-    qs = in_thread(lambda: [pool.allocate(4 * KiB) for _ in range(4)])
+    # No observation in between: the allocation itself must find the blocks on the remote list --
+    # in its own shard, or (a third thread, a third shard) filed by its borrow -- and not grow.
+    take = lambda: [pool.allocate(4 * KiB) for _ in range(4)]  # noqa: E731
+    qs = take() if reuser == "allocating thread" else in_thread(take)
     assert sorted(qs) == sorted(ps) and up.counters()["allocations"] == 4
     st = balanced(pool)
-    assert st["live_blocks"] == 4 and st["shard_migrations"] >= 1
+    assert st["live_blocks"] == 4 and st["remote_frees"] == 4
+    if reuser == "allocating thread":
+        assert st["shard_migrations"] == 0 and st["misses"] == 4
+    else:
+        assert st["shard_migrations"] >= 1
     free_all(pool, qs)
     pool.validate()
 
