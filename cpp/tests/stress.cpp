@@ -13,7 +13,8 @@
 // thread reclaim every other thread's cache while those threads run their lock-free cache paths
 // (the cross-thread reclaim of ArenaPool's thread caches). SizeClassPool runs sharded (the default
 // count, and 2 or 1 shards for 8-32 threads: shared shards, blocks moving between shards on every
-// miss, frees landing in another thread's shard). ArenaPool runs with 3 arena shards too (blocks
+// miss, frees landing in another thread's shard; without a cache cap those frees go lock-free onto
+// the shard's remote list). ArenaPool runs with 3 arena shards too (blocks
 // above the thread cache in the allocating thread's home shard, freed from any thread).
 //
 // Between phases every thread waits at a barrier; at that quiescent point one thread runs
@@ -226,6 +227,12 @@ std::vector<Case> all_cases() {
       {"size_class_2shards-host", true, size_class(0, 2)},
       {"size_class_2shards-sim", false, size_class(0, 2)},
       {"size_class_1shard-sim", false, size_class(0, 1)},
+      // No cache cap: stream-less frees of another shard's blocks (and of the own shard's while
+      // its lock is busy) go lock-free onto that shard's remote list, filed by its next miss, a
+      // borrow, trim(), stats() or validate() while the other threads run.
+      {"size_class_nocap-host", true, size_class(SIZE_MAX)},
+      {"size_class_nocap-sim", false, size_class(SIZE_MAX)},
+      {"size_class_nocap_2shards-host", true, size_class(SIZE_MAX, 2)},
       {"arena_bigcache-sim", false, arena_bigcache},
       {"arena-sim", false, arena(64 << 10, 1 << 20, 256 << 10, 256, 2, 2.0)},
       {"arena_nocache-sim", false, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},

@@ -72,6 +72,7 @@ SizeClassPool::SizeClassPool(std::shared_ptr<Upstream> upstream, SizeClassOption
 
 SizeClassPool::AllLocks::AllLocks(SizeClassPool* pool) : p(pool) {
   for (auto& sh : p->shards_) sh->mu.lock();
+  for (auto& sh : p->shards_) p->file_remote_locked(*sh);
   p->grow_mu_.lock();
 }
 
@@ -80,7 +81,47 @@ SizeClassPool::AllLocks::~AllLocks() {
   for (auto it = p->shards_.rbegin(); it != p->shards_.rend(); ++it) (*it)->mu.unlock();
 }
 
-SizeClassPool::Shard& SizeClassPool::my_shard() { return *shards_[thread_index() & shard_mask_]; }
+// inline: both hit paths ask on every call (out of line, each cost the pair ~10 instructions).
+inline std::uint32_t SizeClassPool::my_shard_index() const { return thread_index() & shard_mask_; }
+inline SizeClassPool::Shard& SizeClassPool::my_shard() { return *shards_[my_shard_index()]; }
+
+bool SizeClassPool::free_remote(Block* b, std::uintptr_t a) {
+  if (b->addr != a) return false;  // a record found lock-free that now describes another block
+  // A capped pool reserves the bytes against the cap first, as a locked release would (so two
+  // threads cannot both pass it); over the cap, the locked path retires the block instead.
+  if (capped() && cached_total_.fetch_add(b->size, std::memory_order_relaxed) + b->size > opt_.max_cached_bytes) {
+    cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
+    return false;
+  }
+  ChunkState live = ChunkState::Live;
+  if (!b->state.compare_exchange_strong(live, ChunkState::Free, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+    if (capped()) cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
+    return false;  // freed already (or being freed): the locked path reports it
+  }
+  // b is ours now and on no list: its shard cannot change until it is filed.
+  Shard& sh = *shards_[b->home()];
+  Block* head = sh.remote.load(std::memory_order_relaxed);
+  do {
+    b->next_free = head;
+  } while (!sh.remote.compare_exchange_weak(head, b, std::memory_order_release, std::memory_order_relaxed));
+  return true;
+}
+
+std::size_t SizeClassPool::file_remote_locked(Shard& sh) {
+  if (!sh.remote.load(std::memory_order_relaxed)) return 0;  // read only: the line stays shared
+  Block* b = sh.remote.exchange(nullptr, std::memory_order_acquire);
+  std::size_t n = 0;
+  for (; b; ++n) {
+    Block* next = b->next_free;
+    sh.live -= b->requested;
+    sh.overhead -= b->size - b->requested;
+    --sh.live_blocks;
+    make_free_locked(sh, b, true);  // (a capped pool counted the bytes at the push)
+    b = next;
+  }
+  sh.remote_frees += n;
+  return n;
+}
 
 SizeClassPool::~SizeClassPool() {
   unregister();
@@ -192,6 +233,7 @@ std::size_t SizeClassPool::detach_all_free(Detached& out, bool drain) {
   for (auto& sp : shards_) {
     Shard& sh = *sp;
     Guard g(sh.mu);
+    file_remote_locked(sh);
     if (drain && sh.order.pending_blocks())
       sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
     if (!sh.free_blocks) continue;
@@ -209,8 +251,22 @@ std::size_t SizeClassPool::detach_all_free(Detached& out, bool drain) {
 // upstream is asked. Free blocks of the class move over in a batch (up to half of that shard's
 // list, at most 8) so a thread whose blocks keep being freed into other shards does not come back
 // for each one; a block released on stream s in another shard serves s at once, as in its own.
+// First pass: only the shards whose lock is free at once (a busy shard's owner is working; waiting
+// there would stall this thread behind it when another shard has the block). Only when that finds
+// nothing and some shard was busy does a second pass wait for each lock, in index order.
 SizeClassPool::Block* SizeClassPool::steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh,
                                                   std::uint32_t cls, std::size_t csize, Stream s) {
+  bool busy = false;
+  for (std::size_t k = 1; k < shards_.size(); ++k) {
+    Shard& o = *shards_[(sh.index + k) & shard_mask_];
+    std::unique_lock<detail::SpinMutex> go(o.mu, std::try_to_lock);  // never waits: no lock order
+    if (!go.owns_lock()) {
+      busy = true;
+      continue;
+    }
+    if (Block* b = take_from_locked(sh, o, cls, csize, s)) return b;
+  }
+  if (!busy) return nullptr;
   for (std::size_t k = 1; k < shards_.size(); ++k) {
     Shard& o = *shards_[(sh.index + k) & shard_mask_];
     std::unique_lock<detail::SpinMutex> go(o.mu, std::defer_lock);
@@ -220,32 +276,41 @@ SizeClassPool::Block* SizeClassPool::steal_locked(std::unique_lock<detail::SpinM
       g.unlock();  // index order: o's lock before ours
       go.lock();
       g.lock();
+      file_remote_locked(sh);
       if (Block* b = pop_free_locked(sh, cls)) return b;  // freed into ours meanwhile
     }
-    if (s != kNoStream && o.order.pending_blocks())
-      if (auto* b = static_cast<Block*>(o.order.take_for_stream(s, csize))) {
-        o.reserved -= b->size;  // pending there until now; live here from now on
-        sh.reserved += b->size;
-        b->shard.store(sh.index, std::memory_order_relaxed);
-        ++sh.migrated;
-        return b;
-      }
-    if (!o.free[cls].count && o.order.pending_blocks())  // pressure: settle completed releases there
-      o.order.drain([&](BlockRecord* r) { make_free_locked(o, static_cast<Block*>(r)); });
-    std::size_t n = std::min<std::size_t>(8, (o.free[cls].count + 1) / 2);
-    if (!n) continue;
-    for (; n; --n) {
-      Block* x = pop_free_locked(o, cls);
-      o.reserved -= x->size;
-      sh.reserved += x->size;
-      x->shard.store(sh.index, std::memory_order_relaxed);
-      make_free_locked(sh, x);
-      ++sh.migrated;
-    }
-    return pop_free_locked(sh, cls);
+    if (Block* b = take_from_locked(sh, o, cls, csize, s)) return b;
   }
   return nullptr;
 }
+
+// sh and o locked: o's block for the request, moved to sh (nullptr: o has none).
+SizeClassPool::Block* SizeClassPool::take_from_locked(Shard& sh, Shard& o, std::uint32_t cls, std::size_t csize,
+                                                      Stream s) {
+  file_remote_locked(o);
+  if (s != kNoStream && o.order.pending_blocks())
+    if (auto* b = static_cast<Block*>(o.order.take_for_stream(s, csize))) {
+      o.reserved -= b->size;  // pending there until now; live here from now on
+      sh.reserved += b->size;
+      b->shard.store(sh.index, std::memory_order_relaxed);
+      ++sh.migrated;
+      return b;
+    }
+  if (!o.free[cls].count && o.order.pending_blocks())  // pressure: settle completed releases there
+    o.order.drain([&](BlockRecord* r) { make_free_locked(o, static_cast<Block*>(r)); });
+  std::size_t n = std::min<std::size_t>(8, (o.free[cls].count + 1) / 2);
+  if (!n) return nullptr;
+  for (; n; --n) {
+    Block* x = pop_free_locked(o, cls);
+    o.reserved -= x->size;
+    sh.reserved += x->size;
+    x->shard.store(sh.index, std::memory_order_relaxed);
+    make_free_locked(sh, x);
+    ++sh.migrated;
+  }
+  return pop_free_locked(sh, cls);
+}
+
 void* SizeClassPool::serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, Stream s) {
   ++sh.hits;
   b->requested = nbytes;
@@ -254,7 +319,12 @@ void* SizeClassPool::serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, S
   sh.live += nbytes;
   sh.overhead += b->size - nbytes;
   ++sh.live_blocks;
-  sh.peak_live = std::max(sh.peak_live, sh.live);
+  if (sh.live > sh.peak_live) [[unlikely]] {
+    // Blocks on the remote list are freed already, though the books still count them live:
+    // filed first, the shard's peak stays a figure that was true at one moment.
+    file_remote_locked(sh);
+    sh.peak_live = std::max(sh.peak_live, sh.live);
+  }
   return reinterpret_cast<void*>(b->addr);
 }
 
@@ -286,6 +356,7 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
       Block* b = nullptr;
       if (s != kNoStream) b = static_cast<Block*>(sh.order.take_for_stream(s, csize));
       if (!b) b = pop_free_locked(sh, cls);
+      if (!b && file_remote_locked(sh)) b = pop_free_locked(sh, cls);  // freed here by other threads
       if (!b && sh.order.pending_blocks()) {
         // Pressure: settle completed releases, then look again.
         sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
@@ -343,7 +414,9 @@ void* SizeClassPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   const std::size_t csize = class_size_for(nbytes, opt_.alignment, opt_.classes_per_doubling);
   Block* b = nullptr;
   if (s != kNoStream) b = static_cast<Block*>(sh.order.take_for_stream(s, csize));
-  if (!b) b = pop_free_locked(sh, static_cast<std::uint32_t>(class_index(csize)));
+  const auto cls = static_cast<std::uint32_t>(class_index(csize));
+  if (!b) b = pop_free_locked(sh, cls);
+  if (!b && file_remote_locked(sh)) b = pop_free_locked(sh, cls);
   if (!b) return nullptr;
   return serve_hit_locked(sh, b, nbytes, s);
 }
@@ -354,9 +427,14 @@ bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   Block* b = nullptr;
   if (!table_.find(a, b) || b->st() != ChunkState::Live) return false;  // the full path explains
   const std::uint32_t k = b->home();
+  // Another thread's block (or ours while our lock is busy): the remote list, never the lock the
+  // allocating thread works under. Stream releases keep to the lock (the shard's stream order).
+  // (The thread's number read as is: a thread never numbered has allocated nothing, so whichever
+  // shard the unset number names, either path is right for it.)
+  if (s == kNoStream && k != ((t_index - 1) & shard_mask_)) return free_remote(b, a);
   Shard& sh = *shards_[k & shard_mask_];
   std::unique_lock<detail::SpinMutex> g(sh.mu, std::try_to_lock);
-  if (!g.owns_lock()) return false;
+  if (!g.owns_lock()) return s == kNoStream && free_remote(b, a);
   if (b->home() != k || b->addr != a || b->st() != ChunkState::Live) return false;
   if (s != kNoStream && StreamOrder::defer_records_events(b, s)) return false;  // an upstream call
   if (s == kNoStream && capped()) {
@@ -460,6 +538,7 @@ std::size_t SizeClassPool::process_pending() {
   for (auto& sp : shards_) {
     Shard& sh = *sp;
     Guard g(sh.mu);
+    file_remote_locked(sh);
     bytes += sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); });
   }
   return bytes;
@@ -469,6 +548,7 @@ void SizeClassPool::synchronize() {
   for (auto& sp : shards_) {
     Shard& sh = *sp;
     Guard g(sh.mu);
+    file_remote_locked(sh);
     sh.order.drain([&](BlockRecord* r) { make_free_locked(sh, static_cast<Block*>(r)); }, true);
   }
 }
@@ -485,7 +565,7 @@ PoolStats SizeClassPool::stats() {
   PoolStats st;
   std::map<Stream, std::size_t> by_stream;
   std::vector<bool> cached(nclasses_, false);
-  std::uint64_t hits = 0, migrated = 0;
+  std::uint64_t hits = 0, migrated = 0, remote = 0;
   std::size_t peak_shard = 0;
   StreamOrderCounters so;
   {
@@ -509,6 +589,7 @@ PoolStats SizeClassPool::stats() {
         if (sh.free[c].count) cached[c] = true;
       hits += sh.hits;
       migrated += sh.migrated;
+      remote += sh.remote_frees;
       so.add(sh.order);
       peak_shard = std::max(peak_shard, sh.peak_live);
     }
@@ -523,7 +604,7 @@ PoolStats SizeClassPool::stats() {
     so.report(st);
     add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
                     {"table_capacity", table_.capacity()}, {"shards", shards_.size()},
-                    {"shard_migrations", migrated}});
+                    {"shard_migrations", migrated}, {"remote_frees", remote}});
   }
   st.limit = opt_.limit;
   st.pending_by_stream.assign(by_stream.begin(), by_stream.end());

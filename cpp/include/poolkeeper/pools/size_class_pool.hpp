@@ -7,11 +7,23 @@
 //   each with its own lock, free lists, stream order and counters; a thread works in its own
 //   shard (threads are numbered on first use, round robin). Every block belongs to exactly one
 //   shard (Block::shard), where it is counted live, free or pending, so each shard's books
-//   balance on their own and any observation under every lock sees the whole partition. A free
-//   goes back to the block's own shard (a cross-thread free takes that one shard's lock); a miss
-//   in the caller's shard first moves free blocks of the class from another shard (both locks,
-//   taken in index order) before asking the upstream, so sharding never grows the footprint
-//   while another shard holds a fitting block.
+//   balance on their own at every observation point. A miss in the caller's shard first moves
+//   free blocks of the class from another shard before asking the upstream (the shards whose lock
+//   is free at once first; if none had one and some were busy, each in turn, waiting, locks in
+//   index order), so sharding never grows the footprint while another shard holds a fitting block.
+// - Cross-thread frees. A stream-less free of a block of another thread's shard (or of the
+//   caller's own shard while its lock is busy) takes no lock: it claims the block (Live -> Free,
+//   one compare-exchange on the block's state: a second free of it fails there and is reported by
+//   the locked path) and pushes it on that shard's `remote` list (one more compare-exchange on a
+//   cache line of its own). Whoever next holds that shard's lock files the list -- the shard's
+//   books move the blocks from live to free then -- so the next allocation of the class in that
+//   shard reuses them, and the freeing thread never touches the shard's lock, counters or free
+//   lists (the cache lines the allocating thread works on). The list is filed before a miss
+//   looks elsewhere (the own shard's, then each other shard's before its blocks are borrowed),
+//   before a new per-shard live peak is taken, and at every observation point (AllLocks: stats,
+//   validate, snapshot, close, reset_peaks), by trim(), process_pending() and synchronize(): no
+//   observation sees a block on it, and nothing pushed on it is ever lost to the pool. A free on
+//   a stream takes the block's shard lock (stream bookkeeping lives there).
 // - Live and cached blocks are held in one open-addressing PointerTable (no heap traffic per
 //   insert/erase once grown), so a double free is told from an unknown pointer. It is read
 //   lock-free (a free finds its block without any shared lock) and written only on upstream
@@ -21,13 +33,17 @@
 //   under the shard lock that owns the block's stream order: one shard, not the whole pool.
 // - Stream order through the shared StreamOrder component, one per shard.
 //
-// Invariants (validate()): per shard and in total, reserved == live + free + pending + overhead;
+// Invariants (validate(), after filing every remote list): per shard and in total,
+// reserved == live + free + pending + overhead;
 // every free-list block is Free, of its class and of that shard; table size == live + free +
 // pending blocks; pending totals match; the shards' reserved bytes add to the pool's.
 // peak_live is exact while one thread uses the pool; with several it is the largest of what one
 // shard held and of every stats()/validate() observation (a lower bound of the true peak).
 // Thread safety: all members may be called concurrently (validate/close/snapshot: quiescent).
+// Freeing a block the caller does not own while another thread frees or trims it is outside the
+// contract (as with any allocator); a double free in sequence is always reported.
 // Locks: shard locks in index order, then grow_mu_. Each SpinMutex spins briefly, then parks.
+// The remote lists take no lock to push; they are emptied only under their shard's lock.
 #pragma once
 #include <atomic>
 #include <memory>
@@ -84,8 +100,13 @@ class SizeClassPool final : public Pool {
  private:
   POOLKEEPER_POOL_HOOKS;
 
-  struct Block : BlockRecord {
-    Block* next_free = nullptr;  // guarded by the owning shard's lock
+  // alignas: one block's record never shares a cache line with another's, so threads working on
+  // their own blocks do not invalidate each other's lines.
+  struct alignas(64) Block : BlockRecord {
+    // Guarded by the owning shard's lock while the block is on a free list; on a remote list it
+    // is the link, written by the pushing thread before its release and read by the filer after
+    // its acquire (the block is Free and on no free list then).
+    Block* next_free = nullptr;
     std::uint32_t cls = 0;
     // The owning shard. Changes only while the block is Free, under both shards' locks; atomic
     // because a free reads it before it knows which lock to take.
@@ -106,10 +127,15 @@ class SizeClassPool final : public Pool {
     StreamOrder order;
     std::size_t reserved = 0, live = 0, overhead = 0, free_bytes = 0, free_blocks = 0, live_blocks = 0;
     std::size_t peak_live = 0;
-    std::uint64_t hits = 0, migrated = 0;
+    std::uint64_t hits = 0, migrated = 0, remote_frees = 0;
+    // Blocks freed lock-free into this shard, not yet filed (a stack: push by compare-exchange,
+    // emptied whole by exchange under mu). On a cache line of its own: the pushing threads write
+    // it, and the owner's lock and counters stay on lines only it writes.
+    alignas(64) std::atomic<Block*> remote{nullptr};
   };
   using Guard = std::lock_guard<detail::SpinMutex>;
-  // Every shard lock (index order), then grow_mu_: an observation point of the whole pool.
+  // Every shard lock (index order), then grow_mu_: an observation point of the whole pool. Files
+  // every remote list, so the observation sees each lock-free free as done.
   struct AllLocks {
     explicit AllLocks(SizeClassPool* p);
     ~AllLocks();
@@ -117,12 +143,19 @@ class SizeClassPool final : public Pool {
   };
 
   Shard& my_shard();
+  std::uint32_t my_shard_index() const;
+  // Lock-free free (stream-less): claim b (Live -> Free) and push it on its shard's remote list.
+  // False: b is not a live block at a (the locked path decides), or the cache cap refuses.
+  bool free_remote(Block* b, std::uintptr_t a);
+  // sh locked: file sh's remote list (live -> free in sh's books). Returns blocks filed.
+  std::size_t file_remote_locked(Shard& sh);
   void make_free_locked(Shard& sh, Block* b, bool counted = false);
   void retire_locked(Shard& sh, Block* b, Detached& out);  // + grow_mu_
   Block* pop_free_locked(Shard& sh, std::uint32_t cls);
   void* serve_hit_locked(Shard& sh, Block* b, std::size_t nbytes, Stream s);
   // sh locked through g (released and retaken when another shard's lock must come first).
   Block* steal_locked(std::unique_lock<detail::SpinMutex>& g, Shard& sh, std::uint32_t cls, std::size_t csize, Stream s);
+  Block* take_from_locked(Shard& sh, Shard& o, std::uint32_t cls, std::size_t csize, Stream s);
   std::size_t detach_all_free(Detached& out, bool drain);  // every shard's free blocks, retired
   void free_detached(Detached& v);
   void release_block_locked(Shard& sh, Block* b, Stream s, Detached& out);
