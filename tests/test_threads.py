@@ -253,8 +253,9 @@ def test_exiting_threads_return_their_cached_blocks():
     up = pk.upstream.Host()
     pool = pk.ArenaPool(up, initial_backing=1 * MiB, max_backing=4 * MiB)
     nthreads, per = 8, 6
-    made = threading.Barrier(nthreads + 1)
-    cached = threading.Barrier(nthreads + 1)
+    # Timeouts: a failed assertion below must not leave the workers waiting at interpreter exit.
+    made = threading.Barrier(nthreads + 1, timeout=60)
+    cached = threading.Barrier(nthreads + 1, timeout=60)
     leave = threading.Event()
     handed: list = [[] for _ in range(nthreads)]
 
@@ -266,9 +267,9 @@ def test_exiting_threads_return_their_cached_blocks():
         for p in handed[tid]:
             pool.deallocate(p)
         cached.wait()
-        leave.wait()
+        leave.wait(60)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(nthreads)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(nthreads)]
     for t in threads:
         t.start()
     made.wait()
@@ -277,7 +278,9 @@ def test_exiting_threads_return_their_cached_blocks():
     check_equation(st)
     assert st["live_blocks"] == 0
     assert st["thread_caches"] >= nthreads
-    assert st["thread_cached_bytes"] == sum(per * 4096 * (1 + t % 3) for t in range(nthreads))
+    # At least what each thread freed (an allocation a cache missed may take a few more along:
+    # batches between caches and books, docs/design.md).
+    assert st["thread_cached_bytes"] >= sum(per * 4096 * (1 + t % 3) for t in range(nthreads))
     free_before = st["free_bytes"]
     leave.set()
     for t in threads:
