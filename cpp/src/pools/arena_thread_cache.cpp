@@ -219,10 +219,9 @@ void ArenaPool::flush_bins_locked(ThreadCache* tc, std::size_t size) {
 // crossed over alone through the pool lock, where every thread met (the "mixed, cross-thread
 // frees" case of benchmarks/thread_scaling.py collapsed below one thread's rate). So, under the
 // lock, a bin's worth moves at once: a full cache gives back its blocks of the size being freed,
-// and an allocation the cache missed takes a bin of that size along (exact-size free chunks
-// first, then cut from the best fit). Only with
-// several caches: a single-threaded pool keeps its free chunks in the index, where they can merge,
-// as before.
+// and an allocation the cache missed takes the books' free chunks of exactly that size along.
+// Only with several caches: a single-threaded pool keeps its free chunks in the index, where they
+// can merge, as before.
 
 // An allocation of `rounded` bytes the cache missed: fill a bin with exact-size free chunks.
 void ArenaPool::refill_cache_locked(std::size_t rounded) {
@@ -240,17 +239,11 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
   if (!bin) return;
   std::int64_t moved = 0;
   while (bin->count < ThreadCache::kPerBin && tc->bytes + rounded <= opt_.thread_cache_bytes) {
+    // Exact-size chunks only: cutting more from a larger chunk was tried and measured (H200,
+    // `poolkeeper bench --workloads threads` and thread_scaling.py side by side): no faster, and
+    // it held up to twice the memory under 16-32 threads.
     ArenaChunk* c = index_.take_exact(rounded);
-    if (!c) {
-      // None of this size: cut a few from the best fit, as one request would, so the next misses
-      // do not each come back to cut one (the rest is filed free as usual). Half a bin: cut
-      // blocks are memory taken from the other sizes until this thread uses or flushes them.
-      if (bin->count >= ThreadCache::kPerBin / 2 || !(c = index_.take_best_fit(rounded))) break;
-      if (c->size > rounded) {
-        c->set(ChunkState::ThreadCached);  // before filing the remainder: not a merge partner
-        file_free_locked(split_locked(c, rounded));
-      }
-    }
+    if (!c) break;
     c->set(ChunkState::ThreadCached);
     c->cache_tag = kNoStream;
     c->used_epoch = scan_epoch_;
