@@ -169,14 +169,9 @@ void ArenaPool::coalesce_locked() {
       if (c->st() == ChunkState::Free && c->next_addr && c->next_addr->st() == ChunkState::Free) {
         index_.remove(c);
         while (c->next_addr && c->next_addr->st() == ChunkState::Free) {
-          ArenaChunk* n = c->next_addr;
-          index_.remove(n);
-          c->size += n->size;
-          c->used_epoch = std::max(c->used_epoch, n->used_epoch);
-          c->next_addr = n->next_addr;
-          if (n->next_addr) n->next_addr->prev_addr = c;
-          chunk_nodes_.destroy(n);
-          ++ev_.merges;
+          index_.remove(c->next_addr);
+          c->size += c->next_addr->size;
+          swallow_next_locked(c);
         }
         if (!c->next_addr) b->last = c;
         index_.insert(c);
@@ -184,13 +179,8 @@ void ArenaPool::coalesce_locked() {
         // Neighbours released on the same stream merge too: that stream can carve the run at once
         // (a lagging device would otherwise leave it only fragments, and the pool would grow).
         while (same_lane_pending(c, c->next_addr)) {
-          ArenaChunk* n = c->next_addr;
-          order_.absorb(c, n);  // c->size grows; c keeps the later release position
-          c->used_epoch = std::max(c->used_epoch, n->used_epoch);
-          c->next_addr = n->next_addr;
-          if (n->next_addr) n->next_addr->prev_addr = c;
-          chunk_nodes_.destroy(n);
-          ++ev_.merges;
+          order_.absorb(c, c->next_addr);  // c->size grows; c keeps the later release position
+          swallow_next_locked(c);
         }
         if (!c->next_addr) b->last = c;
       }
@@ -198,6 +188,16 @@ void ArenaPool::coalesce_locked() {
     b->dirty = false;
   }
   dirty_backings_ = 0;
+}
+
+// c's next neighbour, already out of the index or lane and counted in c->size, leaves the list.
+void ArenaPool::swallow_next_locked(ArenaChunk* c) {
+  ArenaChunk* n = c->next_addr;
+  c->used_epoch = std::max(c->used_epoch, n->used_epoch);
+  c->next_addr = n->next_addr;
+  if (n->next_addr) n->next_addr->prev_addr = c;
+  chunk_nodes_.destroy(n);
+  ++ev_.merges;
 }
 
 bool ArenaPool::same_lane_pending(const ArenaChunk* a, const ArenaChunk* b) const {

@@ -196,6 +196,7 @@ class ArenaPool final : public Pool {
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
   void release_live_locked(detail::ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out);
   void coalesce_locked();
+  void swallow_next_locked(detail::ArenaChunk* c);
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
   void note_pending_locked(detail::ArenaChunk* c);
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize, bool resident);
