@@ -159,7 +159,20 @@ def _stream_rows(name: str, call: Callable[[Ctx, Any], Any]) -> list[Row]:
         Row(f"{name}-stream-2^64", lambda c: call(c, 2**64), InvalidStreamError, r"is not a stream handle"),
         # 2^64-1 is the core's own "no stream" sentinel: refused as a handle, never taken as None.
         Row(f"{name}-stream-2^64-1", lambda c: call(c, 2**64 - 1), InvalidStreamError, r"is not a stream handle"),
+        # The stream protocol's version was ignored: (1, handle) was read as (0, handle).
+        Row(f"{name}-stream-protocol-v1", lambda c: call(c, _Proto((1, 5))), InvalidStreamError, r"protocol version 1"),
+        Row(f"{name}-stream-protocol-v-str", lambda c: call(c, _Proto(("0", 5))), InvalidStreamError, r"protocol version '0'"),
     ]
+
+
+class _Proto:
+    """An object speaking the CUDA stream protocol with a given answer."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def __cuda_stream__(self) -> Any:
+        return self.answer
 
 
 STREAM_ROWS = (

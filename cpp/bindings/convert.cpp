@@ -140,8 +140,18 @@ Stream parse_stream_at(nb::handle h, int depth) {
     } catch (nb::python_error& e) {
       raise_not_a_stream(h, e);
     }
-    if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) return parse_stream_at(nb::tuple(r)[1], depth + 1);
-    throw InvalidArgument("__cuda_stream__() must return (version, handle)", true);
+    if (!nb::isinstance<nb::tuple>(r) || nb::len(r) != 2)
+      throw InvalidArgument("__cuda_stream__() must return (version, handle)", true);
+    // Version 0 is the protocol's only version: (0, handle). A later version may give the tuple
+    // another meaning, so it is refused rather than read as version 0 (found by hostile probing).
+    nb::handle ver = nb::tuple(r)[0];
+    if (!PyLong_CheckExact(ver.ptr()) || PyLong_AsLong(ver.ptr()) != 0) {
+      PyErr_Clear();
+      throw InvalidArgument("__cuda_stream__() returned protocol version " + nb::cast<std::string>(nb::repr(ver)) +
+                                "; poolkeeper reads version 0, (0, handle)",
+                            true);
+    }
+    return parse_stream_at(nb::tuple(r)[1], depth + 1);
   }
   if (nb::object v = stream_attr(h, "cuda_stream")) return parse_stream_at(v, depth + 1);  // torch.cuda.Stream
   if (nb::object v = stream_attr(h, "ptr")) return parse_stream_at(v, depth + 1);          // cupy.cuda.Stream
