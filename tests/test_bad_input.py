@@ -162,7 +162,14 @@ def _stream_rows(name: str, call: Callable[[Ctx, Any], Any]) -> list[Row]:
         # The stream protocol's version was ignored: (1, handle) was read as (0, handle).
         Row(f"{name}-stream-protocol-v1", lambda c: call(c, _Proto((1, 5))), InvalidStreamError, r"protocol version 1"),
         Row(f"{name}-stream-protocol-v-str", lambda c: call(c, _Proto(("0", 5))), InvalidStreamError, r"protocol version '0'"),
+        Row(f"{name}-stream-protocol-v-bad-repr", lambda c: call(c, _Proto((_BadRepr(), 5))), InvalidStreamError,
+            r"protocol version of type"),
     ]
+
+
+class _BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("repr boom")
 
 
 class _Proto:
@@ -428,3 +435,22 @@ def test_arena_double_free_after_coalescing_is_called_a_double_free():
     pool.validate()
     assert ei.value.reason == "double_free", str(ei.value)
     assert "free the block's start address" not in str(ei.value)
+
+
+def test_stream_protocol_version_0_in_any_integer_type_is_read():
+    # The version check must not refuse a 0 that is not exactly an int (an IntEnum, an int
+    # subclass): found by hostile probing of the check itself.
+    import enum
+
+    class V(enum.IntEnum):
+        ZERO = 0
+
+    class Int(int):
+        pass
+
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    for v in (0, V.ZERO, Int(0)):
+        pool.deallocate(pool.allocate(1000, _Proto((v, 0))), _Proto((v, 0)))
+    pool.synchronize()
+    pool.validate()
+    pool.close()

@@ -174,3 +174,21 @@ def test_a_remote_freed_block_freed_again_is_a_typed_error_and_the_books_hold():
     assert st["live_bytes"] == 0 and st["remote_frees"] == 1, st
     pool.validate()
     pool.close()
+
+
+def test_a_thread_whose_shard_cannot_be_made_is_served_by_shard_0(fake_vm):
+    # Each expandable shard reserves a range of its own; the Simulated device's address space
+    # holds only three of the default size. The fourth thread's shard cannot be made: that
+    # thread used to get UpstreamOutOfMemoryError on every large request with 4 MiB reserved.
+    pool = pk.ArenaPool(fake_vm, expandable=True, shards=8)
+    ps = []
+    for _ in range(6):
+        with _worker() as w:
+            ps.append(w.submit(pool.allocate, 4 * MiB).result(30))
+    st = pool.stats()
+    assert st["shard_fallbacks"] >= 1, st
+    assert st["shards"] <= 4, st
+    for p in ps:
+        pool.deallocate(p)
+    pool.validate()
+    pool.close()

@@ -145,10 +145,22 @@ Stream parse_stream_at(nb::handle h, int depth) {
     // Version 0 is the protocol's only version: (0, handle). A later version may give the tuple
     // another meaning, so it is refused rather than read as version 0 (found by hostile probing).
     nb::handle ver = nb::tuple(r)[0];
-    if (!PyLong_CheckExact(ver.ptr()) || PyLong_AsLong(ver.ptr()) != 0) {
+    bool zero = false;  // any integer equal to 0 (an int subclass, an IntEnum, numpy.int64(0))
+    if (PyObject* i = PyIndex_Check(ver.ptr()) ? PyNumber_Index(ver.ptr()) : nullptr) {
+      int overflow = 0;
+      zero = PyLong_AsLongLongAndOverflow(i, &overflow) == 0 && !overflow && !PyErr_Occurred();
+      Py_DECREF(i);
+    }
+    PyErr_Clear();
+    if (!zero) {
+      std::string shown = "of type " + nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(ver.ptr())))));
+      if (PyObject* rep = PyObject_Repr(ver.ptr())) {  // a repr that raises must not escape
+        if (const char* u = PyUnicode_AsUTF8(rep)) shown = u;
+        Py_DECREF(rep);
+      }
       PyErr_Clear();
-      throw InvalidArgument("__cuda_stream__() returned protocol version " + nb::cast<std::string>(nb::repr(ver)) +
-                                "; poolkeeper reads version 0, (0, handle)",
+      throw InvalidArgument("__cuda_stream__() returned protocol version " + shown +
+                                "; poolkeeper reads version 0: (0, handle)",
                             true);
     }
     return parse_stream_at(nb::tuple(r)[1], depth + 1);

@@ -64,7 +64,7 @@ PoolStats ArenaPool::stats_locked() {
                   {"coalesce_passes", ev_.coalesce_passes}, {"merges", ev_.merges}, {"shrink_scans", ev_.shrink_scans},
                   {"pressure_passes", ev_.pressure_passes}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
                   {"thread_caches", caches_.size()}, {"cache_flushes", ev_.cache_flushes},
-                  {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"remote_frees", ev_.remote_frees},
+                  {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"remote_frees", ev_.remote_frees}, {"shard_fallbacks", ev_.shard_fallbacks},
                   {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
                   {"nowait_deallocations", ev_.nowait_frees}});
@@ -126,8 +126,8 @@ PoolStats ArenaPool::stats() {
   if (nshards_ > 1) {
     for (std::size_t i = 1; i < nshards_; ++i)
       if (ArenaPool* sh = existing_shard(i)) add_shard_stats(st, sh->stats());
-    st.extra.emplace_back("shards", shards_in_use());
   }
+  if (!shard_child_) st.extra.emplace_back("shards", shards_in_use());  // 1 with a limit or without a cache
   return st;
 }
 

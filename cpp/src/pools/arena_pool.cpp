@@ -337,7 +337,18 @@ ArenaPool* ArenaPool::home_shard() {
     check_open();
     tc = cache_locked();
   }
-  return tc->home ? shard(tc->home) : nullptr;
+  if (!tc->home) return nullptr;
+  try {
+    return shard(tc->home);
+  } catch (const UpstreamFailure&) {
+    // The shard could not be made (an expandable shard reserves a range of its own, and the
+    // upstream's address space may hold only a few: Simulated's 1 TiB held three of 280 GiB).
+    // This thread lives in shard 0 from now on: a request must not fail for want of a shard.
+    std::lock_guard<detail::SpinMutex> g(mu_);
+    tc->home = 0;
+    ++ev_.shard_fallbacks;
+    return nullptr;
+  }
 }
 
 ArenaPool* ArenaPool::owner_shard(std::uintptr_t a) {

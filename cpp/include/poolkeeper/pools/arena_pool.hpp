@@ -260,6 +260,7 @@ class ArenaPool final : public Pool {
     std::uint64_t cache_flushes = 0, caches_reclaimed = 0, cache_refills = 0, cache_spills = 0, folded_hits = 0,
                   folded_frees = 0;
     std::uint64_t remote_frees = 0;  // frees filed from the remote-free list
+    std::uint64_t shard_fallbacks = 0;  // threads sent home to shard 0: their shard could not be made
   } ev_;  // guarded by mu_
 };
 
