@@ -192,3 +192,21 @@ def test_a_thread_whose_shard_cannot_be_made_is_served_by_shard_0(fake_vm):
         pool.deallocate(p)
     pool.validate()
     pool.close()
+
+
+def test_out_of_memory_in_a_shard_reports_the_whole_pools_figures():
+    # The error came from the thread's home shard with that shard's books: "8.00 MiB reserved by
+    # this pool, 8.00 MiB live" while 72 MiB were live in the pool (found by hostile probing).
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), shards=4)
+    a = pool.allocate(64 * MiB)  # this thread: shard 0
+    with _worker() as w:
+        keep = w.submit(pool.allocate, 8 * MiB).result(30)  # home shard 1
+        with pytest.raises(pk.errors.OutOfMemoryError) as e:
+            w.submit(pool.allocate, 1 << 40).result(30)
+    assert e.value.live == 72 * MiB and e.value.reserved == 72 * MiB, str(e.value)
+    assert "72.00 MiB live" in str(e.value)
+    assert pool.stats()["ooms"] == 1
+    pool.deallocate(keep)
+    pool.deallocate(a)
+    pool.validate()
+    pool.close()

@@ -380,10 +380,31 @@ void* ArenaPool::allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s
   try {
     return home->allocate(nbytes, s);
   } catch (const OutOfMemory&) {
-    if (!trim_shards(home)) throw;
+    if (!trim_shards(home)) oom_of_pool(home, nbytes);
     home->ooms_.fetch_sub(1, std::memory_order_relaxed);  // recovered: not an error yet
   }
-  return home->allocate(nbytes, s);
+  try {
+    return home->allocate(nbytes, s);
+  } catch (const OutOfMemory&) {
+    oom_of_pool(home, nbytes);
+  }
+}
+
+// A shard's out-of-memory error, told with the whole pool's figures: the shard's own ("8 MiB
+// reserved by this pool, 8 MiB live" while 72 MiB were live in the pool) misled (found by hostile
+// probing). Called with no lock held, from the shard's catch block.
+void ArenaPool::oom_of_pool(ArenaPool* home, std::size_t nbytes) {
+  OomFigures f;
+  try {
+    throw;
+  } catch (const OutOfMemory& e) {
+    f = e.figures;
+  }
+  home->ooms_.fetch_sub(1, std::memory_order_relaxed);  // counted once, by the pool, below
+  const std::string upstream_error = f.upstream_error;
+  f = oom_figures(stats(), nbytes);
+  f.upstream_error = upstream_error;
+  throw_oom(std::move(f), align_up(nbytes, opt_.alignment), false, FreeFit::AnyPiece);
 }
 
 std::size_t ArenaPool::trim_shards(const ArenaPool* except) {

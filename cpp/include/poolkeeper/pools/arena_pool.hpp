@@ -163,6 +163,7 @@ class ArenaPool final : public Pool {
   ArenaPool* home_shard();                 // nullptr: this thread's home is shard 0
   ArenaPool* owner_shard(std::uintptr_t a);  // lock-free probe; nullptr: shard 0 or nobody
   void* allocate_in_shard(ArenaPool* home, std::size_t nbytes, Stream s);
+  [[noreturn]] void oom_of_pool(ArenaPool* home, std::size_t nbytes);  // in a catch block only
   std::size_t trim_shards(const ArenaPool* except);  // trim every shard but `except`; bytes freed
   // These books' locked free (do_deallocate's body for one shard): Refusal::Unknown when p is not
   // in these books, so the caller can ask the other shards.
