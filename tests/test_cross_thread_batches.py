@@ -131,6 +131,13 @@ def test_expandable_pieces_reused_between_scans_are_not_unmapped_at_every_scan(f
     pool.close()
 
 
+def _free_all_validate_close(pool, blocks) -> None:
+    for p in blocks:
+        pool.deallocate(p)
+    pool.validate()
+    pool.close()
+
+
 def _worker():
     """One long-lived thread (its home shard stays the same across calls)."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -156,10 +163,7 @@ def test_blocks_freed_by_another_shards_thread_go_through_the_owners_remote_list
     ps = w.submit(lambda: [pool.allocate(4 * MiB) for _ in range(8)]).result(30)
     assert pool.stats()["upstream_allocations"] == grown
     w.shutdown()
-    for p in ps:
-        pool.deallocate(p)
-    pool.validate()
-    pool.close()
+    _free_all_validate_close(pool, ps)
 
 
 def test_a_remote_freed_block_freed_again_is_a_typed_error_and_the_books_hold():
@@ -188,10 +192,7 @@ def test_a_thread_whose_shard_cannot_be_made_is_served_by_shard_0(fake_vm):
     st = pool.stats()
     assert st["shard_fallbacks"] >= 1, st
     assert st["shards"] <= 4, st
-    for p in ps:
-        pool.deallocate(p)
-    pool.validate()
-    pool.close()
+    _free_all_validate_close(pool, ps)
 
 
 def test_out_of_memory_in_a_shard_reports_the_whole_pools_figures():
@@ -206,7 +207,4 @@ def test_out_of_memory_in_a_shard_reports_the_whole_pools_figures():
     assert e.value.live == 72 * MiB and e.value.reserved == 72 * MiB, str(e.value)
     assert "72.00 MiB live" in str(e.value)
     assert pool.stats()["ooms"] == 1
-    pool.deallocate(keep)
-    pool.deallocate(a)
-    pool.validate()
-    pool.close()
+    _free_all_validate_close(pool, [keep, a])
