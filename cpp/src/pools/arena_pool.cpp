@@ -582,22 +582,27 @@ Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
     if (cache_enabled_) cache_locked();
     if (spill_and_cache_locked(c, s)) return {};  // the cache was full: a batch goes back instead
     const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
-    release_live_locked(c, a, s, detached);
+    release_live_locked(c, s, detached);
     if (s == kNoStream) source_->released(backing);
   }
   free_detached(detached);
   return {};
 }
 
-void ArenaPool::release_live_locked(ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out) {
+// A live (or remote-freed) chunk leaves the live books and the pointer table.
+void ArenaPool::unlive_locked(ArenaChunk* c) {
+  live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
+  overhead_ -= c->size - c->requested;
+  --live_blocks_;
+  table_.erase(c->addr);
+}
+
+void ArenaPool::release_live_locked(ArenaChunk* c, Stream s, Detached& out) {
   // First the step that can throw (recording events): if it does, the block is still live and
   // nothing was counted, so the caller's error leaves the pool as it was.
   if (s != kNoStream) order_.defer(c, s);
   ++ev_.slow_frees;
-  live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
-  overhead_ -= c->size - c->requested;
-  --live_blocks_;
-  table_.erase(a);
+  unlive_locked(c);
   if (s == kNoStream) file_free_locked(c);
   else note_pending_locked(c);
   tick_locked(out);
@@ -626,7 +631,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   // This release would run a shrink scan, which may hand backings to the upstream: not here.
   if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
   Detached none;
-  release_live_locked(c, a, s, none);
+  release_live_locked(c, s, none);
   ++ev_.nowait_frees;
   return true;
 }
@@ -710,10 +715,7 @@ void ArenaPool::drain_remote_locked() {
     const std::uintptr_t backing = c->backing->addr;
     ++ev_.slow_frees;
     ++ev_.remote_frees;
-    live_.store(live_.load(std::memory_order_relaxed) - c->requested, std::memory_order_relaxed);
-    overhead_ -= c->size - c->requested;
-    --live_blocks_;
-    table_.erase(c->addr);
+    unlive_locked(c);
     file_free_locked(c);
     ++ops_since_scan_;
     source_->released(backing);

@@ -69,10 +69,7 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
   if (!tc->try_enter()) return nullptr;  // a reclaim is emptying this cache: the locked path serves
-  struct Leave {
-    ThreadCache* tc;
-    ~Leave() { tc->leave(); }
-  } leave{tc};
+  ThreadCache::Entered entered{tc};
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   ThreadCache::Bin* hit = &tc->bins[tc->hint];
   if (!(hit->count && hit->size == rounded && hit->stream == s)) {
@@ -119,10 +116,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return false;
   if (!tc->try_enter()) return false;  // a reclaim is emptying this cache: the locked path serves
-  struct Leave {
-    ThreadCache* tc;
-    ~Leave() { tc->leave(); }
-  } leave{tc};
+  ThreadCache::Entered entered{tc};
   ArenaChunk* c = nullptr;
   if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c)) return false;  // the locked path explains
   if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;

@@ -69,6 +69,11 @@ class alignas(64) ThreadCache {
   // --- owner (fast paths) and reclaimer (under the pool's lock) ---
   bool try_enter() { return !busy_.exchange(true, std::memory_order_acquire); }
   void leave() { busy_.store(false, std::memory_order_release); }
+  // The owner's fast-path scope: leave() when it ends.
+  struct Entered {
+    ThreadCache* tc;
+    ~Entered() { tc->leave(); }
+  };
   void enter() {  // the reclaimer: the owner leaves within one fast-path operation
     for (unsigned spins = 0; !try_enter(); ++spins)
       if (spins > 64) std::this_thread::yield();

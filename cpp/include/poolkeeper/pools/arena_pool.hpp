@@ -195,7 +195,8 @@ class ArenaPool final : public Pool {
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
   void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
-  void release_live_locked(detail::ArenaChunk* c, std::uintptr_t a, Stream s, Detached& out);
+  void unlive_locked(detail::ArenaChunk* c);
+  void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
   void coalesce_locked();
   void swallow_next_locked(detail::ArenaChunk* c);
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
