@@ -23,6 +23,9 @@ tokens) so that "same outputs" can be checked across arms. Ratios: peak reserved
 vs ``torch_expandable``, ms/request vs ``torch``.
 
 Usage (device):  PYTHONPATH=/tmp/site python3 benchmarks/real_models.py --out benchmarks/results
+Time is noisy from process to process (the machine's speed drifts over minutes by more than the
+allocators differ): ``--rounds N`` runs every arm N times in a rotated order and judges time on the
+fastest of the rounds request by request (a disturbance only adds time), with the medians beside.
 Dry run (CPU):   python3 benchmarks/real_models.py --device cpu --arms torch --quick --out /tmp/x
 Writes <stem>.json and <stem>.md; the stem is --out without its suffix, or real_models_<tag> inside
 --out when --out is a directory.
@@ -178,18 +181,67 @@ def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """Time over several rounds of one workload (``rounds``: arm -> its runs, one per round, in
+    round order). Per arm:
+
+    - ``total_ms``: the summed request time of each round, and ``median_ms`` of those;
+    - ``best_ms``: request by request, the fastest of the rounds, summed. Every request is the same
+      work in every round, and a disturbance of the machine (another process, a clock change) only
+      ever adds time, so the fastest of a request's runs is the closest to what it costs;
+    - against ``torch``: ``best_vs_torch``, ``median_vs_torch`` and ``paired_vs_torch`` (round i
+      against torch's round i) with their median ``paired_median_vs_torch``.
+
+    Failed runs are left out; ratios are None without a ``torch`` run."""
+    def totals(runs: List[Dict[str, Any]]) -> List[Optional[float]]:
+        return [None if "error" in r else r.get("request_ms", {}).get("total") for r in runs]
+
+    def best(runs: List[Dict[str, Any]]) -> Optional[float]:
+        each = [r["request_ms_each"] for r in runs if "error" not in r and r.get("request_ms_each")]
+        if not each or any(len(e) != len(each[0]) for e in each):
+            return None
+        return math.fsum(min(xs) for xs in zip(*each))
+
+    base = totals(rounds.get("torch", []))
+    base_ok = [t for t in base if t is not None]
+    base_best = best(rounds.get("torch", []))
+    out: Dict[str, Dict[str, Any]] = {}
+    for arm, runs in rounds.items():
+        ts = totals(runs)
+        ok = [t for t in ts if t is not None]
+        paired = [ratio(t, b) for t, b in zip(ts, base) if t is not None and b is not None]
+        paired = [x for x in paired if x is not None]
+        b = best(runs)
+        out[arm] = {
+            "total_ms": ts,
+            "median_ms": statistics.median(ok) if ok else None,
+            "best_ms": b,
+            "best_vs_torch": ratio(b, base_best),
+            "median_vs_torch": ratio(statistics.median(ok), statistics.median(base_ok)) if ok and base_ok else None,
+            "paired_median_vs_torch": statistics.median(paired) if paired else None,
+            "paired_vs_torch": paired,
+        }
+    return out
+
+
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
 
 
-def targets(cmp_: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[bool]]]:
+def targets(cmp_: Dict[str, Dict[str, Any]],
+            times: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Dict[str, Optional[bool]]]:
     """Per poolkeeper arm: whether peak reserved is at most 0.95x ``torch_expandable``'s and the
-    summed request time at most 1.02x ``torch``'s (None where a ratio is missing)."""
+    summed request time at most 1.02x ``torch``'s (None where a ratio is missing). With ``times``
+    (:func:`round_times` of several rounds), time is judged on the fastest of the rounds, request by
+    request (``best_vs_torch``), or on the median of the paired ratios where that is missing."""
     out: Dict[str, Dict[str, Optional[bool]]] = {}
     for arm, c in cmp_.items():
         if arm not in POOL_ARMS:
             continue
         r, m = c.get("reserved_vs_torch_expandable"), c.get("ms_total_vs_torch")
+        if times and arm in times:
+            t = times[arm]
+            m = t.get("best_vs_torch") if t.get("best_vs_torch") is not None else t.get("paired_median_vs_torch")
         out[arm] = {"reserved": None if r is None else r <= RESERVED_TARGET, "time": None if m is None else m <= MS_TARGET}
     return out
 
@@ -257,8 +309,31 @@ def markdown(results: Dict[str, Any]) -> str:
                 + " |"
             )
         lines.append("")
+        times = results.get("round_times", {}).get(wl)
+        if times:
+            n = max(len(t["total_ms"]) for t in times.values())
+            lines += [
+                f"Time over {n} rounds (every arm once per round, the order rotated each round; summed request "
+                "time per round, ms):",
+                "",
+                "| arm | per round | median | median vs torch | per-round ratio vs torch | median of those "
+                "| fastest of the rounds, per request, summed | that vs torch |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for arm in results.get("arms", []):
+                t = times.get(arm)
+                if t is None:
+                    continue
+                lines.append(
+                    f"| {arm} | {', '.join(fmt_ms(x) if x is not None else 'failed' for x in t['total_ms'])} "
+                    f"| {fmt_ms(t['median_ms'])} | {fmt_ratio(t['median_vs_torch'])} "
+                    f"| {', '.join(f'{x:.3f}' for x in t['paired_vs_torch']) or 'n/a'} "
+                    f"| {fmt_ratio(t['paired_median_vs_torch'])} "
+                    f"| {fmt_ms(t.get('best_ms'))} | {fmt_ratio(t.get('best_vs_torch'))} |"
+                )
+            lines.append("")
         word = {True: "met", False: "missed", None: "n/a"}
-        tg = targets(cmp_)
+        tg = targets(cmp_, times)
         if tg:
             lines += [
                 f"Targets (peak reserved <= {RESERVED_TARGET}x torch_expandable; total time <= {MS_TARGET}x torch): "
@@ -377,7 +452,8 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             total.update(h.digest())
             del out, ids, am
             print(f"[real_models]   bert request {i + 1}/{plan['requests']}: {b}x{L} {ms[-1]:.1f} ms", flush=True)
-    return {"request_ms": quantiles(ms), "request_sha256": per_request, "output_sha256": total.hexdigest()}
+    return {"request_ms": quantiles(ms), "request_ms_each": ms, "request_sha256": per_request,
+            "output_sha256": total.hexdigest()}
 
 
 def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
@@ -430,6 +506,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
                   f"+{plan['new_tokens']} tokens {ms[-1]:.1f} ms", flush=True)
     return {
         "request_ms": quantiles(ms),
+        "request_ms_each": ms,
         "decode_step_ms": quantiles(step_ms),
         "request_sha256": per_request,
         "output_sha256": total.hexdigest(),
@@ -535,6 +612,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the uncounted first child that warms the disk cache")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per (arm, workload) process")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every arm this many times, the arm order rotated each round; the table keeps "
+                         "round 1, and a time table gives each arm's median and paired ratios over the rounds")
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -577,20 +657,32 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t0 = time.perf_counter()
                 run_arm_process("torch", wl, argparse.Namespace(**{**vars(args), "quick": True}), tmp)
                 print(f"[real_models] warm-up {wl} (not counted): {time.perf_counter() - t0:.1f} s", flush=True)
-        for wl in workloads:
-            for arm in arms:
-                print(f"[real_models] {wl} / {arm} ...", flush=True)
+        rounds: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
+        for rnd, wl in ((rnd, wl) for rnd in range(max(1, args.rounds)) for wl in workloads):
+            # Rotated, so that no arm always runs first or right after the same neighbour: the
+            # machine's speed drifts over minutes by more than the arms differ.
+            for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
+                print(f"[real_models] round {rnd + 1}: {wl} / {arm} ...", flush=True)
                 r = run_arm_process(arm, wl, args, tmp)
-                results["runs"][wl][arm] = r
+                rounds[wl][arm].append(r)
+                if rnd == 0:
+                    results["runs"][wl][arm] = r
                 if "error" in r:
                     print(f"[real_models] {wl} / {arm} FAILED: {str(r['error']).strip().splitlines()[-1][:300]}", flush=True)
                 else:
                     print(f"[real_models] {wl} / {arm}: peak reserved {fmt_mib(r.get('peak_reserved_bytes'))}, "
                           f"live {fmt_mib(r.get('peak_live_bytes'))}, ms/request p50 {fmt_ms(r['request_ms']['p50'])}, "
-                          f"{r['process_s']:.1f} s", flush=True)
+                          f"total {fmt_ms(r['request_ms']['total'])} ms, {r['process_s']:.1f} s", flush=True)
                 if "meta" in r and "meta" not in results:
                     results["meta"] = r["meta"]
     results["total_s"] = time.perf_counter() - t_all
+    if args.rounds > 1:
+        results["rounds"] = args.rounds
+        results["round_times"] = {wl: round_times(rounds[wl]) for wl in workloads}
+        # Every round's per-request times, so that runs of several invocations can be pooled.
+        results["round_runs"] = {
+            wl: {a: [{k: r.get(k) for k in ("request_ms_each", "decode_step_ms", "error")} for r in rs]
+                 for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)

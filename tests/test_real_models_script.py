@@ -200,3 +200,56 @@ def test_left_padded_batch_pads_on_the_left_in_the_draw_order_both_scripts_used(
     want_mask = (np.arange(L)[None, :] >= (L - lens)[:, None]).astype(np.int64)
     assert (mask == want_mask).all() and (ids == rng.integers(3, 100, size=(b, L)) * want_mask).all()
     assert ids.dtype == mask.dtype == np.int64 and (mask.sum(1) == lens).all()
+
+
+def test_round_times_pairs_each_round_with_torchs_and_skips_failures():
+    def run(total):
+        return {"request_ms": {"total": total}}
+
+    rounds = {
+        "torch": [run(100.0), run(120.0), run(110.0)],
+        "arena": [run(99.0), {"error": "boom"}, run(121.0)],
+    }
+    t = rm.round_times(rounds)
+    assert t["torch"]["median_ms"] == 110.0 and t["torch"]["paired_median_vs_torch"] == 1.0
+    assert t["arena"]["total_ms"] == [99.0, None, 121.0]
+    assert t["arena"]["median_ms"] == 110.0  # the failed round is left out
+    assert t["arena"]["paired_vs_torch"] == pytest.approx([0.99, 1.1])
+    assert t["arena"]["paired_median_vs_torch"] == pytest.approx(1.045)
+    assert t["arena"]["best_ms"] is None  # no per-request times in these runs
+    # Without a torch run there is nothing to pair with.
+    assert rm.round_times({"arena": rounds["arena"]})["arena"]["paired_median_vs_torch"] is None
+
+
+def test_best_of_rounds_takes_each_requests_fastest_run():
+    def run(*each):
+        return {"request_ms": {"total": sum(each)}, "request_ms_each": list(each)}
+
+    t = rm.round_times({
+        "torch": [run(10.0, 20.0), run(12.0, 18.0)],      # best 10 + 18
+        "arena": [run(9.0, 30.0), run(11.0, 19.0), {"error": "x"}],  # best 9 + 19
+        "odd": [run(1.0), run(1.0, 2.0)],                 # different plans: no per-request best
+    })
+    assert t["torch"]["best_ms"] == 28.0 and t["arena"]["best_ms"] == 28.0
+    assert t["arena"]["best_vs_torch"] == 1.0
+    assert t["odd"]["best_ms"] is None and t["odd"]["best_vs_torch"] is None
+    cmp_ = {"arena": {"reserved_vs_torch_expandable": None, "ms_total_vs_torch": 1.5}}
+    assert rm.targets(cmp_, t)["arena"]["time"] is True  # judged on the best of the rounds
+
+
+def test_targets_judge_time_on_the_rounds_when_there_are_several():
+    cmp_ = rm.compare(_results()["runs"]["bert"])  # arena_expandable: 41/40 = 1.025x in round 1
+    times = {"arena_expandable": {"paired_median_vs_torch": 1.01}}
+    assert rm.targets(cmp_)["arena_expandable"]["time"] is False
+    assert rm.targets(cmp_, times)["arena_expandable"]["time"] is True
+
+
+def test_markdown_has_the_rounds_table():
+    res = _results()
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    res["round_times"] = {"bert": rm.round_times({"torch": [res["runs"]["bert"]["torch"]] * 2,
+                                                  "arena_expandable": [res["runs"]["bert"]["arena_expandable"]] * 2})}
+    md = rm.markdown(res)
+    assert "Time over 2 rounds" in md
+    row = next(l for l in md.splitlines() if l.startswith("| arena_expandable | 41.00, 41.00"))
+    assert "1.025x" in row
