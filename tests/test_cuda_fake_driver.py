@@ -810,3 +810,22 @@ def test_lagging_stream_holds_one_cuda_event_not_one_per_pass(fakes, kind):
         pool.synchronize(); pool.close(); s.close()
     """, FAKE_CUDA_EVENT_NOT_READY=1000000)
     assert out["created"] == 1 and out["in_use"] == 1 and out["fences"] == 1
+
+
+# ---- the default pool kind follows the device's virtual memory support ----
+
+@pytest.mark.parametrize("lib,env,expect", [
+    ("full", {}, "arena_expandable"),
+    ("full", {"FAKE_CUDA_NO_VMM": 1}, "arena"),   # the device says no
+    ("novmm", {}, "arena"),                       # the driver lacks cuMemCreate and the rest
+    ("full", {"FAKE_CUDA_DEVICES": 0}, "arena"),  # no device at all
+])
+def test_default_kind_is_the_expandable_arena_only_where_virtual_memory_runs(fakes, lib, env, expect):
+    out = run(fakes[lib], """
+        from poolkeeper.pools import default_kind
+        info = [d.virtual_memory_supported for d in cuda.devices()]
+        print(json.dumps({"kind": default_kind(0), "bad_index": default_kind(7), "info": info}))
+    """, **env)
+    assert out["kind"] == expect
+    assert out["bad_index"] == "arena"
+    assert out["info"] == ([] if env.get("FAKE_CUDA_DEVICES") == 0 else [expect == "arena_expandable"])

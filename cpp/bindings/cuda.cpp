@@ -62,8 +62,12 @@ void bind_driver_helpers(nb::module_& m) {
     return dict_of("index", i.index, "name", i.name, "pci_bus_id", i.pci_bus_id, "total_memory", i.total_memory,
                    "free_memory", i.free_memory, "compute_capability",
                    nb::make_tuple(i.compute_capability_major, i.compute_capability_minor), "multiprocessors",
-                   i.multiprocessors, "memory_pools_supported", i.memory_pools_supported);
+                   i.multiprocessors, "memory_pools_supported", i.memory_pools_supported, "virtual_memory_supported",
+                   i.virtual_memory_supported);
   }, "device"_a);
+  m.def("cuda_virtual_memory_supported", &cuda::virtual_memory_supported, "device"_a,
+        "Can CudaVirtual run on this device (the driver's virtual memory calls and the device's "
+        "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? False without a driver or for a bad index; makes no context.");
   m.def("cuda_current_device", &cuda::current_device,
         "Device of the calling thread's current context (-1 when none is current).");
   m.def("cuda_set_device", &cuda::set_current_device, "device"_a,

@@ -15,12 +15,14 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
 ]
 
-PRELUDE = """
+PRELUDE_OF = """
 import gc, torch
 import poolkeeper as pk
 from poolkeeper import _core
 from poolkeeper.integrations import torch as pkt
-inst = pkt.install("arena")
+inst = pkt.install(KIND)
+if KIND is None:  # the default: the expandable arena wherever the device has virtual memory
+    assert inst.kind == pk.pools.default_kind(0), inst.kind
 assert all(inst.hooks[h] for h in ("graph_begin", "graph_end", "graph_release")), inst.hooks
 torch.manual_seed(0)
 
@@ -39,7 +41,14 @@ def warm(fn):
 """
 
 
-def test_capture_replay_exact_with_intermediate_freed_and_tensors_allocated_between():
+@pytest.fixture(params=["arena", None], ids=["arena", "default"])
+def PRELUDE(request):
+    """The prelude with poolkeeper installed as the named kind, or as install()'s default (the
+    expandable arena on a device with virtual memory): graphs must work over both."""
+    return f"KIND = {request.param!r}\n" + PRELUDE_OF
+
+
+def test_capture_replay_exact_with_intermediate_freed_and_tensors_allocated_between(PRELUDE):
     run_isolated(
         PRELUDE
         + """
@@ -70,7 +79,7 @@ print("ok", info[0]["stats"]["reserved_bytes"])
     )
 
 
-def test_growth_during_capture_with_nothing_cached():
+def test_growth_during_capture_with_nothing_cached(PRELUDE):
     out = run_isolated(
         PRELUDE
         + """
@@ -91,7 +100,7 @@ print("grew", grew)
     assert "grew" in out
 
 
-def test_two_graphs_sharing_one_pool_handle():
+def test_two_graphs_sharing_one_pool_handle(PRELUDE):
     run_isolated(
         PRELUDE
         + """
@@ -119,7 +128,7 @@ print("ok")
     )
 
 
-def test_record_stream_across_streams_during_and_outside_capture():
+def test_record_stream_across_streams_during_and_outside_capture(PRELUDE):
     run_isolated(
         PRELUDE
         + """
@@ -157,7 +166,7 @@ print("ok")
     )
 
 
-def test_empty_cache_keeps_graph_memory_and_releasing_the_graph_returns_it():
+def test_empty_cache_keeps_graph_memory_and_releasing_the_graph_returns_it(PRELUDE):
     run_isolated(
         PRELUDE
         + """
@@ -190,7 +199,7 @@ print("ok", graph_bytes)
     )
 
 
-def test_torch_compile_reduce_overhead_mlp_matches_eager():
+def test_torch_compile_reduce_overhead_mlp_matches_eager(PRELUDE):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("torch.compile needs triton")
     out = run_isolated(
@@ -212,7 +221,7 @@ print("ok", len(pkt.graph_pools()))
     assert "ok" in out
 
 
-def test_torch_compile_reduce_overhead_without_trees_over_several_shapes():
+def test_torch_compile_reduce_overhead_without_trees_over_several_shapes(PRELUDE):
     # With cudagraph_trees off, each compiled graph captures into a pool of its own: several batch
     # sizes, each its own graph, all through poolkeeper's graph pools.
     if importlib.util.find_spec("triton") is None:
@@ -237,7 +246,7 @@ print("ok", len(pkt.graph_pools()))
     assert "ok" in out
 
 
-def test_torch_compile_reduce_overhead_hf_decode_step_matches_eager():
+def test_torch_compile_reduce_overhead_hf_decode_step_matches_eager(PRELUDE):
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("transformers") is None:
         pytest.skip("needs triton and transformers")
     out = run_isolated(

@@ -337,6 +337,16 @@ void set_current_device(int device) {
 
 bool shutting_down() noexcept { return g_shutting_down.load(std::memory_order_relaxed); }
 
+bool virtual_memory_supported(int device) noexcept {
+  if (device < 0 || device >= device_count()) return false;
+  const DriverApi& a = api();
+  int v = 0;
+  return a.has_virtual_memory() &&
+         a.cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                st().devices[static_cast<std::size_t>(device)]) == CUDA_SUCCESS &&
+         v != 0;
+}
+
 DeviceInfo device_info(int device) {
   require_device(device);
   const DriverApi& a = api();
@@ -359,6 +369,7 @@ DeviceInfo device_info(int device) {
   info.multiprocessors = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
   info.memory_pools_supported =
       a.has_stream_ordered_allocator() && attr(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) != 0;
+  info.virtual_memory_supported = virtual_memory_supported(device);
   {
     ScopedContext ctx(device);
     std::size_t total = 0;

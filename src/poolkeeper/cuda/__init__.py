@@ -35,6 +35,7 @@ class DeviceInfo:
     compute_capability: Tuple[int, int]
     multiprocessors: int
     memory_pools_supported: bool
+    virtual_memory_supported: bool  # CudaVirtual, and so the expandable arena, can run on it
 
 
 def is_available() -> bool:

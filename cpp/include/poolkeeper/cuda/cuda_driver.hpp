@@ -253,8 +253,13 @@ struct DeviceInfo {
   std::size_t total_memory = 0, free_memory = 0;
   int compute_capability_major = 0, compute_capability_minor = 0, multiprocessors = 0;
   bool memory_pools_supported = false;
+  bool virtual_memory_supported = false;  // CudaVirtual (and so the expandable arena) can run here
 };
 DeviceInfo device_info(int device);
+// Can CudaVirtual (reserve and map) run on `device`: the driver has the virtual memory calls and
+// the device says VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED. False for a bad index or without a driver;
+// makes no context. Thread-safe.
+bool virtual_memory_supported(int device) noexcept;
 
 template <class F>
 drv::CUresult on_stream_call(std::uintptr_t stream, int device, F&& call) {
