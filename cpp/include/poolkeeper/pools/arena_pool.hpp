@@ -84,8 +84,11 @@ struct ArenaOptions {
   std::size_t max_backing = std::size_t{128} << 20;
   double growth_factor = 1.5;
   // Per thread; 0 disables. Covers the common large classes too (a round of 8 blocks of 2 MiB fits):
-  // with many threads, everything above the cache meets on the pool lock (issue 20).
-  std::size_t thread_cache_bytes = std::size_t{32} << 20;
+  // with many threads, everything above the cache meets on the pool lock. 64 MiB, not 32: a thread
+  // that frees blocks another thread allocated receives them out of phase with its own allocations,
+  // and at 32 MiB its cache overflowed into the shared books at every other round (docs/threads.md,
+  // "The cache budget").
+  std::size_t thread_cache_bytes = std::size_t{64} << 20;
   std::size_t thread_cache_max_block = std::size_t{2} << 20;
   std::size_t shrink_hysteresis = 2;
   std::size_t shrink_interval = 4096;  // locked releases between automatic scans; 0: never
