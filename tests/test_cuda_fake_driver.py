@@ -812,20 +812,17 @@ def test_lagging_stream_holds_one_cuda_event_not_one_per_pass(fakes, kind):
     assert out["created"] == 1 and out["in_use"] == 1 and out["fences"] == 1
 
 
-# ---- the default pool kind follows the device's virtual memory support ----
+# ---- whether the expandable arena can run on a device ----
 
 @pytest.mark.parametrize("lib,env,expect", [
-    ("full", {}, "arena_expandable"),
-    ("full", {"FAKE_CUDA_NO_VMM": 1}, "arena"),   # the device says no
-    ("novmm", {}, "arena"),                       # the driver lacks cuMemCreate and the rest
-    ("full", {"FAKE_CUDA_DEVICES": 0}, "arena"),  # no device at all
+    ("full", {}, True),
+    ("full", {"FAKE_CUDA_NO_VMM": 1}, False),  # the device says no
+    ("novmm", {}, False),                      # the driver lacks cuMemCreate and the rest
 ])
-def test_default_kind_is_the_expandable_arena_only_where_virtual_memory_runs(fakes, lib, env, expect):
+def test_devices_say_whether_virtual_memory_runs_there(fakes, lib, env, expect):
     out = run(fakes[lib], """
-        from poolkeeper.pools import default_kind
-        info = [d.virtual_memory_supported for d in cuda.devices()]
-        print(json.dumps({"kind": default_kind(0), "bad_index": default_kind(7), "info": info}))
+        print(json.dumps({"info": [d.virtual_memory_supported for d in cuda.devices()],
+                          "direct": _core.cuda_virtual_memory_supported(0),
+                          "bad_index": _core.cuda_virtual_memory_supported(7)}))
     """, **env)
-    assert out["kind"] == expect
-    assert out["bad_index"] == "arena"
-    assert out["info"] == ([] if env.get("FAKE_CUDA_DEVICES") == 0 else [expect == "arena_expandable"])
+    assert out == {"info": [expect], "direct": expect, "bad_index": False}

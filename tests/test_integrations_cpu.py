@@ -245,28 +245,6 @@ def test_bad_option_installs_nothing(fake_torch):
     assert t.swaps == [] and not _core.registry_has_factory()
 
 
-def test_install_without_a_kind_takes_the_default_kind_of_the_device(fake_torch, monkeypatch):
-    # install() with no pool named: the expandable arena where the device has virtual memory
-    # (pools.default_kind asks the driver), the arena over any other upstream named.
-    from poolkeeper import pools
-
-    asked = []
-    monkeypatch.setattr(pools, "default_kind", lambda device=0: asked.append(device) or "arena_expandable")
-    fake_torch()
-    inst = pk_torch.install()
-    assert (inst.kind, inst.upstream, asked) == ("arena_expandable", "virtual", [0])
-    assert pk_torch.install() is inst  # the same default again: the same installation
-
-
-def test_install_without_a_kind_over_a_named_upstream_is_the_arena(fake_torch, monkeypatch):
-    from poolkeeper import pools
-
-    monkeypatch.setattr(pools, "default_kind", lambda device=0: "arena_expandable")
-    fake_torch()
-    inst = pk_torch.install(upstream="simulated", initial_backing=1 << 20)
-    assert (inst.kind, inst.upstream) == ("arena", "simulated")
-
-
 def test_second_install_same_is_idempotent_different_is_refused(fake_torch):
     t = fake_torch()
     a = pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)

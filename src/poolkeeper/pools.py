@@ -320,18 +320,6 @@ def pool_kind(kind: str) -> PoolKind:
         raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(KINDS)})") from None
 
 
-def default_kind(device: int = 0) -> str:
-    """The pool kind a per-device entry point makes when none is named (``integrations.torch.install``):
-    ``"arena_expandable"`` where ``device`` supports CUDA virtual memory management, else ``"arena"``.
-
-    Chosen from measurement on real models (docs/integrations.md, "Which pool by default"): on the
-    H200 the expandable arena held 10-28% less than the arena at the same time per request, and
-    its range grows and shrinks by mapping pieces, so it gives memory back without fragmenting the
-    device. The arena needs nothing but ``cuMemAlloc``, so it serves devices and drivers without
-    virtual memory. Asks the driver (no context is made); without a driver: ``"arena"``."""
-    return "arena_expandable" if _core.cuda_virtual_memory_supported(int(device)) else "arena"
-
-
 def resolve_upstream(kind: str, upstream: Optional[str]) -> str:
     """The upstream name a pool of ``kind`` uses: ``upstream``, or the kind's CUDA default when
     None. Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name or a pair
@@ -420,7 +408,6 @@ __all__ = [
     "LoggingPool",
     "POOL_KINDS",
     "KINDS",
-    "default_kind",
     "PoolKind",
     "pool_kind",
     "resolve_upstream",

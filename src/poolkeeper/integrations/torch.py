@@ -186,7 +186,7 @@ def installation() -> Optional[Installation]:
 
 
 def install(
-    pool: Any = None,
+    pool: Any = "arena",
     device: Union[None, int, Sequence[int]] = None,
     *,
     upstream: Optional[str] = None,
@@ -197,10 +197,7 @@ def install(
     Args:
         pool: the pool kind made for each device (``"arena"``, ``"arena_expandable"``,
             ``"size_class"``, ``"direct"``: :data:`poolkeeper.pools.KINDS`), or an existing
-            device pool to serve its own device. None (default): ``"arena_expandable"`` where
-            the first device supports CUDA virtual memory management and ``upstream`` is None or
-            ``"virtual"``, else ``"arena"`` (:func:`poolkeeper.pools.default_kind`; the choice
-            is measured in docs/integrations.md, "Which pool by default").
+            device pool to serve its own device.
         device: devices whose pools are made now rather than on first use (None: all lazily).
         upstream: where each device pool gets memory: ``"device"`` (``cuMemAlloc``), ``"async"``
             (``cuMemAllocAsync``) or ``"virtual"`` (``CudaVirtual``: reserve and map, what
@@ -230,15 +227,10 @@ def install(
         AllocatorInitializedError: CUDA is already initialized (see the message for what to do).
     """
     global _INSTALLED
-    if pool is not None and not isinstance(pool, str):
+    if not isinstance(pool, str):
         _check_device_pool(pool)  # before torch is even imported: a wrong pool is wrong anywhere
     torch = _torch()
     _require_cuda_torch(torch, "poolkeeper.integrations.torch.install()")
-    if pool is None:
-        from poolkeeper.pools import default_kind
-
-        first = (_devices(device) or [0])[0]
-        pool = default_kind(first) if upstream in (None, "virtual") else "arena"
     if isinstance(pool, str):
         from poolkeeper.pools import resolve_cuda_upstream, set_device_factory
 
