@@ -246,6 +246,11 @@ def targets(cmp_: Dict[str, Dict[str, Any]],
     return out
 
 
+def table_head(*columns: str) -> List[str]:
+    """A Markdown table's header row and its separator."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def markdown(results: Dict[str, Any]) -> str:
     """The results as Markdown: a header line, then one table per workload."""
     meta = results.get("meta", {})
@@ -266,12 +271,9 @@ def markdown(results: Dict[str, Any]) -> str:
         plan = results.get("plan", {}).get(wl, {})
         dtypes = sorted({r.get("meta", {}).get("dtype") for r in runs.values() if r.get("meta")})
         lines += [f"## {titles.get(wl, wl)}", "", f"Plan: `{json.dumps(plan)}`, dtype {', '.join(dtypes) or '?'}.", ""]
-        lines += [
-            "| arm | peak reserved | peak live | reserved / live | vs torch | vs torch_expandable "
-            "| upstream allocs / frees | maps / unmaps | ms/request p50 | p90 | total ms | ms p50 vs torch "
-            "| total vs torch | decode step p50 (vs torch) | output | same as torch |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += table_head("arm", "peak reserved", "peak live", "reserved / live", "vs torch", "vs torch_expandable",
+                            "upstream allocs / frees", "maps / unmaps", "ms/request p50", "p90", "total ms",
+                            "ms p50 vs torch", "total vs torch", "decode step p50 (vs torch)", "output", "same as torch")
         for arm in results.get("arms", []):
             r = runs.get(arm)
             if r is None:
@@ -312,14 +314,10 @@ def markdown(results: Dict[str, Any]) -> str:
         times = results.get("round_times", {}).get(wl)
         if times:
             n = max(len(t["total_ms"]) for t in times.values())
-            lines += [
-                f"Time over {n} rounds (every arm once per round, the order rotated each round; summed request "
-                "time per round, ms):",
-                "",
-                "| arm | per round | median | median vs torch | per-round ratio vs torch | median of those "
-                "| fastest of the rounds, per request, summed | that vs torch |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
+            lines += [f"Time over {n} rounds (every arm once per round, the order rotated each round; summed request "
+                      "time per round, ms):", ""]
+            lines += table_head("arm", "per round", "median", "median vs torch", "per-round ratio vs torch",
+                                "median of those", "fastest of the rounds, per request, summed", "that vs torch")
             for arm in results.get("arms", []):
                 t = times.get(arm)
                 if t is None:
