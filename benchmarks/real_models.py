@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
@@ -112,12 +112,12 @@ def quantiles(xs: Iterable[float]) -> Dict[str, float]:
 
 
 def ratio(a: Any, b: Any) -> Optional[float]:
-    """a / b, or None when either is missing, not a number, or b is not positive."""
+    """a / b, or None when either is missing, not a finite number, or b is not positive."""
     try:
         a, b = float(a), float(b)
     except (TypeError, ValueError):
         return None
-    if math.isnan(a) or math.isnan(b) or b <= 0:
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         return None
     return a / b
 
@@ -192,15 +192,34 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     - against ``torch``: ``best_vs_torch``, ``median_vs_torch`` and ``paired_vs_torch`` (round i
       against torch's round i) with their median ``paired_median_vs_torch``.
 
-    Failed runs are left out; ratios are None without a ``torch`` run."""
-    def totals(runs: List[Dict[str, Any]]) -> List[Optional[float]]:
-        return [None if "error" in r else r.get("request_ms", {}).get("total") for r in runs]
+    Left out: failed runs, runs that served no request, and times that are not finite numbers
+    (a report is written whatever the runs did). The best of the rounds is compared with torch's
+    only over the same number of requests. Ratios are None without a ``torch`` run."""
+    def times(r: Any) -> Optional[List[float]]:  # the run's per-request times, or None
+        each = r.get("request_ms_each") if isinstance(r, dict) and "error" not in r else None
+        try:
+            xs = [float(x) for x in each or ()]
+        except (TypeError, ValueError):
+            return None
+        return xs if xs and all(math.isfinite(x) for x in xs) else None
 
-    def best(runs: List[Dict[str, Any]]) -> Optional[float]:
-        each = [r["request_ms_each"] for r in runs if "error" not in r and r.get("request_ms_each")]
+    def total(r: Any) -> Optional[float]:
+        if not isinstance(r, dict) or "error" in r or not isinstance(r.get("request_ms"), dict):
+            return None
+        if "request_ms_each" in r and times(r) is None:  # its requests' times are not numbers
+            return None
+        rq = r["request_ms"]
+        t = ratio(rq.get("total"), 1.0)  # a finite number or None
+        return t if t is not None and t > 0 and rq.get("n", 1) else None
+
+    def totals(runs: List[Dict[str, Any]]) -> List[Optional[float]]:
+        return [total(r) for r in runs]
+
+    def best(runs: List[Dict[str, Any]]) -> Optional[Tuple[float, int]]:  # (ms, requests)
+        each = [xs for xs in map(times, runs) if xs is not None]
         if not each or any(len(e) != len(each[0]) for e in each):
             return None
-        return math.fsum(min(xs) for xs in zip(*each))
+        return math.fsum(min(xs) for xs in zip(*each)), len(each[0])
 
     base = totals(rounds.get("torch", []))
     base_ok = [t for t in base if t is not None]
@@ -215,8 +234,8 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
         out[arm] = {
             "total_ms": ts,
             "median_ms": statistics.median(ok) if ok else None,
-            "best_ms": b,
-            "best_vs_torch": ratio(b, base_best),
+            "best_ms": b[0] if b else None,
+            "best_vs_torch": ratio(b[0], base_best[0]) if b and base_best and b[1] == base_best[1] else None,
             "median_vs_torch": ratio(statistics.median(ok), statistics.median(base_ok)) if ok and base_ok else None,
             "paired_median_vs_torch": statistics.median(paired) if paired else None,
             "paired_vs_torch": paired,
@@ -617,6 +636,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
     plan_name = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
     plan = PLANS[plan_name]
     workloads = _parse_list(args.workloads, WORKLOADS, "workload")
@@ -656,7 +677,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 run_arm_process("torch", wl, argparse.Namespace(**{**vars(args), "quick": True}), tmp)
                 print(f"[real_models] warm-up {wl} (not counted): {time.perf_counter() - t0:.1f} s", flush=True)
         rounds: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
-        for rnd, wl in ((rnd, wl) for rnd in range(max(1, args.rounds)) for wl in workloads):
+        for rnd, wl in ((rnd, wl) for rnd in range(args.rounds) for wl in workloads):
             # Rotated, so that no arm always runs first or right after the same neighbour: the
             # machine's speed drifts over minutes by more than the arms differ.
             for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:

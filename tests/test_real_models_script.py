@@ -253,3 +253,30 @@ def test_markdown_has_the_rounds_table():
     assert "Time over 2 rounds" in md
     row = next(l for l in md.splitlines() if l.startswith("| arena_expandable | 41.00, 41.00"))
     assert "1.025x" in row
+
+
+def test_round_times_leave_out_what_is_not_a_measured_round():
+    # Found by hostile probing: a run that served no request read as a 0 ms round and passed the
+    # time target; an arm with fewer requests than torch's was compared over them; NaN, inf and
+    # malformed records gave order-dependent results or raised while a report was being written.
+    def run(xs):
+        return {"request_ms": rm.quantiles(xs), "request_ms_each": list(xs)}
+
+    nan, inf = float("nan"), float("inf")
+    t = rm.round_times({"torch": [run([10, 20])], "empty": [run([])], "short": [run([5])],
+                        "odd": [run([nan]), {"request_ms": None}, {"request_ms": {"total": 1}, "request_ms_each": [None]}],
+                        "inf": [run([inf])]})
+    for arm in ("empty", "odd", "inf"):
+        assert t[arm]["median_ms"] is None and t[arm]["best_ms"] is None, (arm, t[arm])
+        assert t[arm]["paired_median_vs_torch"] is None and t[arm]["best_vs_torch"] is None
+        assert rm.targets({"arena": {}}, {"arena": t[arm]})["arena"]["time"] is None
+    assert t["short"]["best_ms"] == 5.0 and t["short"]["best_vs_torch"] is None  # 1 request against 2
+    # NaN first or last: the same answer.
+    a = rm.round_times({"torch": [run([1])] * 3, "arena": [run([nan]), run([5]), run([1])]})["arena"]
+    b = rm.round_times({"torch": [run([1])] * 3, "arena": [run([1]), run([5]), run([nan])]})["arena"]
+    assert a["median_ms"] == b["median_ms"] == 3.0 and a["best_ms"] == b["best_ms"] == 1.0
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(SystemExit):
+        rm.main(["--rounds", "0", "--device", "cpu", "--arms", "torch", "--quick"])
