@@ -58,8 +58,15 @@ def test_limit_is_diagnosed():
         with pytest.raises(pk.OutOfMemoryError) as ei:
             pool.allocate(2 * MiB)
         assert ei.value.cause == "limit"
-        assert "limit of 1.00 MiB reached" in str(ei.value)
+        # The request alone exceeds the limit: the message says so rather than "limit reached"
+        # of a pool holding nothing (found by hostile probing).
+        assert "the request alone is larger than the limit of 1.00 MiB" in str(ei.value)
         pool.validate()
+        held = pool.allocate(768 * KiB)
+        with pytest.raises(pk.OutOfMemoryError) as ei:
+            pool.allocate(512 * KiB)  # fits the limit, not what is left of it
+        assert ei.value.cause == "limit" and "limit of 1.00 MiB reached" in str(ei.value)
+        pool.deallocate(held)
         pool.deallocate(pool.allocate(1000))
 
 

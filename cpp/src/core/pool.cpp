@@ -201,8 +201,14 @@ void Pool::throw_oom(OomFigures f, std::size_t need, bool limit_hit, FreeFit fit
   d << "out of memory in " << f.pool << ": requested " << format_bytes(f.requested) << "; ";
   switch (f.cause) {
     case OomCause::Limit:
-      d << "limit of " << format_bytes(f.limit) << " reached (" << format_bytes(f.reserved) << " reserved, "
-        << format_bytes(f.live) << " live, " << format_bytes(f.free) << " free)";
+      // A request larger than the limit itself is not the pool being full: say so (an empty
+      // pool had reported "limit of 32.00 MiB reached (2.00 MiB reserved, 0 B live ...)").
+      if (need > f.limit)
+        d << "the request alone is larger than the limit of " << format_bytes(f.limit) << " (";
+      else
+        d << "limit of " << format_bytes(f.limit) << " reached (";
+      d << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live) << " live, " << format_bytes(f.free)
+        << " free)";
       break;
     case OomCause::Pending: {
       std::size_t top_bytes = 0;
