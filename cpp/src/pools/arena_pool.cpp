@@ -463,7 +463,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   std::string upstream_error;
   for (int attempt = 0; attempt < 2; ++attempt) {
     try {
-      return carve_locked(source_->grow(rounded), rounded, nbytes, s);
+      return carve_locked(source_->grow(rounded, g), rounded, nbytes, s);
     } catch (const LimitHit&) {
     } catch (const UpstreamOutOfMemory& e) {
       upstream_error = e.what();

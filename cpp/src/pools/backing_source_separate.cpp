@@ -10,7 +10,10 @@ class SeparateBackings final : public BackingSource {
  public:
   using BackingSource::BackingSource;
 
-  ArenaChunk* grow(std::size_t rounded) override {
+  // The upstream call runs with the lock let go: a cuMemAlloc costs 90-900 us, and under it every
+  // other thread of the shard waited (the locked paths' p99 at 16 threads). The bytes are claimed
+  // in the budget first, so concurrent growths cannot pass the limit together.
+  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) override {
     const ArenaOptions& opt = a_.opt_;
     const bool oversize = rounded > opt.oversize_threshold;
     std::size_t size = rounded;
@@ -22,14 +25,39 @@ class SeparateBackings final : public BackingSource {
       size = std::max(rounded, align_up(r, opt.alignment));
     }
     // Bytes on their way back count against the limit (a refused release comes back).
-    if (!(size = a_.budget_.grant(rounded, size, opt.alignment))) throw LimitHit{};
-    void* p;
-    try {
-      p = a_.upstream_alloc(size);
-    } catch (const UpstreamOutOfMemory&) {
-      if (size == rounded) throw;
-      size = rounded;  // the ramp asked for more than needed: ask for just the request
-      p = a_.upstream_alloc(size);
+    if (!(size = a_.budget_.grant(rounded, size, opt.alignment)) || !a_.budget_.claim(size)) throw LimitHit{};
+    void* p = nullptr;
+    for (;;) {
+      g.unlock();
+      bool again = false;
+      try {
+        p = a_.upstream_alloc(size);
+      } catch (const UpstreamOutOfMemory&) {
+        g.lock();
+        a_.budget_.cancel(size);
+        if (size == rounded) throw;
+        size = rounded;  // the ramp asked for more than needed: ask for just the request
+        if (!a_.budget_.claim(size)) throw LimitHit{};
+        again = true;
+      } catch (...) {
+        g.lock();
+        a_.budget_.cancel(size);
+        throw;
+      }
+      if (!again) break;
+    }
+    g.lock();
+    a_.budget_.cancel(size);  // adopt_locked() books them as reserved
+    if (a_.closed()) {
+      // Closed while the upstream was busy (close() needs a quiet pool; this keeps the memory
+      // from leaking all the same).
+      g.unlock();
+      try {
+        a_.upstream_free(p, size);
+      } catch (...) {
+      }
+      g.lock();
+      a_.check_open();
     }
     ++a_.ev_.backings_created;
     if (oversize) ++a_.ev_.oversize_backings_created;

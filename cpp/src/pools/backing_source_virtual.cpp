@@ -54,7 +54,8 @@ class VirtualRange final : public BackingSource {
   // the free chunk ending at the hole, or a fraction of what is mapped (fewer map calls as the
   // footprint grows), whichever is larger, clamped to max_step and to the hole. It is mapped in
   // pieces of at most map_piece bytes.
-  ArenaChunk* grow(std::size_t rounded) override {
+  // Maps under the lock (`g` stays held): the range's holes and pieces are its books.
+  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>&) override {
     const ArenaOptions& opt = a_.opt_;
     const bool quiet = a_.upstream_->captures_underway() == 0;
     // Stitching serves the request from memory already mapped. Never while a capture scope is

@@ -57,7 +57,8 @@
 // Thread safety: all members may be called concurrently; validate() and close() need quiescence.
 // One lock per shard (mu_, a SpinMutex) for everything outside the thread caches; a shard lock is
 // never held while another is taken, except by close() (shard 0, then an inner one). Upstream frees run after it is
-// released (free_detached); growth and the expandable map/unmap call the upstream under the
+// released (free_detached); a new separate backing is allocated with the lock let go (its bytes
+// claimed in the budget first); the expandable arena's map/unmap call the upstream under the
 // growing shard's lock only (docs/threads.md).
 #pragma once
 #include <memory>

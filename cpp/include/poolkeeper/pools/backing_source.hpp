@@ -9,7 +9,8 @@
 // - VirtualRange (option `expandable`): one reserved virtual range; physical pieces are mapped
 //   into it and unmapped again (backing_source_virtual.cpp, docs/expandable.md).
 //
-// Contract: every member runs under the arena's lock (validate()/stats() too); a source touches
+// Contract: every member runs under the arena's lock (validate()/stats() too; grow() may let go of
+// it around its upstream call, below); a source touches
 // the arena's books (backings, chunks, free index, reserved bytes, counters) only through the
 // arena it was made for. No member may unmap or free while a capture scope is open
 // (upstream->captures_underway() > 0): the arena does not call release_free / release_for_oom then,
@@ -26,7 +27,10 @@
 #include <utility>
 #include <vector>
 
+#include <mutex>
+
 #include "poolkeeper/detail/arena_types.hpp"
+#include "poolkeeper/detail/spin_mutex.hpp"
 #include "poolkeeper/core/pool.hpp"
 
 namespace poolkeeper {
@@ -57,8 +61,12 @@ class BackingSource {
   BackingSource(const BackingSource&) = delete;
   BackingSource& operator=(const BackingSource&) = delete;
 
-  // A Free chunk of at least `rounded` bytes, out of the free index (the caller carves it).
-  virtual ArenaChunk* grow(std::size_t rounded) = 0;
+  // A Free chunk of at least `rounded` bytes, out of the free index (the caller carves it). `g`
+  // holds the arena's lock; a source may unlock it for its upstream call and lock it again before
+  // it returns or throws (SeparateBackings does: one thread's cuMemAlloc no longer stalls every
+  // other thread of the shard). Other threads may then change the books meanwhile, and the pool
+  // may have been closed: the source rechecks, gives the memory back and throws PoolClosed.
+  virtual ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) = 0;
   // Give back wholly free memory: everything that can go (hysteresis false: trim) or what stayed
   // free for shrink_hysteresis consecutive scans. Memory put in `out` is freed by the caller
   // outside the lock (a refusal comes back through readopt()); a source that must release under
