@@ -5,7 +5,8 @@ same lock waited for the driver (the locked paths' p99 tail under many threads).
 its bytes in the pool's budget, unlocks, calls the upstream, and locks again to adopt the backing.
 These tests use a simulated device whose every call busy-waits a second, so "the other thread did
 not wait" is an order of events, not a timing: the other thread's pair completes while the growth
-is still inside the upstream call. The expandable arena maps under its lock (its range is its
+is still inside the upstream call. A thread that misses meanwhile does wait for the growth, and
+then shares it. The expandable arena maps under its lock (its range is its
 books) and is not covered here.
 """
 from __future__ import annotations
@@ -63,8 +64,9 @@ def test_another_threads_pair_does_not_wait_for_a_growth_in_the_upstream():
 
 
 def test_concurrent_growths_do_not_pass_the_limit_together():
-    # Each growth claims its bytes before it lets the lock go: with room for one 40 MiB backing
-    # under the limit, of two threads growing at once one gets it and the other a limit error.
+    # A growth claims its bytes before it lets the lock go, and a second thread that misses waits
+    # for it: with room for one 40 MiB backing under the limit, of two threads that need one at
+    # once, one gets it and the other a limit error, and the device never holds more.
     up, pool = _slow_pool(limit=48 * MiB)
     out_a: list = []
     out_b: list = []
@@ -104,4 +106,53 @@ def test_a_refused_growth_with_the_lock_let_go_leaves_the_books_whole():
     pool.validate()
     assert pool.stats()["reserved_bytes"] == up.counters()["outstanding_bytes"]
     pool.deallocate(keep)
+    pool.close()
+
+
+def test_a_miss_during_a_growth_in_flight_waits_for_it_instead_of_failing_the_limit():
+    # Found by hostile probing: the growth's bytes are claimed while it is in the upstream; a
+    # second thread that missed meanwhile found the limit "reached" and raised, though the first
+    # thread's new backing was about to hold 7 MiB free. It now waits for that growth to land.
+    up = pk.upstream.Simulated(latency_us=1_000_000)
+    pool = pk.ArenaPool(up, shards=1, thread_cache_bytes=0, initial_backing=4 * MiB, growth_factor=2.0,
+                        limit=12 * MiB)
+    first = pool.allocate(4 * MiB)  # the first backing, full
+    out: list = []
+    t, _ = _grow_in_thread(pool, 1 * MiB, out)  # an 8 MiB ramp step: held 12 MiB while in flight
+    second = pool.allocate(1 * MiB)  # served from that step once it lands
+    t.join(30)
+    assert isinstance(out[0], int), out
+    st = pool.stats()
+    assert st["upstream_allocations"] == 2 and st["reserved_bytes"] == 12 * MiB, st
+    for p in (first, second, out[0]):
+        pool.deallocate(p)
+    pool.validate()
+    pool.close()
+
+
+def test_threads_that_miss_together_share_one_growth():
+    # Found by hostile probing: 8 threads that missed at once each grew a backing of their own
+    # (68 MiB reserved for 6 MiB live) and ran the ramp up to max_backing; the lock held through
+    # the growth had made them share one. Waiting for the growth in flight does so again.
+    up = pk.upstream.Simulated(latency_us=300_000)
+    pool = pk.ArenaPool(up, shards=1, thread_cache_bytes=0, initial_backing=4 * MiB, growth_factor=2.0)
+    first = pool.allocate(4 * MiB)
+    barrier = threading.Barrier(8)
+    got: list = []
+
+    def worker():
+        barrier.wait(30)
+        got.append(pool.allocate(256 * 1024))
+
+    ts = [threading.Thread(target=worker) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    st = pool.stats()
+    assert len(got) == 8
+    assert st["upstream_allocations"] == 2 and st["reserved_bytes"] == 12 * MiB, st  # one 8 MiB step
+    for p in got + [first]:
+        pool.deallocate(p)
+    pool.validate()
     pool.close()

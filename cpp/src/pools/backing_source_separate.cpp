@@ -1,5 +1,6 @@
 // SeparateBackings: each backing is one upstream allocation (backing_source.hpp).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "poolkeeper/pools/arena_pool.hpp"
@@ -26,6 +27,7 @@ class SeparateBackings final : public BackingSource {
     }
     // Bytes on their way back count against the limit (a refused release comes back).
     if (!(size = a_.budget_.grant(rounded, size, opt.alignment)) || !a_.budget_.claim(size)) throw LimitHit{};
+    InFlight in_flight{growing_};  // under the lock again whenever it ends
     void* p = nullptr;
     for (;;) {
       g.unlock();
@@ -62,6 +64,15 @@ class SeparateBackings final : public BackingSource {
     ++a_.ev_.backings_created;
     if (oversize) ++a_.ev_.oversize_backings_created;
     return adopt(reinterpret_cast<std::uintptr_t>(p), size, oversize)->first;
+  }
+
+  bool wait_for_growth(std::unique_lock<SpinMutex>& g) override {
+    const std::uint32_t n = growing_.load(std::memory_order_acquire);
+    if (!n) return false;
+    g.unlock();
+    growing_.wait(n, std::memory_order_acquire);
+    g.lock();
+    return true;
   }
 
   // Wholly free, non-resident backings: all of them, or those wholly free for shrink_hysteresis
@@ -107,6 +118,18 @@ class SeparateBackings final : public BackingSource {
     if (!oversize) ++ramp_steps_;
     return a_.adopt_locked(addr, size, oversize, resident);
   }
+
+  // A growth in its upstream call (0 or 1: wait_for_growth() keeps a second one from starting).
+  // Written under the arena's lock; waited on (and read) without it.
+  struct InFlight {
+    std::atomic<std::uint32_t>& n;
+    explicit InFlight(std::atomic<std::uint32_t>& c) : n(c) { n.fetch_add(1, std::memory_order_relaxed); }
+    ~InFlight() {
+      n.fetch_sub(1, std::memory_order_release);
+      n.notify_all();
+    }
+  };
+  std::atomic<std::uint32_t> growing_{0};
 
   bool resident_assigned_ = false;
   std::size_t ramp_steps_ = 0;  // ramp backings ever made: the ramp never restarts after a shrink
