@@ -5,8 +5,8 @@ same lock waited for the driver (the locked paths' p99 tail under many threads).
 its bytes in the pool's budget, unlocks, calls the upstream, and locks again to adopt the backing.
 These tests use a simulated device whose every call busy-waits a second, so "the other thread did
 not wait" is an order of events, not a timing: the other thread's pair completes while the growth
-is still inside the upstream call. A thread that misses meanwhile does wait for the growth, and
-then shares it. The expandable arena maps under its lock (its range is its
+is still inside the upstream call. A thread that misses meanwhile waits for the growth when its
+step could serve that thread too, and then shares it; oversize requests grow side by side. The expandable arena maps under its lock (its range is its
 books) and is not covered here.
 """
 from __future__ import annotations
@@ -153,6 +153,37 @@ def test_threads_that_miss_together_share_one_growth():
     assert len(got) == 8
     assert st["upstream_allocations"] == 2 and st["reserved_bytes"] == 12 * MiB, st  # one 8 MiB step
     for p in got + [first]:
+        pool.deallocate(p)
+    pool.validate()
+    pool.close()
+
+
+def test_oversize_requests_grow_side_by_side():
+    # Found by hostile probing: a thread waited for any growth in flight, though an oversize
+    # request's backing is exactly its size and can serve no one else, so N threads asking for
+    # oversize blocks at once paid N upstream calls one after another. A thread now waits only for
+    # a growth whose step could serve it too. Four one-second upstream calls side by side take
+    # about one second; one after another, four.
+    up = pk.upstream.Simulated(latency_us=1_000_000)
+    pool = pk.ArenaPool(up, shards=1, thread_cache_bytes=0)
+    barrier = threading.Barrier(4)
+    got: list = []
+
+    def worker():
+        barrier.wait(30)
+        got.append(pool.allocate(40 * MiB))
+
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    took = time.monotonic() - t0
+    assert len(got) == 4
+    assert took < 3.0, f"4 oversize growths took {took:.1f} s: they ran one after another"
+    assert pool.stats()["upstream_allocations"] == 4
+    for p in got:
         pool.deallocate(p)
     pool.validate()
     pool.close()

@@ -458,12 +458,13 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
     return r;
   }
 
-  // Another thread's growth is in the upstream (with the lock let go): wait for it to land and look
-  // again before growing beside it. Growing beside it gave every thread that missed at once a
-  // backing of its own and ran the ramp up to max_backing (8 threads: 68 MiB reserved for 6 MiB
-  // live), and with a limit the bytes claimed in flight refused the second thread outright though
-  // the first one's backing would have served it (both found by hostile probing).
-  while (source_->wait_for_growth(g)) {
+  // Another thread's growth is in the upstream (with the lock let go) and its step could serve this
+  // request too: wait for it to land and look again before growing beside it. Growing beside it
+  // gave every thread that missed at once a backing of its own and ran the ramp up to max_backing
+  // (8 threads: 68 MiB reserved for 6 MiB live), and with a limit the bytes claimed in flight
+  // refused the second thread outright though the first one's backing would have served it (both
+  // found by hostile probing).
+  while (source_->wait_for_growth(g, rounded)) {
     check_open();
     if (void* r = reuse_locked(rounded, nbytes, s)) {
       refill_cache_locked(rounded);

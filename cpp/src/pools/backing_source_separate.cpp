@@ -27,7 +27,7 @@ class SeparateBackings final : public BackingSource {
     }
     // Bytes on their way back count against the limit (a refused release comes back).
     if (!(size = a_.budget_.grant(rounded, size, opt.alignment)) || !a_.budget_.claim(size)) throw LimitHit{};
-    InFlight in_flight{growing_};  // under the lock again whenever it ends
+    InFlight in_flight{*this, size - rounded};  // ends under the lock, whichever way grow() leaves
     void* p = nullptr;
     for (;;) {
       g.unlock();
@@ -39,6 +39,7 @@ class SeparateBackings final : public BackingSource {
         a_.budget_.cancel(size);
         if (size == rounded) throw;
         size = rounded;  // the ramp asked for more than needed: ask for just the request
+        in_flight.set_spare(0);
         if (!a_.budget_.claim(size)) throw LimitHit{};
         again = true;
       } catch (...) {
@@ -66,9 +67,12 @@ class SeparateBackings final : public BackingSource {
     return adopt(reinterpret_cast<std::uintptr_t>(p), size, oversize)->first;
   }
 
-  bool wait_for_growth(std::unique_lock<SpinMutex>& g) override {
+  // Waits only for growths whose spare (the step beyond their own request) could serve `rounded`:
+  // an oversize request, or a step cut to its request, serves no one else, and waiting behind it
+  // made N concurrent oversize requests pay N upstream calls one after another (hostile probing).
+  bool wait_for_growth(std::unique_lock<SpinMutex>& g, std::size_t rounded) override {
     const std::uint32_t n = growing_.load(std::memory_order_acquire);
-    if (!n) return false;
+    if (!n || spare_in_flight_ < rounded) return false;
     g.unlock();
     growing_.wait(n, std::memory_order_acquire);
     g.lock();
@@ -119,17 +123,31 @@ class SeparateBackings final : public BackingSource {
     return a_.adopt_locked(addr, size, oversize, resident);
   }
 
-  // A growth in its upstream call (0 or 1: wait_for_growth() keeps a second one from starting).
-  // Written under the arena's lock; waited on (and read) without it.
-  struct InFlight {
-    std::atomic<std::uint32_t>& n;
-    explicit InFlight(std::atomic<std::uint32_t>& c) : n(c) { n.fetch_add(1, std::memory_order_relaxed); }
-    ~InFlight() {
-      n.fetch_sub(1, std::memory_order_release);
-      n.notify_all();
+  // Growths in their upstream call: how many (written under the arena's lock, waited on without
+  // it) and the bytes their steps hold beyond their own requests (guarded by the arena's lock).
+  // Invariant, under the lock: spare_in_flight_ == sum of the InFlight spares alive.
+  class InFlight {
+   public:
+    InFlight(SeparateBackings& src, std::size_t spare) : src_(src), spare_(spare) {
+      src_.spare_in_flight_ += spare_;
+      src_.growing_.fetch_add(1, std::memory_order_relaxed);
     }
+    void set_spare(std::size_t spare) {
+      src_.spare_in_flight_ = src_.spare_in_flight_ - spare_ + spare;
+      spare_ = spare;
+    }
+    ~InFlight() {
+      src_.spare_in_flight_ -= spare_;
+      src_.growing_.fetch_sub(1, std::memory_order_release);
+      src_.growing_.notify_all();
+    }
+
+   private:
+    SeparateBackings& src_;
+    std::size_t spare_;
   };
   std::atomic<std::uint32_t> growing_{0};
+  std::size_t spare_in_flight_ = 0;
 
   bool resident_assigned_ = false;
   std::size_t ramp_steps_ = 0;  // ramp backings ever made: the ramp never restarts after a shrink

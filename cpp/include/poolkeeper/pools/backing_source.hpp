@@ -67,11 +67,11 @@ class BackingSource {
   // other thread of the shard). Other threads may then change the books meanwhile, and the pool
   // may have been closed: the source rechecks, gives the memory back and throws PoolClosed.
   virtual ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) = 0;
-  // If another thread's grow() is in its upstream call with the lock let go: wait for it to land
-  // (`g` unlocked meanwhile, locked again on return) and return true, so that the caller looks for
-  // a fit again before it grows itself. False at once when none is in flight: then the caller's
-  // own grow() starts under the same lock hold, so at most one growth is in flight at a time.
-  virtual bool wait_for_growth(std::unique_lock<SpinMutex>&) { return false; }
+  // If another thread's grow() is in its upstream call with the lock let go and its step could
+  // also serve `rounded` bytes: wait for it to land (`g` unlocked meanwhile, locked again on
+  // return) and return true, so that the caller looks for a fit again before it grows itself.
+  // False at once otherwise: the caller grows beside it.
+  virtual bool wait_for_growth(std::unique_lock<SpinMutex>&, std::size_t /*rounded*/) { return false; }
   // Give back wholly free memory: everything that can go (hysteresis false: trim) or what stayed
   // free for shrink_hysteresis consecutive scans. Memory put in `out` is freed by the caller
   // outside the lock (a refusal comes back through readopt()); a source that must release under
