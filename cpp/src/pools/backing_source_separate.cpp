@@ -11,9 +11,9 @@ class SeparateBackings final : public BackingSource {
  public:
   using BackingSource::BackingSource;
 
-  // The upstream call runs with the lock let go: a cuMemAlloc costs 90-900 us, and under it every
-  // other thread of the shard waited (the locked paths' p99 at 16 threads). The bytes are claimed
-  // in the budget first, so concurrent growths cannot pass the limit together.
+  // The upstream call runs with the lock let go: a cuMemAlloc costs 90-900 us, and under the lock
+  // every other thread of the shard waited for it, even those its free memory could serve. The
+  // bytes are claimed in the budget first, so concurrent growths cannot pass the limit together.
   ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) override {
     const ArenaOptions& opt = a_.opt_;
     const bool oversize = rounded > opt.oversize_threshold;
