@@ -35,7 +35,9 @@ Pool* get(int device);
 namespace detail {
 // One per thread that calls through the C ABI: the pool it is inside right now. Records are never
 // freed (a thread's record is reused by a later thread), so a scan never reads freed memory.
-struct Hazard {
+// alignas: every C ABI call stores into its thread's record twice; two threads' records on one
+// cache line would pass that line between their cores at every call.
+struct alignas(64) Hazard {
   std::atomic<Pool*> ptr{nullptr};
   std::atomic<bool> taken{false};
   Hazard* next = nullptr;
