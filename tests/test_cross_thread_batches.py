@@ -1,10 +1,13 @@
 """Blocks freed by one thread and allocated by another (issue 20).
 
-A producer/consumer server allocates on one thread and frees on another. Before, every such block
-crossed the pool lock alone: the consumer's cache filled, the producer's ran dry, and under many
-threads every call met on the lock (benchmarks/thread_scaling.py's "mixed, cross-thread frees"
-collapsed below one thread's rate). Now a full cache gives back a bin's worth under one lock
-acquisition and a missed allocation takes a bin's worth along. These tests count the locked calls.
+A producer/consumer server allocates on one thread and frees on another. At first every such
+block crossed the pool lock alone: the consumer's cache filled, the producer's ran dry, and under
+many threads every call met on the lock (benchmarks/thread_scaling.py's "mixed, cross-thread frees"
+collapsed below one thread's rate). Then a bin's worth crossed under one lock acquisition (a full
+cache spilled a bin into the books, a missed allocation refilled a bin from them), still on the
+pool lock every thread meets. Now a full cache hands a bin to the transfer cache and a dry one takes
+it from there, under a lock of their own; the books see only what the transfer cache has no room
+for. These tests count the locked calls.
 
 The expandable arena's shrink scans, too: a piece a loop reuses between scans is not idle, and
 giving it back at every scan cost a map and an unmap each time.
@@ -52,7 +55,7 @@ def _handoff_rounds(pool, nbytes: int, rounds: int, per_round: int = 8) -> None:
         t.join(30)
 
 
-def test_a_consumer_thread_gives_blocks_back_in_batches_and_the_producer_takes_them_in_batches():
+def test_a_consumer_thread_hands_bins_to_the_producer_without_the_pool_lock():
     # Small caches: the consumer's fills after 16 blocks of 64 KiB.
     pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=1 * MiB, shards=1)
     rounds, per_round = 200, 8
@@ -60,13 +63,127 @@ def test_a_consumer_thread_gives_blocks_back_in_batches_and_the_producer_takes_t
     st = pool.stats()
     pool.validate()
     blocks = rounds * per_round
-    # One block per locked call before: every producer allocation missed its empty cache and every
-    # consumer free past its budget took the lock. Now about one locked call per bin of 8.
-    assert st["slow_allocations"] <= blocks // 4, st
-    assert st["slow_deallocations"] <= blocks // 4, st
-    assert st["cache_refills"] > 0 and st["cache_spills"] > 0, st
+    # At first one block per locked call (every producer allocation missed its empty cache, every
+    # consumer free past its budget took the lock), then one per bin of 8 (spills and refills
+    # through the books). Now only the first rounds take the lock, before the consumer's first
+    # handover: then every round's bin crosses through the transfer cache.
+    assert st["slow_allocations"] <= blocks // 32, st
+    assert st["slow_deallocations"] <= blocks // 32, st
+    assert st["transfer_handovers"] >= rounds // 2 and st["transfer_takes"] >= rounds // 2, st
+    assert st["cache_refills"] + st["cache_spills"] <= 2, st
+    assert st["upstream_allocations"] == 1, st
     assert st["live_bytes"] == 0
     assert st["reserved_bytes"] == st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"] + st["live_bytes"]
+    pool.close()
+
+
+def test_a_full_transfer_cache_leaves_the_rest_to_the_books_and_the_producer_takes_both():
+    # The transfer cache holds at most two caches' budgets (2 MiB here): what the consumer frees
+    # beyond its own cache and that goes into the books, as before the transfer cache.
+    budget = 1 * MiB
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=budget, shards=1)
+    ps = [pool.allocate(64 * KiB) for _ in range(96)]  # 6 MiB; this thread has a cache now
+    grown = pool.stats()["upstream_allocations"]
+
+    def consume():
+        for p in ps:
+            pool.deallocate(p)
+        return pool.stats()
+
+    with _worker() as w:
+        mid = w.submit(consume).result(30)
+        pool.validate()
+        assert mid["transfer_cached"] == 2 * budget, mid
+        assert mid["cache_spills"] + mid["slow_deallocations"] > 0, mid  # the rest: the books
+        assert mid["thread_cached_bytes"] <= 3 * budget, mid  # the consumer's cache + the transfer cache
+        assert mid["live_bytes"] == 0, mid
+        again = [pool.allocate(64 * KiB) for _ in range(96)]
+        st = pool.stats()
+    assert st["transfer_takes"] >= 4 and st["transfer_cached"] < 2 * budget, st
+    assert st["upstream_allocations"] == grown, st  # all of it reused
+    _free_all_validate_close(pool, again)
+
+
+def test_transferred_blocks_are_reclaimed_before_an_out_of_memory_error():
+    # Limit 3 MiB. The first 2 MiB backing is handed out in 64 KiB blocks; another thread frees
+    # them all: 1 MiB stays in its cache, 1 MiB goes to the transfer cache. A 2 MiB request then
+    # fits only once both come back and merge: without the transfer cache in the reclaim, half
+    # of the backing stayed out of reach and the request failed inside the limit.
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), limit=3 * MiB, initial_backing=2 * MiB,
+                        max_backing=2 * MiB, thread_cache_bytes=1 * MiB)
+    ps = [pool.allocate(64 * KiB) for _ in range(32)]
+    assert pool.stats()["reserved_bytes"] == 2 * MiB
+    with _worker() as w:
+        w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        st = pool.stats()
+        assert st["transfer_cached"] == 1 * MiB and st["thread_cached_bytes"] == 2 * MiB, st
+        big = pool.allocate(2 * MiB)
+    st = pool.stats()
+    assert st["reserved_bytes"] == 2 * MiB and st["transfer_cached"] == 0, st
+    _free_all_validate_close(pool, [big])
+
+
+def test_the_transfer_cache_empties_when_one_cache_is_left():
+    # It is a bridge between caches, and a lone cache never takes from it: when the consumer
+    # exits, what it handed over goes back to the books, not stranded until the next reclaim.
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=1 * MiB, shards=1)
+    ps = [pool.allocate(64 * KiB) for _ in range(32)]
+    t = threading.Thread(target=lambda: [pool.deallocate(p) for p in ps])
+    t.start()
+    t.join(30)
+    st = pool.stats()
+    assert st["transfer_handovers"] >= 1, st
+    assert st["transfer_cached"] == 0 and st["thread_cached_bytes"] == 0, st
+    assert st["free_bytes"] >= 32 * 64 * KiB, st
+    pool.validate()
+    pool.close()
+
+
+def test_a_block_in_the_transfer_cache_freed_again_is_a_double_free_and_the_books_hold():
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=1 * MiB, shards=1)
+    ps = [pool.allocate(64 * KiB) for _ in range(32)]
+    with _worker() as w:
+        w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        assert pool.stats()["transfer_cached"] == 1 * MiB
+        # The consumer kept two bins (16 blocks); the other 16 went on to the transfer cache.
+        for p in ps:
+            with pytest.raises(pk.errors.InvalidPointerError, match="double free|freed"):
+                pool.deallocate(p)
+            with pytest.raises(pk.errors.InvalidPointerError, match="double free|freed"):
+                w.submit(pool.deallocate, p).result(30)
+        st = pool.stats()
+        assert st["transfer_cached"] == 1 * MiB and st["live_bytes"] == 0, st
+        pool.validate()
+        again = [pool.allocate(64 * KiB) for _ in range(16)]
+        st = pool.stats()
+        assert len(set(again)) == 16 and set(again) <= set(ps)  # the transferred blocks, each once
+        assert st["transfer_takes"] == 2 and st["transfer_cached"] == 0, st
+    _free_all_validate_close(pool, again)
+
+
+def test_stats_sampled_while_native_threads_pass_bins_across_always_balance():
+    # Eight native threads (no GIL), each round's blocks freed by the next thread, while this
+    # thread samples stats(): a handover moves bytes from one cache's counters to the transfer
+    # cache's, and a sample that read the cache before and the transfer cache after the move would
+    # count them twice.
+    from test_threads import REGISTRY_DEVICE, _sample_stats_while
+    from poolkeeper import _core
+
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=1 * MiB, shards=1)
+    _core.registry_set(REGISTRY_DEVICE, pool)
+    try:
+        samples, bad = _sample_stats_while(
+            pool, lambda: _core.capi_bench_threads(REGISTRY_DEVICE, [64 * KiB, 256 * KiB], 8, 0.5, True, warmup=0.0))
+    finally:
+        _core.registry_set(REGISTRY_DEVICE, None)
+    st = pool.stats()
+    assert st["transfer_handovers"] > 0 and st["transfer_takes"] > 0, st
+    assert samples >= 20
+    assert not bad, f"{len(bad)} of {samples} samples broke the equation, e.g. {bad[0]}"
+    pool.validate()
+    pool.trim()
+    assert pool.stats()["transfer_cached"] == 0
+    pool.validate()
     pool.close()
 
 
@@ -80,6 +197,7 @@ def test_a_single_thread_pool_keeps_its_free_chunks_in_the_pool():
             pool.deallocate(p)
     st = pool.stats()
     assert st["cache_refills"] == 0 and st["cache_spills"] == 0, st
+    assert st["transfer_handovers"] == 0 and st["transfer_cached"] == 0, st
     pool.validate()
     pool.close()
 

@@ -69,7 +69,8 @@ void fail(const std::string& what) {
 
 struct Counts {
   std::atomic<std::uint64_t> ops{0}, allocs{0}, frees{0}, handoffs{0}, cross_frees{0}, stream_ops{0}, probes{0},
-      trims{0}, stats_checks{0}, snapshots{0}, validations{0}, cookies_checked{0}, reclaims{0}, dead_streams{0};
+      trims{0}, stats_checks{0}, snapshots{0}, validations{0}, cookies_checked{0}, reclaims{0}, dead_streams{0},
+      handovers{0};
 };
 Counts g_counts;
 
@@ -315,6 +316,8 @@ class Run {
       pool_->validate();
       g_counts.validations.fetch_add(1);
       const PoolStats st = pool_->stats();
+      for (const auto& [k, v] : st.extra)
+        if (k == "transfer_handovers") g_counts.handovers.fetch_add(v);  // bins passed between thread caches
       if (st.live != 0 || st.live_blocks != 0 || st.thread_cached != 0)
         fail(c_.name + ": after all threads exited: live " + std::to_string(st.live) + " B in " +
              std::to_string(st.live_blocks) + " blocks, " + std::to_string(st.thread_cached) + " B still thread-cached");
@@ -781,7 +784,7 @@ int main(int argc, char** argv) {
       "stress: scenario=%s pools=%d threads=%d seed=%llu operations=%llu (allocations=%llu frees=%llu "
       "cross-thread frees=%llu hand-offs=%llu stream ops=%llu bad-pointer probes=%llu trims=%llu "
       "concurrent stats checks=%llu snapshots=%llu cookies checked=%llu validations=%llu cache reclaims=%llu "
-      "dead streams=%llu) known-issue skips=%llu failures=%llu\n",
+      "dead streams=%llu cache handovers=%llu) known-issue skips=%llu failures=%llu\n",
       o.scenario.c_str(), ran, o.threads, static_cast<unsigned long long>(o.seed),
       static_cast<unsigned long long>(k.ops.load()), static_cast<unsigned long long>(k.allocs.load()),
       static_cast<unsigned long long>(k.frees.load()), static_cast<unsigned long long>(k.cross_frees.load()),
@@ -790,6 +793,6 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(k.stats_checks.load()), static_cast<unsigned long long>(k.snapshots.load()),
       static_cast<unsigned long long>(k.cookies_checked.load()), static_cast<unsigned long long>(k.validations.load()),
       static_cast<unsigned long long>(k.reclaims.load()), static_cast<unsigned long long>(k.dead_streams.load()),
-      static_cast<unsigned long long>(g_known.load()), static_cast<unsigned long long>(g_failures.load()));
+      static_cast<unsigned long long>(k.handovers.load()), static_cast<unsigned long long>(g_known.load()), static_cast<unsigned long long>(g_failures.load()));
   return g_failures.load() ? 1 : 0;
 }

@@ -29,6 +29,10 @@ PoolStats ArenaPool::stats_locked() {
   std::int64_t cached_free = 0, cached_pending = 0;
   std::uint64_t hits = ev_.folded_hits, fast_frees = ev_.folded_frees;
   std::size_t peak_live = peak_live_;
+  // No bin moves between a cache and the transfer cache while both are read (transfer_cache.hpp).
+  std::unique_lock<detail::SpinMutex> xg(xfer_.mu);
+  const std::size_t transferred = xfer_.bytes;
+  const std::uint64_t handed = xfer_.handed, taken = xfer_.taken;
   for (auto& tc : caches_) {
     const auto k = tc->read();
     live += k.live_delta;
@@ -40,6 +44,8 @@ PoolStats ArenaPool::stats_locked() {
     fast_frees += k.frees;
     peak_live = std::max(peak_live, tc->peak_live_pub.load(std::memory_order_relaxed));
   }
+  xg.unlock();
+  cached_free += static_cast<std::int64_t>(transferred);
   st.reserved = budget_.reserved;
   st.live = static_cast<std::size_t>(live);
   st.overhead = static_cast<std::size_t>(overhead);
@@ -64,7 +70,8 @@ PoolStats ArenaPool::stats_locked() {
                   {"coalesce_passes", ev_.coalesce_passes}, {"merges", ev_.merges}, {"shrink_scans", ev_.shrink_scans},
                   {"pressure_passes", ev_.pressure_passes}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
                   {"thread_caches", caches_.size()}, {"cache_flushes", ev_.cache_flushes},
-                  {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"remote_frees", ev_.remote_frees}, {"shard_fallbacks", ev_.shard_fallbacks},
+                  {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"transfer_cached", transferred},
+                  {"transfer_handovers", handed}, {"transfer_takes", taken}, {"remote_frees", ev_.remote_frees}, {"shard_fallbacks", ev_.shard_fallbacks},
                   {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
                   {"nowait_deallocations", ev_.nowait_frees}});
@@ -214,6 +221,23 @@ void ArenaPool::validate() {
     if (own != tc->bytes) fail("thread cache byte count is off");
     const auto k = tc->read();
     cached_counted += k.cached_free + k.cached_pending;
+    cache_bins_bytes += own;
+  }
+  {
+    std::lock_guard<detail::SpinMutex> xg(xfer_.mu);
+    std::size_t own = 0;
+    for (const auto& slot : xfer_.slots) {
+      if (slot.count > detail::TransferCache::kPerSlot) fail("transfer-cache slot overflow");
+      for (std::uint32_t i = 0; i < slot.count; ++i) {
+        const ArenaChunk* c = slot.items[i];
+        if (c->st() != ChunkState::ThreadCached || c->size != slot.size || c->cache_tag != kNoStream)
+          fail("transfer-cache slot holds a chunk that is not cached there");
+        own += c->size;
+      }
+    }
+    if (own != xfer_.bytes) fail("transfer cache byte count is off");
+    if (xfer_.bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) fail("transfer cache holds more than its budget");
+    cached_counted += static_cast<std::int64_t>(own);
     cache_bins_bytes += own;
   }
   if (cache_bins_bytes != cached || cached_counted != static_cast<std::int64_t>(cached))

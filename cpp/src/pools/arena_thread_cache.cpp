@@ -82,7 +82,9 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
       }
       if (b.stream == kNoStream && !hit) hit = &b;
     }
-    if (!hit) return nullptr;
+    // Dry for this size: another thread's cache may have handed a bin of it over (several
+    // caches only; the locked path refills from the books otherwise).
+    if (!hit && !(ncaches_.load(std::memory_order_relaxed) > 1 && (hit = take_over(tc, rounded)))) return nullptr;
     tc->hint = static_cast<int>(hit - tc->bins);
   }
   ArenaChunk* c = hit->items[--hit->count];
@@ -122,29 +124,41 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
   // Released on a stream other than its own: it must also wait for the allocating stream.
   if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
-  if (tc->bytes + c->size > opt_.thread_cache_bytes) return false;
-  ThreadCache::Bin* slot = &tc->bins[tc->hint];
-  if (!(slot->size == c->size && slot->stream == s && slot->count < ThreadCache::kPerBin)) {
-    slot = nullptr;
+  // With several caches, blocks of one size may flow in here from a thread that allocates them
+  // faster than this one does: past kFullBinsPerSize full bins of it they go on to the transfer
+  // cache, or they would take every bin and the cache could hold no other size.
+  const bool several = s == kNoStream && ncaches_.load(std::memory_order_relaxed) > 1;
+  // The bin c goes to: the hinted one, one of its size and stream with room, or an empty one.
+  auto find_slot = [&]() -> ThreadCache::Bin* {
+    if (tc->bytes + c->size > opt_.thread_cache_bytes) return nullptr;
+    ThreadCache::Bin* hinted = &tc->bins[tc->hint];
+    if (hinted->size == c->size && hinted->stream == s && hinted->count < ThreadCache::kPerBin) return hinted;
     ThreadCache::Bin* empty = nullptr;
+    int full = 0;
     for (auto& b : tc->bins) {
       if (b.count) {
-        if (b.size == c->size && b.stream == s && b.count < ThreadCache::kPerBin) {
-          slot = &b;
-          break;
+        if (b.size == c->size && b.stream == s) {
+          if (b.count < ThreadCache::kPerBin) return &b;
+          ++full;
         }
       } else if (!empty) {
         empty = &b;
       }
     }
-    if (!slot) {
-      if (!empty) return false;
-      slot = empty;
-      slot->size = c->size;
-      slot->stream = s;
+    if (several && full >= ThreadCache::kFullBinsPerSize) return nullptr;
+    if (empty) {
+      empty->size = c->size;
+      empty->stream = s;
     }
-    tc->hint = static_cast<int>(slot - tc->bins);
-  }
+    return empty;
+  };
+  ThreadCache::Bin* slot = find_slot();
+  // Full: with several caches, hand a bin of this size over to the thread that will allocate it
+  // (the locked path spills into the books otherwise).
+  if (several)
+    while (!slot && hand_over(tc, c->size)) slot = find_slot();
+  if (!slot) return false;
+  tc->hint = static_cast<int>(slot - tc->bins);
   slot->items[slot->count++] = c;
   const auto size = static_cast<std::int64_t>(c->size);
   const auto req = static_cast<std::int64_t>(c->requested);
@@ -160,6 +174,80 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   tc->end();
   tc->bytes += c->size;
   return true;
+}
+
+bool ArenaPool::hand_over(ThreadCache* tc, std::size_t size) {
+  // The fullest bin of this size that every stream may reuse; without one, the bin of most bytes
+  // (the cache is full of other sizes: they make room).
+  ThreadCache::Bin *bin = nullptr, *largest = nullptr;
+  for (auto& b : tc->bins) {
+    if (!b.count || b.stream != kNoStream) continue;
+    if (b.size == size && (!bin || b.count > bin->count)) bin = &b;
+    if (!largest || b.size * b.count > largest->size * largest->count) largest = &b;
+  }
+  if (!bin) bin = largest;
+  if (!bin) return false;
+  size = bin->size;
+  const std::size_t bytes = size * bin->count;
+  std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  if (xfer_.bytes + bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) return false;
+  detail::TransferCache::Slot* slot = xfer_.find(size, true);
+  if (!slot || slot->count + bin->count > detail::TransferCache::kPerSlot) return false;
+  for (std::uint32_t i = 0; i < bin->count; ++i) slot->items[slot->count++] = bin->items[i];
+  slot->size = size;
+  bin->count = 0;
+  // Both sides move under xfer_.mu, which stats() holds while it reads them.
+  tc->begin();
+  tc->add(tc->cached_free, -static_cast<std::int64_t>(bytes));
+  tc->end();
+  tc->bytes -= bytes;
+  xfer_.bytes += bytes;
+  ++xfer_.handed;
+  return true;
+}
+
+ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
+  ThreadCache::Bin* bin = nullptr;
+  for (auto& b : tc->bins)
+    if (!b.count) {
+      bin = &b;
+      break;
+    }
+  if (!bin) return nullptr;
+  std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  detail::TransferCache::Slot* slot = xfer_.find(size, false);
+  if (!slot) return nullptr;
+  std::uint32_t n = 0;
+  while (n < ThreadCache::kPerBin && slot->count && tc->bytes + (n + 1) * size <= opt_.thread_cache_bytes)
+    bin->items[n++] = slot->items[--slot->count];
+  if (!n) return nullptr;
+  bin->size = size;
+  bin->stream = kNoStream;
+  bin->count = n;
+  const std::size_t bytes = size * n;
+  tc->begin();
+  tc->add(tc->cached_free, static_cast<std::int64_t>(bytes));
+  tc->end();
+  tc->bytes += bytes;
+  xfer_.bytes -= bytes;
+  ++xfer_.taken;
+  return bin;
+}
+
+std::size_t ArenaPool::flush_transfer_locked() {
+  std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  const std::size_t bytes = xfer_.bytes;
+  for (auto& slot : xfer_.slots) {
+    for (std::uint32_t i = 0; i < slot.count; ++i) {
+      ArenaChunk* c = slot.items[i];
+      table_.erase(c->addr);
+      c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
+      file_free_locked(c);
+    }
+    slot.count = 0;
+  }
+  xfer_.bytes = 0;
+  return bytes;
 }
 
 ThreadCache* ArenaPool::cache_locked() {
@@ -286,7 +374,7 @@ bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
 std::size_t ArenaPool::reclaim_caches_locked() {
   if (!cache_enabled_) return 0;
   ThreadCache* own = detail::tls_find_cache(id_);
-  std::size_t bytes = 0;
+  std::size_t bytes = flush_transfer_locked();
   for (auto& p : caches_) {
     ThreadCache* tc = p.get();
     if (tc == own) {  // this thread's fast paths are not running: no exclusion needed
@@ -330,6 +418,9 @@ void ArenaPool::on_thread_exit(ThreadCache* tc) {
   fold_cache_locked(tc);
   std::erase_if(caches_, [tc](const std::unique_ptr<ThreadCache>& p) { return p.get() == tc; });
   ncaches_.store(caches_.size(), std::memory_order_relaxed);
+  // A lone cache never takes from the transfer cache (it is a bridge between caches): what is
+  // there would be stranded until the next reclaim.
+  if (caches_.size() < 2) flush_transfer_locked();
 }
 
 void ArenaPool::flush_thread_cache() {

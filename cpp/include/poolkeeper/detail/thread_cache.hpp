@@ -32,6 +32,9 @@ class alignas(64) ThreadCache {
  public:
   static constexpr int kBins = 16;
   static constexpr int kPerBin = 8;
+  // With several caches, full bins of one size a cache keeps before it hands one over
+  // (transfer_cache.hpp).
+  static constexpr int kFullBinsPerSize = 2;
 
   struct Bin {
     std::size_t size = 0;

@@ -14,7 +14,9 @@
 //   cycling through a few sizes never merges (counter: coalesce_passes).
 // - Thread cache (thread_cache.hpp): exact-size blocks per thread in front of everything; a hit
 //   takes no lock. Blocks released on a stream are cached tagged with that stream and reused only
-//   by it (they are pending for everyone else).
+//   by it (they are pending for everyone else). With several caches, a full cache hands a bin to
+//   a transfer cache and a dry one takes it from there (transfer_cache.hpp), under a lock of
+//   their own; the pool's lock is taken only when that has nothing to give or no room.
 // - Shrink: every shrink_interval locked releases, a scan counts, per backing, consecutive scans
 //   in which it was wholly free; at shrink_hysteresis it goes back upstream. Bytes on their way
 //   back still count against the limit until the upstream accepts them (a refused free is
@@ -37,7 +39,7 @@
 //   outside the range) instead of growing; each piece is then tiled by chunks in exactly one place.
 //
 // Invariants (validate()):
-//   reserved == live + free + pending + overhead  (thread caches included)
+//   reserved == live + free + pending + overhead  (thread and transfer caches included)
 //   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
@@ -74,6 +76,7 @@
 #include "poolkeeper/detail/pointer_table.hpp"
 #include "poolkeeper/detail/spin_mutex.hpp"
 #include "poolkeeper/detail/thread_cache.hpp"
+#include "poolkeeper/detail/transfer_cache.hpp"
 #include "poolkeeper/core/pool.hpp"
 #include "poolkeeper/core/stream_order.hpp"
 
@@ -191,6 +194,12 @@ class ArenaPool final : public Pool {
   void flush_bins_locked(detail::ThreadCache* tc, std::size_t size);  // size 0: every bin
   void refill_cache_locked(std::size_t rounded);   // batches between caches and books (several threads)
   bool spill_and_cache_locked(detail::ArenaChunk* c, Stream s, bool nowait = false);
+  // Between caches without the pool's lock (transfer_cache.hpp); tc is the caller's own cache,
+  // inside its fast-path scope. hand_over: one bin of `size` (free for every stream) out of tc;
+  // take_over: up to a bin of `size` into an empty bin of tc (returned, or nullptr).
+  bool hand_over(detail::ThreadCache* tc, std::size_t size);
+  detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size);
+  std::size_t flush_transfer_locked();  // every transferred chunk back into the books; bytes
   std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
@@ -241,6 +250,8 @@ class ArenaPool final : public Pool {
   std::vector<detail::ArenaBacking*> backings_;  // sorted by address
   std::vector<std::unique_ptr<detail::ThreadCache>> caches_;
   std::unique_ptr<detail::BackingSource> source_;  // separate backings, or one virtual range
+  // Bins passed between thread caches (with several caches); its own lock (transfer_cache.hpp).
+  detail::TransferCache xfer_;
   // Remote frees (push_remote): a lock-free stack of Remote chunks linked through bin_next, pushed
   // by any thread, taken whole by drain_remote_locked() under mu_.
   std::atomic<detail::ArenaChunk*> remote_head_{nullptr};
