@@ -4,7 +4,8 @@ C ABI for 1..16 native threads, per pool and request size, with p99 call latency
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
         [--warmup 0.2] [--threads 1,2,4,8,16]
         [--pools arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct]
-        [--cases "32 MiB;mixed, cross-thread frees"] [--reps 1] [--json benchmarks/results/thread_scaling.json --key NAME]
+        [--cases "32 MiB;mixed, cross-thread frees"] [--reps 1] [--counters]
+        [--json benchmarks/results/thread_scaling.json --key NAME]
 
 The first output line is the command itself (results files keep it).
 
@@ -12,7 +13,8 @@ Each cell: `threads` native threads (capi_bench_threads in the bindings), each d
 allocations then 8 frees on the pool registered for the device, for --warmup seconds unmeasured
 (the blocks a steady state keeps in flight get into the pool first), then --seconds measured. Cases: one size at
 a time (4 KiB, 256 KiB, 2 MiB, 32 MiB) freed by the allocating thread, and "mixed": the four sizes
-at once with every round's blocks freed by the next thread (cross-thread frees). Streams: none
+at once with every round's blocks freed by the next thread (cross-thread frees); named in --cases
+only: "2 MiB, cross-thread frees" (one size handed on: the batches between thread caches alone). Streams: none
 (stream=None contract), so the figures are the pools' own paths, not stream bookkeeping. The JSON rows also carry each cell's upstream calls
 (after the warm-up they are growth the steady state still needed, or memory given back and taken
 again).
@@ -48,6 +50,11 @@ from poolkeeper import _core
 KiB, MiB = 1 << 10, 1 << 20
 CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB", [2 * MiB], False),
          ("32 MiB", [32 * MiB], False), ("mixed, cross-thread frees", [4 * KiB, 256 * KiB, 2 * MiB, 32 * MiB], True)]
+# Run only when named in --cases: one size handed between threads (the thread caches' batches alone).
+EXTRA_CASES = [("2 MiB, cross-thread frees", [2 * MiB], True)]
+# stats() counters of the locked paths and of the batches between thread caches, kept per cell.
+COUNTERS = ("slow_allocations", "slow_deallocations", "cache_refills", "cache_spills", "transfer_handovers",
+            "transfer_takes")
 DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
 
 
@@ -106,6 +113,7 @@ def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds:
     r["upstream_deallocations"] = st.get("upstream_deallocations", 0)
     r["peak_reserved_bytes"] = st.get("peak_reserved_bytes", 0)
     r["shards"] = st.get("shards", 1)
+    r["counters"] = {k: st[k] for k in COUNTERS if k in st}  # warm-up included
     assert st["reserved_bytes"] == st["live_bytes"] + st["free_bytes"] + st["pending_bytes"] + st["overhead_bytes"], st
     pool.trim()
     pool.close()
@@ -125,10 +133,12 @@ def main(argv=None) -> int:
     ap.add_argument("--key", default="")
     ap.add_argument("--reps", type=int, default=1, help="runs per cell; the median-rate run is kept")
     ap.add_argument("--label", default="", help="free text stored with the results (e.g. the commit)")
+    ap.add_argument("--counters", action="store_true", help="print each cell's locked-path and batch counters "
+                    "(stats(), warm-up included; always in the JSON rows)")
     args = ap.parse_args(argv)
     threads = [int(x) for x in args.threads.split(",")]
     kinds = [k for k in args.pools.split(",") if k]
-    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(";")]
+    cases = [c for c in CASES + EXTRA_CASES if c[0] in args.cases.split(";")] if args.cases else CASES
     if not make_upstream(args.backend, "arena_expandable").supports_virtual:
         for k in [k for k in kinds if k.startswith("arena_expandable")]:
             kinds.remove(k)
@@ -155,6 +165,9 @@ def main(argv=None) -> int:
             ratio = rates[-1] / rates[0] if rates[0] else float("nan")
             p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
             print(f"{kind:23s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
+            if args.counters:
+                for t, c in zip(threads, cells):
+                    print(f"    {t:2d} threads: " + " ".join(f"{k} {v}" for k, v in c.get("counters", {}).items()))
     if args.json:
         doc = out
         if args.key:
