@@ -12,10 +12,11 @@ Two ways to play it:
   ``--advance-us`` per event, so the stream falls behind the CPU as it does on a real GPU (the
   CPU runs ahead, queueing kernels).
 
-On the real H200 run, the arena's peak reserved was about 3x the native allocator's; the idle
-replay stays near the native figure and the lagging replay reproduces the real one. That locates
-the cost: a block released on stream s is reusable by s at once only at its exact size; a smaller
-request on s cannot split it until the fence event on s has completed, so the pool grows instead.
+When this script was written the arena's peak reserved on the real H200 run was about 3x the native
+allocator's, and the lagging replay reproduced it: a block released on stream s was reusable by s
+at once only at its exact size, so a smaller request on s grew the pool instead of splitting it.
+Same-stream splitting, and then carving the smaller of the best free fit and the best fit pending
+on s, brought the replays down (benchmarks/results/replay_torch_model_trace.md; docs/stream_order.md).
 
 Usage: python benchmarks/replay_torch_trace.py [trace.csv.gz] [--work-us 10 --advance-us 5]
 """

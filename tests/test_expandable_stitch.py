@@ -289,7 +289,9 @@ def test_a_pool_dropped_with_live_stitched_blocks_gives_back_only_what_is_free()
     assert (mapped, aliased) == (7 * G, 2 * G) and unaliases == 2
 
 
-@pytest.mark.parametrize("seed", range(1, 8))  # seeds whose traffic stitches (asserted at the end)
+# Seeds whose traffic stitches (asserted at the end). 3 left the list when a growth began to extend
+# a run pending on the requesting stream (docs/stream_order.md): its traffic no longer needs one.
+@pytest.mark.parametrize("seed", [1, 2, 4, 5, 6, 7, 9])
 def test_random_multi_stream_traffic_with_stitching_stays_consistent(seed):
     rng = random.Random(seed)
     inner = sim(capacity=160 * MiB)

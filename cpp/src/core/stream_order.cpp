@@ -378,17 +378,23 @@ void StreamOrder::remove(BlockRecord* b) {
   }
 }
 
-BlockRecord* StreamOrder::take_for_stream_fit(Stream s, std::size_t size) {
+BlockRecord* StreamOrder::peek_for_stream_fit(Stream s, std::size_t size) {
   Lane* l = blocks_ ? find_lane(s) : nullptr;
   if (!l || !l->blocks) return nullptr;
-  for (auto it = l->by_size.lower_bound(size); it != l->by_size.end(); ++it) {
-    if (!it->second.tail) continue;  // empty lists are kept while few
-    BlockRecord* b = it->second.tail;
-    unlink(*l, b);
-    ++same_stream_reuses_;
-    return b;
-  }
+  for (auto it = l->by_size.lower_bound(size); it != l->by_size.end(); ++it)
+    if (it->second.tail) return it->second.tail;  // (empty lists are kept while few)
   return nullptr;
+}
+
+void StreamOrder::take_peeked(BlockRecord* b) {
+  unlink(*slots_[b->lane], b);
+  ++same_stream_reuses_;
+}
+
+BlockRecord* StreamOrder::take_for_stream_fit(Stream s, std::size_t size) {
+  BlockRecord* b = peek_for_stream_fit(s, size);
+  if (b) take_peeked(b);
+  return b;
 }
 
 std::vector<std::pair<Stream, std::size_t>> StreamOrder::by_stream() const {

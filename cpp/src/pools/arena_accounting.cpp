@@ -71,7 +71,7 @@ PoolStats ArenaPool::stats_locked() {
                   {"pressure_passes", ev_.pressure_passes}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
                   {"thread_caches", caches_.size()}, {"cache_flushes", ev_.cache_flushes},
                   {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"transfer_cached", transferred},
-                  {"transfer_handovers", handed}, {"transfer_takes", taken}, {"remote_frees", ev_.remote_frees}, {"shard_fallbacks", ev_.shard_fallbacks},
+                  {"transfer_handovers", handed}, {"transfer_takes", taken}, {"remote_frees", ev_.remote_frees}, {"stream_runs", ev_.stream_runs}, {"shard_fallbacks", ev_.shard_fallbacks},
                   {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
                   {"nowait_deallocations", ev_.nowait_frees}});

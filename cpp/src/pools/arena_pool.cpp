@@ -160,6 +160,68 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
   return make_live_locked(c, nbytes, s);
 }
 
+// A stream may use what it released itself at once (its next work is ordered after the work that
+// released it), so for a request on s a free chunk and a chunk pending on s are the same kind of
+// room, and neighbours of either kind are one run. Nothing merges them eagerly: a free chunk
+// merged into a pending one would wait for s's fence before any other stream could use it. Used
+// after an expandable growth that extended such a run (BackingSource::grow): the run becomes one
+// chunk pending on s, at the latest release position of its pending parts (so the rest still
+// waits for exactly what each part waited for). Tried before every growth as well, it cost the
+// arena memory on the lagging Llama replay (benchmarks/stream_lag_replay.py) and gained nothing
+// elsewhere: not done.
+ArenaChunk* ArenaPool::take_stream_run_locked(Stream s, std::size_t rounded) {
+  auto part = [&](const ArenaChunk* c) {
+    return c->st() == ChunkState::Free || (c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
+  };
+  ArenaChunk* best = nullptr;
+  std::size_t best_size = SIZE_MAX;
+  for (ArenaBacking* b : backings_) {
+    for (ArenaChunk* c = b->first; c;) {
+      if (!part(c)) {
+        c = c->next_addr;
+        continue;
+      }
+      ArenaChunk* start = c;
+      std::size_t run = 0;
+      bool pending = false;
+      for (; c && part(c); c = c->next_addr) {
+        run += c->size;
+        pending |= c->st() == ChunkState::Pending;
+      }
+      // A run of free chunks alone was offered by the free index already (merged by the pressure
+      // pass); one pending chunk alone by take_for_stream_fit.
+      if (pending && run >= rounded && run < best_size) best = start, best_size = run;
+    }
+  }
+  if (!best) return nullptr;
+  std::uint64_t seq = 0;
+  std::uint32_t lane = 0;
+  std::size_t taken = 0;
+  for (ArenaChunk* c = best; taken < best_size; c = c->next_addr) {
+    taken += c->size;
+    if (c->st() == ChunkState::Free) {
+      index_.remove(c);
+    } else {
+      seq = std::max(seq, c->pend_seq);
+      lane = c->lane;  // s's lane: every pending part is in it
+      order_.remove(c);
+    }
+  }
+  while (best->size < best_size) {
+    best->size += best->next_addr->size;
+    swallow_next_locked(best);
+  }
+  if (!best->next_addr) best->backing->last = best;
+  // Pending on s like its parts (a free first part's lane field means nothing: neighbours'
+  // same_lane_pending checks read it).
+  best->set(ChunkState::Pending);
+  best->lane = lane;
+  best->pend_seq = seq;
+  best->alloc_stream = kNoStream;
+  ++ev_.stream_runs;
+  return best;
+}
+
 void ArenaPool::coalesce_locked() {
   if (!dirty_backings_) return;
   ++ev_.coalesce_passes;
@@ -449,11 +511,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   }
   ++ev_.pressure_passes;
   settle_locked();  // drains completed releases and merges owed runs, pending ones included
-  ArenaChunk* c = index_.take_best_fit(rounded);
-  if (!c && s != kNoStream)
-    if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
-  if (c) {
-    void* r = carve_locked(c, rounded, nbytes, s);
+  if (void* r = carve_best_locked(index_.take_best_fit(rounded), rounded, nbytes, s)) {
     refill_cache_locked(rounded);
     return r;
   }
@@ -477,7 +535,15 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   std::string upstream_error;
   for (int attempt = 0; attempt < 2; ++attempt) {
     try {
-      return carve_locked(source_->grow(rounded, g), rounded, nbytes, s);
+      ArenaChunk* grown = source_->grow(rounded, g, s);
+      if (grown->size >= rounded) return carve_locked(grown, rounded, nbytes, s);
+      // The growth joined a run of chunks pending on s (BackingSource::grow): merge and carve.
+      file_free_locked(grown);
+      coalesce_locked();
+      if (ArenaChunk* f = index_.take_best_fit(rounded)) return carve_locked(f, rounded, nbytes, s);
+      if (ArenaChunk* p = take_stream_run_locked(s, rounded)) return carve_pending_locked(p, rounded, nbytes, s);
+      throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": a growth of " + format_bytes(grown->size) +
+                               " for a request of " + format_bytes(rounded) + " joined no run that holds it");
     } catch (const LimitHit&) {
     } catch (const UpstreamOutOfMemory& e) {
       upstream_error = e.what();
@@ -488,7 +554,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
     // cache once held 1.88 MiB of a 2 MiB limit while this request failed as "fragmentation".
     if (reclaim_caches_locked()) {
       settle_locked();  // the reclaimed blocks merge with their free neighbours
-      if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
+      if (ArenaChunk* c = index_.take_best_fit(rounded)) return carve_locked(c, rounded, nbytes, s);
     }
     // What the source can give back that would let the retry succeed; never in a capture scope.
     if (upstream_->captures_underway() == 0) source_->release_for_oom(detached);
@@ -499,7 +565,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
       if (others) trim_shards(this);
       g.lock();
     }
-    if ((c = index_.take_best_fit(rounded))) return carve_locked(c, rounded, nbytes, s);
+    if (ArenaChunk* c = index_.take_best_fit(rounded)) return carve_locked(c, rounded, nbytes, s);
   }
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
@@ -531,14 +597,29 @@ void* ArenaPool::reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s)
     coalesce_locked();
     c = index_.take_best_fit(rounded);
   }
-  if (c) return carve_locked(c, rounded, nbytes, s);
-  if (s != kNoStream) {
-    // Blocks this stream released are pending only for other streams: split one for this request
-    // rather than grow while the device catches up (a framework frees on the stream it allocates
-    // on; without this its memory ran ~3x ahead of PyTorch's own allocator on a real model).
-    if (auto* p = static_cast<ArenaChunk*>(order_.take_for_stream_fit(s, rounded))) return carve_pending_locked(p, rounded, nbytes, s);
-  }
-  return nullptr;
+  // Blocks this stream released are pending only for other streams: split one for this request
+  // rather than grow while the device catches up (a framework frees on the stream it allocates
+  // on; without this its memory ran ~3x ahead of PyTorch's own allocator on a real model).
+  return carve_best_locked(c, rounded, nbytes, s);
+}
+
+// For a request on s, a chunk pending on s is as good as a free one: the arena carves the smaller
+// of the best free fit c (taken from the index, or nullptr) and the best fit pending on s, and
+// leaves the other where it was. Taking the free fit whenever there was one split large free
+// chunks (a freed 989 MiB logits block) while pending chunks that fit better waited, and the pool
+// grew: the Llama trace replayed on stream 0 held 2.07x its peak live, 1.44x with this (PyTorch's
+// own allocator: 1.44x). The expandable arena keeps the free fit first: there the smaller pending
+// fit lost memory on the same replay (1.25x -> 1.75x), its free chunks being the ones a growth
+// extends (benchmarks/stream_lag_replay.py).
+void* ArenaPool::carve_best_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
+  if (s != kNoStream)
+    if (auto* p = static_cast<ArenaChunk*>(order_.peek_for_stream_fit(s, rounded));
+        p && (!c || (p->size < c->size && !opt_.expandable))) {
+      if (c) index_.insert(c);
+      order_.take_peeked(p);
+      return carve_pending_locked(p, rounded, nbytes, s);
+    }
+  return c ? carve_locked(c, rounded, nbytes, s) : nullptr;
 }
 
 void* ArenaPool::try_allocate_locked_nowait(std::size_t nbytes, Stream s) {

@@ -14,7 +14,7 @@ class SeparateBackings final : public BackingSource {
   // The upstream call runs with the lock let go: a cuMemAlloc costs 90-900 us, and under the lock
   // every other thread of the shard waited for it, even those its free memory could serve. The
   // bytes are claimed in the budget first, so concurrent growths cannot pass the limit together.
-  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) override {
+  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g, Stream) override {
     const ArenaOptions& opt = a_.opt_;
     const bool oversize = rounded > opt.oversize_threshold;
     std::size_t size = rounded;

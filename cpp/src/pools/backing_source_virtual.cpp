@@ -55,7 +55,7 @@ class VirtualRange final : public BackingSource {
   // footprint grows), whichever is larger, clamped to max_step and to the hole. It is mapped in
   // pieces of at most map_piece bytes.
   // Maps under the lock (`g` stays held): the range's holes and pieces are its books.
-  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>&) override {
+  ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>&, Stream s) override {
     const ArenaOptions& opt = a_.opt_;
     const bool quiet = a_.upstream_->captures_underway() == 0;
     // Stitching serves the request from memory already mapped. Never while a capture scope is
@@ -69,6 +69,20 @@ class VirtualRange final : public BackingSource {
     ArenaBacking *prev = nullptr, *next = nullptr;
     std::size_t lead = 0, trail = 0;
     bool found = false;
+    // The room at a segment's edge that a growth there joins: its chunks free, or pending on the
+    // request's stream alone (that stream may use its own releases at once; the arena merges
+    // such a run with the growth, take_stream_run_locked). On a lagging device most of a
+    // single-stream framework's freed memory is pending, and counting only a free tail mapped
+    // the whole request again beside a pending one (docs/stream_order.md).
+    auto usable = [&](const ArenaChunk* c) {
+      return c->st() == ChunkState::Free ||
+             (s != kNoStream && c->st() == ChunkState::Pending && a_.order_.lane_stream(c) == s);
+    };
+    auto edge = [&](const ArenaChunk* c, bool backward) {
+      std::size_t n = 0;
+      for (; c && usable(c); c = backward ? c->prev_addr : c->next_addr) n += c->size;
+      return n;
+    };
     auto find_hole = [&] {
       segs = main_segments();
       found = false;
@@ -85,8 +99,8 @@ class VirtualRange final : public BackingSource {
             ge = he;
             prev = i && hs == from ? segs[i - 1] : nullptr;
             next = i < segs.size() && he == to ? segs[i] : nullptr;
-            lead = prev && prev->last->st() == ChunkState::Free ? prev->last->size : 0;
-            trail = next && next->first->st() == ChunkState::Free ? next->first->size : 0;
+            lead = prev ? edge(prev->last, true) : 0;
+            trail = next ? edge(next->first, false) : 0;
             found = lead + (ge - gs) + trail >= rounded;
           }
           if (found || he == to) break;

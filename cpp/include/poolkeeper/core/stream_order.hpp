@@ -154,6 +154,9 @@ class StreamOrder {
   // The smallest pending block released on s with at least `size` bytes (best fit, for a pool
   // that can split it: the caller returns the remainder with defer(rest, s)); nullptr if none.
   BlockRecord* take_for_stream_fit(Stream s, std::size_t size);
+  // The block take_for_stream_fit would return, left in place; take_peeked(b) then takes it.
+  BlockRecord* peek_for_stream_fit(Stream s, std::size_t size);
+  void take_peeked(BlockRecord* b);
 
   // Fence every lane with unfenced releases, then hand each block whose events have completed to
   // on_ready(BlockRecord*) (state still Pending). wait=true blocks on each event first, so nothing

@@ -207,6 +207,13 @@ class ArenaPool final : public Pool {
   void* carve_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
   void* make_live_locked(detail::ArenaChunk* c, std::size_t nbytes, Stream s);
   void* carve_pending_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  // c (the best free fit, out of the index, or nullptr) or the best fit pending on s, whichever is
+  // smaller, carved; nullptr when neither exists.
+  void* carve_best_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
+  // Before a growth for a request on stream s: the smallest run of address neighbours, each free
+  // or pending on s alone, that holds `rounded` bytes, merged into one chunk pending on s (for
+  // carve_pending_locked); nullptr if none.
+  detail::ArenaChunk* take_stream_run_locked(Stream s, std::size_t rounded);
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
   void unlive_locked(detail::ArenaChunk* c);
   void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
@@ -277,6 +284,7 @@ class ArenaPool final : public Pool {
     std::uint64_t cache_flushes = 0, caches_reclaimed = 0, cache_refills = 0, cache_spills = 0, folded_hits = 0,
                   folded_frees = 0;
     std::uint64_t remote_frees = 0;  // frees filed from the remote-free list
+    std::uint64_t stream_runs = 0;   // runs of free and same-stream pending chunks merged instead of growing
     std::uint64_t shard_fallbacks = 0;  // threads sent home to shard 0: their shard could not be made
   } ev_;  // guarded by mu_
 };

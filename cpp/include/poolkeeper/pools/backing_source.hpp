@@ -66,7 +66,11 @@ class BackingSource {
   // it returns or throws (SeparateBackings does: one thread's cuMemAlloc no longer stalls every
   // other thread of the shard). Other threads may then change the books meanwhile, and the pool
   // may have been closed: the source rechecks, gives the memory back and throws PoolClosed.
-  virtual ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g) = 0;
+  // `s`: the request's stream. A source that extends existing memory (VirtualRange) counts a run
+  // at the edge it extends of chunks free or pending on s alone (s may use its own releases at
+  // once); the chunk returned may then be smaller than `rounded`, and the caller merges it with
+  // that run (ArenaPool::take_stream_run_locked).
+  virtual ArenaChunk* grow(std::size_t rounded, std::unique_lock<SpinMutex>& g, Stream s) = 0;
   // If another thread's grow() is in its upstream call with the lock let go and its step could
   // also serve `rounded` bytes: wait for it to land (`g` unlocked meanwhile, locked again on
   // return) and return true, so that the caller looks for a fit again before it grows itself.
