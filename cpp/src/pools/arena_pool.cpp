@@ -170,6 +170,9 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
 // arena memory on the lagging Llama replay (benchmarks/stream_lag_replay.py) and gained nothing
 // elsewhere: not done.
 ArenaChunk* ArenaPool::take_stream_run_locked(Stream s, std::size_t rounded) {
+  // (Without a stream there is no run: lane_stream() names no stream for blocks pending on several
+  // streams or held for a capture, and kNoStream would match them.)
+  if (s == kNoStream) return nullptr;
   auto part = [&](const ArenaChunk* c) {
     return c->st() == ChunkState::Free || (c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
   };
