@@ -131,6 +131,9 @@ def test_the_transfer_cache_empties_when_one_cache_is_left():
     t = threading.Thread(target=lambda: [pool.deallocate(p) for p in ps])
     t.start()
     t.join(30)
+    # join() returns before the thread's exit hook has run (it runs as the OS thread ends).
+    from test_threads import _wait_for
+    _wait_for(lambda: pool.stats()["thread_caches"] == 1, "the consumer's cache to be folded back")
     st = pool.stats()
     assert st["transfer_handovers"] >= 1, st
     assert st["transfer_cached"] == 0 and st["thread_cached_bytes"] == 0, st
