@@ -357,3 +357,28 @@ def test_out_of_memory_in_a_shard_reports_the_whole_pools_figures():
     assert "72.00 MiB live" in str(e.value)
     assert pool.stats()["ooms"] == 1
     _free_all_validate_close(pool, [keep, a])
+
+
+def test_blocks_in_the_transfer_cache_serve_other_sizes_before_the_pool_grows():
+    # A burst of 2 MiB blocks freed by another thread, then the allocating thread moves on to
+    # 1 MiB blocks. The consumer keeps two bins (32 MiB); the rest of what it freed but what the
+    # transfer cache holds (up to two caches' budgets, 128 MiB) went to the books. The transfer
+    # cache's blocks are free memory nobody owns: before any growth they go back to the books and
+    # merge like the rest. Without that the 1 MiB phase grew the pool from 227 to 470 MiB with
+    # 200 MiB live (the build before the transfer cache: no growth at all).
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), shards=1)  # default budget, 64 MiB
+    with _worker() as w:
+        w.submit(lambda: pool.deallocate(pool.allocate(4 * KiB))).result(30)  # a working thread's cache
+        ps = [pool.allocate(2 * MiB) for _ in range(100)]
+        w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        mid = pool.stats()
+        assert mid["transfer_cached"] > 0, mid  # the scenario: a burst the transfer cache took
+        consumer_cache = mid["thread_cached_bytes"] - mid["transfer_cached"]
+        # All that the consumer's own cache does not hold, in 1 MiB blocks.
+        n = (mid["reserved_bytes"] - consumer_cache) // MiB - 8
+        qs = [pool.allocate(1 * MiB) for _ in range(n)]
+        st = pool.stats()
+        assert st["upstream_allocations"] == mid["upstream_allocations"], (mid, st)
+        assert st["peak_reserved_bytes"] == mid["reserved_bytes"], (mid, st)
+        pool.validate()
+    _free_all_validate_close(pool, qs)

@@ -15,7 +15,8 @@
 // - Bounded: `bytes` never passes kBudgets per-thread cache budgets (thread_cache_bytes): a
 //   handover that would is refused and the cache spills into the books as before.
 // - Reclaimed with the thread caches (reclaim_caches_locked: before an out-of-memory error, in
-//   synchronize(), trim(), close()): its chunks go back to the books then.
+//   synchronize(), trim(), close()) and at the pressure pass before a growth (settle_locked): its
+//   chunks go back to the books then, free memory no thread owns.
 // Locks: `mu` guards every field below. Taken by a cache's owner inside its fast-path scope
 // (ThreadCache::Entered) without the pool's lock, or under the pool's lock (order: the pool's
 // lock, then mu). Whoever holds mu waits for nothing else, so a reclaimer that waits for a
