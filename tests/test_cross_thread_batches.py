@@ -382,3 +382,32 @@ def test_blocks_in_the_transfer_cache_serve_other_sizes_before_the_pool_grows():
         assert st["peak_reserved_bytes"] == mid["reserved_bytes"], (mid, st)
         pool.validate()
     _free_all_validate_close(pool, qs)
+
+
+def test_sizes_nobody_asks_for_again_do_not_keep_a_new_size_out_of_the_transfer_cache():
+    # Eight sizes, each freed by the other thread in one burst and never asked for again, take
+    # the transfer cache's eight slots. A ninth size then passed between the threads must still
+    # get one: before, every round of it went through the pool lock (a spill into the books and a
+    # refill from them, 199 of each in 200 rounds), the transfer cache full of blocks nobody takes,
+    # until a trim(), synchronize(), growth or out-of-memory error happened to flush it.
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=4 * MiB, shards=1)
+    with _worker() as w:
+        w.submit(lambda: pool.deallocate(pool.allocate(4 * KiB))).result(30)
+        pool.deallocate(pool.allocate(16 * MiB))  # room for everything below: no growth, no pressure pass
+        for k in range(8):
+            ps = [pool.allocate((17 + k) * KiB) for _ in range(24)]
+            w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        before = pool.stats()
+        assert before["transfer_handovers"] >= 8 and before["transfer_cached"] > 0, before  # the slots are taken
+        rounds = 200
+        for _ in range(rounds):
+            ps = [pool.allocate(64 * KiB) for _ in range(8)]
+            w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        st = pool.stats()
+        pool.validate()
+    locked = {k: st[k] - before[k] for k in ("slow_allocations", "slow_deallocations", "cache_refills", "cache_spills")}
+    assert locked["cache_spills"] + locked["cache_refills"] <= 8, locked
+    assert locked["slow_deallocations"] <= 8 and locked["slow_allocations"] <= 32, locked
+    assert st["transfer_takes"] - before["transfer_takes"] >= rounds // 2, (before, st)
+    assert st["upstream_allocations"] == before["upstream_allocations"], (before, st)
+    pool.close()

@@ -200,6 +200,10 @@ class ArenaPool final : public Pool {
   bool hand_over(detail::ThreadCache* tc, std::size_t size);
   detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size);
   std::size_t flush_transfer_locked();  // every transferred chunk back into the books; bytes
+  std::size_t file_transfer_slot_locked(detail::TransferCache::Slot& slot);  // xfer_.mu held; bytes filed
+  // No slot for chunks of `size` in the transfer cache: the least recently used one back into
+  // the books. False: a slot was there already (or nothing to evict).
+  bool evict_transfer_locked(std::size_t size);
   std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
