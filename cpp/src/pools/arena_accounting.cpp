@@ -237,6 +237,7 @@ void ArenaPool::validate() {
     }
     if (own != xfer_.bytes) fail("transfer cache byte count is off");
     if (xfer_.bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) fail("transfer cache holds more than its budget");
+    if (own && caches_.size() < 2) fail("transfer cache holds blocks with fewer than two thread caches left");
     cached_counted += static_cast<std::int64_t>(own);
     cache_bins_bytes += own;
   }

@@ -190,6 +190,10 @@ bool ArenaPool::hand_over(ThreadCache* tc, std::size_t size) {
   size = bin->size;
   const std::size_t bytes = size * bin->count;
   std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  // Again under mu: the other cache may have exited since the caller looked, and its exit flushed
+  // the transfer cache under this lock after storing the count; a lone cache never takes, so a
+  // bin handed over now would stay until the next reclaim.
+  if (ncaches_.load(std::memory_order_relaxed) < 2) return false;
   if (xfer_.bytes + bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) return false;
   detail::TransferCache::Slot* slot = xfer_.find(size, true);
   if (!slot || slot->count + bin->count > detail::TransferCache::kPerSlot) return false;

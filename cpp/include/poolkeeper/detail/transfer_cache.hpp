@@ -17,6 +17,7 @@
 // - Evicted: a handover refused because every slot holds another size goes on to the locked
 //   path, which first gives the least recently used slot back to the books (bursts of sizes
 //   nobody asks for again took all the slots and kept every later size out until a reclaim).
+// - Empty whenever fewer than two caches are left (validate()): a lone cache never takes from it.
 // - Reclaimed with the thread caches (reclaim_caches_locked: before an out-of-memory error, in
 //   synchronize(), trim(), close()) and at the pressure pass before a growth (settle_locked): its
 //   chunks go back to the books then, free memory no thread owns.

@@ -42,7 +42,8 @@
 //   reserved == live + free + pending + overhead  (thread and transfer caches included)
 //   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
-//   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
+//   the Live and ThreadCached chunks; pending totals match the stream-order lanes; the transfer
+//   cache is empty when fewer than two thread caches are left.
 // Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
 // the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
 // shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
