@@ -54,7 +54,7 @@ CASES = [("4 KiB", [4 * KiB], False), ("256 KiB", [256 * KiB], False), ("2 MiB",
 EXTRA_CASES = [("2 MiB, cross-thread frees", [2 * MiB], True)]
 # stats() counters of the locked paths and of the batches between thread caches, kept per cell.
 COUNTERS = ("slow_allocations", "slow_deallocations", "cache_refills", "cache_spills", "transfer_handovers",
-            "transfer_takes")
+            "transfer_takes", "transfer_evictions")
 DEVICE = 0  # registry slot the pools are installed in (also the CUDA ordinal for --backend cuda)
 
 

@@ -131,6 +131,9 @@ def test_the_transfer_cache_empties_when_one_cache_is_left():
     t = threading.Thread(target=lambda: [pool.deallocate(p) for p in ps])
     t.start()
     t.join(30)
+    # join() returns before the thread's exit hook has run (it runs as the OS thread ends).
+    from test_threads import _wait_for
+    _wait_for(lambda: pool.stats()["thread_caches"] == 1, "the consumer's cache to be folded back")
     st = pool.stats()
     assert st["transfer_handovers"] >= 1, st
     assert st["transfer_cached"] == 0 and st["thread_cached_bytes"] == 0, st
@@ -354,3 +357,57 @@ def test_out_of_memory_in_a_shard_reports_the_whole_pools_figures():
     assert "72.00 MiB live" in str(e.value)
     assert pool.stats()["ooms"] == 1
     _free_all_validate_close(pool, [keep, a])
+
+
+def test_blocks_in_the_transfer_cache_serve_other_sizes_before_the_pool_grows():
+    # A burst of 2 MiB blocks freed by another thread, then the allocating thread moves on to
+    # 1 MiB blocks. The consumer keeps two bins (32 MiB); the rest of what it freed but what the
+    # transfer cache holds (up to two caches' budgets, 128 MiB) went to the books. The transfer
+    # cache's blocks are free memory nobody owns: before any growth they go back to the books and
+    # merge like the rest. Without that the 1 MiB phase grew the pool from 227 to 470 MiB with
+    # 200 MiB live (the build before the transfer cache: no growth at all).
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), shards=1)  # default budget, 64 MiB
+    with _worker() as w:
+        w.submit(lambda: pool.deallocate(pool.allocate(4 * KiB))).result(30)  # a working thread's cache
+        ps = [pool.allocate(2 * MiB) for _ in range(100)]
+        w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        mid = pool.stats()
+        assert mid["transfer_cached"] > 0, mid  # the scenario: a burst the transfer cache took
+        consumer_cache = mid["thread_cached_bytes"] - mid["transfer_cached"]
+        # All that the consumer's own cache does not hold, in 1 MiB blocks.
+        n = (mid["reserved_bytes"] - consumer_cache) // MiB - 8
+        qs = [pool.allocate(1 * MiB) for _ in range(n)]
+        st = pool.stats()
+        assert st["upstream_allocations"] == mid["upstream_allocations"], (mid, st)
+        assert st["peak_reserved_bytes"] == mid["reserved_bytes"], (mid, st)
+        pool.validate()
+    _free_all_validate_close(pool, qs)
+
+
+def test_sizes_nobody_asks_for_again_do_not_keep_a_new_size_out_of_the_transfer_cache():
+    # Eight sizes, each freed by the other thread in one burst and never asked for again, take
+    # the transfer cache's eight slots. A ninth size then passed between the threads must still
+    # get one: before, every round of it went through the pool lock (a spill into the books and a
+    # refill from them, 199 of each in 200 rounds), the transfer cache full of blocks nobody takes,
+    # until a trim(), synchronize(), growth or out-of-memory error happened to flush it.
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"), thread_cache_bytes=4 * MiB, shards=1)
+    with _worker() as w:
+        w.submit(lambda: pool.deallocate(pool.allocate(4 * KiB))).result(30)
+        pool.deallocate(pool.allocate(16 * MiB))  # room for everything below: no growth, no pressure pass
+        for k in range(8):
+            ps = [pool.allocate((17 + k) * KiB) for _ in range(24)]
+            w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        before = pool.stats()
+        assert before["transfer_handovers"] >= 8 and before["transfer_cached"] > 0, before  # the slots are taken
+        rounds = 200
+        for _ in range(rounds):
+            ps = [pool.allocate(64 * KiB) for _ in range(8)]
+            w.submit(lambda: [pool.deallocate(p) for p in ps]).result(30)
+        st = pool.stats()
+        pool.validate()
+    locked = {k: st[k] - before[k] for k in ("slow_allocations", "slow_deallocations", "cache_refills", "cache_spills")}
+    assert locked["cache_spills"] + locked["cache_refills"] <= 8, locked
+    assert locked["slow_deallocations"] <= 8 and locked["slow_allocations"] <= 32, locked
+    assert st["transfer_takes"] - before["transfer_takes"] >= rounds // 2, (before, st)
+    assert st["upstream_allocations"] == before["upstream_allocations"], (before, st)
+    pool.close()

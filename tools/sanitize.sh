@@ -46,6 +46,7 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --threads 8 --ops 20000 --seed 1 "${known_stress[@]}"
 "$root/asan/stress" --threads 32 --ops 2000 --seed 2 "${known_stress[@]}"
 "$root/asan/stress" --scenario thread-exit --ops 4000
+"$root/asan/stress" --scenario transfer-exit --ops 4000  # a cache handing bins over while the other exits
 "$root/asan/stress" --scenario registry --ops 40000  # pools built while others trace foreign pointers
 "$root/asan/stress" --scenario capi-registry --ops 40000  # C-ABI pools replaced under their callers
 stage "ASan+UBSan: native upload engine (three engines at once, faults, close during an upload)"
@@ -66,6 +67,7 @@ stage "TSan: stress"
 "$root/tsan/stress" --threads 8 --ops 8000 --seed 3 "${known_stress[@]}"
 "$root/tsan/stress" --threads 32 --ops 1000 --seed 4 "${known_stress[@]}"
 "$root/tsan/stress" --scenario thread-exit --ops 2000
+"$root/tsan/stress" --scenario transfer-exit --ops 2000
 "$root/tsan/stress" --scenario registry --ops 4000
 "$root/tsan/stress" --scenario capi-registry --ops 4000
 stage "TSan: native upload engine"

@@ -24,7 +24,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|capi-registry|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -676,6 +676,73 @@ void scenario_thread_exit(const Options& o) {
   if (up->counters().outstanding_bytes) fail("thread-exit: upstream still holds memory");
 }
 
+// transfer-exit: one long-lived thread allocates and frees rounds of blocks (its cache hands full
+// bins on to the transfer cache while another cache exists) while short-lived threads, each with
+// a cache of its own, come and go. Each time one has exited (one cache left) the long-lived thread
+// pauses and validate() runs: a bin handed over while the other thread's exit hook flushed the
+// transfer cache would stay there, with no second cache to take it.
+void scenario_transfer_exit(const Options& o) {
+  auto up = std::make_shared<SimulatedUpstream>(LatencyModel::none());
+  ArenaOptions ao;
+  ao.thread_cache_bytes = 1 << 20;
+  ao.shards = 1;
+  auto pool = std::make_shared<ArenaPool>(up, ao);
+  const std::uint64_t rounds = std::max<std::uint64_t>(16, o.ops / 10);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool pause = false, paused = false, stop = false;
+  std::thread longlived([&] {
+    std::vector<void*> ps;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> g(mu);
+        if (pause) {
+          paused = true;
+          cv.notify_all();
+          cv.wait(g, [&] { return !pause || stop; });
+          paused = false;
+        }
+        if (stop) break;
+      }
+      for (int i = 0; i < 40; ++i) ps.push_back(pool_alloc(*pool, 64 << 10, kNoStream));
+      for (void* p : ps) pool_free(*pool, p, kNoStream);
+      ps.clear();
+      g_counts.ops.fetch_add(80, std::memory_order_relaxed);
+    }
+  });
+  for (std::uint64_t r = 0; r < rounds; ++r) {
+    std::thread shortlived([&] { pool_free(*pool, pool_alloc(*pool, 64 << 10, kNoStream), kNoStream); });
+    shortlived.join();  // its exit hook has run: thread_local destructors come before the join returns
+    {
+      std::unique_lock<std::mutex> g(mu);
+      pause = true;
+      cv.wait(g, [&] { return paused; });
+    }
+    try {
+      pool->validate();
+      g_counts.validations.fetch_add(1);
+    } catch (const std::exception& e) {
+      fail(std::string("transfer-exit: ") + e.what());
+      break;
+    }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      pause = false;
+    }
+    cv.notify_all();
+  }
+  {
+    std::lock_guard<std::mutex> g(mu);
+    stop = true;
+    pause = false;
+  }
+  cv.notify_all();
+  longlived.join();
+  for (const auto& [k, v] : pool->stats().extra)
+    if (k == "transfer_handovers") g_counts.handovers.fetch_add(v);
+  pool->close();
+}
+
 // capi-registry: threads allocate and free through registry::Pinned (as every C ABI call does)
 // while another thread replaces and clears the device's pool: each pool must outlive every call
 // that started in it (before Pinned, a replaced pool was destroyed under its callers).
@@ -722,7 +789,7 @@ void scenario_capi_registry(const Options& o) {
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|capi-registry|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -760,7 +827,7 @@ int main(int argc, char** argv) {
   }
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
-      o.scenario != "capi-registry" && o.scenario != "all")
+      o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "all")
     return usage();
 
   int ran = 0;
@@ -777,6 +844,7 @@ int main(int argc, char** argv) {
   }
   if (o.scenario == "registry" || o.scenario == "all") scenario_registry(o);
   if (o.scenario == "thread-exit" || o.scenario == "all") scenario_thread_exit(o);
+  if (o.scenario == "transfer-exit" || o.scenario == "all") scenario_transfer_exit(o);
   if (o.scenario == "capi-registry" || o.scenario == "all") scenario_capi_registry(o);
 
   auto& k = g_counts;

@@ -32,7 +32,7 @@ PoolStats ArenaPool::stats_locked() {
   // No bin moves between a cache and the transfer cache while both are read (transfer_cache.hpp).
   std::unique_lock<detail::SpinMutex> xg(xfer_.mu);
   const std::size_t transferred = xfer_.bytes;
-  const std::uint64_t handed = xfer_.handed, taken = xfer_.taken;
+  const std::uint64_t handed = xfer_.handed, taken = xfer_.taken, evicted = xfer_.evicted;
   for (auto& tc : caches_) {
     const auto k = tc->read();
     live += k.live_delta;
@@ -71,7 +71,8 @@ PoolStats ArenaPool::stats_locked() {
                   {"pressure_passes", ev_.pressure_passes}, {"thread_cache_hits", hits}, {"thread_cache_frees", fast_frees},
                   {"thread_caches", caches_.size()}, {"cache_flushes", ev_.cache_flushes},
                   {"cache_refills", ev_.cache_refills}, {"cache_spills", ev_.cache_spills}, {"transfer_cached", transferred},
-                  {"transfer_handovers", handed}, {"transfer_takes", taken}, {"remote_frees", ev_.remote_frees}, {"stream_runs", ev_.stream_runs}, {"shard_fallbacks", ev_.shard_fallbacks},
+                  {"transfer_handovers", handed}, {"transfer_takes", taken}, {"transfer_evictions", evicted},
+                  {"remote_frees", ev_.remote_frees}, {"stream_runs", ev_.stream_runs}, {"shard_fallbacks", ev_.shard_fallbacks},
                   {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
                   {"nowait_deallocations", ev_.nowait_frees}});
@@ -237,6 +238,7 @@ void ArenaPool::validate() {
     }
     if (own != xfer_.bytes) fail("transfer cache byte count is off");
     if (xfer_.bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) fail("transfer cache holds more than its budget");
+    if (own && caches_.size() < 2) fail("transfer cache holds blocks with fewer than two thread caches left");
     cached_counted += static_cast<std::int64_t>(own);
     cache_bins_bytes += own;
   }

@@ -291,6 +291,9 @@ void ArenaPool::settle_locked() {
   drain_remote_locked();
   if (cache_enabled_) {
     if (ThreadCache* tc = detail::tls_find_cache(id_); tc && tc->bytes) flush_cache_locked(tc);
+    // Free memory no thread owns, up to two caches' budgets of sizes nobody may ask for again:
+    // left out, a burst freed by one thread followed by other sizes grew the pool by all of it.
+    flush_transfer_locked();
   }
   if (order_.pending_blocks()) drain_locked(false);
   coalesce_locked();

@@ -190,11 +190,16 @@ bool ArenaPool::hand_over(ThreadCache* tc, std::size_t size) {
   size = bin->size;
   const std::size_t bytes = size * bin->count;
   std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  // Again under mu: the other cache may have exited since the caller looked, and its exit flushed
+  // the transfer cache under this lock after storing the count; a lone cache never takes, so a
+  // bin handed over now would stay until the next reclaim.
+  if (ncaches_.load(std::memory_order_relaxed) < 2) return false;
   if (xfer_.bytes + bytes > detail::TransferCache::kBudgets * opt_.thread_cache_bytes) return false;
   detail::TransferCache::Slot* slot = xfer_.find(size, true);
   if (!slot || slot->count + bin->count > detail::TransferCache::kPerSlot) return false;
   for (std::uint32_t i = 0; i < bin->count; ++i) slot->items[slot->count++] = bin->items[i];
   slot->size = size;
+  slot->used = ++xfer_.clock;
   bin->count = 0;
   // Both sides move under xfer_.mu, which stats() holds while it reads them.
   tc->begin();
@@ -221,6 +226,7 @@ ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
   while (n < ThreadCache::kPerBin && slot->count && tc->bytes + (n + 1) * size <= opt_.thread_cache_bytes)
     bin->items[n++] = slot->items[--slot->count];
   if (!n) return nullptr;
+  slot->used = ++xfer_.clock;
   bin->size = size;
   bin->stream = kNoStream;
   bin->count = n;
@@ -234,20 +240,35 @@ ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
   return bin;
 }
 
+std::size_t ArenaPool::file_transfer_slot_locked(detail::TransferCache::Slot& slot) {
+  std::size_t bytes = 0;
+  for (std::uint32_t i = 0; i < slot.count; ++i) {
+    ArenaChunk* c = slot.items[i];
+    table_.erase(c->addr);
+    c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
+    file_free_locked(c);
+    bytes += c->size;
+  }
+  slot.count = 0;
+  xfer_.bytes -= bytes;
+  return bytes;
+}
+
 std::size_t ArenaPool::flush_transfer_locked() {
   std::lock_guard<detail::SpinMutex> g(xfer_.mu);
-  const std::size_t bytes = xfer_.bytes;
-  for (auto& slot : xfer_.slots) {
-    for (std::uint32_t i = 0; i < slot.count; ++i) {
-      ArenaChunk* c = slot.items[i];
-      table_.erase(c->addr);
-      c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
-      file_free_locked(c);
-    }
-    slot.count = 0;
-  }
-  xfer_.bytes = 0;
+  std::size_t bytes = 0;
+  for (auto& slot : xfer_.slots) bytes += file_transfer_slot_locked(slot);
   return bytes;
+}
+
+bool ArenaPool::evict_transfer_locked(std::size_t size) {
+  std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  if (xfer_.find(size, true)) return false;
+  detail::TransferCache::Slot* lru = xfer_.least_recent();
+  if (!lru) return false;
+  file_transfer_slot_locked(*lru);
+  ++xfer_.evicted;
+  return true;
 }
 
 ThreadCache* ArenaPool::cache_locked() {
@@ -358,6 +379,12 @@ bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
     tagged |= b.count && b.stream != kNoStream;
   }
   if (!bin || tc->bytes + c->size > opt_.thread_cache_bytes) {
+    // The transfer cache may have had no slot for this size: make one (the slot nobody has used
+    // for longest goes back to the books) and hand a bin over after all.
+    if (s == kNoStream && evict_transfer_locked(c->size) && try_deallocate_fast(reinterpret_cast<void*>(c->addr), s)) {
+      ++ev_.slow_frees;
+      return true;
+    }
     if (nowait && tagged) return false;
     flush_bins_locked(tc, c->size);
     if (tc->bytes + c->size > opt_.thread_cache_bytes) flush_bins_locked(tc, 0);

@@ -14,8 +14,13 @@
 //   (a free of it is a double free, explained by the locked path), and counted in `bytes`.
 // - Bounded: `bytes` never passes kBudgets per-thread cache budgets (thread_cache_bytes): a
 //   handover that would is refused and the cache spills into the books as before.
+// - Evicted: a handover refused because every slot holds another size goes on to the locked
+//   path, which first gives the least recently used slot back to the books (bursts of sizes
+//   nobody asks for again took all the slots and kept every later size out until a reclaim).
+// - Empty whenever fewer than two caches are left (validate()): a lone cache never takes from it.
 // - Reclaimed with the thread caches (reclaim_caches_locked: before an out-of-memory error, in
-//   synchronize(), trim(), close()): its chunks go back to the books then.
+//   synchronize(), trim(), close()) and at the pressure pass before a growth (settle_locked): its
+//   chunks go back to the books then, free memory no thread owns.
 // Locks: `mu` guards every field below. Taken by a cache's owner inside its fast-path scope
 // (ThreadCache::Entered) without the pool's lock, or under the pool's lock (order: the pool's
 // lock, then mu). Whoever holds mu waits for nothing else, so a reclaimer that waits for a
@@ -42,6 +47,7 @@ class alignas(64) TransferCache {
   struct Slot {
     std::size_t size = 0;  // chunk size; meaningless while count == 0
     std::uint32_t count = 0;
+    std::uint64_t used = 0;  // `clock` at its last handover or take (least recently used: evicted first)
     ArenaChunk* items[kPerSlot] = {};
   };
 
@@ -53,11 +59,20 @@ class alignas(64) TransferCache {
       else if (!s.count && !empty) empty = &s;
     return want_empty ? empty : nullptr;
   }
+  // mu held. The occupied slot used least recently (nullptr: none occupied).
+  Slot* least_recent() {
+    Slot* lru = nullptr;
+    for (auto& s : slots)
+      if (s.count && (!lru || s.used < lru->used)) lru = &s;
+    return lru;
+  }
 
   SpinMutex mu;
   Slot slots[kSlots];
   std::size_t bytes = 0;               // chunk bytes held here
   std::uint64_t handed = 0, taken = 0;  // bins handed over by full caches / taken by dry ones
+  std::uint64_t clock = 0;              // handovers + takes so far (Slot::used)
+  std::uint64_t evicted = 0;            // slots given back to the books to make room for a size
 };
 
 }  // namespace poolkeeper::detail

@@ -42,7 +42,8 @@
 //   reserved == live + free + pending + overhead  (thread and transfer caches included)
 //   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
-//   the Live and ThreadCached chunks; pending totals match the stream-order lanes.
+//   the Live and ThreadCached chunks; pending totals match the stream-order lanes; the transfer
+//   cache is empty when fewer than two thread caches are left.
 // Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
 // the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
 // shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
@@ -200,6 +201,10 @@ class ArenaPool final : public Pool {
   bool hand_over(detail::ThreadCache* tc, std::size_t size);
   detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size);
   std::size_t flush_transfer_locked();  // every transferred chunk back into the books; bytes
+  std::size_t file_transfer_slot_locked(detail::TransferCache::Slot& slot);  // xfer_.mu held; bytes filed
+  // No slot for chunks of `size` in the transfer cache: the least recently used one back into
+  // the books. False: a slot was there already (or nothing to evict).
+  bool evict_transfer_locked(std::size_t size);
   std::size_t reclaim_caches_locked();  // every thread's cache, idle owners included; bytes moved
   void fold_cache_locked(detail::ThreadCache* tc);
   void file_free_locked(detail::ArenaChunk* c);
