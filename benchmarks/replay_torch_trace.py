@@ -43,12 +43,19 @@ def load(path: str) -> List[Tuple[bool, int, int, int]]:
     return events
 
 
-def replay(events, kind: str, work_us: float, advance_us: float, **options) -> dict:
+def replay(events, kind: str, work_us: float, advance_us: float, pre_trace=(), **options) -> dict:
+    """Play ``events`` ((is_alloc, addr, size, stream) tuples) on a fresh ``kind`` pool over the
+    Simulated device; ``pre_trace``: (addr, size) blocks allocated first, without a stream (what
+    the logged process held before its log began; the events may free them). Each allocation enqueues ``work_us`` of device work on its
+    stream and each event advances the clock ``advance_us``."""
     sim = pk.upstream.Simulated(latency_us=0)
     pool = pk.make_pool(kind, sim, **options)
-    live = {}
+    live = {addr: pool.allocate(size) for addr, size in pre_trace}
     for is_alloc, addr, size, stream in events:
         if is_alloc:
+            old = live.pop(addr, None)
+            if old is not None:  # the log lost this address's free: assume it
+                pool.deallocate(old, stream)
             live[addr] = pool.allocate(size, stream)
             if work_us:
                 sim.enqueue(stream, work_us)

@@ -32,29 +32,16 @@ LAGS = [(0.0, 0.0), (5.0, 5.0), (10.0, 5.0), (20.0, 5.0), (50.0, 5.0)]
 STREAM = 0
 
 
-def replay_snapshot(trace, kind: str, work_us: float, advance_us: float) -> float:
-    sim = pk.upstream.Simulated(latency_us=0)
-    pool = pk.make_pool(kind, sim)
-    table = {}
+def snapshot_events(trace):
+    """A snapshot trace as replay_torch_trace.replay's events, every call on stream 0, and its
+    pre-trace blocks as (addr, size)."""
+    events = [(ev.kind == ALLOC, ev.addr, ev.size, STREAM) for ev in trace.events
+              if (ev.kind == ALLOC and ev.size) or ev.kind == FREE]
+    pre = {}
     for ev in trace.pre_trace:
-        if ev.size and ev.addr not in table:
-            table[ev.addr] = pool.allocate(ev.size)
-    for ev in trace.events:
-        if ev.kind == ALLOC and ev.size:
-            old = table.pop(ev.addr, None)
-            if old is not None:  # the log lost this address's free: assume it
-                pool.deallocate(old, STREAM)
-            table[ev.addr] = pool.allocate(ev.size, STREAM)
-            if work_us:
-                sim.enqueue(STREAM, work_us)
-        elif ev.kind == FREE:
-            p = table.pop(ev.addr, None)
-            if p is not None:
-                pool.deallocate(p, STREAM)
-        if advance_us:
-            sim.advance(advance_us)
-    st = pool.stats()
-    return st["peak_reserved_bytes"] / st["peak_live_bytes"]
+        if ev.size:
+            pre.setdefault(ev.addr, ev.size)
+    return events, list(pre.items())
 
 
 def main() -> int:
@@ -62,24 +49,21 @@ def main() -> int:
     ap.add_argument("--pools", default="arena,arena_expandable")
     args = ap.parse_args()
     print("command: python3 benchmarks/stream_lag_replay.py " + " ".join(sys.argv[1:]))
-    traces = {name: read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz"))
+    traces = {name: snapshot_events(read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz")))
               for name in ("bert_serve", "gpt2_generate")}
-    llama = replay_torch_trace.load(replay_torch_trace.DEFAULT_TRACE)
+    traces["llama"] = (replay_torch_trace.load(replay_torch_trace.DEFAULT_TRACE), ())
     lags = ["idle" if not w else f"lag {w:g}/{a:g}" for w, a in LAGS]
     print("peak reserved / peak live, all on stream 0 of the Simulated device")
     print(f"{'pool':18s} {'trace':14s} " + " ".join(f"{x:>10s}" for x in lags))
     for kind in args.pools.split(","):
         every = []
-        for name, tr in traces.items():
-            row = [replay_snapshot(tr, kind, w, a) for w, a in LAGS]
+        for name, (events, pre) in traces.items():
+            row = []
+            for w, a in LAGS:
+                r = replay_torch_trace.replay(events, kind, w, a, pre_trace=pre)
+                row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
             every += row
             print(f"{kind:18s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row), flush=True)
-        row = []
-        for w, a in LAGS:
-            r = replay_torch_trace.replay(llama, kind, w, a)
-            row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
-        every += row
-        print(f"{kind:18s} {'llama':14s} " + " ".join(f"{x:10.3f}" for x in row), flush=True)
         print(f"{kind:18s} {'mean':14s} {sum(every) / len(every):10.3f}")
     return 0
 

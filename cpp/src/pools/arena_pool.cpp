@@ -169,7 +169,7 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
 // waits for exactly what each part waited for). Tried before every growth as well, it cost the
 // arena memory on the lagging Llama replay (benchmarks/stream_lag_replay.py) and gained nothing
 // elsewhere: not done.
-ArenaChunk* ArenaPool::take_stream_run_locked(Stream s, std::size_t rounded) {
+ArenaChunk* ArenaPool::take_stream_run_locked(ArenaBacking* grown, Stream s, std::size_t rounded) {
   // (Without a stream there is no run: lane_stream() names no stream for blocks pending on several
   // streams or held for a capture, and kNoStream would match them.)
   if (s == kNoStream) return nullptr;
@@ -178,8 +178,8 @@ ArenaChunk* ArenaPool::take_stream_run_locked(Stream s, std::size_t rounded) {
   };
   ArenaChunk* best = nullptr;
   std::size_t best_size = SIZE_MAX;
-  for (ArenaBacking* b : backings_) {
-    for (ArenaChunk* c = b->first; c;) {
+  {  // the run the growth joined lies in the backing it grew
+    for (ArenaChunk* c = grown->first; c;) {
       if (!part(c)) {
         c = c->next_addr;
         continue;
@@ -544,10 +544,11 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
       ArenaChunk* grown = source_->grow(rounded, g, s);
       if (grown->size >= rounded) return carve_locked(grown, rounded, nbytes, s);
       // The growth joined a run of chunks pending on s (BackingSource::grow): merge and carve.
+      ArenaBacking* backing = grown->backing;  // (grown itself may merge away below)
       file_free_locked(grown);
       coalesce_locked();
       if (ArenaChunk* f = index_.take_best_fit(rounded)) return carve_locked(f, rounded, nbytes, s);
-      if (ArenaChunk* p = take_stream_run_locked(s, rounded)) return carve_pending_locked(p, rounded, nbytes, s);
+      if (ArenaChunk* p = take_stream_run_locked(backing, s, rounded)) return carve_pending_locked(p, rounded, nbytes, s);
       throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": a growth of " + format_bytes(grown->size) +
                                " for a request of " + format_bytes(rounded) + " joined no run that holds it");
     } catch (const LimitHit&) {

@@ -243,11 +243,8 @@ ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
 std::size_t ArenaPool::file_transfer_slot_locked(detail::TransferCache::Slot& slot) {
   std::size_t bytes = 0;
   for (std::uint32_t i = 0; i < slot.count; ++i) {
-    ArenaChunk* c = slot.items[i];
-    table_.erase(c->addr);
-    c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
-    file_free_locked(c);
-    bytes += c->size;
+    uncache_locked(slot.items[i]);  // (tagged kNoStream: filed free)
+    bytes += slot.items[i]->size;
   }
   slot.count = 0;
   xfer_.bytes -= bytes;
@@ -287,6 +284,20 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
   ++ev_.cache_flushes;
 }
 
+// A chunk a thread cache or the transfer cache held, back into the books: free, or pending on the
+// stream it was released on (then reusable at once by that stream only). True when filed free.
+bool ArenaPool::uncache_locked(ArenaChunk* c) {
+  table_.erase(c->addr);
+  c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
+  if (c->cache_tag == kNoStream) {
+    file_free_locked(c);
+    return true;
+  }
+  order_.defer(c, c->cache_tag);
+  note_pending_locked(c);
+  return false;
+}
+
 // The cache's bins of chunk size `size` (0: every bin) back into the books.
 void ArenaPool::flush_bins_locked(ThreadCache* tc, std::size_t size) {
   std::int64_t freed = 0, pending = 0;
@@ -294,16 +305,7 @@ void ArenaPool::flush_bins_locked(ThreadCache* tc, std::size_t size) {
     if (!b.count || (size && b.size != size)) continue;
     for (std::uint32_t i = 0; i < b.count; ++i) {
       ArenaChunk* c = b.items[i];
-      table_.erase(c->addr);
-      c->used_epoch = scan_epoch_;  // in use through the cache until now: not idle memory
-      if (c->cache_tag == kNoStream) {
-        file_free_locked(c);
-        freed += static_cast<std::int64_t>(c->size);
-      } else {
-        order_.defer(c, c->cache_tag);  // released on that stream: pending for the others
-        note_pending_locked(c);
-        pending += static_cast<std::int64_t>(c->size);
-      }
+      (uncache_locked(c) ? freed : pending) += static_cast<std::int64_t>(c->size);
     }
     b.count = 0;
     b.size = 0;

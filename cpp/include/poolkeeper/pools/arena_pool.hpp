@@ -193,6 +193,7 @@ class ArenaPool final : public Pool {
   detail::ThreadCache* cache_locked();
   void flush_cache_locked(detail::ThreadCache* tc);
   void flush_bins_locked(detail::ThreadCache* tc, std::size_t size);  // size 0: every bin
+  bool uncache_locked(detail::ArenaChunk* c);  // a cached chunk back into the books; true: filed free
   void refill_cache_locked(std::size_t rounded);   // batches between caches and books (several threads)
   bool spill_and_cache_locked(detail::ArenaChunk* c, Stream s, bool nowait = false);
   // Between caches without the pool's lock (transfer_cache.hpp); tc is the caller's own cache,
@@ -215,10 +216,11 @@ class ArenaPool final : public Pool {
   // c (the best free fit, out of the index, or nullptr) or the best fit pending on s, whichever is
   // smaller, carved; nullptr when neither exists.
   void* carve_best_locked(detail::ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s);
-  // Before a growth for a request on stream s: the smallest run of address neighbours, each free
-  // or pending on s alone, that holds `rounded` bytes, merged into one chunk pending on s (for
+  // After a growth of backing `grown` for a request on stream s that counted chunks pending on s
+  // (BackingSource::grow): the smallest run of address neighbours there, each free or pending on
+  // s alone, that holds `rounded` bytes, merged into one chunk pending on s (for
   // carve_pending_locked); nullptr if none.
-  detail::ArenaChunk* take_stream_run_locked(Stream s, std::size_t rounded);
+  detail::ArenaChunk* take_stream_run_locked(detail::ArenaBacking* grown, Stream s, std::size_t rounded);
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
   void unlive_locked(detail::ArenaChunk* c);
   void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
