@@ -124,41 +124,14 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
   // Released on a stream other than its own: it must also wait for the allocating stream.
   if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
-  // With several caches, blocks of one size may flow in here from a thread that allocates them
-  // faster than this one does: past kFullBinsPerSize full bins of it they go on to the transfer
-  // cache, or they would take every bin and the cache could hold no other size.
-  const bool several = s == kNoStream && ncaches_.load(std::memory_order_relaxed) > 1;
-  // The bin c goes to: the hinted one, one of its size and stream with room, or an empty one.
-  auto find_slot = [&]() -> ThreadCache::Bin* {
-    if (tc->bytes + c->size > opt_.thread_cache_bytes) return nullptr;
-    ThreadCache::Bin* hinted = &tc->bins[tc->hint];
-    if (hinted->size == c->size && hinted->stream == s && hinted->count < ThreadCache::kPerBin) return hinted;
-    ThreadCache::Bin* empty = nullptr;
-    int full = 0;
-    for (auto& b : tc->bins) {
-      if (b.count) {
-        if (b.size == c->size && b.stream == s) {
-          if (b.count < ThreadCache::kPerBin) return &b;
-          ++full;
-        }
-      } else if (!empty) {
-        empty = &b;
-      }
-    }
-    if (several && full >= ThreadCache::kFullBinsPerSize) return nullptr;
-    if (empty) {
-      empty->size = c->size;
-      empty->stream = s;
-    }
-    return empty;
-  };
-  ThreadCache::Bin* slot = find_slot();
-  // Full: with several caches, hand a bin of this size over to the thread that will allocate it
-  // (the locked path spills into the books otherwise).
-  if (several)
-    while (!slot && hand_over(tc, c->size)) slot = find_slot();
-  if (!slot) return false;
-  tc->hint = static_cast<int>(slot - tc->bins);
+  // The hinted bin (the common case: the same size as the last free) takes it without a scan;
+  // the rest is out of line, so a single thread's hit costs what it did before the transfer cache.
+  ThreadCache::Bin* slot = &tc->bins[tc->hint];
+  if (tc->bytes + c->size > opt_.thread_cache_bytes ||
+      !(slot->size == c->size && slot->stream == s && slot->count < ThreadCache::kPerBin)) {
+    if (!(slot = free_bin_slow(tc, c->size, s))) return false;
+    tc->hint = static_cast<int>(slot - tc->bins);
+  }
   slot->items[slot->count++] = c;
   const auto size = static_cast<std::int64_t>(c->size);
   const auto req = static_cast<std::int64_t>(c->requested);
@@ -174,6 +147,41 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   tc->end();
   tc->bytes += c->size;
   return true;
+}
+
+ThreadCache::Bin* ArenaPool::free_bin_slow(ThreadCache* tc, std::size_t size, Stream s) {
+  // With several caches, blocks of one size may flow in here from a thread that allocates them
+  // faster than this one does: past kFullBinsPerSize full bins of it they go on to the transfer
+  // cache, or they would take every bin and the cache could hold no other size.
+  const bool several = s == kNoStream && ncaches_.load(std::memory_order_relaxed) > 1;
+  // A bin of this size and stream with room, or an empty one (keyed for it).
+  auto find = [&]() -> ThreadCache::Bin* {
+    if (tc->bytes + size > opt_.thread_cache_bytes) return nullptr;
+    ThreadCache::Bin* empty = nullptr;
+    int full = 0;
+    for (auto& b : tc->bins) {
+      if (b.count) {
+        if (b.size == size && b.stream == s) {
+          if (b.count < ThreadCache::kPerBin) return &b;
+          ++full;
+        }
+      } else if (!empty) {
+        empty = &b;
+      }
+    }
+    if (several && full >= ThreadCache::kFullBinsPerSize) return nullptr;
+    if (empty) {
+      empty->size = size;
+      empty->stream = s;
+    }
+    return empty;
+  };
+  ThreadCache::Bin* slot = find();
+  // Full: with several caches, hand a bin of this size over to the thread that will allocate it
+  // (the locked path spills into the books otherwise).
+  if (several)
+    while (!slot && hand_over(tc, size)) slot = find();
+  return slot;
 }
 
 bool ArenaPool::hand_over(ThreadCache* tc, std::size_t size) {

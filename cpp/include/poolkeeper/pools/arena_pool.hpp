@@ -201,6 +201,9 @@ class ArenaPool final : public Pool {
   // take_over: up to a bin of `size` into an empty bin of tc (returned, or nullptr).
   bool hand_over(detail::ThreadCache* tc, std::size_t size);
   detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size);
+  // The free fast path's bin for a chunk of `size` released on s when the hinted bin will not do
+  // (tc is the caller's own cache, inside its fast-path scope); nullptr: the locked path serves.
+  detail::ThreadCache::Bin* free_bin_slow(detail::ThreadCache* tc, std::size_t size, Stream s);
   std::size_t flush_transfer_locked();  // every transferred chunk back into the books; bytes
   std::size_t file_transfer_slot_locked(detail::TransferCache::Slot& slot);  // xfer_.mu held; bytes filed
   // No slot for chunks of `size` in the transfer cache: the least recently used one back into
