@@ -3,7 +3,7 @@ C ABI for 1..16 native threads, per pool and request size, with p99 call latency
 
     PYTHONPATH=<site> python3 benchmarks/thread_scaling.py [--backend sim|cuda] [--seconds 0.5]
         [--warmup 0.2] [--threads 1,2,4,8,16]
-        [--pools arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct]
+        [--pools arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct,reference]
         [--cases "32 MiB;mixed, cross-thread frees"] [--reps 1] [--counters]
         [--json benchmarks/results/thread_scaling.json --key NAME]
 
@@ -25,6 +25,10 @@ warmed by the first round, so a steady state touches the upstream only when a po
 back; the expandable arena runs over CudaVirtual). The direct pool is the reference: every pair is
 an upstream call. arena_1shard and arena_expandable_1shard are the arenas with shards=1 (one pool
 lock for everything above the thread cache, as before the arena shards): the A/B in one run.
+"reference" is no pool at all: each malloc writes one word of a cache-line record from the calling
+thread's ring and each free writes it back. It measures the pattern itself -- with cross-thread
+frees, the hand-over locks and the lines that move between cores, which any allocator's per-block
+state moves too -- so a pool's mixed-case ratio is read against the reference's ratio, not 1.
 
 --reps N measures every cell N times (a fresh pool each time) and keeps the run with the median
 rate (its latencies and upstream calls come with it; every rate is in the JSON row's
@@ -96,6 +100,10 @@ def machine() -> dict:
 
 
 def run_cell(backend: str, kind: str, sizes, cross: bool, threads: int, seconds: float, warmup: float) -> dict:
+    if kind == "reference":  # the harness alone: no pool, no upstream (see the module docstring)
+        r = _core.capi_bench_threads(DEVICE, sizes, threads, seconds, cross, warmup=warmup, reference=True)
+        r.update(upstream_allocations=0, upstream_deallocations=0, peak_reserved_bytes=0, shards=1, counters={})
+        return r
     up = make_upstream(backend, kind)
     pool = make_pool(kind, up)
     _core.registry_set(DEVICE, pool)
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5)
     ap.add_argument("--warmup", type=float, default=0.2, help="unmeasured seconds of the same traffic first")
     ap.add_argument("--threads", default="1,2,4,8,16")
-    ap.add_argument("--pools", default="arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct")
+    ap.add_argument("--pools", default="arena,arena_1shard,size_class,arena_expandable,arena_expandable_1shard,direct,reference")
     ap.add_argument("--cases", default="", help="semicolon-separated case labels to run (default: all)")
     ap.add_argument("--json", help="results file; with --key, the run is stored under that key of the "
                     "file's object (other keys kept: one results file for every machine)")
@@ -149,7 +157,8 @@ def main(argv=None) -> int:
     print(f"command: {command}")
     print(f"thread scaling, backend {args.backend}, {args.warmup}s warm-up + {args.seconds}s per cell ({machine()['cpu']}, {os.cpu_count()} cores)")
     hdr = "".join(f"{t:>9d}t" for t in threads)
-    print(f"{'pool':23s} {'case':26s}{hdr}  {'max/1':>6s}   p99 alloc/free ns at {threads[-1]} threads")
+    last_over_first = f"{threads[-1]}/{threads[0]}"  # the ratio column: the last thread count over the first
+    print(f"{'pool':23s} {'case':26s}{hdr}  {last_over_first:>6s}   p99 alloc/free ns at {threads[-1]} threads")
     for kind in kinds:
         for label, sizes, cross in cases:
             cells = []
@@ -165,7 +174,7 @@ def main(argv=None) -> int:
             ratio = rates[-1] / rates[0] if rates[0] else float("nan")
             p99 = " ".join(f"{int(s['alloc_p99_ns'])}/{int(s['free_p99_ns'])}" for s in cells[-1]["per_size"])
             print(f"{kind:23s} {label:26s}" + "".join(f"{r:9.2f}M" for r in rates) + f"  {ratio:6.2f}x  {p99}", flush=True)
-            if args.counters:
+            if args.counters and any(c.get("counters") for c in cells):  # size_class, direct, reference: none
                 for t, c in zip(threads, cells):
                     print(f"    {t:2d} threads: " + " ".join(f"{k} {v}" for k, v in c.get("counters", {}).items()))
     if args.json:

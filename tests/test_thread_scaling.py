@@ -3,6 +3,8 @@ classes, and the books under native threads through the C ABI. Behaviour only (c
 accounting equations); the timings are benchmarks/thread_scaling.py's business."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -168,6 +170,24 @@ def test_books_balance_after_native_threads_with_cross_thread_frees(kind):
     assert st["live_blocks"] == 0 and st["live_bytes"] == 0
     pool.trim()
     pool.close()
+
+
+def test_the_reference_harness_hands_blocks_across_threads_without_a_pool_and_without_crashing():
+    # The reference (no pool: each call writes one word of a per-thread record) measures the
+    # pattern's own cost. Its free helper first fell off the end of a lambda whose return type was
+    # deduced from poolkeeper_free's int: undefined behaviour that ran into the next function and
+    # crashed about one run in three with cross-thread frees. A crash is a test failure, so run it
+    # in a child with a timeout, several cells in a row, with no pool registered in the slot.
+    code = (
+        "from poolkeeper import _core\n"
+        "for t in (1, 2, 4):\n"
+        "    for _ in range(4):\n"
+        "        r = _core.capi_bench_threads(9, [4096, 262144, 2097152, 33554432], t, 0.2, True,\n"
+        "                                     warmup=0.1, reference=True)\n"
+        "        assert r['pairs'] > 0 and sum(s['pairs'] for s in r['per_size']) == r['pairs'], r\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
 
 
 def test_capi_bench_threads_refuses_bad_arguments():

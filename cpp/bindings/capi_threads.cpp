@@ -12,6 +12,11 @@
 // Warm-up: the threads run the pattern for `warmup` seconds before the measured window, so the
 // blocks in flight (with cross-thread frees, up to 5 rounds per thread) are already in the pool:
 // the window measures the steady state, not the pool's first growth.
+// reference: no pool at all. A "malloc" writes one word of a cache-line record from the calling
+// thread's ring and a "free" writes it back, so a cross-thread free still pulls a line the other
+// core wrote, as any allocator's per-block state must. What this reference loses from 1 to N
+// threads is the cost of the pattern itself (the hand-over locks and the moving lines), not of
+// an allocator: the ceiling a pool is read against.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -67,6 +72,11 @@ struct Inbox {  // blocks handed over by the previous thread (cross-thread frees
   std::vector<std::pair<void*, std::size_t>> items;  // (block, size index); guarded by mu
 };
 
+struct alignas(64) RefRecord {  // one reference "block": the word its malloc and free write
+  std::atomic<std::size_t> word{0};  // atomic: a record is reused by its ring while a neighbour frees it late
+};
+constexpr std::size_t kRefRing = 256;  // > the blocks one thread can have in flight (8 + 4 rounds handed)
+
 struct PerThread {
   std::vector<Hist> alloc_h, free_h;  // by size index
   std::vector<std::uint64_t> pairs;   // by size index
@@ -78,7 +88,7 @@ void bind_capi_threads(nb::module_& m) {
   m.def(
       "capi_bench_threads",
       [](int device, std::vector<std::size_t> sizes, std::size_t threads, double seconds, bool cross_thread_frees,
-         nb::handle stream, std::size_t sample_every, double warmup) {
+         nb::handle stream, std::size_t sample_every, double warmup, bool reference) {
         if (sizes.empty() || threads == 0 || threads > 1024 || !(seconds > 0) || sample_every == 0 || !(warmup >= 0))
           throw InvalidArgument(
               "capi_bench_threads: need sizes, 1..1024 threads, seconds > 0, sample_every >= 1, warmup >= 0");
@@ -87,6 +97,8 @@ void bind_capi_threads(nb::module_& m) {
         const std::size_t nsz = sizes.size();
         std::vector<PerThread> per(threads);
         std::vector<Inbox> inbox(threads);
+        // The reference's records outlive every thread: a neighbour may free one after its owner stopped.
+        std::vector<RefRecord> rings(reference ? threads * kRefRing : 0);
         std::atomic<std::size_t> ready{0};
         std::atomic<bool> go{false}, stop{false}, measuring{warmup == 0};
         double elapsed = 0;
@@ -102,16 +114,27 @@ void bind_capi_threads(nb::module_& m) {
               me.pairs.assign(nsz, 0);
               void* blk[kBlocks];
               std::vector<std::pair<void*, std::size_t>> got;
+              std::size_t ring_next = 0;
+              auto do_malloc = [&](std::size_t n) -> void* {
+                if (!reference) return poolkeeper_malloc(n, device, s);
+                RefRecord& r = rings[t * kRefRing + ring_next++ % kRefRing];
+                r.word.store(n, std::memory_order_relaxed);
+                return &r;
+              };
+              auto do_free = [&](void* b) -> void {
+                if (reference) static_cast<RefRecord*>(b)->word.store(0, std::memory_order_relaxed);
+                else poolkeeper_free(b, device, s);
+              };
               auto fail = [&](const char* what) {
                 me.error = std::string(what) + ": " + poolkeeper_last_error();
                 stop.store(true);
               };
               // Warm: the first round may grow the pool and create this thread's cache.
               for (std::size_t k = 0; k < nsz && me.error.empty(); ++k) {
-                for (auto& b : blk) b = poolkeeper_malloc(sizes[k], device, s);
+                for (auto& b : blk) b = do_malloc(sizes[k]);
                 for (auto& b : blk) {
                   if (!b) fail("warm-up poolkeeper_malloc");
-                  else poolkeeper_free(b, device, s);
+                  else do_free(b);
                 }
               }
               ready.fetch_add(1);
@@ -130,17 +153,17 @@ void bind_capi_threads(nb::module_& m) {
                 for (auto& b : blk) {
                   if (timed) {
                     const auto t0 = Clock::now();
-                    b = poolkeeper_malloc(n, device, s);
+                    b = do_malloc(n);
                     me.alloc_h[k].add(std::uint64_t((Clock::now() - t0).count()));
                   } else {
-                    b = poolkeeper_malloc(n, device, s);
+                    b = do_malloc(n);
                   }
                 }
                 bool ok = true;
                 for (auto& b : blk) ok &= b != nullptr;
                 if (!ok) {
                   for (auto& b : blk)
-                    if (b) poolkeeper_free(b, device, s);
+                    if (b) do_free(b);
                   fail("poolkeeper_malloc");
                   break;
                 }
@@ -163,10 +186,10 @@ void bind_capi_threads(nb::module_& m) {
                 for (auto [b, kb] : got) {
                   if (timed) {
                     const auto t0 = Clock::now();
-                    poolkeeper_free(b, device, s);
+                    do_free(b);
                     me.free_h[kb].add(std::uint64_t((Clock::now() - t0).count()));
                   } else {
-                    poolkeeper_free(b, device, s);
+                    do_free(b);
                   }
                 }
                 got.clear();
@@ -188,8 +211,9 @@ void bind_capi_threads(nb::module_& m) {
           stop.store(true);
           for (auto& th : ts) th.join();
           elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-          for (auto& ib : inbox)  // blocks handed over after their receiver stopped
-            for (auto& [b, kb] : ib.items) poolkeeper_free(b, device, s);
+          for (auto& ib : inbox)  // blocks handed over after their receiver stopped (no pool holds a reference record)
+            if (!reference)
+              for (auto& [b, kb] : ib.items) poolkeeper_free(b, device, s);
         }
         for (auto& p : per)
           if (!p.error.empty()) throw Error("capi_bench_threads: " + p.error);
@@ -222,11 +246,12 @@ void bind_capi_threads(nb::module_& m) {
         return out;
       },
       "device"_a, "sizes"_a, "threads"_a, "seconds"_a = 1.0, "cross_thread_frees"_a = false,
-      "stream"_a = nb::none(), "sample_every"_a = 8, "warmup"_a = 0.0,
+      "stream"_a = nb::none(), "sample_every"_a = 8, "warmup"_a = 0.0, "reference"_a = false,
       "Run `threads` native threads doing rounds of 8 poolkeeper_malloc then 8 poolkeeper_free on the "
       "registered pool of `device` for `seconds`; returns aggregate pairs/s and per-size p50/p99 call "
       "latency (one cycle of sizes in sample_every timed). cross_thread_frees: each round's blocks are "
-      "freed by the next thread. warmup: seconds of the same traffic before the measured window.");
+      "freed by the next thread. warmup: seconds of the same traffic before the measured window. "
+      "reference: no pool, each call writes one word of a per-thread record (the pattern's own cost).");
 }
 
 }  // namespace poolkeeper::py
