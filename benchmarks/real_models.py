@@ -671,10 +671,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.warmup and args.device == "cuda":
             # The first CUDA process on a machine reads libtorch's kernels from a cold disk cache:
             # in a quick run on the H200 that made the first arm's Llama requests 4x slower than
-            # every other arm's. One uncounted child per workload pays for it.
+            # every other arm's. One uncounted child per workload pays for it, with the same plan
+            # as the measured runs: after a quick-plan warm-up the first full-size run was still
+            # the slowest (25 s against 15-19 s for the 8 Llama requests, H200).
             for wl in workloads:
                 t0 = time.perf_counter()
-                run_arm_process("torch", wl, argparse.Namespace(**{**vars(args), "quick": True}), tmp)
+                run_arm_process("torch", wl, args, tmp)
                 print(f"[real_models] warm-up {wl} (not counted): {time.perf_counter() - t0:.1f} s", flush=True)
         rounds: Dict[str, Dict[str, List[Dict[str, Any]]]] = {w: {a: [] for a in arms} for w in workloads}
         for rnd, wl in ((rnd, wl) for rnd in range(args.rounds) for wl in workloads):
