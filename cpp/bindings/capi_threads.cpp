@@ -75,7 +75,10 @@ struct Inbox {  // blocks handed over by the previous thread (cross-thread frees
 struct alignas(64) RefRecord {  // one reference "block": the word its malloc and free write
   std::atomic<std::size_t> word{0};  // atomic: a record is reused by its ring while a neighbour frees it late
 };
-constexpr std::size_t kRefRing = 256;  // > the blocks one thread can have in flight (8 + 4 rounds handed)
+// Records a thread cycles through. Nothing bounds how long a neighbour holds one (a preempted
+// receiver keeps its inbox while the producer's ring wraps), so a record may be reused while a late
+// free is still to come: harmless, since the word is atomic and nothing reads it back.
+constexpr std::size_t kRefRing = 256;
 
 struct PerThread {
   std::vector<Hist> alloc_h, free_h;  // by size index

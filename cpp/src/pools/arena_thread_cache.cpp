@@ -149,14 +149,23 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   return true;
 }
 
+// Out of line on purpose: written inline in try_deallocate_fast, this search cost every cache-hit
+// free about 14 instructions (callgrind), though a single thread's free almost always takes the
+// hinted bin.
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
 ThreadCache::Bin* ArenaPool::free_bin_slow(ThreadCache* tc, std::size_t size, Stream s) {
   // With several caches, blocks of one size may flow in here from a thread that allocates them
   // faster than this one does: past kFullBinsPerSize full bins of it they go on to the transfer
   // cache, or they would take every bin and the cache could hold no other size.
   const bool several = s == kNoStream && ncaches_.load(std::memory_order_relaxed) > 1;
-  // A bin of this size and stream with room, or an empty one (keyed for it).
+  // The hinted bin, a bin of this size and stream with room, or an empty one (keyed for it). The
+  // hinted bin is looked at again after a hand-over: the bin handed over may have been it.
   auto find = [&]() -> ThreadCache::Bin* {
     if (tc->bytes + size > opt_.thread_cache_bytes) return nullptr;
+    ThreadCache::Bin* hinted = &tc->bins[tc->hint];
+    if (hinted->size == size && hinted->stream == s && hinted->count < ThreadCache::kPerBin) return hinted;
     ThreadCache::Bin* empty = nullptr;
     int full = 0;
     for (auto& b : tc->bins) {
