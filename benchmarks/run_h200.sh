@@ -6,7 +6,7 @@
 #                                              and dask (not in the default: needs the .whl wheelhouse
 #                                              carried along, see docs/distributed.md)
 #                                              and real_models (not in the default: ~4 minutes alone)
-#                                              and threads (not in the default: thread_scaling.py, medians of 3, ~5 minutes)
+#                                              and threads (not in the default: thread_scaling.py, medians of 3, the reference arm included, ~6 minutes)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
