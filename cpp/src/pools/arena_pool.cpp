@@ -169,32 +169,31 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
 // waits for exactly what each part waited for). Tried before every growth as well, it cost the
 // arena memory on the lagging Llama replay (benchmarks/stream_lag_replay.py) and gained nothing
 // elsewhere: not done.
+bool ArenaPool::stream_room_locked(const ArenaChunk* c, Stream s) const {
+  return c->st() == ChunkState::Free ||
+         (s != kNoStream && c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
+}
+
 ArenaChunk* ArenaPool::take_stream_run_locked(ArenaBacking* grown, Stream s, std::size_t rounded) {
-  // (Without a stream there is no run: lane_stream() names no stream for blocks pending on several
-  // streams or held for a capture, and kNoStream would match them.)
-  if (s == kNoStream) return nullptr;
-  auto part = [&](const ArenaChunk* c) {
-    return c->st() == ChunkState::Free || (c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
-  };
+  if (s == kNoStream) return nullptr;  // no run without a stream (stream_room_locked)
   ArenaChunk* best = nullptr;
   std::size_t best_size = SIZE_MAX;
-  {  // the run the growth joined lies in the backing it grew
-    for (ArenaChunk* c = grown->first; c;) {
-      if (!part(c)) {
-        c = c->next_addr;
-        continue;
-      }
-      ArenaChunk* start = c;
-      std::size_t run = 0;
-      bool pending = false;
-      for (; c && part(c); c = c->next_addr) {
-        run += c->size;
-        pending |= c->st() == ChunkState::Pending;
-      }
-      // A run of free chunks alone was offered by the free index already (merged by the pressure
-      // pass); one pending chunk alone by take_for_stream_fit.
-      if (pending && run >= rounded && run < best_size) best = start, best_size = run;
+  // The run the growth joined lies in the backing it grew.
+  for (ArenaChunk* c = grown->first; c;) {
+    if (!stream_room_locked(c, s)) {
+      c = c->next_addr;
+      continue;
     }
+    ArenaChunk* start = c;
+    std::size_t run = 0;
+    bool pending = false;
+    for (; c && stream_room_locked(c, s); c = c->next_addr) {
+      run += c->size;
+      pending |= c->st() == ChunkState::Pending;
+    }
+    // A run of free chunks alone was offered by the free index already (merged by the pressure
+    // pass); one pending chunk alone by take_for_stream_fit.
+    if (pending && run >= rounded && run < best_size) best = start, best_size = run;
   }
   if (!best) return nullptr;
   std::uint64_t seq = 0;

@@ -127,8 +127,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   // The hinted bin (the common case: the same size as the last free) takes it without a scan;
   // the rest is out of line, so a single thread's hit costs what it did before the transfer cache.
   ThreadCache::Bin* slot = &tc->bins[tc->hint];
-  if (tc->bytes + c->size > opt_.thread_cache_bytes ||
-      !(slot->size == c->size && slot->stream == s && slot->count < ThreadCache::kPerBin)) {
+  if (tc->bytes + c->size > opt_.thread_cache_bytes || !slot->takes(c->size, s)) {
     if (!(slot = free_bin_slow(tc, c->size, s))) return false;
     tc->hint = static_cast<int>(slot - tc->bins);
   }
@@ -164,8 +163,7 @@ ThreadCache::Bin* ArenaPool::free_bin_slow(ThreadCache* tc, std::size_t size, St
   // hinted bin is looked at again after a hand-over: the bin handed over may have been it.
   auto find = [&]() -> ThreadCache::Bin* {
     if (tc->bytes + size > opt_.thread_cache_bytes) return nullptr;
-    ThreadCache::Bin* hinted = &tc->bins[tc->hint];
-    if (hinted->size == size && hinted->stream == s && hinted->count < ThreadCache::kPerBin) return hinted;
+    if (tc->bins[tc->hint].takes(size, s)) return &tc->bins[tc->hint];
     ThreadCache::Bin* empty = nullptr;
     int full = 0;
     for (auto& b : tc->bins) {

@@ -74,13 +74,9 @@ class VirtualRange final : public BackingSource {
     // such a run with the growth, take_stream_run_locked). On a lagging device most of a
     // single-stream framework's freed memory is pending, and counting only a free tail mapped
     // the whole request again beside a pending one (docs/stream_order.md).
-    auto usable = [&](const ArenaChunk* c) {
-      return c->st() == ChunkState::Free ||
-             (s != kNoStream && c->st() == ChunkState::Pending && a_.order_.lane_stream(c) == s);
-    };
     auto edge = [&](const ArenaChunk* c, bool backward) {
       std::size_t n = 0;
-      for (; c && usable(c); c = backward ? c->prev_addr : c->next_addr) n += c->size;
+      for (; c && a_.stream_room_locked(c, s); c = backward ? c->prev_addr : c->next_addr) n += c->size;
       return n;
     };
     auto find_hole = [&] {

@@ -41,6 +41,8 @@ class alignas(64) ThreadCache {
     Stream stream = kNoStream;
     std::uint32_t count = 0;
     ArenaChunk* items[kPerBin] = {};
+    // A chunk of `sz` released on `st` may go here now (the bin may be emptied and still keyed).
+    bool takes(std::size_t sz, Stream st) const { return size == sz && stream == st && count < kPerBin; }
   };
 
   struct Counters {

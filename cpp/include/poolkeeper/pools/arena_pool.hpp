@@ -224,6 +224,10 @@ class ArenaPool final : public Pool {
   // s alone, that holds `rounded` bytes, merged into one chunk pending on s (for
   // carve_pending_locked); nullptr if none.
   detail::ArenaChunk* take_stream_run_locked(detail::ArenaBacking* grown, Stream s, std::size_t rounded);
+  // Room for a request on s: c is free, or pending on s alone (s may use its own releases at once).
+  // No stream, no pending room: lane_stream() names no stream for blocks pending on several
+  // streams or held for a capture, and kNoStream would match them.
+  bool stream_room_locked(const detail::ArenaChunk* c, Stream s) const;
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
   void unlive_locked(detail::ArenaChunk* c);
   void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
