@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -195,6 +196,36 @@ def test_capi_bench_threads_refuses_bad_arguments():
         _core.capi_bench_threads(7, [], 2, 0.1)
     with pytest.raises(pk.errors.InvalidArgumentError):
         _core.capi_bench_threads(7, [4096], 0, 0.1)
+    # The threads run with the GIL released: an endless window could not be interrupted (it hung).
+    for seconds, warmup in ((float("inf"), 0.0), (1e300, 0.0), (0.1, float("inf"))):
+        with pytest.raises(pk.errors.InvalidArgumentError):
+            _core.capi_bench_threads(7, [4096], 1, seconds, warmup=warmup, reference=True)
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        _core.capi_bench_threads(7, [4096] * 65, 1, 0.1, reference=True)
+
+
+def test_capi_bench_threads_reports_frees_the_registered_pool_refused():
+    # Swapping the slot's pool mid-run made every free of the old pool's blocks fail; the benchmark
+    # ignored poolkeeper_free's result and reported a normal run (found by hostile probing).
+    old, new = pk.ArenaPool(sim()), pk.ArenaPool(sim())
+    _core.registry_set(7, old)
+    errors = []
+
+    def run():
+        try:
+            _core.capi_bench_threads(7, [4 * KiB, 3 * MiB], 2, 1.0, True)
+        except pk.errors.PoolkeeperError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    _core.registry_set(7, new)
+    t.join(timeout=60)
+    _core.registry_set(7, None)
+    assert not t.is_alive() and errors, "a run whose frees failed must raise"
+    new.validate()
+    old.validate()
 
 
 # ---------------------------------------------------------------- ArenaPool shards (issue 20)

@@ -21,6 +21,8 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -92,9 +94,13 @@ void bind_capi_threads(nb::module_& m) {
       "capi_bench_threads",
       [](int device, std::vector<std::size_t> sizes, std::size_t threads, double seconds, bool cross_thread_frees,
          nb::handle stream, std::size_t sample_every, double warmup, bool reference) {
-        if (sizes.empty() || threads == 0 || threads > 1024 || !(seconds > 0) || sample_every == 0 || !(warmup >= 0))
+        // Bounded: the threads run with the GIL released, so an endless window could not be
+        // interrupted, and every thread keeps histograms per size.
+        if (sizes.empty() || sizes.size() > 64 || threads == 0 || threads > 1024 || !(seconds > 0) ||
+            !(seconds <= 3600) || sample_every == 0 || !(warmup >= 0) || !(warmup <= 3600))
           throw InvalidArgument(
-              "capi_bench_threads: need sizes, 1..1024 threads, seconds > 0, sample_every >= 1, warmup >= 0");
+              "capi_bench_threads: need 1..64 sizes, 1..1024 threads, 0 < seconds <= 3600, sample_every >= 1, "
+              "0 <= warmup <= 3600");
         const Stream s = parse_stream(stream);
         constexpr int kBlocks = 8;
         const std::size_t nsz = sizes.size();
@@ -105,19 +111,29 @@ void bind_capi_threads(nb::module_& m) {
         std::atomic<std::size_t> ready{0};
         std::atomic<bool> go{false}, stop{false}, measuring{warmup == 0};
         double elapsed = 0;
+        std::string start_error;  // a thread the OS would not start: the others stop, then it is raised
         {
           nb::gil_scoped_release nogil;
           std::vector<std::thread> ts;
           ts.reserve(threads);
-          for (std::size_t t = 0; t < threads; ++t) {
+          for (std::size_t t = 0; t < threads && start_error.empty(); ++t) {
+            try {
             ts.emplace_back([&, t] {
               PerThread& me = per[t];
+              bool counted = false;  // this thread has been counted in `ready`
+              // Out of memory in a worker (its histograms, the hand-over lists) ends the run with
+              // an error instead of std::terminate; the short message needs no allocation.
+              try {
               me.alloc_h.resize(nsz);
               me.free_h.resize(nsz);
               me.pairs.assign(nsz, 0);
               void* blk[kBlocks];
               std::vector<std::pair<void*, std::size_t>> got;
               std::size_t ring_next = 0;
+              auto fail = [&](const char* what) {
+                me.error = std::string(what) + ": " + poolkeeper_last_error();
+                stop.store(true);
+              };
               auto do_malloc = [&](std::size_t n) -> void* {
                 if (!reference) return poolkeeper_malloc(n, device, s);
                 RefRecord& r = rings[t * kRefRing + ring_next++ % kRefRing];
@@ -126,11 +142,7 @@ void bind_capi_threads(nb::module_& m) {
               };
               auto do_free = [&](void* b) -> void {
                 if (reference) static_cast<RefRecord*>(b)->word.store(0, std::memory_order_relaxed);
-                else poolkeeper_free(b, device, s);
-              };
-              auto fail = [&](const char* what) {
-                me.error = std::string(what) + ": " + poolkeeper_last_error();
-                stop.store(true);
+                else if (poolkeeper_free(b, device, s) != 0 && me.error.empty()) fail("poolkeeper_free");
               };
               // Warm: the first round may grow the pool and create this thread's cache.
               for (std::size_t k = 0; k < nsz && me.error.empty(); ++k) {
@@ -141,6 +153,7 @@ void bind_capi_threads(nb::module_& m) {
                 }
               }
               ready.fetch_add(1);
+              counted = true;
               while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
               Inbox& mine = inbox[t];
               Inbox& next = inbox[(t + 1) % threads];
@@ -198,9 +211,19 @@ void bind_capi_threads(nb::module_& m) {
                 got.clear();
                 me.pairs[k] += kBlocks;
               }
+              } catch (const std::exception&) {
+                me.error = "out of memory";
+                stop.store(true);
+                if (!counted) ready.fetch_add(1);
+              }
             });
+            } catch (const std::system_error& e) {
+              start_error = std::string("could not start thread ") + std::to_string(t + 1) + " of " +
+                            std::to_string(threads) + ": " + e.what();
+              stop.store(true);
+            }
           }
-          while (ready.load() < threads) std::this_thread::yield();
+          while (ready.load() < ts.size()) std::this_thread::yield();
           go.store(true, std::memory_order_release);
           if (warmup > 0) {
             const auto w0 = Clock::now();
@@ -218,6 +241,7 @@ void bind_capi_threads(nb::module_& m) {
             if (!reference)
               for (auto& [b, kb] : ib.items) poolkeeper_free(b, device, s);
         }
+        if (!start_error.empty()) throw Error("capi_bench_threads: " + start_error);
         for (auto& p : per)
           if (!p.error.empty()) throw Error("capi_bench_threads: " + p.error);
         std::uint64_t total = 0;
