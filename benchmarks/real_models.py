@@ -26,6 +26,9 @@ Usage (device):  PYTHONPATH=/tmp/site python3 benchmarks/real_models.py --out be
 Time is noisy from process to process (the machine's speed drifts over minutes by more than the
 allocators differ): ``--rounds N`` runs every arm N times in a rotated order and judges time on the
 fastest of the rounds request by request (a disturbance only adds time), with the medians beside.
+Each arm's process also times a fixed pure-Python loop before and after its requests (the "host
+probe"), so that a process that got a slow host shows as one; ``--cpus 0-3`` runs every arm on the
+same cores.
 Dry run (CPU):   python3 benchmarks/real_models.py --device cpu --arms torch --quick --out /tmp/x
 Writes <stem>.json and <stem>.md; the stem is --out without its suffix, or real_models_<tag> inside
 --out when --out is a directory.
@@ -349,6 +352,7 @@ def markdown(results: Dict[str, Any]) -> str:
                     f"| {fmt_ms(t.get('best_ms'))} | {fmt_ratio(t.get('best_vs_torch'))} |"
                 )
             lines.append("")
+            lines += round_outputs(results.get("round_runs", {}).get(wl, {}), results.get("arms", []))
         word = {True: "met", False: "missed", None: "n/a"}
         tg = targets(cmp_, times)
         if tg:
@@ -369,6 +373,39 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) -> List[str]:
+    """Markdown lines: each arm's peak reserved and output in every round, and which requests differ
+    from torch's output of the same round. The first round alone can hide a layout (and so an
+    output) that changes from one process to the next: the pools' layout depends on when the GPU
+    passes each stream-ordered release."""
+    base = round_runs.get("torch", [])
+    rows = []
+    for arm in arms:
+        runs = round_runs.get(arm) or []
+        if not runs or not any(r.get("request_sha256") for r in runs):
+            continue
+        cells = []
+        for i, r in enumerate(runs):
+            if r.get("error"):
+                cells.append("failed")
+                continue
+            ref = base[i] if i < len(base) else {}
+            diff = [j for j, (x, y) in enumerate(zip(r.get("request_sha256") or [], ref.get("request_sha256") or []))
+                    if x != y]
+            same = "n/a" if not ref.get("request_sha256") else ("same" if not diff else f"differs at {diff}")
+            total = sum(r.get("request_ms_each") or []) or None
+            probe = r.get("host_probe_ms") or []
+            cells.append(f"{fmt_ms(total)} ms, host probe {'/'.join(f'{x:.1f}' for x in probe) or 'n/a'} ms, "
+                         f"{fmt_mib(r.get('peak_reserved_bytes'))}, `{str(r.get('output_sha256', ''))[:12]}` {same}")
+        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    n = max(len(round_runs.get(a) or []) for a in arms)
+    return (["Every round: summed request time, the host probe before and after the requests (a fixed "
+             "pure-Python loop, the fastest of 5: a slow process shows there), peak reserved, output, and the "
+             "requests whose output differs from torch's in the same round:", ""] + table_head("arm", *[f"round {i + 1}" for i in range(n)]) + rows + [""])
 
 
 def out_stem(out: Optional[str], device: str, quick: bool) -> str:
@@ -530,8 +567,40 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
     }
 
 
+def host_probe_ms(reps: int = 5) -> float:
+    """The fastest of ``reps`` runs of a fixed pure-Python loop, in ms: the speed of the host thread
+    this process got, with no allocator and no GPU in it. On the H200 machine whole processes ran
+    about 30% slower than others (every request and decode step alike, the pool's counters
+    identical between a fast and a slow run of one arm); a process's probe says which kind it
+    was, so that arms are compared in runs of the same kind."""
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc = (acc + i * i) % 1_000_003
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def parse_cpus(text: str) -> List[int]:
+    """``"0-3,8"`` -> [0, 1, 2, 3, 8]; a ValueError for anything else (empty, reversed, negative)."""
+    out: List[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad CPU list {text!r} (expected e.g. 0-3,8)")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        out.extend(range(a, b + 1))
+    return sorted(set(out))
+
+
 def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str) -> Dict[str, Any]:
     """One arm on one workload in this (fresh) process."""
+    probe_start = host_probe_ms()
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
 
@@ -549,6 +618,9 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype))
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
+    res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
+    if hasattr(os, "sched_getaffinity"):
+        res["cpus"] = sorted(os.sched_getaffinity(0))
     res["meta"] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -632,12 +704,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every arm this many times, the arm order rotated each round; the table keeps "
                          "round 1, and a time table gives each arm's median and paired ratios over the rounds")
+    ap.add_argument("--cpus", default=None,
+                    help="run every arm's process on these CPUs only (e.g. 0-3): the same cores for every arm")
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    if args.cpus is not None and not args.child:
+        try:
+            cpus = parse_cpus(args.cpus)
+            os.sched_setaffinity(0, cpus)  # inherited by every arm's process
+        except (ValueError, OSError, AttributeError) as e:
+            ap.error(f"--cpus {args.cpus}: {e}")
     plan_name = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
     plan = PLANS[plan_name]
     workloads = _parse_list(args.workloads, WORKLOADS, "workload")
@@ -702,7 +782,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["round_times"] = {wl: round_times(rounds[wl]) for wl in workloads}
         # Every round's per-request times, so that runs of several invocations can be pooled.
         results["round_runs"] = {
-            wl: {a: [{k: r.get(k) for k in ("request_ms_each", "decode_step_ms", "error")} for r in rs]
+            wl: {a: [{k: r.get(k) for k in ("request_ms_each", "decode_step_ms", "error", "request_sha256",
+                                            "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
+                                            "cpus")} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)

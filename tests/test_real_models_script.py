@@ -280,3 +280,46 @@ def test_round_times_leave_out_what_is_not_a_measured_round():
 def test_rounds_below_one_are_refused():
     with pytest.raises(SystemExit):
         rm.main(["--rounds", "0", "--device", "cpu", "--arms", "torch", "--quick"])
+
+
+def test_round_outputs_flag_a_round_whose_output_differs_from_torchs_same_round():
+    # On the H200 the first round's table showed one arm's output differing at request 2 while the
+    # later rounds were not recorded at all; every round's output now is.
+    rr = {
+        "torch": [{"request_sha256": ["a", "b", "c"], "output_sha256": "t1", "peak_reserved_bytes": 1 << 20},
+                  {"request_sha256": ["a", "b", "c"], "output_sha256": "t1", "peak_reserved_bytes": 1 << 20}],
+        "arena": [{"request_sha256": ["a", "x", "c"], "output_sha256": "a1", "peak_reserved_bytes": 2 << 20},
+                  {"request_sha256": ["a", "b", "c"], "output_sha256": "t1", "peak_reserved_bytes": 3 << 20}],
+    }
+    lines = rm.round_outputs(rr, ["torch", "arena"])
+    row = next(l for l in lines if l.startswith("| arena |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert "differs at [1]" in cells[1] and "2.0 MiB" in cells[1]
+    assert "same" in cells[2] and "3.0 MiB" in cells[2]
+    assert rm.round_outputs({"arena": [{"error": None}]}, ["arena"]) == []
+
+
+def test_parse_cpus_takes_lists_and_ranges_and_refuses_the_rest():
+    assert rm.parse_cpus("0-3,8") == [0, 1, 2, 3, 8]
+    assert rm.parse_cpus("2, 2,1") == [1, 2]
+    for bad in ("", "3-1", "-1", "a", "1-", "0-3;8"):
+        with pytest.raises(ValueError):
+            rm.parse_cpus(bad)
+
+
+def test_bad_cpus_option_is_a_usage_error_not_a_traceback():
+    with pytest.raises(SystemExit) as e:
+        rm.main(["--cpus", "3-1", "--device", "cpu"])
+    assert e.value.code == 2
+
+
+def test_host_probe_is_a_positive_time():
+    t = rm.host_probe_ms(reps=1)
+    assert 0 < t < 60_000
+
+
+def test_round_outputs_show_each_rounds_time_and_host_probe():
+    rr = {"arena": [{"request_sha256": ["a"], "output_sha256": "x", "peak_reserved_bytes": 1 << 20,
+                     "request_ms_each": [10.0, 5.0], "host_probe_ms": [12.25, 13.5]}]}
+    row = next(l for l in rm.round_outputs(rr, ["arena"]) if l.startswith("| arena |"))
+    assert "15.00 ms" in row and "host probe 12.2/13.5 ms" in row
