@@ -376,8 +376,8 @@ def markdown(results: Dict[str, Any]) -> str:
 
 
 def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) -> List[str]:
-    """Markdown lines: each arm's peak reserved and output in every round, and which requests differ
-    from torch's output of the same round. The first round alone can hide a layout (and so an
+    """Markdown lines: each arm's summed request time, host probe, peak reserved and output in every
+    round, and which requests differ from torch's output of the same round. The first round alone can hide a layout (and so an
     output) that changes from one process to the next: the pools' layout depends on when the GPU
     passes each stream-ordered release."""
     base = round_runs.get("torch", [])
