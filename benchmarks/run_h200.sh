@@ -7,6 +7,8 @@
 #                                              carried along, see docs/distributed.md)
 #                                              and real_models (not in the default: ~4 minutes alone)
 #                                              and threads (not in the default: thread_scaling.py, medians of 3, the reference arm included, ~6 minutes)
+#                                              and time_rounds (not in the default: install()'s default pool against PyTorch's
+#                                              allocator, 3 rounds, every arm on cores 0-7, ~7 minutes)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
@@ -46,6 +48,8 @@ for s in "${steps[@]}"; do
       step pytest_dask_gpu timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_dask_gpu.py -p no:cacheprovider -rs -s
       step dask_cupy_bench timeout 500 python3 benchmarks/dask_cupy_bench.py --json "$OUT/dask_cupy_bench_h200.json" ;;
     real_models) step real_models timeout 580 python3 benchmarks/real_models.py --out "$OUT/real_models_h200" ;;
+    time_rounds) step real_models_rounds timeout 590 python3 benchmarks/real_models.py --workloads bert,llama \
+                   --arms torch,arena --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
     threads) step thread_scaling_h200 timeout 580 python3 benchmarks/thread_scaling.py --backend cuda --seconds 0.4 \
                --warmup 0.2 --reps 3 --counters --json "$OUT/thread_scaling_h200.json" --key h200 ;;
     *) echo "unknown step $s"; exit 2 ;;
