@@ -149,6 +149,11 @@ def fmt_calls(a: Any, b: Any) -> str:
     return f"{'n/a' if a is None else a} / {'n/a' if b is None else b}"
 
 
+def differing_requests(r: Dict[str, Any], base: Dict[str, Any]) -> List[int]:
+    """The indices of the requests whose output hash differs between run ``r`` and ``base``."""
+    return [i for i, (x, y) in enumerate(zip(r.get("request_sha256") or [], base.get("request_sha256") or [])) if x != y]
+
+
 def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Per arm of one workload: ratios against ``torch`` / ``torch_expandable`` and whether its
     output hash equals ``torch``'s (None where either is missing or failed)."""
@@ -176,10 +181,7 @@ def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
             "same_output_as_torch": (r.get("output_sha256") == base.get("output_sha256")) if ok(base) else None,
         }
         if ok(base) and not c["same_output_as_torch"]:
-            c["first_differing_request"] = next(
-                (i for i, (x, y) in enumerate(zip(r.get("request_sha256", []), base.get("request_sha256", []))) if x != y),
-                None,
-            )
+            c["first_differing_request"] = next(iter(differing_requests(r, base)), None)
         out[arm] = c
     return out
 
@@ -392,8 +394,7 @@ def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) 
                 cells.append("failed")
                 continue
             ref = base[i] if i < len(base) else {}
-            diff = [j for j, (x, y) in enumerate(zip(r.get("request_sha256") or [], ref.get("request_sha256") or []))
-                    if x != y]
+            diff = differing_requests(r, ref)
             same = "n/a" if not ref.get("request_sha256") else ("same" if not diff else f"differs at {diff}")
             total = sum(r.get("request_ms_each") or []) or None
             probe = r.get("host_probe_ms") or []

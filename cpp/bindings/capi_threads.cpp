@@ -118,105 +118,105 @@ void bind_capi_threads(nb::module_& m) {
           ts.reserve(threads);
           for (std::size_t t = 0; t < threads && start_error.empty(); ++t) {
             try {
-            ts.emplace_back([&, t] {
-              PerThread& me = per[t];
-              bool counted = false;  // this thread has been counted in `ready`
-              // Out of memory in a worker (its histograms, the hand-over lists) ends the run with
-              // an error instead of std::terminate; the short message needs no allocation.
-              try {
-              me.alloc_h.resize(nsz);
-              me.free_h.resize(nsz);
-              me.pairs.assign(nsz, 0);
-              void* blk[kBlocks];
-              std::vector<std::pair<void*, std::size_t>> got;
-              std::size_t ring_next = 0;
-              auto fail = [&](const char* what) {
-                me.error = std::string(what) + ": " + poolkeeper_last_error();
-                stop.store(true);
-              };
-              auto do_malloc = [&](std::size_t n) -> void* {
-                if (!reference) return poolkeeper_malloc(n, device, s);
-                RefRecord& r = rings[t * kRefRing + ring_next++ % kRefRing];
-                r.word.store(n, std::memory_order_relaxed);
-                return &r;
-              };
-              auto do_free = [&](void* b) -> void {
-                if (reference) static_cast<RefRecord*>(b)->word.store(0, std::memory_order_relaxed);
-                else if (poolkeeper_free(b, device, s) != 0 && me.error.empty()) fail("poolkeeper_free");
-              };
-              // Warm: the first round may grow the pool and create this thread's cache.
-              for (std::size_t k = 0; k < nsz && me.error.empty(); ++k) {
-                for (auto& b : blk) b = do_malloc(sizes[k]);
-                for (auto& b : blk) {
-                  if (!b) fail("warm-up poolkeeper_malloc");
-                  else do_free(b);
-                }
-              }
-              ready.fetch_add(1);
-              counted = true;
-              while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
-              Inbox& mine = inbox[t];
-              Inbox& next = inbox[(t + 1) % threads];
-              bool counting = false;
-              for (std::uint64_t round = 0; !stop.load(std::memory_order_relaxed); ++round) {
-                if (!counting && measuring.load(std::memory_order_relaxed)) {  // the window opens: start afresh
-                  counting = true;
-                  for (std::size_t i = 0; i < nsz; ++i) me.alloc_h[i] = Hist(), me.free_h[i] = Hist(), me.pairs[i] = 0;
-                }
-                const std::size_t k = (t + round) % nsz;
-                const std::size_t n = sizes[k];
-                const bool timed = (round / nsz) % sample_every == 0;  // whole cycles: every size sampled
-                for (auto& b : blk) {
-                  if (timed) {
-                    const auto t0 = Clock::now();
-                    b = do_malloc(n);
-                    me.alloc_h[k].add(std::uint64_t((Clock::now() - t0).count()));
-                  } else {
-                    b = do_malloc(n);
-                  }
-                }
-                bool ok = true;
-                for (auto& b : blk) ok &= b != nullptr;
-                if (!ok) {
-                  for (auto& b : blk)
-                    if (b) do_free(b);
-                  fail("poolkeeper_malloc");
-                  break;
-                }
-                bool handed = false;
-                if (cross_thread_frees && threads > 1) {
-                  {
-                    // Bounded hand-over: a receiver running behind would otherwise pile up live
-                    // blocks without limit; then this round is freed here instead.
-                    std::lock_guard<std::mutex> g(next.mu);
-                    if (next.items.size() < 4 * kBlocks) {
-                      for (void* b : blk) next.items.emplace_back(b, k);
-                      handed = true;
+              ts.emplace_back([&, t] {
+                PerThread& me = per[t];
+                bool counted = false;  // this thread has been counted in `ready`
+                // Out of memory in a worker (its histograms, the hand-over lists) ends the run with
+                // an error instead of std::terminate; the short message needs no allocation.
+                try {
+                  me.alloc_h.resize(nsz);
+                  me.free_h.resize(nsz);
+                  me.pairs.assign(nsz, 0);
+                  void* blk[kBlocks];
+                  std::vector<std::pair<void*, std::size_t>> got;
+                  std::size_t ring_next = 0;
+                  auto fail = [&](const char* what) {
+                    me.error = std::string(what) + ": " + poolkeeper_last_error();
+                    stop.store(true);
+                  };
+                  auto do_malloc = [&](std::size_t n) -> void* {
+                    if (!reference) return poolkeeper_malloc(n, device, s);
+                    RefRecord& r = rings[t * kRefRing + ring_next++ % kRefRing];
+                    r.word.store(n, std::memory_order_relaxed);
+                    return &r;
+                  };
+                  auto do_free = [&](void* b) -> void {
+                    if (reference) static_cast<RefRecord*>(b)->word.store(0, std::memory_order_relaxed);
+                    else if (poolkeeper_free(b, device, s) != 0 && me.error.empty()) fail("poolkeeper_free");
+                  };
+                  // Warm: the first round may grow the pool and create this thread's cache.
+                  for (std::size_t k = 0; k < nsz && me.error.empty(); ++k) {
+                    for (auto& b : blk) b = do_malloc(sizes[k]);
+                    for (auto& b : blk) {
+                      if (!b) fail("warm-up poolkeeper_malloc");
+                      else do_free(b);
                     }
                   }
-                  std::lock_guard<std::mutex> g(mine.mu);
-                  got.swap(mine.items);
-                }
-                if (!handed)
-                  for (void* b : blk) got.emplace_back(b, k);
-                for (auto [b, kb] : got) {
-                  if (timed) {
-                    const auto t0 = Clock::now();
-                    do_free(b);
-                    me.free_h[kb].add(std::uint64_t((Clock::now() - t0).count()));
-                  } else {
-                    do_free(b);
+                  ready.fetch_add(1);
+                  counted = true;
+                  while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+                  Inbox& mine = inbox[t];
+                  Inbox& next = inbox[(t + 1) % threads];
+                  bool counting = false;
+                  for (std::uint64_t round = 0; !stop.load(std::memory_order_relaxed); ++round) {
+                    if (!counting && measuring.load(std::memory_order_relaxed)) {  // the window opens: start afresh
+                      counting = true;
+                      for (std::size_t i = 0; i < nsz; ++i) me.alloc_h[i] = Hist(), me.free_h[i] = Hist(), me.pairs[i] = 0;
+                    }
+                    const std::size_t k = (t + round) % nsz;
+                    const std::size_t n = sizes[k];
+                    const bool timed = (round / nsz) % sample_every == 0;  // whole cycles: every size sampled
+                    for (auto& b : blk) {
+                      if (timed) {
+                        const auto t0 = Clock::now();
+                        b = do_malloc(n);
+                        me.alloc_h[k].add(std::uint64_t((Clock::now() - t0).count()));
+                      } else {
+                        b = do_malloc(n);
+                      }
+                    }
+                    bool ok = true;
+                    for (auto& b : blk) ok &= b != nullptr;
+                    if (!ok) {
+                      for (auto& b : blk)
+                        if (b) do_free(b);
+                      fail("poolkeeper_malloc");
+                      break;
+                    }
+                    bool handed = false;
+                    if (cross_thread_frees && threads > 1) {
+                      {
+                        // Bounded hand-over: a receiver running behind would otherwise pile up live
+                        // blocks without limit; then this round is freed here instead.
+                        std::lock_guard<std::mutex> g(next.mu);
+                        if (next.items.size() < 4 * kBlocks) {
+                          for (void* b : blk) next.items.emplace_back(b, k);
+                          handed = true;
+                        }
+                      }
+                      std::lock_guard<std::mutex> g(mine.mu);
+                      got.swap(mine.items);
+                    }
+                    if (!handed)
+                      for (void* b : blk) got.emplace_back(b, k);
+                    for (auto [b, kb] : got) {
+                      if (timed) {
+                        const auto t0 = Clock::now();
+                        do_free(b);
+                        me.free_h[kb].add(std::uint64_t((Clock::now() - t0).count()));
+                      } else {
+                        do_free(b);
+                      }
+                    }
+                    got.clear();
+                    me.pairs[k] += kBlocks;
                   }
+                } catch (const std::exception&) {
+                  me.error = "out of memory";
+                  stop.store(true);
+                  if (!counted) ready.fetch_add(1);
                 }
-                got.clear();
-                me.pairs[k] += kBlocks;
-              }
-              } catch (const std::exception&) {
-                me.error = "out of memory";
-                stop.store(true);
-                if (!counted) ready.fetch_add(1);
-              }
-            });
+              });
             } catch (const std::system_error& e) {
               start_error = std::string("could not start thread ") + std::to_string(t + 1) + " of " +
                             std::to_string(threads) + ": " + e.what();

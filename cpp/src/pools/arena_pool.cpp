@@ -160,6 +160,11 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
   return make_live_locked(c, nbytes, s);
 }
 
+bool ArenaPool::stream_room_locked(const ArenaChunk* c, Stream s) const {
+  return c->st() == ChunkState::Free ||
+         (s != kNoStream && c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
+}
+
 // A stream may use what it released itself at once (its next work is ordered after the work that
 // released it), so for a request on s a free chunk and a chunk pending on s are the same kind of
 // room, and neighbours of either kind are one run. Nothing merges them eagerly: a free chunk
@@ -169,11 +174,6 @@ void* ArenaPool::carve_pending_locked(ArenaChunk* c, std::size_t rounded, std::s
 // waits for exactly what each part waited for). Tried before every growth as well, it cost the
 // arena memory on the lagging Llama replay (benchmarks/stream_lag_replay.py) and gained nothing
 // elsewhere: not done.
-bool ArenaPool::stream_room_locked(const ArenaChunk* c, Stream s) const {
-  return c->st() == ChunkState::Free ||
-         (s != kNoStream && c->st() == ChunkState::Pending && order_.lane_stream(c) == s);
-}
-
 ArenaChunk* ArenaPool::take_stream_run_locked(ArenaBacking* grown, Stream s, std::size_t rounded) {
   if (s == kNoStream) return nullptr;  // no run without a stream (stream_room_locked)
   ArenaChunk* best = nullptr;
