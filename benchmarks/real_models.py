@@ -41,6 +41,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -150,8 +151,21 @@ def fmt_calls(a: Any, b: Any) -> str:
 
 
 def differing_requests(r: Dict[str, Any], base: Dict[str, Any]) -> List[int]:
-    """The indices of the requests whose output hash differs between run ``r`` and ``base``."""
-    return [i for i, (x, y) in enumerate(zip(r.get("request_sha256") or [], base.get("request_sha256") or [])) if x != y]
+    """The indices of the requests whose output hash differs between run ``r`` and ``base``; a
+    request one of them lacks differs too (zip alone would call a shorter run the same)."""
+    a, b = list(r.get("request_sha256") or []), list(base.get("request_sha256") or [])
+    return [i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]]
+
+
+def request_times(r: Any) -> Optional[List[float]]:
+    """A run's per-request times in ms, or None: a failed run (an ``error`` key), one that served no
+    request, or times that are not finite, non-negative numbers."""
+    each = r.get("request_ms_each") if isinstance(r, dict) and "error" not in r else None
+    try:
+        xs = [float(x) for x in each or ()]
+    except (TypeError, ValueError):
+        return None
+    return xs if xs and all(math.isfinite(x) and x >= 0 for x in xs) else None
 
 
 def compare(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -197,17 +211,10 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     - against ``torch``: ``best_vs_torch``, ``median_vs_torch`` and ``paired_vs_torch`` (round i
       against torch's round i) with their median ``paired_median_vs_torch``.
 
-    Left out: failed runs, runs that served no request, and times that are not finite numbers
-    (a report is written whatever the runs did). The best of the rounds is compared with torch's
+    Left out: failed runs, runs that served no request, and times that are not finite,
+    non-negative numbers (a report is written whatever the runs did). The best of the rounds is compared with torch's
     only over the same number of requests. Ratios are None without a ``torch`` run."""
-    def times(r: Any) -> Optional[List[float]]:  # the run's per-request times, or None
-        each = r.get("request_ms_each") if isinstance(r, dict) and "error" not in r else None
-        try:
-            xs = [float(x) for x in each or ()]
-        except (TypeError, ValueError):
-            return None
-        return xs if xs and all(math.isfinite(x) for x in xs) else None
-
+    times = request_times
     def total(r: Any) -> Optional[float]:
         if not isinstance(r, dict) or "error" in r or not isinstance(r.get("request_ms"), dict):
             return None
@@ -390,15 +397,18 @@ def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) 
             continue
         cells = []
         for i, r in enumerate(runs):
-            if r.get("error"):
+            if not isinstance(r, dict) or "error" in r:
                 cells.append("failed")
                 continue
-            ref = base[i] if i < len(base) else {}
+            ref = base[i] if i < len(base) and isinstance(base[i], dict) else {}
             diff = differing_requests(r, ref)
             same = "n/a" if not ref.get("request_sha256") else ("same" if not diff else f"differs at {diff}")
-            total = sum(r.get("request_ms_each") or []) or None
-            probe = r.get("host_probe_ms") or []
-            cells.append(f"{fmt_ms(total)} ms, host probe {'/'.join(f'{x:.1f}' for x in probe) or 'n/a'} ms, "
+            xs = request_times(r)
+            total = math.fsum(xs) if xs else None
+            probe = r.get("host_probe_ms")
+            probe_text = ("/".join(f"{x:.1f}" for x in probe)
+                          if isinstance(probe, list) and probe and all(isinstance(x, (int, float)) for x in probe) else "n/a")
+            cells.append(f"{fmt_ms(total)} ms, host probe {probe_text} ms, "
                          f"{fmt_mib(r.get('peak_reserved_bytes'))}, `{str(r.get('output_sha256', ''))[:12]}` {same}")
         rows.append(f"| {arm} | " + " | ".join(cells) + " |")
     if not rows:
@@ -584,17 +594,22 @@ def host_probe_ms(reps: int = 5) -> float:
     return best * 1e3
 
 
+MAX_CPU = 4095  # above any machine this runs on: a range is refused before it is built
+
+
 def parse_cpus(text: str) -> List[int]:
-    """``"0-3,8"`` -> [0, 1, 2, 3, 8]; a ValueError for anything else (empty, reversed, negative)."""
+    """``"0-3,8"`` -> [0, 1, 2, 3, 8]; a ValueError for anything else (empty, reversed, negative,
+    non-ASCII digits, a CPU number above MAX_CPU)."""
     out: List[int] = []
     for part in text.split(","):
         part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part, flags=re.ASCII)
+        if not m:
             raise ValueError(f"bad CPU list {text!r} (expected e.g. 0-3,8)")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        a = int(m.group(1))
+        b = int(m.group(2)) if m.group(2) is not None else a
+        if b < a or b > MAX_CPU:
+            raise ValueError(f"bad CPU range {part!r} in {text!r} (CPUs 0..{MAX_CPU}, low-high)")
         out.extend(range(a, b + 1))
     return sorted(set(out))
 
@@ -716,6 +731,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cpus is not None and not args.child:
         try:
             cpus = parse_cpus(args.cpus)
+            # Every CPU asked for, or none: the kernel would silently drop the missing ones, and the
+            # arms would not run on the cores the command line names.
+            missing = sorted(set(cpus) - os.sched_getaffinity(0))
+            if missing:
+                raise ValueError(f"CPUs {missing} are not available to this process")
             os.sched_setaffinity(0, cpus)  # inherited by every arm's process
         except (ValueError, OSError, AttributeError) as e:
             ap.error(f"--cpus {args.cpus}: {e}")
@@ -781,11 +801,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.rounds > 1:
         results["rounds"] = args.rounds
         results["round_times"] = {wl: round_times(rounds[wl]) for wl in workloads}
-        # Every round's per-request times, so that runs of several invocations can be pooled.
+        # Every round's runs as round_times reads them (only a failed run has "error"), so that runs
+        # of several invocations can be pooled.
         results["round_runs"] = {
-            wl: {a: [{k: r.get(k) for k in ("request_ms_each", "decode_step_ms", "error", "request_sha256",
-                                            "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
-                                            "cpus")} for r in rs]
+            wl: {a: [{k: r[k] for k in ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256",
+                                        "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
+                                        "cpus") if k in r} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)

@@ -323,3 +323,55 @@ def test_round_outputs_show_each_rounds_time_and_host_probe():
                      "request_ms_each": [10.0, 5.0], "host_probe_ms": [12.25, 13.5]}]}
     row = next(l for l in rm.round_outputs(rr, ["arena"]) if l.startswith("| arena |"))
     assert "15.00 ms" in row and "host probe 12.2/13.5 ms" in row
+
+
+def test_a_run_missing_requests_differs_from_torch_at_those_requests():
+    # Found by hostile probing: zip stopped at the shorter list, so a run with fewer requests read
+    # "same" in the per-round table and "no (request None)" in the main one.
+    torch_run = {"request_sha256": ["a", "b", "c"], "output_sha256": "T"}
+    short = {"request_sha256": ["a", "b"], "output_sha256": "A"}
+    assert rm.differing_requests(short, torch_run) == [2]
+    assert rm.differing_requests(torch_run, short) == [2]
+    row = next(l for l in rm.round_outputs({"torch": [torch_run], "arena": [short]}, ["torch", "arena"])
+               if l.startswith("| arena |"))
+    assert "differs at [2]" in row
+    ok = {"request_ms": {"p50": 1.0, "total": 2.0}, "peak_reserved_bytes": 1, "peak_live_bytes": 1}
+    c = rm.compare({"torch": {**ok, **torch_run}, "arena": {**ok, **short}})["arena"]
+    assert c["same_output_as_torch"] is False and c["first_differing_request"] == 2
+
+
+def test_a_negative_request_time_is_not_a_measured_round():
+    # Found by hostile probing: a -50 ms request made the best of the rounds -2x torch's, "met".
+    run = lambda *e: {"request_ms": {"total": abs(sum(e))}, "request_ms_each": list(e)}  # noqa: E731
+    t = rm.round_times({"torch": [run(10.0, 10.0)] * 2, "arena": [run(-50.0, 10.0), run(60.0, 10.0)]})
+    assert t["arena"]["best_ms"] == 70.0
+    assert rm.request_times({"request_ms_each": [1.0, -0.5]}) is None
+
+
+@pytest.mark.parametrize("cpus", ["99999999999999999999", "0-99999999", "\u0661-\u0663", "\U0001d7d1", "4096"])
+def test_cpus_out_of_range_or_not_ascii_is_a_usage_error(cpus):
+    # Found by hostile probing: a huge number gave an OverflowError traceback, a huge range took
+    # 10 GB and 37 s to build, and unicode digits were read as CPU numbers.
+    with pytest.raises(ValueError):
+        rm.parse_cpus(cpus)
+    r = subprocess.run([sys.executable, SCRIPT, "--cpus", cpus, "--device", "cpu"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--cpus" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
+def test_cpus_the_process_lacks_are_refused_not_dropped():
+    # Found by hostile probing: the kernel kept the CPUs it had and dropped the rest without a word.
+    have = sorted(os.sched_getaffinity(0))
+    absent = max(have) + 1
+    r = subprocess.run([sys.executable, SCRIPT, "--cpus", f"{have[0]},{absent}", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"[{absent}]" in r.stderr
+
+
+def test_round_outputs_survive_odd_round_data():
+    rr = {"torch": [{"request_sha256": ["a"], "request_ms_each": [None, 1.0], "host_probe_ms": [None, 3.0]}],
+          "arena": [{"request_sha256": ["a"], "host_probe_ms": 12.5, "request_ms_each": ["x"]}, {"error": ""}]}
+    lines = rm.round_outputs(rr, ["torch", "arena"])
+    row = next(l for l in lines if l.startswith("| arena |"))
+    assert "host probe n/a ms" in row and "n/a ms" in row and row.rstrip().endswith("failed |")
