@@ -349,23 +349,24 @@ def test_a_negative_request_time_is_not_a_measured_round():
 
 
 @pytest.mark.parametrize("cpus", ["99999999999999999999", "0-99999999", "\u0661-\u0663", "\U0001d7d1", "4096"])
-def test_cpus_out_of_range_or_not_ascii_is_a_usage_error(cpus):
+def test_cpus_out_of_range_or_not_ascii_is_a_usage_error(cpus, tmp_path):
     # Found by hostile probing: a huge number gave an OverflowError traceback, a huge range took
     # 10 GB and 37 s to build, and unicode digits were read as CPU numbers.
     with pytest.raises(ValueError):
         rm.parse_cpus(cpus)
-    r = subprocess.run([sys.executable, SCRIPT, "--cpus", cpus, "--device", "cpu"], capture_output=True, text=True,
-                       timeout=60)
+    # --out in tmp_path: were the option accepted, the dry run would write there, not into the tree.
+    r = subprocess.run([sys.executable, SCRIPT, "--cpus", cpus, "--device", "cpu", "--out", str(tmp_path / "rm")],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--cpus" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
-def test_cpus_the_process_lacks_are_refused_not_dropped():
+def test_cpus_the_process_lacks_are_refused_not_dropped(tmp_path):
     # Found by hostile probing: the kernel kept the CPUs it had and dropped the rest without a word.
     have = sorted(os.sched_getaffinity(0))
     absent = max(have) + 1
-    r = subprocess.run([sys.executable, SCRIPT, "--cpus", f"{have[0]},{absent}", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, SCRIPT, "--cpus", f"{have[0]},{absent}", "--device", "cpu",
+                        "--out", str(tmp_path / "rm")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"[{absent}]" in r.stderr
 
 
