@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
@@ -255,6 +255,63 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     return out
 
 
+# torch.empty + drop sizes timed in every arm's process: a decode step's hidden states (batch 8 x
+# hidden 1024 in bf16), a logits row block, and a KV-cache copy of a long prompt.
+EMPTY_DROP_SIZES = (16 << 10, 512 << 10, 8 << 20)
+
+
+def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """What the allocator itself can account for in one unit of work (a Llama decode step, a BERT
+    request), per arm (``runs``: arm -> its runs, one per round):
+
+    - ``allocations``: allocations per unit, the median over the arm's runs (the model asks for the
+      same tensors under every allocator, so torch's count is the workload's);
+    - ``pair_ns``: ``torch.empty`` + drop in that arm's process, the fastest run of each size,
+      averaged over the sizes (a disturbance only adds time);
+    - ``extra_ms``: the workload's allocations per unit x (this arm's pair - torch's pair): the time
+      per unit this allocator's calls cost beyond PyTorch's own, and ``extra_share`` that over
+      torch's median unit time (decode step p50, or mean request time).
+
+    The pair includes ``torch.empty``'s Python dispatch, which the model's own allocations (made in
+    C++) do not pay; it is the same in every arm, so the difference is the allocators'. Missing or
+    malformed figures give None."""
+    def num(x: Any) -> Optional[float]:
+        r = ratio(x, 1.0)
+        return r if r is not None and r >= 0 else None
+
+    def summary(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
+        rs = [r for r in rs if isinstance(r, dict) and "error" not in r]
+        allocs = [a for a in (num(r.get("allocations_per_unit")) for r in rs) if a is not None]
+        by_size: Dict[str, List[float]] = {}
+        for r in rs:
+            ns = r.get("empty_drop_ns")
+            for k, v in (ns.items() if isinstance(ns, dict) else ()):
+                if str(k).isdigit() and num(v) is not None and num(v) > 0:
+                    by_size.setdefault(str(k), []).append(float(v))
+        units = [u for u in (num((r.get("decode_step_ms") or {}).get("p50")) if "decode_step_ms" in r
+                             else num((r.get("request_ms") or {}).get("mean")) for r in rs) if u]
+        return {
+            "allocations": statistics.median(allocs) if allocs else None,
+            "pair_ns_by_size": {k: min(v) for k, v in by_size.items()},
+            "pair_ns": statistics.fmean(min(v) for v in by_size.values()) if by_size else None,
+            "unit_ms": statistics.median(units) if units else None,
+            "unit": next((r.get("alloc_unit") for r in rs if r.get("alloc_unit")), None),
+        }
+
+    s = {arm: summary(rs or []) for arm, rs in runs.items()}
+    base = s.get("torch", {})
+    for arm, x in s.items():
+        allocs = base.get("allocations") if base.get("allocations") is not None else x["allocations"]
+        sizes = set(x["pair_ns_by_size"]) & set(base.get("pair_ns_by_size") or {})
+        extra = None
+        if allocs is not None and sizes:
+            d = statistics.fmean(x["pair_ns_by_size"][k] - base["pair_ns_by_size"][k] for k in sizes)
+            extra = allocs * d / 1e6
+        x["extra_ms"] = extra
+        x["extra_share"] = None if extra is None else ratio(extra, base.get("unit_ms"))
+    return s
+
+
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
 
@@ -362,6 +419,8 @@ def markdown(results: Dict[str, Any]) -> str:
                 )
             lines.append("")
             lines += round_outputs(results.get("round_runs", {}).get(wl, {}), results.get("arms", []))
+        rr = results.get("round_runs", {}).get(wl) or {a: [r] for a, r in runs.items()}
+        lines += share_table(allocator_share({a: rr[a] for a in results.get("arms", []) if a in rr}))
         word = {True: "met", False: "missed", None: "n/a"}
         tg = targets(cmp_, times)
         if tg:
@@ -382,6 +441,29 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def share_table(share: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Markdown lines for :func:`allocator_share` (nothing when no arm measured its pair)."""
+    if not any(x.get("pair_ns") is not None for x in share.values()):
+        return []
+    unit = next((x["unit"] for x in share.values() if x.get("unit")), "unit")
+    sizes = sorted({int(k) for x in share.values() for k in x.get("pair_ns_by_size", {})})
+    size_txt = " / ".join(f"{k >> 20} MiB" if k >= 1 << 20 else f"{k >> 10} KiB" for k in sizes)
+    lines = [f"What the allocator can account for per {unit}: allocations per {unit} (median over the runs), "
+             f"`torch.empty` + drop in each arm's process (ns, fastest run; {size_txt}), and allocations x "
+             "(that pair - torch's pair), the time per " + unit + " the arm's allocator calls cost beyond "
+             "PyTorch's own:", ""]
+    lines += table_head("arm", f"allocations per {unit}", "torch.empty + drop, ns", f"allocator time vs torch, ms per {unit}",
+                        f"÷ torch's {unit}")
+    for arm, x in share.items():
+        pairs = x.get("pair_ns_by_size", {})
+        allocs, extra, frac = x.get("allocations"), x.get("extra_ms"), x.get("extra_share")
+        lines.append(
+            f"| {arm} | {'n/a' if allocs is None else f'{allocs:.0f}'} "
+            f"| {' / '.join(f'{pairs[str(k)]:.0f}' if str(k) in pairs else 'n/a' for k in sizes)} "
+            f"| {'n/a' if extra is None else f'{extra:+.3f}'} | {'n/a' if frac is None else f'{100 * frac:+.2f}%'} |")
+    return lines + [""]
 
 
 def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) -> List[str]:
@@ -488,7 +570,8 @@ def native_memory_stats(torch: Any) -> Dict[str, Any]:
     )
 
 
-def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
+def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
+          count: Callable[[], Optional[int]]) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -502,6 +585,7 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
         for b, L in ((1, 8), (2, 64)):  # warm-up: kernels, cuBLAS handles; same in every arm
             model(input_ids=torch.ones((b, L), dtype=torch.long, device=dev))
         _sync(torch, device)
+        c0 = count()
         for i in range(plan["requests"]):
             b = int(rng.integers(plan["batch"][0], plan["batch"][1] + 1))
             L = int(rng.integers(plan["length"][0], plan["length"][1] + 1))
@@ -517,11 +601,14 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             total.update(h.digest())
             del out, ids, am
             print(f"[real_models]   bert request {i + 1}/{plan['requests']}: {b}x{L} {ms[-1]:.1f} ms", flush=True)
+        c1 = count()
     return {"request_ms": quantiles(ms), "request_ms_each": ms, "request_sha256": per_request,
-            "output_sha256": total.hexdigest()}
+            "output_sha256": total.hexdigest(), "alloc_unit": "request",
+            "allocations_per_unit": None if c0 is None or c1 is None else (c1 - c0) / max(1, len(ms))}
 
 
-def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any) -> Dict[str, Any]:
+def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
+           count: Callable[[], Optional[int]]) -> Dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -532,12 +619,14 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
     total = hashlib.sha256()
     ms: List[float] = []
     step_ms: List[float] = []
+    decode_allocs: List[Optional[int]] = []  # per timed request: allocations over its decode steps
 
     def generate(ids: Any, am: Any, n: int, timed: bool) -> Any:
         out = model(input_ids=ids, attention_mask=am, use_cache=True)
         past = out.past_key_values
         nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
         toks = [nxt]
+        c0 = count() if timed else None
         for _ in range(n - 1):
             am = torch.cat([am, torch.ones((am.shape[0], 1), dtype=am.dtype, device=dev)], dim=1)
             t0 = time.perf_counter()
@@ -548,6 +637,9 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
                 _sync(torch, device)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             toks.append(nxt)
+        if timed:
+            c1 = count()
+            decode_allocs.append(None if c0 is None or c1 is None else c1 - c0)
         return torch.cat(toks, dim=1)
 
     with torch.no_grad():
@@ -575,7 +667,47 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
         "decode_step_ms": quantiles(step_ms),
         "request_sha256": per_request,
         "output_sha256": total.hexdigest(),
+        "alloc_unit": "decode step",
+        "allocations_per_unit": (None if not step_ms or None in decode_allocs
+                                 else sum(decode_allocs) / len(step_ms)),  # type: ignore[arg-type]
     }
+
+
+def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Optional[int]]:
+    """A callable returning how many allocations the arm's allocator has served on device 0 so far
+    (None where it keeps no such count: size_class, or no CUDA). PyTorch's allocator counts them in
+    ``allocation.all.allocated``; the arena in its thread-cache hits plus its locked allocations."""
+    if device != "cuda":
+        return lambda: None
+    if arm in POOL_ARMS:
+        from poolkeeper.integrations import torch as pkt
+
+        def pool_count() -> Optional[int]:
+            st = pkt.stats(0)
+            if "slow_allocations" not in st or "thread_cache_hits" not in st:
+                return None
+            return int(st["slow_allocations"]) + int(st["thread_cache_hits"])
+        return pool_count
+    return lambda: torch.cuda.memory_stats().get("allocation.all.allocated")
+
+
+def empty_drop_ns(torch: Any, device: str, sizes: Sequence[int] = EMPTY_DROP_SIZES, n: int = 2000,
+                  reps: int = 5) -> Dict[str, float]:
+    """``torch.empty(size, uint8)`` + drop in this process, ns per pair, the fastest of ``reps`` runs
+    of ``n`` pairs per size: what one allocation and its free cost through this arm's allocator
+    (PyTorch's dispatch included, the same in every arm)."""
+    dev = torch.device(device)
+    out: Dict[str, float] = {}
+    for size in sizes:
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                torch.empty(size, dtype=torch.uint8, device=dev)
+            best = min(best, time.perf_counter() - t0)
+        out[str(size)] = best / n * 1e9
+    _sync(torch, device)
+    return out
 
 
 def host_probe_ms(reps: int = 5) -> float:
@@ -631,9 +763,11 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     dtype = {"bert": torch.float16, "llama": torch.bfloat16}[workload] if cuda else torch.float32
     t_start = time.perf_counter()
     res: Dict[str, Any] = {"arm": arm, "workload": workload}
-    res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype))
+    count = allocation_counter(torch, arm, device)
+    res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count))
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
+    res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
     if hasattr(os, "sched_getaffinity"):
         res["cpus"] = sorted(os.sched_getaffinity(0))
@@ -806,7 +940,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["round_runs"] = {
             wl: {a: [{k: r[k] for k in ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256",
                                         "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
-                                        "cpus") if k in r} for r in rs]
+                                        "cpus", "alloc_unit", "allocations_per_unit", "empty_drop_ns") if k in r} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)

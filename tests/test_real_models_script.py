@@ -186,6 +186,9 @@ def test_cpu_dry_run(tmp_path):
         assert "error" not in t, t
         assert len(t["output_sha256"]) == 64 and len(t["request_sha256"]) == res["plan"][wl]["requests"]
         assert "error" in res["runs"][wl]["arena"]
+        # Every arm's process times torch.empty + drop at each size (no allocation count on CPU).
+        assert set(t["empty_drop_ns"]) == {str(k) for k in rm.EMPTY_DROP_SIZES}
+        assert all(v > 0 for v in t["empty_drop_ns"].values()) and t["allocations_per_unit"] is None
     assert (tmp_path / "real_models_cpu_quick.md").read_text().count("failed:") == 1
 
 
@@ -376,3 +379,54 @@ def test_round_outputs_survive_odd_round_data():
     lines = rm.round_outputs(rr, ["torch", "arena"])
     row = next(l for l in lines if l.startswith("| arena |"))
     assert "host probe n/a ms" in row and "n/a ms" in row and row.rstrip().endswith("failed |")
+
+
+def _share_run(allocs, pairs, step_p50=50.0, unit="decode step"):
+    return {"alloc_unit": unit, "allocations_per_unit": allocs, "decode_step_ms": {"p50": step_p50},
+            "empty_drop_ns": {str(k): v for k, v in zip(rm.EMPTY_DROP_SIZES, pairs)}}
+
+
+def test_allocator_share_prices_each_arms_calls_at_torchs_allocation_count():
+    runs = {
+        "torch": [_share_run(400, (1000, 1100, 1200)), _share_run(400, (1500, 1100, 1200), step_p50=60.0)],
+        # The arena's fastest run of each size: 1100 / 1150 / 1300 (a disturbed run only adds time).
+        "arena": [_share_run(410, (1100, 1400, 1300)), _share_run(402, (2000, 1150, 1900)), {"error": "boom"}],
+    }
+    s = rm.allocator_share(runs)
+    assert s["torch"]["allocations"] == 400 and s["torch"]["extra_ms"] == 0.0
+    assert s["arena"]["allocations"] == 406  # median of its own runs, shown beside torch's
+    # Priced at the workload's count (torch's 400): 400 x mean(100, 50, 100) ns = 0.0333 ms per step,
+    # over torch's median decode step (55 ms).
+    assert s["arena"]["extra_ms"] == pytest.approx(400 * (250 / 3) / 1e6)
+    assert s["arena"]["extra_share"] == pytest.approx(400 * (250 / 3) / 1e6 / 55.0)
+    assert s["arena"]["pair_ns_by_size"][str(8 << 20)] == 1300
+    md = "\n".join(rm.share_table(s))
+    assert "per decode step" in md and "| arena | 406 | 1100 / 1150 / 1300 | +0.033 | +0.06% |" in md
+
+
+def test_allocator_share_survives_missing_and_odd_figures():
+    runs = {
+        "torch": [{"request_ms": {"mean": 20.0}, "alloc_unit": "request", "allocations_per_unit": None,
+                   "empty_drop_ns": {"16384": 900.0, "x": 5, "524288": -1, "8388608": float("nan")}}],
+        "size_class": [{"request_ms": {"mean": 21.0}, "empty_drop_ns": "garbage", "allocations_per_unit": "many"}],
+        "arena": [{"error": "exit 1"}],
+    }
+    s = rm.allocator_share(runs)
+    assert s["torch"]["pair_ns_by_size"] == {"16384": 900.0} and s["torch"]["allocations"] is None
+    assert s["torch"]["extra_ms"] is None  # no allocation count to price the pairs at
+    assert s["size_class"]["pair_ns"] is None and s["arena"]["pair_ns"] is None
+    row = next(l for l in rm.share_table(s) if l.startswith("| size_class |"))
+    assert row == "| size_class | n/a | n/a | n/a | n/a |"
+    assert rm.share_table(rm.allocator_share({"arena": [{"error": "x"}]})) == []
+
+
+def test_markdown_has_the_allocator_share_table_for_rounds_and_for_one_run():
+    res = _results()
+    res["runs"]["bert"]["torch"].update(alloc_unit="request", allocations_per_unit=300,
+                                        empty_drop_ns={"16384": 1000.0})
+    res["runs"]["bert"]["arena_expandable"].update(alloc_unit="request", allocations_per_unit=300,
+                                                   empty_drop_ns={"16384": 1200.0})
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    md = rm.markdown(res)
+    assert "What the allocator can account for per request" in md
+    assert next(l for l in md.splitlines() if l.startswith("| arena_expandable | 300 | 1200 |"))
