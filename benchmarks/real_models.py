@@ -270,7 +270,10 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
       averaged over the sizes (a disturbance only adds time);
     - ``extra_ms``: the workload's allocations per unit x (this arm's pair - torch's pair): the time
       per unit this allocator's calls cost beyond PyTorch's own, and ``extra_share`` that over
-      torch's median unit time (decode step p50, or mean request time).
+      torch's median unit time (decode step p50, or mean request time);
+    - ``inside_ms``: for poolkeeper's arms, the wall time inside its allocate and free calls per
+      unit during the timed work itself (``allocator_ms_per_unit``, median over the runs), and
+      ``inside_share`` that over the arm's own median unit time.
 
     The pair includes ``torch.empty``'s Python dispatch, which the model's own allocations (made in
     C++) do not pay; it is the same in every arm, so the difference is the allocators'. Missing or
@@ -282,6 +285,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
     def summary(rs: List[Dict[str, Any]]) -> Dict[str, Any]:
         rs = [r for r in rs if isinstance(r, dict) and "error" not in r]
         allocs = [a for a in (num(r.get("allocations_per_unit")) for r in rs) if a is not None]
+        inside = [a for a in (num(r.get("allocator_ms_per_unit")) for r in rs) if a is not None]
         by_size: Dict[str, List[float]] = {}
         for r in rs:
             ns = r.get("empty_drop_ns")
@@ -292,6 +296,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
                              else num((r.get("request_ms") or {}).get("mean")) for r in rs) if u]
         return {
             "allocations": statistics.median(allocs) if allocs else None,
+            "inside_ms": statistics.median(inside) if inside else None,
             "pair_ns_by_size": {k: min(v) for k, v in by_size.items()},
             "pair_ns": statistics.fmean(min(v) for v in by_size.values()) if by_size else None,
             "unit_ms": statistics.median(units) if units else None,
@@ -309,6 +314,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
             extra = allocs * d / 1e6
         x["extra_ms"] = extra
         x["extra_share"] = None if extra is None else ratio(extra, base.get("unit_ms"))
+        x["inside_share"] = None if x["inside_ms"] is None else ratio(x["inside_ms"], x["unit_ms"])
     return s
 
 
@@ -453,16 +459,19 @@ def share_table(share: Dict[str, Dict[str, Any]]) -> List[str]:
     lines = [f"What the allocator can account for per {unit}: allocations per {unit} (median over the runs), "
              f"`torch.empty` + drop in each arm's process (ns, fastest run; {size_txt}), and allocations x "
              "(that pair - torch's pair), the time per " + unit + " the arm's allocator calls cost beyond "
-             "PyTorch's own:", ""]
+             "PyTorch's own; for poolkeeper's arms also the wall time inside its allocate and free calls "
+             "during the timed work (`call_timing`, median over the runs):", ""]
     lines += table_head("arm", f"allocations per {unit}", "torch.empty + drop, ns", f"allocator time vs torch, ms per {unit}",
-                        f"÷ torch's {unit}")
+                        f"÷ torch's {unit}", f"inside poolkeeper's calls, ms per {unit}", f"÷ the arm's {unit}")
     for arm, x in share.items():
         pairs = x.get("pair_ns_by_size", {})
         allocs, extra, frac = x.get("allocations"), x.get("extra_ms"), x.get("extra_share")
+        inside, inside_frac = x.get("inside_ms"), x.get("inside_share")
         lines.append(
             f"| {arm} | {'n/a' if allocs is None else f'{allocs:.0f}'} "
             f"| {' / '.join(f'{pairs[str(k)]:.0f}' if str(k) in pairs else 'n/a' for k in sizes)} "
-            f"| {'n/a' if extra is None else f'{extra:+.3f}'} | {'n/a' if frac is None else f'{100 * frac:+.2f}%'} |")
+            f"| {'n/a' if extra is None else f'{extra:+.3f}'} | {'n/a' if frac is None else f'{100 * frac:+.2f}%'} "
+            f"| {'n/a' if inside is None else f'{inside:.3f}'} | {'n/a' if inside_frac is None else f'{100 * inside_frac:.2f}%'} |")
     return lines + [""]
 
 
@@ -571,7 +580,7 @@ def native_memory_stats(torch: Any) -> Dict[str, Any]:
 
 
 def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
-          count: Callable[[], Optional[int]]) -> Dict[str, Any]:
+          count: Callable[[], Dict[str, Optional[int]]]) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -603,12 +612,11 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             print(f"[real_models]   bert request {i + 1}/{plan['requests']}: {b}x{L} {ms[-1]:.1f} ms", flush=True)
         c1 = count()
     return {"request_ms": quantiles(ms), "request_ms_each": ms, "request_sha256": per_request,
-            "output_sha256": total.hexdigest(), "alloc_unit": "request",
-            "allocations_per_unit": None if c0 is None or c1 is None else (c1 - c0) / max(1, len(ms))}
+            "output_sha256": total.hexdigest(), "alloc_unit": "request", **per_unit([(c0, c1)], len(ms))}
 
 
 def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
-           count: Callable[[], Optional[int]]) -> Dict[str, Any]:
+           count: Callable[[], Dict[str, Optional[int]]]) -> Dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -619,7 +627,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
     total = hashlib.sha256()
     ms: List[float] = []
     step_ms: List[float] = []
-    decode_allocs: List[Optional[int]] = []  # per timed request: allocations over its decode steps
+    decode_counts: List[Tuple[Dict[str, Optional[int]], Dict[str, Optional[int]]]] = []  # per timed request, around its decode steps
 
     def generate(ids: Any, am: Any, n: int, timed: bool) -> Any:
         out = model(input_ids=ids, attention_mask=am, use_cache=True)
@@ -638,8 +646,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             toks.append(nxt)
         if timed:
-            c1 = count()
-            decode_allocs.append(None if c0 is None or c1 is None else c1 - c0)
+            decode_counts.append((c0, count()))
         return torch.cat(toks, dim=1)
 
     with torch.no_grad():
@@ -668,27 +675,38 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
         "request_sha256": per_request,
         "output_sha256": total.hexdigest(),
         "alloc_unit": "decode step",
-        "allocations_per_unit": (None if not step_ms or None in decode_allocs
-                                 else sum(decode_allocs) / len(step_ms)),  # type: ignore[arg-type]
+        **per_unit(decode_counts, len(step_ms)),
     }
 
 
-def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Optional[int]]:
-    """A callable returning how many allocations the arm's allocator has served on device 0 so far
-    (None where it keeps no such count: size_class, or no CUDA). PyTorch's allocator counts them in
+def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Dict[str, Optional[int]]]:
+    """A callable returning, so far on device 0, ``allocations`` (how many the arm's allocator
+    served; None where it keeps no such count: size_class, or no CUDA) and ``allocator_ns`` (wall
+    time inside poolkeeper's allocate and free calls, from
+    :func:`poolkeeper.integrations.torch.call_timing`, which ``run_child`` turns on; None for
+    PyTorch's allocator, which has no such clock). PyTorch's allocator counts allocations in
     ``allocation.all.allocated``; the arena in its thread-cache hits plus its locked allocations."""
     if device != "cuda":
-        return lambda: None
+        return lambda: {"allocations": None, "allocator_ns": None}
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
 
-        def pool_count() -> Optional[int]:
-            st = pkt.stats(0)
-            if "slow_allocations" not in st or "thread_cache_hits" not in st:
-                return None
-            return int(st["slow_allocations"]) + int(st["thread_cache_hits"])
+        def pool_count() -> Dict[str, Optional[int]]:
+            st, ct = pkt.stats(0), pkt.call_timing()
+            n = (int(st["slow_allocations"]) + int(st["thread_cache_hits"])
+                 if "slow_allocations" in st and "thread_cache_hits" in st else None)
+            return {"allocations": n, "allocator_ns": int(ct["malloc_ns"]) + int(ct["free_ns"])}
         return pool_count
-    return lambda: torch.cuda.memory_stats().get("allocation.all.allocated")
+    return lambda: {"allocations": torch.cuda.memory_stats().get("allocation.all.allocated"), "allocator_ns": None}
+
+
+def per_unit(spans: Sequence[Tuple[Dict[str, Optional[int]], Dict[str, Optional[int]]]], units: int) -> Dict[str, Optional[float]]:
+    """From (before, after) counter readings around the timed work and the number of units in it:
+    ``allocations_per_unit`` and ``allocator_ms_per_unit`` (None where a reading lacks the figure)."""
+    def per(key: str, scale: float) -> Optional[float]:
+        d = [None if a.get(key) is None or b.get(key) is None else b[key] - a[key] for a, b in spans]
+        return None if not spans or not units or None in d else sum(d) / units / scale  # type: ignore[arg-type]
+    return {"allocations_per_unit": per("allocations", 1.0), "allocator_ms_per_unit": per("allocator_ns", 1e6)}
 
 
 def empty_drop_ns(torch: Any, device: str, sizes: Sequence[int] = EMPTY_DROP_SIZES, n: int = 2000,
@@ -763,10 +781,14 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     dtype = {"bert": torch.float16, "llama": torch.bfloat16}[workload] if cuda else torch.float32
     t_start = time.perf_counter()
     res: Dict[str, Any] = {"arm": arm, "workload": workload}
+    if arm in POOL_ARMS:
+        pkt.call_timing(True)  # the pool's own time per step, beside the step (off by default)
     count = allocation_counter(torch, arm, device)
     res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count))
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
+    if arm in POOL_ARMS:
+        pkt.call_timing(False)  # the clock reads would weigh on the pair timed next, in this arm only
     res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
     if hasattr(os, "sched_getaffinity"):
@@ -940,7 +962,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["round_runs"] = {
             wl: {a: [{k: r[k] for k in ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256",
                                         "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
-                                        "cpus", "alloc_unit", "allocations_per_unit", "empty_drop_ns") if k in r} for r in rs]
+                                        "cpus", "alloc_unit", "allocations_per_unit", "allocator_ms_per_unit",
+                                        "empty_drop_ns") if k in r} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)

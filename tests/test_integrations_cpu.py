@@ -40,6 +40,8 @@ EXPORTED = [
     "poolkeeper_torch_record_stream_hook",
     "poolkeeper_torch_empty_cache_hook",
     "poolkeeper_torch_hook_counters",
+    "poolkeeper_set_call_timing",
+    "poolkeeper_call_timing",
 ]
 
 
@@ -299,6 +301,30 @@ def test_record_stream_hook_delays_reuse_until_that_stream_is_done(fake_torch):
     after = pk_torch.hook_counters()
     assert after["record_stream"] == before["record_stream"] + 1
     assert after["record_stream_unowned"] == before["record_stream_unowned"] + 1
+
+
+def test_call_timing_counts_the_calls_torch_makes_only_while_on(fake_torch):
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20)
+    (alloc,) = t.swaps
+    assert pk_torch.call_timing()["enabled"] is False  # off by default
+    before = pk_torch.call_timing()
+    alloc.free_(alloc.malloc(4096, 0, None), 4096, 0, None)
+    assert {k: v for k, v in pk_torch.call_timing().items()} == before  # off: nothing counted
+    try:
+        assert pk_torch.call_timing(True)["enabled"] is True
+        ptrs = [alloc.malloc(n, 0, None) for n in (256, 4096, 3 << 20)]
+        alloc.free_(ptrs[0], 256, 0, None)
+        on = pk_torch.call_timing()
+        assert on["enabled"] is True
+        assert on["malloc_calls"] == before["malloc_calls"] + 3 and on["free_calls"] == before["free_calls"] + 1
+        assert on["malloc_ns"] > before["malloc_ns"] and on["free_ns"] > before["free_ns"]
+    finally:
+        assert pk_torch.call_timing(False)["enabled"] is False
+    for p, n in zip(ptrs[1:], (4096, 3 << 20)):
+        alloc.free_(p, n, 0, None)
+    after = pk_torch.call_timing()
+    assert after["free_calls"] == on["free_calls"] and after["malloc_calls"] == on["malloc_calls"]
 
 
 def test_empty_cache_hook_returns_free_backings(fake_torch):

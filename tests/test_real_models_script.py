@@ -401,7 +401,7 @@ def test_allocator_share_prices_each_arms_calls_at_torchs_allocation_count():
     assert s["arena"]["extra_share"] == pytest.approx(400 * (250 / 3) / 1e6 / 55.0)
     assert s["arena"]["pair_ns_by_size"][str(8 << 20)] == 1300
     md = "\n".join(rm.share_table(s))
-    assert "per decode step" in md and "| arena | 406 | 1100 / 1150 / 1300 | +0.033 | +0.06% |" in md
+    assert "per decode step" in md and "| arena | 406 | 1100 / 1150 / 1300 | +0.033 | +0.06% | n/a | n/a |" in md
 
 
 def test_allocator_share_survives_missing_and_odd_figures():
@@ -416,7 +416,7 @@ def test_allocator_share_survives_missing_and_odd_figures():
     assert s["torch"]["extra_ms"] is None  # no allocation count to price the pairs at
     assert s["size_class"]["pair_ns"] is None and s["arena"]["pair_ns"] is None
     row = next(l for l in rm.share_table(s) if l.startswith("| size_class |"))
-    assert row == "| size_class | n/a | n/a | n/a | n/a |"
+    assert row == "| size_class | n/a | n/a | n/a | n/a | n/a | n/a |"
     assert rm.share_table(rm.allocator_share({"arena": [{"error": "x"}]})) == []
 
 
@@ -430,3 +430,24 @@ def test_markdown_has_the_allocator_share_table_for_rounds_and_for_one_run():
     md = rm.markdown(res)
     assert "What the allocator can account for per request" in md
     assert next(l for l in md.splitlines() if l.startswith("| arena_expandable | 300 | 1200 |"))
+
+
+def test_allocator_share_reports_the_time_inside_poolkeepers_calls_over_the_arms_own_step():
+    runs = {"torch": [_share_run(400, (1000, 1000, 1000), step_p50=50.0)],
+            "arena": [dict(_share_run(400, (1000, 1000, 1000), step_p50=40.0), allocator_ms_per_unit=0.2),
+                      dict(_share_run(400, (1000, 1000, 1000), step_p50=60.0), allocator_ms_per_unit=0.4),
+                      dict(_share_run(400, (1000, 1000, 1000), step_p50=50.0), allocator_ms_per_unit=0.3)]}
+    s = rm.allocator_share(runs)
+    assert s["arena"]["inside_ms"] == pytest.approx(0.3) and s["arena"]["inside_share"] == pytest.approx(0.3 / 50.0)
+    assert s["torch"]["inside_ms"] is None  # PyTorch's allocator has no such clock
+    row = next(l for l in rm.share_table(s) if l.startswith("| arena |"))
+    assert row.endswith("| 0.300 | 0.60% |")
+
+
+def test_per_unit_divides_the_counter_spans_by_the_units():
+    a = lambda n, ns: {"allocations": n, "allocator_ns": ns}  # noqa: E731
+    got = rm.per_unit([(a(0, 0), a(100, 2_000_000)), (a(100, 2_000_000), a(300, 3_000_000))], 10)
+    assert got == {"allocations_per_unit": 30.0, "allocator_ms_per_unit": pytest.approx(0.3)}
+    # A reading without the figure (PyTorch's allocator has no clock), or no units: None, not 0.
+    assert rm.per_unit([(a(0, None), a(10, None))], 5) == {"allocations_per_unit": 2.0, "allocator_ms_per_unit": None}
+    assert rm.per_unit([], 5)["allocations_per_unit"] is None and rm.per_unit([(a(0, 0), a(1, 1))], 0)["allocator_ms_per_unit"] is None

@@ -2,6 +2,7 @@
 // thread-local message.
 #include "poolkeeper_capi.h"
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -45,10 +46,40 @@ int guarded(F&& f) {
   }
 }
 
+// Call timing (poolkeeper_capi.h). Relaxed atomics: the counters are statistics, read after the
+// calls they count have returned on their threads.
+std::atomic<bool> g_timing{false};
+struct CallClock {
+  std::atomic<std::uint64_t> calls{0}, ns{0};
+};
+CallClock g_malloc_clock, g_free_clock;
+
+// Adds the wall time of its scope to a CallClock, when timing was on as the scope began.
+class TimedCall {
+ public:
+  explicit TimedCall(CallClock& c) : c_(g_timing.load(std::memory_order_relaxed) ? &c : nullptr) {
+    if (c_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~TimedCall() {
+    if (!c_) return;
+    const auto d = std::chrono::steady_clock::now() - t0_;
+    c_->ns.fetch_add(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()),
+                     std::memory_order_relaxed);
+    c_->calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  TimedCall(const TimedCall&) = delete;
+  TimedCall& operator=(const TimedCall&) = delete;
+
+ private:
+  CallClock* c_;
+  std::chrono::steady_clock::time_point t0_{};
+};
+
 poolkeeper::Stream torch_stream(void* s) { return static_cast<poolkeeper::Stream>(reinterpret_cast<std::uintptr_t>(s)); }
 }  // namespace
 
 PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
+  const TimedCall timed(g_malloc_clock);
   void* out = nullptr;
   guarded([&] {
     // While a CUDA-graph scope is open on the device, its GraphPools decides (graph_pools.hpp).
@@ -65,6 +96,7 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
 }
 
 PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
+  const TimedCall timed(g_free_clock);
   return guarded([&] {
     if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->holds_private_blocks()) {
       gp->deallocate(ptr, stream);  // a graph's block goes back to its private pool
@@ -112,6 +144,19 @@ PK_EXPORT int64_t poolkeeper_empty_cache(void) {
 }
 
 PK_EXPORT const char* poolkeeper_last_error(void) { return t_last_error.c_str(); }
+
+PK_EXPORT int poolkeeper_set_call_timing(int on) {
+  if (on < 0) return g_timing.load(std::memory_order_relaxed) ? 1 : 0;
+  return g_timing.exchange(on != 0, std::memory_order_relaxed) ? 1 : 0;
+}
+
+PK_EXPORT void poolkeeper_call_timing(uint64_t* out4) {
+  if (!out4) return;
+  out4[0] = g_malloc_clock.calls.load(std::memory_order_relaxed);
+  out4[1] = g_malloc_clock.ns.load(std::memory_order_relaxed);
+  out4[2] = g_free_clock.calls.load(std::memory_order_relaxed);
+  out4[3] = g_free_clock.ns.load(std::memory_order_relaxed);
+}
 
 // ---- CUDA-graph private pools (graph_pools.hpp), plain C for callers other than PyTorch ----
 

@@ -35,6 +35,15 @@ void* poolkeeper_malloc(size_t size, int device, uint64_t stream);
 int poolkeeper_free(void* ptr, int device, uint64_t stream);
 const char* poolkeeper_last_error(void);
 
+/* Call timing: with it on, poolkeeper_malloc and poolkeeper_free (and so every framework hook
+ * above, which goes through them) add their wall time, whole call, to process-wide counters. Off by
+ * default: two clock reads cost more than a thread-cache hit. set_call_timing(1) turns it on, 0
+ * off, a negative value leaves it; each returns the setting before the call; call_timing fills out4 with malloc calls, malloc ns, free
+ * calls, free ns counted while it was on (never reset). Thread-safe; a call that straddles the
+ * switch may be left out. */
+int poolkeeper_set_call_timing(int on);
+void poolkeeper_call_timing(uint64_t* out4);
+
 /* CUDA-graph private pools (docs/integrations.md, "CUDA graphs"). Between begin and end, every
  * allocation through poolkeeper_malloc / poolkeeper_torch_malloc on `device` whose stream is
  * `stream` comes from the private pool (id0, id1), keeps its address until the pool is released,

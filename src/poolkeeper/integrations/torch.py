@@ -537,6 +537,26 @@ def hook_counters() -> Dict[str, int]:
     return {"record_stream": out[0], "record_stream_unowned": out[1], "empty_cache": out[2]}
 
 
+def call_timing(enable: Optional[bool] = None) -> Dict[str, int]:
+    """Wall time spent inside poolkeeper's allocate and free calls, as PyTorch made them (every
+    tensor the installed allocator served or freed), so that the allocator's share of a workload
+    can be read beside its step time. ``enable=True`` starts counting, ``False`` stops it (off by
+    default: two clock reads cost more than a thread-cache hit); ``None`` leaves it as it is.
+    Returns the counts so far, never reset: ``malloc_calls``, ``malloc_ns``, ``free_calls``,
+    ``free_ns``, and ``enabled``. Take the difference of two readings around the work. Time PyTorch
+    spends around the call (its pluggable allocator's own bookkeeping) is not in it."""
+    lib = ctypes.CDLL(library_path())
+    setter = getattr(lib, "poolkeeper_set_call_timing")
+    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    was = setter(-1 if enable is None else int(bool(enable)))
+    on = bool(was) if enable is None else bool(enable)
+    fn = getattr(lib, "poolkeeper_call_timing")
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_uint64)], None
+    out = (ctypes.c_uint64 * 4)()
+    fn(out)
+    return {"malloc_calls": out[0], "malloc_ns": out[1], "free_calls": out[2], "free_ns": out[3], "enabled": on}
+
+
 # -- scoped use through torch.cuda.MemPool --------------------------------------------------------
 
 
@@ -620,6 +640,7 @@ __all__ = [
     "memory_summary",
     "dump_snapshot",
     "hook_counters",
+    "call_timing",
     "graph_pools",
     "mempool",
     "use_mempool",
