@@ -273,7 +273,9 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
       torch's median unit time (decode step p50, or mean request time);
     - ``inside_ms``: for poolkeeper's arms, the wall time inside its allocate and free calls per
       unit during the timed work itself (``allocator_ms_per_unit``, median over the runs), and
-      ``inside_share`` that over the arm's own median unit time.
+      ``inside_share`` that over the arm's own median unit time; ``timing_ms``: what the timing
+      itself added to the unit (its allocations x ``timing_overhead_ns``, the measured cost of the
+      clock reads per pair on that host).
 
     The pair includes ``torch.empty``'s Python dispatch, which the model's own allocations (made in
     C++) do not pay; it is the same in every arm, so the difference is the allocators'. Missing or
@@ -286,17 +288,24 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
         rs = [r for r in rs if isinstance(r, dict) and "error" not in r]
         allocs = [a for a in (num(r.get("allocations_per_unit")) for r in rs) if a is not None]
         inside = [a for a in (num(r.get("allocator_ms_per_unit")) for r in rs) if a is not None]
+        clock = [a for a in (ratio(r.get("timing_overhead_ns"), 1.0) for r in rs) if a is not None]
         by_size: Dict[str, List[float]] = {}
         for r in rs:
             ns = r.get("empty_drop_ns")
             for k, v in (ns.items() if isinstance(ns, dict) else ()):
-                if str(k).isdigit() and num(v) is not None and num(v) > 0:
-                    by_size.setdefault(str(k), []).append(float(v))
-        units = [u for u in (num((r.get("decode_step_ms") or {}).get("p50")) if "decode_step_ms" in r
-                             else num((r.get("request_ms") or {}).get("mean")) for r in rs) if u]
+                if re.fullmatch(r"[0-9]{1,12}", str(k), flags=re.ASCII) and num(v) is not None and num(v) > 0:
+                    by_size.setdefault(str(int(k)), []).append(float(v))
+
+        def unit_ms(r: Dict[str, Any]) -> Optional[float]:
+            step, req = r.get("decode_step_ms"), r.get("request_ms")
+            if "decode_step_ms" in r:
+                return num(step.get("p50")) if isinstance(step, dict) else None
+            return num(req.get("mean")) if isinstance(req, dict) else None
+        units = [u for u in map(unit_ms, rs) if u]
         return {
             "allocations": statistics.median(allocs) if allocs else None,
             "inside_ms": statistics.median(inside) if inside else None,
+            "timing_overhead_ns": statistics.median(clock) if clock else None,
             "pair_ns_by_size": {k: min(v) for k, v in by_size.items()},
             "pair_ns": statistics.fmean(min(v) for v in by_size.values()) if by_size else None,
             "unit_ms": statistics.median(units) if units else None,
@@ -315,8 +324,15 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
         x["extra_ms"] = extra
         x["extra_share"] = None if extra is None else ratio(extra, base.get("unit_ms"))
         x["inside_share"] = None if x["inside_ms"] is None else ratio(x["inside_ms"], x["unit_ms"])
+        x["timing_ms"] = (None if x["timing_overhead_ns"] is None or x["allocations"] is None
+                          else x["allocations"] * x["timing_overhead_ns"] / 1e6)
     return s
 
+
+# What a round's run keeps (--rounds): what round_times, round_outputs and allocator_share read.
+ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
+                  "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
+                  "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns")
 
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
@@ -460,18 +476,22 @@ def share_table(share: Dict[str, Dict[str, Any]]) -> List[str]:
              f"`torch.empty` + drop in each arm's process (ns, fastest run; {size_txt}), and allocations x "
              "(that pair - torch's pair), the time per " + unit + " the arm's allocator calls cost beyond "
              "PyTorch's own; for poolkeeper's arms also the wall time inside its allocate and free calls "
-             "during the timed work (`call_timing`, median over the runs):", ""]
+             "during the timed work (`call_timing`, median over the runs), and what that timing itself added to "
+             "their time (they ran their requests with it on: two clock reads per call, measured per "
+             "allocation and free on the same host):", ""]
     lines += table_head("arm", f"allocations per {unit}", "torch.empty + drop, ns", f"allocator time vs torch, ms per {unit}",
-                        f"÷ torch's {unit}", f"inside poolkeeper's calls, ms per {unit}", f"÷ the arm's {unit}")
+                        f"÷ torch's {unit}", f"inside poolkeeper's calls, ms per {unit}", f"÷ the arm's {unit}",
+                        f"the timing's own cost, ms per {unit}")
     for arm, x in share.items():
         pairs = x.get("pair_ns_by_size", {})
         allocs, extra, frac = x.get("allocations"), x.get("extra_ms"), x.get("extra_share")
-        inside, inside_frac = x.get("inside_ms"), x.get("inside_share")
+        inside, inside_frac, clock = x.get("inside_ms"), x.get("inside_share"), x.get("timing_ms")
         lines.append(
             f"| {arm} | {'n/a' if allocs is None else f'{allocs:.0f}'} "
             f"| {' / '.join(f'{pairs[str(k)]:.0f}' if str(k) in pairs else 'n/a' for k in sizes)} "
             f"| {'n/a' if extra is None else f'{extra:+.3f}'} | {'n/a' if frac is None else f'{100 * frac:+.2f}%'} "
-            f"| {'n/a' if inside is None else f'{inside:.3f}'} | {'n/a' if inside_frac is None else f'{100 * inside_frac:.2f}%'} |")
+            f"| {'n/a' if inside is None else f'{inside:.3f}'} | {'n/a' if inside_frac is None else f'{100 * inside_frac:.2f}%'} "
+            f"| {'n/a' if clock is None else f'{clock:.3f}'} |")
     return lines + [""]
 
 
@@ -681,21 +701,22 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
 
 def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Dict[str, Optional[int]]]:
     """A callable returning, so far on device 0, ``allocations`` (how many the arm's allocator
-    served; None where it keeps no such count: size_class, or no CUDA) and ``allocator_ns`` (wall
-    time inside poolkeeper's allocate and free calls, from
-    :func:`poolkeeper.integrations.torch.call_timing`, which ``run_child`` turns on; None for
+    served) and ``allocator_ns`` (wall time inside poolkeeper's allocate and free calls; None for
     PyTorch's allocator, which has no such clock). PyTorch's allocator counts allocations in
-    ``allocation.all.allocated``; the arena in its thread-cache hits plus its locked allocations."""
+    ``allocation.all.allocated``; poolkeeper's arms read both from
+    :func:`poolkeeper.integrations.torch.call_timing`, which ``run_child`` turns on (None while it
+    is off). The readings bracket the timed work with a little around it (a request's input
+    tensors, the attention mask a decode step extends), the same in every arm."""
     if device != "cuda":
         return lambda: {"allocations": None, "allocator_ns": None}
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
 
         def pool_count() -> Dict[str, Optional[int]]:
-            st, ct = pkt.stats(0), pkt.call_timing()
-            n = (int(st["slow_allocations"]) + int(st["thread_cache_hits"])
-                 if "slow_allocations" in st and "thread_cache_hits" in st else None)
-            return {"allocations": n, "allocator_ns": int(ct["malloc_ns"]) + int(ct["free_ns"])}
+            ct = pkt.call_timing()
+            if not ct["enabled"]:  # counters that do not move would read as 0 calls, 0 ns
+                return {"allocations": None, "allocator_ns": None}
+            return {"allocations": int(ct["malloc_calls"]), "allocator_ns": int(ct["malloc_ns"]) + int(ct["free_ns"])}
         return pool_count
     return lambda: {"allocations": torch.cuda.memory_stats().get("allocation.all.allocated"), "allocator_ns": None}
 
@@ -726,6 +747,22 @@ def empty_drop_ns(torch: Any, device: str, sizes: Sequence[int] = EMPTY_DROP_SIZ
         out[str(size)] = best / n * 1e9
     _sync(torch, device)
     return out
+
+
+def timing_overhead_ns(pkt: Any, n: int = 100_000, reps: int = 5) -> float:
+    """What call timing adds to one allocate + free pair through the C ABI on this host, in ns:
+    poolkeeper's native pair loop on device 0, the fastest of ``reps`` runs with timing on less the
+    fastest with it off (the clock reads cost more on some hosts than others). Leaves timing off."""
+    from poolkeeper import _core
+
+    def best() -> float:
+        return min(_core.capi_bench_pair(0, 4096, n) for _ in range(reps))
+    pkt.call_timing(True)
+    try:
+        on = best()
+    finally:
+        pkt.call_timing(False)
+    return on - best()
 
 
 def host_probe_ms(reps: int = 5) -> float:
@@ -787,9 +824,6 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count))
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
-    if arm in POOL_ARMS:
-        pkt.call_timing(False)  # the clock reads would weigh on the pair timed next, in this arm only
-    res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
     if hasattr(os, "sched_getaffinity"):
         res["cpus"] = sorted(os.sched_getaffinity(0))
@@ -821,6 +855,11 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     else:  # CPU dry run: no device allocator to read
         res.update(peak_reserved_bytes=None, peak_live_bytes=None, upstream_allocations=None,
                    upstream_deallocations=None, maps=None, unmaps=None)
+    # Last, after the figures above were read: the pairs would count in them.
+    if arm in POOL_ARMS:
+        pkt.call_timing(False)  # its clock reads would weigh on the pairs, in this arm only
+        res["timing_overhead_ns"] = timing_overhead_ns(pkt)
+    res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
     return res
 
 
@@ -960,10 +999,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Every round's runs as round_times reads them (only a failed run has "error"), so that runs
         # of several invocations can be pooled.
         results["round_runs"] = {
-            wl: {a: [{k: r[k] for k in ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256",
-                                        "output_sha256", "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms",
-                                        "cpus", "alloc_unit", "allocations_per_unit", "allocator_ms_per_unit",
-                                        "empty_drop_ns") if k in r} for r in rs]
+            wl: {a: [{k: r[k] for k in ROUND_RUN_KEYS if k in r} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)

@@ -327,6 +327,14 @@ def test_call_timing_counts_the_calls_torch_makes_only_while_on(fake_torch):
     assert after["free_calls"] == on["free_calls"] and after["malloc_calls"] == on["malloc_calls"]
 
 
+@pytest.mark.parametrize("bad", ["no", "False", 1, -1, 0.0, float("nan")])
+def test_call_timing_takes_only_a_bool_or_none(bad):
+    # Found in review: "no" and -1 were read as True and turned timing on.
+    with pytest.raises(TypeError):
+        pk_torch.call_timing(bad)
+    assert pk_torch.call_timing()["enabled"] is False
+
+
 def test_empty_cache_hook_returns_free_backings(fake_torch):
     t = fake_torch()
     pk_torch.install("arena", upstream="simulated", initial_backing=1 << 20, max_backing=1 << 22)

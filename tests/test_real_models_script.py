@@ -401,7 +401,7 @@ def test_allocator_share_prices_each_arms_calls_at_torchs_allocation_count():
     assert s["arena"]["extra_share"] == pytest.approx(400 * (250 / 3) / 1e6 / 55.0)
     assert s["arena"]["pair_ns_by_size"][str(8 << 20)] == 1300
     md = "\n".join(rm.share_table(s))
-    assert "per decode step" in md and "| arena | 406 | 1100 / 1150 / 1300 | +0.033 | +0.06% | n/a | n/a |" in md
+    assert "per decode step" in md and "| arena | 406 | 1100 / 1150 / 1300 | +0.033 | +0.06% | n/a | n/a | n/a |" in md
 
 
 def test_allocator_share_survives_missing_and_odd_figures():
@@ -416,7 +416,7 @@ def test_allocator_share_survives_missing_and_odd_figures():
     assert s["torch"]["extra_ms"] is None  # no allocation count to price the pairs at
     assert s["size_class"]["pair_ns"] is None and s["arena"]["pair_ns"] is None
     row = next(l for l in rm.share_table(s) if l.startswith("| size_class |"))
-    assert row == "| size_class | n/a | n/a | n/a | n/a | n/a | n/a |"
+    assert row == "| size_class | n/a | n/a | n/a | n/a | n/a | n/a | n/a |"
     assert rm.share_table(rm.allocator_share({"arena": [{"error": "x"}]})) == []
 
 
@@ -434,14 +434,16 @@ def test_markdown_has_the_allocator_share_table_for_rounds_and_for_one_run():
 
 def test_allocator_share_reports_the_time_inside_poolkeepers_calls_over_the_arms_own_step():
     runs = {"torch": [_share_run(400, (1000, 1000, 1000), step_p50=50.0)],
-            "arena": [dict(_share_run(400, (1000, 1000, 1000), step_p50=40.0), allocator_ms_per_unit=0.2),
+            "arena": [dict(_share_run(400, (1000, 1000, 1000), step_p50=40.0), allocator_ms_per_unit=0.2,
+                           timing_overhead_ns=150.0),
                       dict(_share_run(400, (1000, 1000, 1000), step_p50=60.0), allocator_ms_per_unit=0.4),
                       dict(_share_run(400, (1000, 1000, 1000), step_p50=50.0), allocator_ms_per_unit=0.3)]}
     s = rm.allocator_share(runs)
     assert s["arena"]["inside_ms"] == pytest.approx(0.3) and s["arena"]["inside_share"] == pytest.approx(0.3 / 50.0)
     assert s["torch"]["inside_ms"] is None  # PyTorch's allocator has no such clock
     row = next(l for l in rm.share_table(s) if l.startswith("| arena |"))
-    assert row.endswith("| 0.300 | 0.60% |")
+    assert row.endswith("| 0.300 | 0.60% | 0.060 |")  # 400 pairs x 150 ns of clock reads
+    assert s["arena"]["timing_ms"] == pytest.approx(0.06)
 
 
 def test_per_unit_divides_the_counter_spans_by_the_units():
@@ -451,3 +453,38 @@ def test_per_unit_divides_the_counter_spans_by_the_units():
     # A reading without the figure (PyTorch's allocator has no clock), or no units: None, not 0.
     assert rm.per_unit([(a(0, None), a(10, None))], 5) == {"allocations_per_unit": 2.0, "allocator_ms_per_unit": None}
     assert rm.per_unit([], 5)["allocations_per_unit"] is None and rm.per_unit([(a(0, 0), a(1, 1))], 0)["allocator_ms_per_unit"] is None
+
+
+def test_rounds_keep_what_the_allocator_share_reads():
+    # Found in review: the filter that keeps each round's run could drop these and every test passed.
+    for key in ("alloc_unit", "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
+                "decode_step_ms", "request_ms", "error"):
+        assert key in rm.ROUND_RUN_KEYS
+    res = _results()
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    run = dict(res["runs"]["bert"]["torch"], alloc_unit="request", allocations_per_unit=100, empty_drop_ns={"16384": 1000.0},
+               unknown_key=1)
+    res["round_runs"] = {"bert": {"torch": [{k: run[k] for k in rm.ROUND_RUN_KEYS if k in run}] * 2}}
+    md = rm.markdown(res)
+    assert "| torch | 100 | 1000 | +0.000 | n/a | n/a | n/a | n/a |" in md  # read from the rounds (runs lack it)
+
+
+def test_allocator_share_takes_only_plain_size_keys():
+    # Found in review: "²".isdigit() is True and int("²") raises; a key in other digits read as a size.
+    run = {"request_ms": {"mean": 1.0}, "empty_drop_ns": {"²": 5.0, "١٦٣٨٤": 6.0, "0016384": 7.0, "9" * 5000: 8.0}}
+    s = rm.allocator_share({"torch": [run], "arena": [{"decode_step_ms": "not a dict", "empty_drop_ns": {"16384": 2.0}}]})
+    assert s["torch"]["pair_ns_by_size"] == {"16384": 7.0}
+    assert s["arena"]["unit_ms"] is None
+    assert rm.share_table(s)  # renders
+
+
+def test_pool_counter_reads_call_timing_and_says_nothing_while_it_is_off(monkeypatch):
+    from poolkeeper.integrations import torch as pkt
+
+    state = {"enabled": True, "malloc_calls": 7, "malloc_ns": 100, "free_calls": 5, "free_ns": 50}
+    monkeypatch.setattr(pkt, "call_timing", lambda enable=None: dict(state))
+    count = rm.allocation_counter(None, "size_class", "cuda")
+    assert count() == {"allocations": 7, "allocator_ns": 150}  # every pool kind, size_class included
+    state["enabled"] = False
+    assert count() == {"allocations": None, "allocator_ns": None}
+    assert rm.allocation_counter(None, "arena", "cpu")() == {"allocations": None, "allocator_ns": None}

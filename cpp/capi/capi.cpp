@@ -49,7 +49,9 @@ int guarded(F&& f) {
 // Call timing (poolkeeper_capi.h). Relaxed atomics: the counters are statistics, read after the
 // calls they count have returned on their threads.
 std::atomic<bool> g_timing{false};
-struct CallClock {
+// One cache line each, so that malloc and free timing do not write the same line. The counters
+// are still shared by every thread: timing is a diagnostic, and scales poorly across threads.
+struct alignas(64) CallClock {
   std::atomic<std::uint64_t> calls{0}, ns{0};
 };
 CallClock g_malloc_clock, g_free_clock;

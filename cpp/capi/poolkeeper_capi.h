@@ -37,10 +37,11 @@ const char* poolkeeper_last_error(void);
 
 /* Call timing: with it on, poolkeeper_malloc and poolkeeper_free (and so every framework hook
  * above, which goes through them) add their wall time, whole call, to process-wide counters. Off by
- * default: two clock reads cost more than a thread-cache hit. set_call_timing(1) turns it on, 0
- * off, a negative value leaves it; each returns the setting before the call; call_timing fills out4 with malloc calls, malloc ns, free
- * calls, free ns counted while it was on (never reset). Thread-safe; a call that straddles the
- * switch may be left out. */
+ * default: two clock reads cost more than a thread-cache hit, and every thread writes the same
+ * counters (a diagnostic, not for many-threaded hot paths). set_call_timing(1) turns it on, 0 off,
+ * a negative value leaves it, and returns the setting before the call. call_timing fills out4 with
+ * malloc calls, malloc ns, free calls, free ns (never reset). A call is counted when timing was on
+ * as it began, even if it is turned off before the call returns. Thread-safe. */
 int poolkeeper_set_call_timing(int on);
 void poolkeeper_call_timing(uint64_t* out4);
 

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from poolkeeper import _core
 from poolkeeper.integrations._common import (
@@ -537,24 +538,33 @@ def hook_counters() -> Dict[str, int]:
     return {"record_stream": out[0], "record_stream_unowned": out[1], "empty_cache": out[2]}
 
 
-def call_timing(enable: Optional[bool] = None) -> Dict[str, int]:
-    """Wall time spent inside poolkeeper's allocate and free calls, as PyTorch made them (every
-    tensor the installed allocator served or freed), so that the allocator's share of a workload
-    can be read beside its step time. ``enable=True`` starts counting, ``False`` stops it (off by
-    default: two clock reads cost more than a thread-cache hit); ``None`` leaves it as it is.
-    Returns the counts so far, never reset: ``malloc_calls``, ``malloc_ns``, ``free_calls``,
-    ``free_ns``, and ``enabled``. Take the difference of two readings around the work. Time PyTorch
-    spends around the call (its pluggable allocator's own bookkeeping) is not in it."""
+@functools.lru_cache(maxsize=None)
+def _call_timing_fns() -> Tuple[Any, Any]:
     lib = ctypes.CDLL(library_path())
-    setter = getattr(lib, "poolkeeper_set_call_timing")
+    setter, reader = lib.poolkeeper_set_call_timing, lib.poolkeeper_call_timing
     setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-    was = setter(-1 if enable is None else int(bool(enable)))
-    on = bool(was) if enable is None else bool(enable)
-    fn = getattr(lib, "poolkeeper_call_timing")
-    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_uint64)], None
+    reader.argtypes, reader.restype = [ctypes.POINTER(ctypes.c_uint64)], None
+    return setter, reader
+
+
+def call_timing(enable: Optional[bool] = None) -> Dict[str, Any]:
+    """Wall time spent inside poolkeeper's allocate and free calls (the C ABI's ``poolkeeper_malloc``
+    / ``poolkeeper_free``, which every PyTorch hook goes through, as does any other C caller in the
+    process), so that the allocator's share of a workload can be read beside its step time.
+    ``enable=True`` starts counting, ``False`` stops it (off by default: two clock reads cost more
+    than a thread-cache hit); ``None`` leaves it as it is. Returns the counts so far, never reset:
+    ``malloc_calls``, ``malloc_ns``, ``free_calls``, ``free_ns``, and ``enabled``. Take the
+    difference of two readings around the work. Time PyTorch spends around the call (its pluggable
+    allocator's own bookkeeping) is not in it. Raises :class:`TypeError` for anything but None or a
+    bool (a string such as ``"no"`` would otherwise read as True)."""
+    if enable is not None and not isinstance(enable, bool):
+        raise TypeError(f"call_timing(enable): None, True or False, not {enable!r}")
+    setter, reader = _call_timing_fns()
+    was = setter(-1 if enable is None else int(enable))
     out = (ctypes.c_uint64 * 4)()
-    fn(out)
-    return {"malloc_calls": out[0], "malloc_ns": out[1], "free_calls": out[2], "free_ns": out[3], "enabled": on}
+    reader(out)
+    return {"malloc_calls": out[0], "malloc_ns": out[1], "free_calls": out[2], "free_ns": out[3],
+            "enabled": bool(was) if enable is None else enable}
 
 
 # -- scoped use through torch.cuda.MemPool --------------------------------------------------------
