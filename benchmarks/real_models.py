@@ -332,7 +332,8 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
 # What a round's run keeps (--rounds): what round_times, round_outputs and allocator_share read.
 ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
                   "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
-                  "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns")
+                  "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
+                  "log_path", "log_events")
 
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
@@ -443,6 +444,11 @@ def markdown(results: Dict[str, Any]) -> str:
             lines += round_outputs(results.get("round_runs", {}).get(wl, {}), results.get("arms", []))
         rr = results.get("round_runs", {}).get(wl) or {a: [r] for a, r in runs.items()}
         lines += share_table(allocator_share({a: rr[a] for a in results.get("arms", []) if a in rr}))
+        logs = [f"`{os.path.basename(str(r['log_path']))}` ({r.get('log_events', '?')} events)"
+                for a in results.get("arms", []) for r in rr.get(a, []) if isinstance(r, dict) and r.get("log_path")]
+        if logs:
+            lines += ["Allocation logs (`--log-dir`; those runs' times include the logging; `poolkeeper replay "
+                      "FILE` replays one): " + ", ".join(logs), ""]
         word = {True: "met", False: "missed", None: "n/a"}
         tg = targets(cmp_, times)
         if tg:
@@ -801,13 +807,22 @@ def parse_cpus(text: str) -> List[int]:
     return sorted(set(out))
 
 
-def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str) -> Dict[str, Any]:
-    """One arm on one workload in this (fresh) process."""
+def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str,
+              log_path: Optional[str] = None) -> Dict[str, Any]:
+    """One arm on one workload in this (fresh) process. ``log_path``: for poolkeeper's arms, the
+    pool installed on device 0 is wrapped in a :class:`poolkeeper.LoggingPool` writing every
+    allocation and free there (RMM's CSV, which ``poolkeeper replay`` reads), so the live sequence
+    can be replayed offline; its times then include the logging."""
     probe_start = host_probe_ms()
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
 
-        pkt.install(arm)  # before anything touches CUDA
+        if log_path:
+            from poolkeeper.pools import make_device_pool
+
+            pkt.install(make_device_pool(arm, 0, log=log_path))  # before anything touches CUDA
+        else:
+            pkt.install(arm)  # before anything touches CUDA
     elif arm == "torch_expandable" and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") != EXPANDABLE_ENV:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_ENV  # the parent sets it; run alone, set it here
     import numpy as np
@@ -850,6 +865,9 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
             pool={"kind": inst.kind, "upstream": inst.upstream, "options": inst.options, "oom_type": str(inst.oom_type)},
             pool_stats_end={k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None},
         )
+        if log_path:
+            pkt.installation().pool.flush()  # the log is complete up to here; the pairs below are not in it
+            res.update(log_path=log_path, log_events=st.get("log_events"))
     elif cuda:
         res.update(native_memory_stats(torch), maps=None, unmaps=None)
     else:  # CPU dry run: no device allocator to read
@@ -874,10 +892,13 @@ def _parse_list(s: str, valid: Sequence[str], what: str) -> List[str]:
     return items
 
 
-def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
-    """Run one (arm, workload) in a fresh interpreter; its result, or ``{"error": ...}``."""
+def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
+                    log_file: Optional[str] = None) -> Dict[str, Any]:
+    """Run one (arm, workload) in a fresh interpreter; its result, or ``{"error": ...}``.
+    ``log_file``: where a poolkeeper arm logs its allocations (``--log-dir``)."""
     path = os.path.join(tmp, f"{arm}-{workload}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--workloads", workload, "--result-file", path,
+           *(["--log-file", log_file] if log_file else []),
            "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else [])
     errpath = path + ".stderr"
     t0 = time.perf_counter()
@@ -920,6 +941,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    ap.add_argument("--log-file", help=argparse.SUPPRESS)
+    ap.add_argument("--log-dir", default=None,
+                    help="poolkeeper's arms log every allocation and free to DIR/<workload>_<arm>_round<N>.csv "
+                         "(RMM's CSV: `poolkeeper replay` reads it), to replay the live sequence offline; "
+                         "their times then include the logging")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1 (got {args.rounds})")
@@ -934,13 +960,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.sched_setaffinity(0, cpus)  # inherited by every arm's process
         except (ValueError, OSError, AttributeError) as e:
             ap.error(f"--cpus {args.cpus}: {e}")
+    if args.log_dir and not args.child:
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--log-dir {args.log_dir}: {e}")
     plan_name = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
     plan = PLANS[plan_name]
     workloads = _parse_list(args.workloads, WORKLOADS, "workload")
 
     if args.child:
         try:
-            res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device)
+            res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device, args.log_file)
             code = 0
         except BaseException as e:  # reported by the parent; the other arms still run
             res = {"arm": args.child, "workload": workloads[0], "error": f"{type(e).__name__}: {e}",
@@ -980,7 +1011,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             # machine's speed drifts over minutes by more than the arms differ.
             for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
                 print(f"[real_models] round {rnd + 1}: {wl} / {arm} ...", flush=True)
-                r = run_arm_process(arm, wl, args, tmp)
+                log_file = (os.path.join(os.path.abspath(args.log_dir), f"{wl}_{arm}_round{rnd + 1}.csv")
+                            if args.log_dir and arm in POOL_ARMS else None)
+                r = run_arm_process(arm, wl, args, tmp, log_file)
                 rounds[wl][arm].append(r)
                 if rnd == 0:
                     results["runs"][wl][arm] = r

@@ -488,3 +488,51 @@ def test_pool_counter_reads_call_timing_and_says_nothing_while_it_is_off(monkeyp
     state["enabled"] = False
     assert count() == {"allocations": None, "allocator_ns": None}
     assert rm.allocation_counter(None, "arena", "cpu")() == {"allocations": None, "allocator_ns": None}
+
+
+def test_log_dir_gives_each_poolkeeper_run_its_own_log_and_none_to_torch(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(arm, wl, args, tmp, log_file=None):
+        calls.append((arm, wl, log_file))
+        return {"request_ms": {"p50": 1.0, "total": 1.0, "n": 1}, "request_ms_each": [1.0], "process_s": 0.0}
+
+    monkeypatch.setattr(rm, "run_arm_process", fake_run)
+    logs = tmp_path / "logs"
+    assert rm.main(["--device", "cpu", "--arms", "torch,arena", "--workloads", "bert", "--rounds", "2",
+                    "--log-dir", str(logs), "--out", str(tmp_path / "out")]) == 0
+    assert logs.is_dir()
+    got = {(arm, log) for arm, _, log in calls}
+    assert got == {("torch", None), ("arena", str(logs / "bert_arena_round1.csv")),
+                   ("arena", str(logs / "bert_arena_round2.csv"))}
+
+
+def test_the_child_is_told_its_log_file(tmp_path, monkeypatch):
+    seen = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(rm.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Done())
+    args = rm.argparse.Namespace(seed=1, device="cpu", quick=True, timeout=5.0)
+    rm.run_arm_process("arena", "bert", args, str(tmp_path), "/logs/bert_arena_round1.csv")
+    rm.run_arm_process("torch", "bert", args, str(tmp_path))
+    assert seen[0][seen[0].index("--log-file") + 1] == "/logs/bert_arena_round1.csv"
+    assert "--log-file" not in seen[1]
+
+
+def test_a_log_dir_that_cannot_be_made_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        rm.main(["--device", "cpu", "--arms", "torch", "--log-dir", str(blocker / "sub"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+
+
+def test_markdown_names_the_allocation_logs():
+    res = _results()
+    res["runs"]["bert"]["arena_expandable"].update(log_path="/x/logs/bert_arena_expandable_round1.csv", log_events=1234)
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    md = rm.markdown(res)
+    assert "`bert_arena_expandable_round1.csv` (1234 events)" in md
+    assert "log_path" in rm.ROUND_RUN_KEYS and "log_events" in rm.ROUND_RUN_KEYS
