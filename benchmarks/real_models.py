@@ -119,7 +119,7 @@ def ratio(a: Any, b: Any) -> Optional[float]:
     """a / b, or None when either is missing, not a finite number, or b is not positive."""
     try:
         a, b = float(a), float(b)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         return None
@@ -139,7 +139,7 @@ def fmt_ratio(r: Optional[float]) -> str:
 def fmt_ms(x: Any) -> str:
     try:
         x = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return "n/a"
     return "n/a" if math.isnan(x) else f"{x:.2f}"
 
@@ -312,7 +312,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
             "unit": next((r.get("alloc_unit") for r in rs if r.get("alloc_unit")), None),
         }
 
-    s = {arm: summary(rs or []) for arm, rs in runs.items()}
+    s = {arm: summary(rs if isinstance(rs, list) else []) for arm, rs in runs.items()}
     base = s.get("torch", {})
     for arm, x in s.items():
         allocs = base.get("allocations") if base.get("allocations") is not None else x["allocations"]
@@ -442,9 +442,11 @@ def markdown(results: Dict[str, Any]) -> str:
                 )
             lines.append("")
             lines += round_outputs(results.get("round_runs", {}).get(wl, {}), results.get("arms", []))
-        rr = results.get("round_runs", {}).get(wl) or {a: [r] for a, r in runs.items()}
+        rr = (results.get("round_runs") or {}).get(wl) or {a: [r] for a, r in runs.items()}
+        rr = {a: v for a, v in rr.items() if isinstance(v, list)} if isinstance(rr, dict) else {}
         lines += share_table(allocator_share({a: rr[a] for a in results.get("arms", []) if a in rr}))
-        logs = [f"`{os.path.basename(str(r['log_path']))}` ({r.get('log_events', '?')} events)"
+        logs = [f"`{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(str(r['log_path'])))}` "
+                f"({r.get('log_events', '?')} events)"
                 for a in results.get("arms", []) for r in rr.get(a, []) if isinstance(r, dict) and r.get("log_path")]
         if logs:
             lines += ["Allocation logs (`--log-dir`; those runs' times include the logging; `poolkeeper replay "
@@ -475,7 +477,7 @@ def share_table(share: Dict[str, Dict[str, Any]]) -> List[str]:
     """Markdown lines for :func:`allocator_share` (nothing when no arm measured its pair)."""
     if not any(x.get("pair_ns") is not None for x in share.values()):
         return []
-    unit = next((x["unit"] for x in share.values() if x.get("unit")), "unit")
+    unit = str(next((x["unit"] for x in share.values() if x.get("unit")), "unit"))
     sizes = sorted({int(k) for x in share.values() for k in x.get("pair_ns_by_size", {})})
     size_txt = " / ".join(f"{k >> 20} MiB" if k >= 1 << 20 else f"{k >> 10} KiB" for k in sizes)
     lines = [f"What the allocator can account for per {unit}: allocations per {unit} (median over the runs), "
@@ -866,18 +868,25 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
             pool_stats_end={k: v for k, v in st.items() if isinstance(v, (int, float, str, bool)) or v is None},
         )
         if log_path:
-            pkt.installation().pool.flush()  # the log is complete up to here; the pairs below are not in it
-            res.update(log_path=log_path, log_events=st.get("log_events"))
+            res["pool"].update(kind=arm, logged=True)
+            res.update(log_path=log_path, log_events=st.get("log_events"), log_write_errors=st.get("log_write_errors"))
+            try:
+                pkt.installation().pool.flush()
+            except Exception as e:  # a full disk must not cost the measured run
+                res["log_error"] = f"{type(e).__name__}: {e}"
     elif cuda:
         res.update(native_memory_stats(torch), maps=None, unmaps=None)
     else:  # CPU dry run: no device allocator to read
         res.update(peak_reserved_bytes=None, peak_live_bytes=None, upstream_allocations=None,
                    upstream_deallocations=None, maps=None, unmaps=None)
-    # Last, after the figures above were read: the pairs would count in them.
+    # Last, after the figures above were read: the pairs would count in them. Not in a logged run:
+    # the logging would weigh on its pairs alone, and a million pairs would go into its log.
     if arm in POOL_ARMS:
         pkt.call_timing(False)  # its clock reads would weigh on the pairs, in this arm only
-        res["timing_overhead_ns"] = timing_overhead_ns(pkt)
-    res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
+    if not log_path:
+        if arm in POOL_ARMS:
+            res["timing_overhead_ns"] = timing_overhead_ns(pkt)
+        res["empty_drop_ns"] = empty_drop_ns(torch, device, n=2000 if cuda else 50)
     return res
 
 
@@ -885,11 +894,32 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
 
 
 def _parse_list(s: str, valid: Sequence[str], what: str) -> List[str]:
-    items = [x.strip() for x in s.split(",") if x.strip()]
+    items = list(dict.fromkeys(x.strip() for x in s.split(",") if x.strip()))  # each once, in order
     bad = [x for x in items if x not in valid]
     if bad or not items:
         raise SystemExit(f"unknown {what} {bad or s!r} (valid: {', '.join(valid)})")
     return items
+
+
+def check_log_dir(ap: argparse.ArgumentParser, log_dir: str, names: List[str]) -> None:
+    """Make ``--log-dir`` and refuse, as a usage error, one that is empty, not a writable folder,
+    not encodable as UTF-8, or that already holds one of the logs this invocation would write
+    (a LoggingPool truncates its file: an earlier invocation's logs would be lost)."""
+    if not log_dir:
+        ap.error("--log-dir: an empty path")
+    try:
+        log_dir.encode("utf-8")
+        os.makedirs(log_dir, exist_ok=True)
+    except (OSError, UnicodeError) as e:
+        ap.error(f"--log-dir {log_dir!r}: {e}")
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        ap.error(f"--log-dir {log_dir!r}: not writable")
+    there = [n for n in names if os.path.exists(os.path.join(log_dir, n))]
+    if there:
+        ap.error(f"--log-dir {log_dir!r} already holds {', '.join(there[:3])}{' ...' if len(there) > 3 else ''}: "
+                 "choose another folder (the logs would be overwritten)")
+    if not names:
+        print("[real_models] --log-dir: no poolkeeper arm selected, nothing will be logged", flush=True)
 
 
 def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
@@ -960,11 +990,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.sched_setaffinity(0, cpus)  # inherited by every arm's process
         except (ValueError, OSError, AttributeError) as e:
             ap.error(f"--cpus {args.cpus}: {e}")
-    if args.log_dir and not args.child:
-        try:
-            os.makedirs(args.log_dir, exist_ok=True)
-        except OSError as e:
-            ap.error(f"--log-dir {args.log_dir}: {e}")
     plan_name = "cpu" if args.device == "cpu" else ("quick" if args.quick else "full")
     plan = PLANS[plan_name]
     workloads = _parse_list(args.workloads, WORKLOADS, "workload")
@@ -982,6 +1007,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
 
     arms = _parse_list(args.arms, ALL_ARMS, "arm")
+    if args.log_dir is not None:
+        check_log_dir(ap, args.log_dir, [f"{wl}_{a}_round{r + 1}.csv" for wl in workloads for a in arms
+                                         if a in POOL_ARMS for r in range(args.rounds)])
     results: Dict[str, Any] = {
         "plan_name": plan_name,
         "plan": {w: plan[w] for w in workloads},

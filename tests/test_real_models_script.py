@@ -536,3 +536,39 @@ def test_markdown_names_the_allocation_logs():
     md = rm.markdown(res)
     assert "`bert_arena_expandable_round1.csv` (1234 events)" in md
     assert "log_path" in rm.ROUND_RUN_KEYS and "log_events" in rm.ROUND_RUN_KEYS
+
+
+def test_a_log_dir_holding_this_runs_logs_or_empty_is_refused(tmp_path, monkeypatch):
+    # Found by hostile probing: a LoggingPool truncates its file, so a second invocation into the
+    # same folder lost the first one's logs; an empty --log-dir silently logged nothing.
+    monkeypatch.setattr(rm, "run_arm_process", lambda *a, **k: pytest.fail("must not run"))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "bert_arena_round2.csv").write_text("x")
+    for bad in (str(logs), ""):
+        with pytest.raises(SystemExit) as e:
+            rm.main(["--device", "cpu", "--arms", "torch,arena", "--workloads", "bert", "--rounds", "2",
+                     "--log-dir", bad, "--out", str(tmp_path / "o")])
+        assert e.value.code == 2
+    assert (logs / "bert_arena_round2.csv").read_text() == "x"
+
+
+def test_an_arm_named_twice_runs_once():
+    # Found by hostile probing: "--arms arena,arena" ran the arm twice a round into one log file.
+    assert rm._parse_list("arena, arena,torch,arena", rm.ALL_ARMS, "arm") == ["arena", "torch"]
+
+
+def test_odd_results_do_not_stop_the_report():
+    # Found by hostile probing: each of these raised.
+    assert rm.ratio(10**400, 1) is None and rm.fmt_ms(10**400) == "n/a"
+    assert rm.allocator_share({"arena": 5, "torch": None})["arena"]["pair_ns"] is None
+    assert rm.share_table({"arena": {"unit": 7, "pair_ns": 1.0, "pair_ns_by_size": {"16384": 1.0}}})
+    for rr in ({"torch": None}, {"torch": "x"}, [1]):
+        res = _results()
+        res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+        res["round_runs"] = {"bert": rr}
+        assert rm.markdown(res)
+    res = _results()
+    res["runs"]["bert"]["arena_expandable"].update(log_path="/x/a|b\nc.csv", empty_drop_ns={"16384": 1.0})
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    assert "`a_b_c.csv`" in rm.markdown(res)
