@@ -9,6 +9,9 @@
 #                                              and threads (not in the default: thread_scaling.py, medians of 3, the reference arm included, ~6 minutes)
 #                                              and time_rounds (not in the default: install()'s default pool against PyTorch's
 #                                              allocator, 3 rounds, every arm on cores 0-7, ~7 minutes)
+#                                              and live_logs (not in the default: the arena's and the expandable arena's
+#                                              every allocation and free in the real-model runs, gzipped CSVs for
+#                                              `poolkeeper replay`, ~3 minutes)
 #
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
@@ -50,6 +53,10 @@ for s in "${steps[@]}"; do
     real_models) step real_models timeout 580 python3 benchmarks/real_models.py --out "$OUT/real_models_h200" ;;
     time_rounds) step real_models_rounds timeout 590 python3 benchmarks/real_models.py --workloads bert,llama \
                    --arms torch,arena --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
+    live_logs)
+      step real_models_logs timeout 400 python3 benchmarks/real_models.py --workloads bert,llama \
+        --arms arena,arena_expandable --no-warmup --log-dir "$OUT/live_logs" --out "$OUT/real_models_logs"
+      gzip -f "$OUT"/live_logs/*.csv ;;
     threads) step thread_scaling_h200 timeout 580 python3 benchmarks/thread_scaling.py --backend cuda --seconds 0.4 \
                --warmup 0.2 --reps 3 --counters --json "$OUT/thread_scaling_h200.json" --key h200 ;;
     *) echo "unknown step $s"; exit 2 ;;
