@@ -330,7 +330,9 @@ def test_call_timing_counts_the_calls_torch_makes_only_while_on(fake_torch):
 @pytest.mark.parametrize("bad", ["no", "False", 1, -1, 0.0, float("nan")])
 def test_call_timing_takes_only_a_bool_or_none(bad):
     # Found in review: "no" and -1 were read as True and turned timing on.
-    with pytest.raises(TypeError):
+    from poolkeeper.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
         pk_torch.call_timing(bad)
     assert pk_torch.call_timing()["enabled"] is False
 

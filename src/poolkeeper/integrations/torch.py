@@ -555,10 +555,13 @@ def call_timing(enable: Optional[bool] = None) -> Dict[str, Any]:
     than a thread-cache hit); ``None`` leaves it as it is. Returns the counts so far, never reset:
     ``malloc_calls``, ``malloc_ns``, ``free_calls``, ``free_ns``, and ``enabled``. Take the
     difference of two readings around the work. Time PyTorch spends around the call (its pluggable
-    allocator's own bookkeeping) is not in it. Raises :class:`TypeError` for anything but None or a
-    bool (a string such as ``"no"`` would otherwise read as True)."""
+    allocator's own bookkeeping) is not in it. Raises
+    :class:`~poolkeeper.errors.InvalidArgumentError` for anything but None or a bool (a string such
+    as ``"no"`` would otherwise read as True)."""
     if enable is not None and not isinstance(enable, bool):
-        raise TypeError(f"call_timing(enable): None, True or False, not {enable!r}")
+        from poolkeeper.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"call_timing(enable): None, True or False, not {enable!r}")
     setter, reader = _call_timing_fns()
     was = setter(-1 if enable is None else int(enable))
     out = (ctypes.c_uint64 * 4)()
