@@ -184,6 +184,34 @@ def test_ctrl_c_reaches_a_loop_of_huge_simulated_requests():
     assert "INTERRUPTED" in out, out + err
 
 
+def test_ctrl_c_while_an_error_is_being_built_is_a_keyboardinterrupt_not_an_abort():
+    # CI caught Ctrl-C landing inside the OutOfMemoryError's __init__, which the C++ side runs to
+    # build the error: the KeyboardInterrupt became a C++ exception out of the raw fast method
+    # and the exception translator ("terminate called after throwing an instance of
+    # 'nanobind::abi1::python_error'"). Here every error's __init__ raises it, so the moment is
+    # certain: through the raw fast path (pool.allocate) and nanobind's translator (make_pool).
+    r = child("""
+        import poolkeeper.errors as E
+
+        def interrupted(self, *a, **k):
+            raise KeyboardInterrupt
+        pool = pk.Direct(pk.upstream.Simulated(capacity=1 << 20))
+        E.PoolkeeperError.__init__ = interrupted  # every poolkeeper error, as C++ builds it
+        for call in (lambda: pool.allocate(1 << 30), lambda: pool.deallocate(12345),
+                     lambda: pk.ArenaPool(pk.upstream.Simulated(), alignment=3)):
+            try:
+                call()
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise SystemExit("no KeyboardInterrupt")
+        del E.PoolkeeperError.__init__
+        pool.validate()
+        print("CHILD-OK")
+    """, timeout=60)
+    ok(r)
+
+
 def test_replay_of_a_trace_with_an_absurd_size_finishes(tmp_path):
     trace = tmp_path / "huge.csv"
     trace.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000000,allocate,7f0000000000,"

@@ -25,9 +25,8 @@ nb::list ptr_list(const std::vector<std::uintptr_t>& v) {
   for (auto p : v) l.append(nb::int_(p));
   return l;
 }
-}  // namespace
 
-void set_python_error(const std::exception_ptr& p) {
+void set_python_error_unguarded(const std::exception_ptr& p) {
     try {
       std::rethrow_exception(p);
     } catch (const OutOfMemory& e) {
@@ -94,6 +93,24 @@ void set_python_error(const std::exception_ptr& p) {
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
     }
+}
+}  // namespace
+
+void set_python_error(const std::exception_ptr& p) {
+  // Building the error runs Python (the class's __init__, the figures' dict), and a signal handler
+  // runs there too: Ctrl-C at that moment raised KeyboardInterrupt inside __init__, and the
+  // nb::python_error it became left a C function called by CPython (the raw fast methods, CuPy's
+  // malloc) or nanobind's translator: std::terminate. That Python exception is the one the caller
+  // gets instead.
+  try {
+    set_python_error_unguarded(p);
+  } catch (nb::python_error& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "poolkeeper: an error occurred and could not be converted");
+  }
 }
 
 void bind_errors(nb::module_& m) {
