@@ -901,6 +901,11 @@ def _parse_list(s: str, valid: Sequence[str], what: str) -> List[str]:
     return items
 
 
+def log_name(workload: str, arm: str, rnd: int) -> str:
+    """The allocation log of one run under ``--log-dir`` (``rnd`` counts from 0)."""
+    return f"{workload}_{arm}_round{rnd + 1}.csv"
+
+
 def check_log_dir(ap: argparse.ArgumentParser, log_dir: str, names: List[str]) -> None:
     """Make ``--log-dir`` and refuse, as a usage error, one that is empty, not a writable folder,
     not encodable as UTF-8, or that already holds one of the logs this invocation would write
@@ -1008,7 +1013,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     arms = _parse_list(args.arms, ALL_ARMS, "arm")
     if args.log_dir is not None:
-        check_log_dir(ap, args.log_dir, [f"{wl}_{a}_round{r + 1}.csv" for wl in workloads for a in arms
+        check_log_dir(ap, args.log_dir, [log_name(wl, a, r) for wl in workloads for a in arms
                                          if a in POOL_ARMS for r in range(args.rounds)])
     results: Dict[str, Any] = {
         "plan_name": plan_name,
@@ -1039,7 +1044,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             # machine's speed drifts over minutes by more than the arms differ.
             for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
                 print(f"[real_models] round {rnd + 1}: {wl} / {arm} ...", flush=True)
-                log_file = (os.path.join(os.path.abspath(args.log_dir), f"{wl}_{arm}_round{rnd + 1}.csv")
+                log_file = (os.path.join(os.path.abspath(args.log_dir), log_name(wl, arm, rnd))
                             if args.log_dir and arm in POOL_ARMS else None)
                 r = run_arm_process(arm, wl, args, tmp, log_file)
                 rounds[wl][arm].append(r)

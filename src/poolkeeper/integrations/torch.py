@@ -43,7 +43,7 @@ import ctypes
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from poolkeeper import _core
 from poolkeeper.integrations._common import (
@@ -112,8 +112,20 @@ def library_path() -> str:
     return _core.__file__
 
 
+@functools.lru_cache(maxsize=None)
+def _capi() -> ctypes.CDLL:
+    """The core module as a C library (loaded once), with the signatures of the functions Python
+    calls through it."""
+    lib = ctypes.CDLL(library_path())
+    counters = ctypes.POINTER(ctypes.c_uint64)
+    lib.poolkeeper_torch_hook_counters.argtypes, lib.poolkeeper_torch_hook_counters.restype = [counters], None
+    lib.poolkeeper_call_timing.argtypes, lib.poolkeeper_call_timing.restype = [counters], None
+    lib.poolkeeper_set_call_timing.argtypes, lib.poolkeeper_set_call_timing.restype = [ctypes.c_int], ctypes.c_int
+    return lib
+
+
 def _symbol_address(name: str) -> int:
-    addr = ctypes.cast(getattr(ctypes.CDLL(library_path()), name), ctypes.c_void_p).value
+    addr = ctypes.cast(getattr(_capi(), name), ctypes.c_void_p).value
     if not addr:
         raise IntegrationError(f"{library_path()} does not export {name}")
     return int(addr)
@@ -530,21 +542,9 @@ def graph_pools(device: Optional[int] = None) -> List[Dict[str, Any]]:
 def hook_counters() -> Dict[str, int]:
     """How often PyTorch reached the hooks: ``record_stream`` calls served, ``record_stream``
     calls on pointers no pool owned, ``empty_cache`` calls."""
-    fn = getattr(ctypes.CDLL(library_path()), HOOK_COUNTERS_SYMBOL)
     out = (ctypes.c_uint64 * 3)()
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
-    fn.restype = None
-    fn(out)
+    getattr(_capi(), HOOK_COUNTERS_SYMBOL)(out)
     return {"record_stream": out[0], "record_stream_unowned": out[1], "empty_cache": out[2]}
-
-
-@functools.lru_cache(maxsize=None)
-def _call_timing_fns() -> Tuple[Any, Any]:
-    lib = ctypes.CDLL(library_path())
-    setter, reader = lib.poolkeeper_set_call_timing, lib.poolkeeper_call_timing
-    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-    reader.argtypes, reader.restype = [ctypes.POINTER(ctypes.c_uint64)], None
-    return setter, reader
 
 
 def call_timing(enable: Optional[bool] = None) -> Dict[str, Any]:
@@ -562,10 +562,10 @@ def call_timing(enable: Optional[bool] = None) -> Dict[str, Any]:
         from poolkeeper.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"call_timing(enable): None, True or False, not {enable!r}")
-    setter, reader = _call_timing_fns()
-    was = setter(-1 if enable is None else int(enable))
+    lib = _capi()
+    was = lib.poolkeeper_set_call_timing(-1 if enable is None else int(enable))
     out = (ctypes.c_uint64 * 4)()
-    reader(out)
+    lib.poolkeeper_call_timing(out)
     return {"malloc_calls": out[0], "malloc_ns": out[1], "free_calls": out[2], "free_ns": out[3],
             "enabled": bool(was) if enable is None else enable}
 
