@@ -217,6 +217,49 @@ def test_ctrl_c_while_an_error_is_being_built_is_a_keyboardinterrupt_not_an_abor
     ok(r)
 
 
+def test_ctrl_c_in_a_users_conversion_hook_is_a_keyboardinterrupt_not_bad_input():
+    # Found by hostile probing: the stream protocol's version, a duration and Faulty's fail_at
+    # cleared whatever the user's __index__ / __float__ / __iter__ raised and reported bad input,
+    # so a Ctrl-C landing there was lost (20 of 20 real SIGINTs into a slow __index__).
+    r = child("""
+        class V:
+            def __index__(self):
+                raise KeyboardInterrupt
+        class S:
+            def __cuda_stream__(self):
+                return (V(), 5)
+        class F(int):  # an int whose __float__ the duration parser calls
+            def __float__(self):
+                raise KeyboardInterrupt
+        class It:
+            def __iter__(self):
+                raise KeyboardInterrupt
+        pool = pk.ArenaPool(pk.upstream.Simulated())
+        sim = pk.upstream.Simulated()
+        for call in (lambda: pool.allocate(64, S()), lambda: sim.enqueue(5, F(1)),
+                     lambda: pk.upstream.Faulty(pk.upstream.Host(), fail_at=It())):
+            try:
+                call()
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise SystemExit("no KeyboardInterrupt")
+        class Bad:  # plain bad input is still the typed error
+            def __index__(self):
+                raise ValueError("no")
+        class S2:
+            def __cuda_stream__(self):
+                return (Bad(), 5)
+        try:
+            pool.allocate(64, S2())
+        except pk.errors.InvalidStreamError:
+            pass
+        pool.validate()
+        print("CHILD-OK")
+    """, timeout=60)
+    ok(r)
+
+
 def test_replay_of_a_trace_with_an_absurd_size_finishes(tmp_path):
     trace = tmp_path / "huge.csv"
     trace.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000000,allocate,7f0000000000,"

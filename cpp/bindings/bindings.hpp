@@ -13,6 +13,11 @@ using namespace nb::literals;
 
 // Python argument conversion with typed poolkeeper errors (never a bare TypeError/OverflowError).
 std::size_t parse_size(nb::handle h, const char* what = "nbytes");
+// After a Python call made while converting an argument failed: clears the error when it is bad
+// input (an Exception other than MemoryError), which the caller then reports as its own error; a
+// KeyboardInterrupt, SystemExit or MemoryError raised in the user's __index__, __float__, __iter__
+// or __repr__ is theirs (or the interpreter's) and is thrown on unchanged as nb::python_error.
+void clear_bad_input_error();
 std::uintptr_t parse_ptr(nb::handle h);
 // A duration in microseconds: an int or float, finite and >= 0 (InvalidArgument otherwise).
 double parse_duration_us(nb::handle h, const char* what);

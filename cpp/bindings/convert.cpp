@@ -7,6 +7,12 @@
 
 namespace poolkeeper::py {
 
+void clear_bad_input_error() {
+  if (!PyErr_Occurred()) return;
+  if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError)) throw nb::python_error();
+  PyErr_Clear();
+}
+
 namespace {
 // overflow: 0 when the value fits a long long; +1 at or above 2^63 (the unsigned bits when below
 // 2^64, else 0); -1 below -2^63.
@@ -15,11 +21,7 @@ long long to_ll(nb::handle h, const char* what, int& overflow) {
   if (PyBool_Check(h.ptr())) throw InvalidArgument(std::string(what) + " must be an integer, not bool");
   PyObject* idx = PyLong_Check(h.ptr()) ? (Py_INCREF(h.ptr()), h.ptr()) : PyNumber_Index(h.ptr());
   if (!idx) {
-    // Only "not an integer" is bad input; KeyboardInterrupt, SystemExit or MemoryError raised
-    // inside __index__ is the user's (or the interpreter's) and must reach them unchanged.
-    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError))
-      throw nb::python_error();
-    PyErr_Clear();
+    clear_bad_input_error();  // only "not an integer" is bad input
     throw InvalidArgument(std::string(what) + " must be an integer; got " +
                               nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))))),
                           false);
@@ -32,7 +34,7 @@ long long to_ll(nb::handle h, const char* what, int& overflow) {
     Py_DECREF(idx);
     overflow = 1;
     if (PyErr_Occurred()) {
-      PyErr_Clear();
+      clear_bad_input_error();
       return 0;
     }
     return static_cast<long long>(u);
@@ -63,7 +65,7 @@ double parse_duration_us(nb::handle h, const char* what) {
     throw InvalidArgument(std::string(what) + " must be a number of microseconds; got " + nb::cast<std::string>(nb::repr(h)));
   const double d = PyFloat_AsDouble(o);
   if (PyErr_Occurred()) {
-    PyErr_Clear();
+    clear_bad_input_error();
     throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is out of range");
   }
   // NaN compares false with everything, so a NaN duration never completes: refuse it (and inf)
@@ -126,7 +128,7 @@ Stream parse_stream_at(nb::handle h, int depth) {
     if (of == 0 && v >= 0) return static_cast<Stream>(v);
     unsigned long long u = PyLong_AsUnsignedLongLong(o);
     if (!PyErr_Occurred() && u != kNoStream) return u;
-    PyErr_Clear();
+    clear_bad_input_error();
     throw InvalidArgument("stream " + nb::cast<std::string>(nb::repr(h)) + " is not a stream handle", true);
   }
   if (depth >= kMaxStreamNesting)
@@ -151,14 +153,14 @@ Stream parse_stream_at(nb::handle h, int depth) {
       zero = PyLong_AsLongLongAndOverflow(i, &overflow) == 0 && !overflow && !PyErr_Occurred();
       Py_DECREF(i);
     }
-    PyErr_Clear();
+    clear_bad_input_error();
     if (!zero) {
       std::string shown = "of type " + nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(ver.ptr())))));
       if (PyObject* rep = PyObject_Repr(ver.ptr())) {  // a repr that raises must not escape
         if (const char* u = PyUnicode_AsUTF8(rep)) shown = u;
         Py_DECREF(rep);
       }
-      PyErr_Clear();
+      clear_bad_input_error();
       throw InvalidArgument("__cuda_stream__() returned protocol version " + shown +
                                 "; poolkeeper reads version 0: (0, handle)",
                             true);

@@ -20,7 +20,7 @@ FaultPlan read_plan(nb::handle fail_every, nb::handle fail_at, nb::handle fail_b
       throw InvalidArgument("fail_at must be a collection of call indices, not a string");
     PyObject* it = PyObject_GetIter(fail_at.ptr());
     if (!it) {
-      PyErr_Clear();
+      clear_bad_input_error();
       throw InvalidArgument("fail_at must be a collection of call indices (ints >= 0)");
     }
     nb::object iter = nb::steal(it);
