@@ -189,31 +189,37 @@ def test_ctrl_c_reaches_a_loop_of_huge_simulated_requests():
     assert "INTERRUPTED" in out, out + err
 
 
+# For a child: each call must raise KeyboardInterrupt (anything else, or nothing, fails the child).
+EACH_RAISES_KEYBOARDINTERRUPT = """
+def each_raises_keyboardinterrupt(*calls):
+    for call in calls:
+        try:
+            call()
+        except KeyboardInterrupt:
+            continue
+        raise SystemExit("no KeyboardInterrupt")
+"""
+
+
 def test_ctrl_c_while_an_error_is_being_built_is_a_keyboardinterrupt_not_an_abort():
     # CI caught Ctrl-C landing inside the OutOfMemoryError's __init__, which the C++ side runs to
     # build the error: the KeyboardInterrupt became a C++ exception out of the raw fast method
     # and the exception translator ("terminate called after throwing an instance of
     # 'nanobind::abi1::python_error'"). Here every error's __init__ raises it, so the moment is
     # certain: through the raw fast path (pool.allocate) and nanobind's translator (make_pool).
-    r = child("""
+    r = child(EACH_RAISES_KEYBOARDINTERRUPT + textwrap.dedent("""
         import poolkeeper.errors as E
 
         def interrupted(self, *a, **k):
             raise KeyboardInterrupt
         pool = pk.Direct(pk.upstream.Simulated(capacity=1 << 20))
         E.PoolkeeperError.__init__ = interrupted  # every poolkeeper error, as C++ builds it
-        for call in (lambda: pool.allocate(1 << 30), lambda: pool.deallocate(12345),
-                     lambda: pk.ArenaPool(pk.upstream.Simulated(), alignment=3)):
-            try:
-                call()
-            except KeyboardInterrupt:
-                pass
-            else:
-                raise SystemExit("no KeyboardInterrupt")
+        each_raises_keyboardinterrupt(lambda: pool.allocate(1 << 30), lambda: pool.deallocate(12345),
+                                      lambda: pk.ArenaPool(pk.upstream.Simulated(), alignment=3))
         del E.PoolkeeperError.__init__
         pool.validate()
         print("CHILD-OK")
-    """, timeout=60)
+    """), timeout=60)
     ok(r)
 
 
@@ -221,7 +227,7 @@ def test_ctrl_c_in_a_users_conversion_hook_is_a_keyboardinterrupt_not_bad_input(
     # Found by hostile probing: the stream protocol's version, a duration and Faulty's fail_at
     # cleared whatever the user's __index__ / __float__ / __iter__ raised and reported bad input,
     # so a Ctrl-C landing there was lost (20 of 20 real SIGINTs into a slow __index__).
-    r = child("""
+    r = child(EACH_RAISES_KEYBOARDINTERRUPT + textwrap.dedent("""
         class V:
             def __index__(self):
                 raise KeyboardInterrupt
@@ -236,14 +242,8 @@ def test_ctrl_c_in_a_users_conversion_hook_is_a_keyboardinterrupt_not_bad_input(
                 raise KeyboardInterrupt
         pool = pk.ArenaPool(pk.upstream.Simulated())
         sim = pk.upstream.Simulated()
-        for call in (lambda: pool.allocate(64, S()), lambda: sim.enqueue(5, F(1)),
-                     lambda: pk.upstream.Faulty(pk.upstream.Host(), fail_at=It())):
-            try:
-                call()
-            except KeyboardInterrupt:
-                pass
-            else:
-                raise SystemExit("no KeyboardInterrupt")
+        each_raises_keyboardinterrupt(lambda: pool.allocate(64, S()), lambda: sim.enqueue(5, F(1)),
+                                      lambda: pk.upstream.Faulty(pk.upstream.Host(), fail_at=It()))
         class Bad:  # plain bad input is still the typed error
             def __index__(self):
                 raise ValueError("no")
@@ -256,7 +256,7 @@ def test_ctrl_c_in_a_users_conversion_hook_is_a_keyboardinterrupt_not_bad_input(
             pass
         pool.validate()
         print("CHILD-OK")
-    """, timeout=60)
+    """), timeout=60)
     ok(r)
 
 
