@@ -568,6 +568,95 @@ def test_size_class_pool_destructor_survives_a_failed_event_record():
     ok(r)
 
 
+# ------------------------------------------------------------------ 16: capture filters
+
+GRAPH_PRELUDE = """
+g = _core.GraphPools(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)))
+def churn(n=200):
+    for _ in range(n):
+        g.deallocate(g.allocate(64, 5), 5)
+"""
+
+
+def graph_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return child(GRAPH_PRELUDE + textwrap.dedent(code), timeout=timeout)
+
+
+def test_two_threads_allocating_through_a_python_capture_filter_do_not_deadlock():
+    """GraphPools.allocate held its lock while the Python filter ran: the filter let the GIL go
+    (a long loop), the other thread took it and waited for the lock, and neither moved again."""
+    r = graph_child("""
+        g.begin((1, 0), lambda s: sum(range(20000)) >= 0 and s == 5)
+        ts = [threading.Thread(target=churn) for _ in range(2)]
+        [t.start() for t in ts]
+        [t.join(30) for t in ts]
+        assert not any(t.is_alive() for t in ts), "still allocating after 30 s"
+        g.end((1, 0))
+        g.validate()
+        assert g.counters()["private_allocations"] == 400, g.counters()
+        print("CHILD-OK")
+    """, timeout=90)
+    ok(r)
+
+
+def test_a_capture_filter_may_call_back_into_its_graph_pools():
+    """A filter that read the GraphPools it filters for (info, counters, owns_private) deadlocked
+    on the lock its own allocate held."""
+    r = graph_child("""
+        seen = []
+        def nosy(s):
+            seen.append((len(g.info()), g.counters()["private_allocations"], g.owns_private(1)))
+            return s == 5
+        g.begin((1, 0), nosy)
+        churn(3)
+        g.end((1, 0))
+        g.validate()
+        assert seen == [(1, 0, False), (1, 1, False), (1, 2, False)], seen
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
+@pytest.mark.parametrize("exc", ["KeyboardInterrupt", "SystemExit"])
+def test_ctrl_c_in_a_capture_filter_reaches_the_caller_not_filter_errors(exc):
+    """KeyboardInterrupt raised in a filter was swallowed as a filter error and the allocation went
+    on from the device pool."""
+    r = graph_child(f"""
+        def interrupted(s):
+            raise {exc}
+        g.begin((1, 0), interrupted)
+        try:
+            g.allocate(64, 5)
+        except {exc}:
+            pass
+        else:
+            raise AssertionError("the allocation went on")
+        g.end((1, 0))
+        g.validate()
+        assert g.counters()["filter_errors"] == 0, g.counters()
+        assert g.pool.stats()["live_blocks"] == 0
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
+def test_a_scope_ended_while_its_filter_ran_does_not_take_the_allocation():
+    """The filter now runs with the lock let go: if its scope ends meanwhile (another thread's
+    end()), the allocation goes to the device pool, not to a pool no capture is using."""
+    r = graph_child("""
+        def ends_its_own_scope(s):
+            g.end((1, 0))
+            return True
+        g.begin((1, 0), ends_its_own_scope)
+        p = g.allocate(64, 5)
+        assert not g.owns_private(p) and g.counters()["private_allocations"] == 0
+        g.deallocate(p, 5)
+        g.validate()
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
 # ------------------------------------------------------------------ options that did not mean what they say
 
 @pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])

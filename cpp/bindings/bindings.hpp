@@ -91,8 +91,31 @@ inline void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
 // Set the Python error for a caught C++ exception (our typed errors -> poolkeeper.errors).
 void set_python_error(const std::exception_ptr& p);
 
+// Sets aside the exception being raised, if any, and puts it back at scope exit: for release
+// callbacks (a view or capsule let go while an exception unwinds), which must neither lose it nor
+// raise their own. Needs the GIL for its whole life.
+class KeepPendingError {
+ public:
+#if PY_VERSION_HEX >= 0x030C0000
+  KeepPendingError() : pending_(PyErr_GetRaisedException()) {}
+  ~KeepPendingError() { PyErr_SetRaisedException(pending_); }
+#else
+  KeepPendingError() { PyErr_Fetch(&type_, &pending_, &tb_); }
+  ~KeepPendingError() { PyErr_Restore(type_, pending_, tb_); }
+#endif
+  KeepPendingError(const KeepPendingError&) = delete;
+  KeepPendingError& operator=(const KeepPendingError&) = delete;
+
+ private:
+  PyObject* pending_ = nullptr;
+#if PY_VERSION_HEX < 0x030C0000
+  PyObject *type_ = nullptr, *tb_ = nullptr;
+#endif
+};
+
 // The buffer protocol's slots (buffer_protocol.cpp), for any class whose Python side implements
-// _export_buffer_(writable) -> (address, nbytes, readonly) and _release_buffer_().
+// _export_buffer_(writable, token) -> (address, nbytes, readonly) and an idempotent
+// _release_buffer_(token).
 int exporter_getbuffer(PyObject* self, Py_buffer* view, int flags);
 void exporter_releasebuffer(PyObject* self, Py_buffer* view);
 

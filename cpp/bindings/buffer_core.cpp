@@ -43,6 +43,12 @@ struct BufferCore {
     }
   }
 
+  // A view let go: the last one frees a released buffer's block (free_block may throw).
+  void unclaim() {
+    if (exports) --exports;
+    if (exports == 0 && !owned) free_block();
+  }
+
   ~BufferCore() {
     // Views hold a reference to the buffer, so destruction means nobody uses the memory.
     try {
@@ -76,14 +82,50 @@ void construct(BufferCore* self, nb::handle pool, Pool* p, nb::handle nbytes, nb
   b->device = p->upstream()->device();
 }
 
+// The buffer protocol on every Python (3.10/3.11 have no __buffer__), with the claim taken and
+// dropped here rather than in Python methods: Python handles a signal only where bytecode runs, so
+// with none between the claim and the view, a Ctrl-C cannot leak a claim. It did when these slots
+// called Python's _export_buffer_/_release_buffer_: an interrupt at the entry of the release left
+// the claim (8 of 40 SIGINTs), and a released buffer's block was then never freed.
+int core_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  view->obj = nullptr;
+  if (!nb::inst_ready(self)) {
+    PyErr_SetString(PyExc_BufferError, "this buffer was never constructed");
+    return -1;
+  }
+  BufferCore* b = nb::inst_ptr<BufferCore>(self);
+  if (b->kind == MemoryKind::Device || !b->owned) {
+    // The typed refusals live in Python (poolkeeper.buffers); nothing is claimed yet.
+    PyObject* r = PyObject_CallMethod(self, "_refuse_export_", nullptr);
+    Py_XDECREF(r);
+    if (r) PyErr_SetString(PyExc_BufferError, "_refuse_export_ did not refuse");
+    return -1;
+  }
+  // Fails (BufferError) for a writable request on read-only memory; host and pinned are writable.
+  if (PyBuffer_FillInfo(view, self, reinterpret_cast<void*>(b->ptr), static_cast<Py_ssize_t>(b->nbytes), 0,
+                        flags) != 0)
+    return -1;
+  ++b->exports;
+  return 0;
+}
+
+void core_releasebuffer(PyObject* self, Py_buffer*) {
+  try {
+    nb::inst_ptr<BufferCore>(self)->unclaim();
+  } catch (...) {
+    // The pool was closed under a live view (its memory went with it). A release cannot raise.
+    KeepPendingError keep;
+    set_python_error(std::current_exception());
+    PyErr_WriteUnraisable(self);
+  }
+}
+
 }  // namespace
 
 void bind_buffer_core_impl(nb::module_& m) {
-  // The buffer protocol on every Python (3.10/3.11 have no __buffer__): the slots call the Python
-  // side's _export_buffer_/_release_buffer_ (PoolBuffer), which take and drop a claim.
   static PyType_Slot buffer_slots[] = {
-      {Py_bf_getbuffer, reinterpret_cast<void*>(exporter_getbuffer)},
-      {Py_bf_releasebuffer, reinterpret_cast<void*>(exporter_releasebuffer)},
+      {Py_bf_getbuffer, reinterpret_cast<void*>(core_getbuffer)},
+      {Py_bf_releasebuffer, reinterpret_cast<void*>(core_releasebuffer)},
       {0, nullptr},
   };
   nb::class_<BufferCore>(m, "BufferCore", nb::is_weak_referenceable(), nb::type_slots(buffer_slots),
@@ -125,11 +167,7 @@ void bind_buffer_core_impl(nb::module_& m) {
             return true;
           },
           "A view takes a claim on the memory; False when the buffer was released.")
-      .def("_unclaim",
-           [](BufferCore& b) {
-             if (b.exports) --b.exports;
-             if (b.exports == 0 && !b.owned) b.free_block();
-           })
+      .def("_unclaim", [](BufferCore& b) { b.unclaim(); })
       .def_prop_ro("_consumer_streams",
                    [](BufferCore& b) {
                      nb::list l;

@@ -68,25 +68,16 @@ std::atomic<long> g_live{0};
 void finish(Export* e) {
   if (Py_IsInitialized()) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    // A consumer may free while an exception is being raised: keep it.
-#if PY_VERSION_HEX >= 0x030C0000
-    PyObject* pending = PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-#endif
-    PyObject* r = PyObject_CallObject(e->on_release, nullptr);
-    if (r) {
-      Py_DECREF(r);
-    } else {
-      PyErr_WriteUnraisable(e->on_release);
+    {
+      KeepPendingError keep;  // a consumer may free while an exception is being raised
+      PyObject* r = PyObject_CallObject(e->on_release, nullptr);
+      if (r) {
+        Py_DECREF(r);
+      } else {
+        PyErr_WriteUnraisable(e->on_release);
+      }
+      Py_DECREF(e->on_release);
     }
-    Py_DECREF(e->on_release);
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(pending);
-#else
-    PyErr_Restore(type, value, tb);
-#endif
     PyGILState_Release(gil);
   }  // else: the interpreter is gone; the reference dies with it
   delete e;

@@ -19,18 +19,52 @@ GraphPoolId parse_id(nb::handle h) {
   }
 }
 
+// A Python callable as a capture filter. GraphPools asks and destroys filters with its lock let
+// go, possibly on a thread without the GIL (graph_pools.hpp), so the reference is taken and
+// dropped under the GIL here. KeyboardInterrupt and SystemExit raised in the filter stop the
+// allocation (CaptureFilterAbort) instead of being counted as a filter that could not answer.
+struct PyCaptureFilter {
+  PyObject* fn;
+  explicit PyCaptureFilter(nb::handle h) : fn(h.inc_ref().ptr()) {}
+  PyCaptureFilter(const PyCaptureFilter&) = delete;
+  PyCaptureFilter& operator=(const PyCaptureFilter&) = delete;
+  ~PyCaptureFilter() {
+    if (!Py_IsInitialized()) return;  // the interpreter is gone: the reference went with it
+    nb::gil_scoped_acquire gil;
+    Py_DECREF(fn);
+  }
+  bool operator()(Stream s) const {
+    nb::gil_scoped_acquire gil;
+    try {
+      return nb::cast<bool>(nb::handle(fn)(stream_to_py(s)));
+    } catch (nb::python_error& e) {
+      if (e.matches(PyExc_Exception)) throw;
+      throw CaptureFilterAbort(std::current_exception());
+    }
+  }
+};
+
 // A stream handle (int, stream object) or a callable taking the int handle and returning bool.
 CaptureFilter parse_filter(nb::handle h) {
   if (PyCallable_Check(h.ptr()) && !nb::hasattr(h, "cuda_stream") && !nb::hasattr(h, "ptr") &&
       !nb::hasattr(h, "__cuda_stream__")) {
-    nb::object f = nb::borrow(h);
-    return [f](Stream s) {
-      nb::gil_scoped_acquire gil;
-      return nb::cast<bool>(f(stream_to_py(s)));
-    };
+    auto f = std::make_shared<const PyCaptureFilter>(h);
+    return [f](Stream s) { return (*f)(s); };
   }
   const Stream want = parse_stream(h);
   return [want](Stream s) { return s == want; };
+}
+
+// Runs a GraphPools call with the GIL let go: its lock may be held by a thread running a Python
+// filter, which needs the GIL. A filter's KeyboardInterrupt/SystemExit comes back out as itself.
+template <class F>
+auto without_gil(F&& f) {
+  try {
+    ReleaseGil nogil;
+    return f();
+  } catch (const CaptureFilterAbort& a) {
+    std::rethrow_exception(a.original);
+  }
 }
 
 nb::dict info_to_dict(const GraphPoolInfo& i) {
@@ -46,26 +80,43 @@ void bind_graph_pools(nb::module_& m) {
       .def("begin",
            [](GraphPools& g, nb::handle id, nb::handle filter) {
              const GraphPoolId gid = parse_id(id);
-             g.begin(gid, parse_filter(filter));
+             CaptureFilter f = parse_filter(filter);
+             without_gil([&] { g.begin(gid, std::move(f)); });
            },
            "id"_a, "filter"_a.none(),
            "Open an allocate-to-private-pool scope: allocations whose stream is `filter` (a stream) or "
            "for which filter(stream) is true come from private pool `id` until end(id).")
-      .def("end", [](GraphPools& g, nb::handle id) { g.end(parse_id(id)); }, "id"_a)
-      .def("release", [](GraphPools& g, nb::handle id) { g.release(parse_id(id)); }, "id"_a)
+      .def("end",
+           [](GraphPools& g, nb::handle id) {
+             const GraphPoolId gid = parse_id(id);
+             without_gil([&] { g.end(gid); });
+           },
+           "id"_a)
+      .def("release",
+           [](GraphPools& g, nb::handle id) {
+             const GraphPoolId gid = parse_id(id);
+             without_gil([&] { g.release(gid); });
+           },
+           "id"_a)
       .def("allocate",
            [](GraphPools& g, nb::handle n, nb::handle stream) {
-             return reinterpret_cast<std::uintptr_t>(g.allocate(parse_size(n), parse_stream(stream)));
+             const std::size_t nbytes = parse_size(n);
+             const Stream s = parse_stream(stream);
+             return reinterpret_cast<std::uintptr_t>(without_gil([&] { return g.allocate(nbytes, s); }));
            },
            "nbytes"_a, "stream"_a = nb::none())
       .def("deallocate",
            [](GraphPools& g, nb::handle p, nb::handle stream) {
-             g.deallocate(reinterpret_cast<void*>(parse_ptr(p)), parse_stream(stream));
+             void* ptr = reinterpret_cast<void*>(parse_ptr(p));
+             const Stream s = parse_stream(stream);
+             without_gil([&] { g.deallocate(ptr, s); });
            },
            "ptr"_a, "stream"_a = nb::none())
       .def("record_stream",
            [](GraphPools& g, nb::handle p, nb::handle stream) {
-             g.record_stream(reinterpret_cast<void*>(parse_ptr(p)), parse_stream(stream));
+             void* ptr = reinterpret_cast<void*>(parse_ptr(p));
+             const Stream s = parse_stream(stream);
+             without_gil([&] { g.record_stream(ptr, s); });
            },
            "ptr"_a, "stream"_a)
       .def("owns_private", [](GraphPools& g, nb::handle p) { return g.owns_private(parse_ptr(p)); }, "ptr"_a)

@@ -128,19 +128,15 @@ class PoolBuffer(_core.BufferCore):
         }
 
     # -- host memory: buffer protocol and numpy --------------------------------------------------
-    def _export_buffer_(self, writable: bool) -> Tuple[int, int, bool]:
-        # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export;
-        # _release_buffer_ follows exactly once when the consumer lets go.
+    def _refuse_export_(self) -> None:
+        # The native buffer slot (BufferCore) takes and drops a view's claim itself, with no Python
+        # in between for a Ctrl-C to land in; it calls this only to raise the typed refusal.
         if self.kind == "device":
             raise BufferExportError(
                 "device memory is not CPU-addressable, so it has no buffer protocol: use "
                 "__cuda_array_interface__ or DLPack (torch/cupy.from_dlpack)"
             )
-        self._claim()
-        return (self.ptr, self.nbytes, False)
-
-    def _release_buffer_(self) -> None:
-        self._unclaim()
+        self._check_live()
 
     def memoryview(self) -> memoryview:
         """A writable ``memoryview`` (format ``'B'``) over host or pinned memory, holding a claim

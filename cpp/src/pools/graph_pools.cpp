@@ -50,9 +50,10 @@ GraphPools::GraphPools(std::shared_ptr<Pool> main) : main_(std::move(main)) {
 }
 
 GraphPools::~GraphPools() {
+  std::vector<Scope> dead;  // filters are destroyed after mu_ is let go (see the header)
   std::lock_guard<std::mutex> g(mu_);
   for (std::size_t i = 0; i < scopes_.size(); ++i) main_->upstream()->capture_scope_end();
-  scopes_.clear();
+  dead.swap(scopes_);
   for (auto& [id, pp] : pools_) {
     if (pp.live_blocks) continue;  // still referenced by live blocks: its backings stay live in main
     try {
@@ -86,18 +87,21 @@ GraphPools::Private& GraphPools::create_or_use_locked(GraphPoolId id) {
 
 void GraphPools::begin(GraphPoolId id, CaptureFilter filter) {
   if (!filter) throw InvalidArgument("GraphPools.begin: a filter is required");
+  auto shared = std::make_shared<const CaptureFilter>(std::move(filter));
   std::lock_guard<std::mutex> g(mu_);
   Private& pp = create_or_use_locked(id);
   ++pp.open_scopes;
-  scopes_.push_back({id, std::move(filter)});
+  scopes_.push_back({id, std::move(shared)});
   main_->upstream()->capture_scope_begin();
   open_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 void GraphPools::end(GraphPoolId id) {
+  std::shared_ptr<const CaptureFilter> dead;  // destroyed after mu_ is let go (see the header)
   std::lock_guard<std::mutex> g(mu_);
   auto s = std::find_if(scopes_.rbegin(), scopes_.rend(), [&](const Scope& x) { return x.id == id; });
   if (s == scopes_.rend()) throw InvalidArgument("GraphPools.end: no open scope for pool " + id_text(id));
+  dead = std::move(s->filter);
   scopes_.erase(std::next(s).base());
   main_->upstream()->capture_scope_end();
   open_.fetch_sub(1, std::memory_order_acq_rel);
@@ -131,30 +135,42 @@ void GraphPools::maybe_close_locked(std::map<GraphPoolId, Private>::iterator it)
   ++counters_.pools_closed;
 }
 
-GraphPools::Private* GraphPools::route_locked(Stream s) {
-  for (auto it = scopes_.rbegin(); it != scopes_.rend(); ++it) {
+std::optional<GraphPoolId> GraphPools::route(Stream s) {
+  std::vector<Scope> open;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    open = scopes_;
+  }
+  for (auto it = open.rbegin(); it != open.rend(); ++it) {
     bool take = false;
     try {
-      take = it->filter(s);
+      take = (*it->filter)(s);
+    } catch (const CaptureFilterAbort&) {
+      throw;
     } catch (...) {
+      std::lock_guard<std::mutex> g(mu_);
       ++counters_.filter_errors;  // a filter that cannot answer does not claim the allocation
     }
-    if (take) return &pools_.at(it->id);
+    if (take) return it->id;
   }
-  return nullptr;
+  return std::nullopt;
 }
 
 void* GraphPools::allocate(std::size_t nbytes, Stream s) {
   if (routing()) {
-    std::lock_guard<std::mutex> g(mu_);
-    if (Private* pp = route_locked(s)) {
-      void* p = pp->pool->allocate(nbytes, s);
-      auto it = std::find_if(pools_.begin(), pools_.end(), [&](auto& kv) { return &kv.second == pp; });
-      owner_.emplace(reinterpret_cast<std::uintptr_t>(p), it->first);
-      ++pp->live_blocks;
-      ++counters_.private_allocations;
-      private_blocks_.fetch_add(1, std::memory_order_acq_rel);
-      return p;
+    if (const auto id = route(s)) {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = pools_.find(*id);
+      // The scope may have ended while its filter ran: the allocation then is not the capture's.
+      if (it != pools_.end() && it->second.open_scopes > 0) {
+        Private& pp = it->second;
+        void* p = pp.pool->allocate(nbytes, s);
+        owner_.emplace(reinterpret_cast<std::uintptr_t>(p), it->first);
+        ++pp.live_blocks;
+        ++counters_.private_allocations;
+        private_blocks_.fetch_add(1, std::memory_order_acq_rel);
+        return p;
+      }
     }
   }
   if (void* p = main_->try_allocate_fast(nbytes, s)) return p;

@@ -89,7 +89,10 @@ class Lease:
         self.lock = threading.RLock()
         self._buffer_ref: Callable[[], Optional["StagingBuffer"]] = lambda: None  # set by bind()
         self._state = LIVE
-        self._views = 0  # buffer-protocol exports alive (memoryviews, numpy arrays over the memory)
+        # Buffer-protocol exports alive (memoryviews, numpy arrays over the memory), by the token the
+        # native slot gives each: a release named by its token is idempotent, so the slot can repeat
+        # one that a Ctrl-C cut short (poolkeeper._core.HostBufferExporter).
+        self._views: set = set()
         self._jobs: list = []  # copies issued and not yet seen complete (non-empty iff COPYING)
         self._done: dict = {}  # copy seq -> job: seen complete, no witness minted yet
         self._witnesses: dict = {}  # copy seq -> (job, witness): minted, not consumed
@@ -113,7 +116,7 @@ class Lease:
 
     @property
     def views(self) -> int:
-        return self._views
+        return len(self._views)
 
     def copies_in_flight(self) -> int:
         with self.lock:
@@ -150,19 +153,19 @@ class Lease:
         with self.lock:
             self._check_writable_locked(what)
 
-    def export(self) -> None:
-        """A view of the memory is being created (the buffer protocol's export)."""
+    def export(self, token: int) -> None:
+        """A view of the memory, named ``token``, is being created (the buffer protocol's export)."""
         with self.lock:
             self._check_writable_locked("view")
-            self._views += 1
+            self._views.add(token)
 
-    def unexport(self) -> None:
-        """A view was released (exactly once per :meth:`export`). The last view of a CLOSING lease
-        frees its memory, unless a copy still reads it (then the finalizer does)."""
+    def unexport(self, token: int) -> None:
+        """The view ``token`` was released (idempotent: a token not counted is ignored). The last view
+        of a CLOSING lease frees its memory, unless a copy still reads it (then the finalizer does)."""
         with self.lock:
-            if self._collected:
+            if self._collected or token not in self._views:
                 return
-            self._views -= 1
+            self._views.discard(token)
             if self._state != CLOSING or self._views or self._poll_locked():
                 return
             self._to_terminal_locked(CLOSED)
@@ -229,9 +232,9 @@ class Lease:
                 )
             if self._views:
                 raise BufferInUseError(
-                    f"{self._views} memory view(s) of this staging buffer are still alive; release them "
-                    "before retire (they would write into the next user's data)",
-                    views=self._views,
+                    f"{len(self._views)} memory view(s) of this staging buffer are still alive; release "
+                    "them before retire (they would write into the next user's data)",
+                    views=len(self._views),
                 )
             _witness._consume(witness)
             self._to_terminal_locked(RETIRED)
@@ -257,7 +260,7 @@ class Lease:
         alive otherwise): nothing can write through them, and their releases, which may come
         after this or never reach the lease at all, are ignored."""
         with self.lock:
-            self._views = 0
+            self._views = set()
             self._collected = True
             if self._state in (LIVE, COPYING):
                 self._to_terminal_locked(DROPPED)
@@ -275,7 +278,6 @@ class Lease:
         with self.lock:
             s = self._state
             assert s in PUBLIC_STATE, f"unknown lease state {s!r}"
-            assert self._views >= 0, f"negative view count {self._views}"
             assert (s == COPYING) == bool(self._jobs) or s not in (LIVE, COPYING), (
                 f"state {s} with {len(self._jobs)} copies not yet seen complete"
             )
@@ -285,7 +287,7 @@ class Lease:
             for q, (job, w) in self._witnesses.items():
                 assert job.seq == q and w.copy_seq == q and not w.consumed, f"witness of copy {q} is stale"
             if s in TERMINAL:
-                assert not self._views, f"{s} lease with {self._views} views"
+                assert not self._views, f"{s} lease with {len(self._views)} views"
                 assert not self._witnesses and not self._done, f"{s} lease still holds witness tokens"
                 assert not self._jobs or self._leaked or s != RETIRED, f"{s} lease with copies in flight"
             if self._leaked:

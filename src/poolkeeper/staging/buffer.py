@@ -124,18 +124,18 @@ class StagingBuffer(_core.HostBufferExporter):
 
         return np.frombuffer(self.view(), dtype=dtype if dtype is not None else np.uint8)
 
-    def _export_buffer_(self, writable: bool) -> tuple:
+    def _export_buffer_(self, writable: bool, token: int) -> tuple:
         # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export
-        # (memoryview(buf), numpy, view()); _release_buffer_ follows exactly once.
-        self._lease.export()
+        # (memoryview(buf), numpy, view()); _release_buffer_(token) follows, maybe more than once.
+        self._lease.export(token)
         return (self._lease.ptr, self._lease.nbytes, False)
 
-    def _release_buffer_(self) -> None:
+    def _release_buffer_(self, token: int) -> None:
         # A view collected in the same garbage cycle as this buffer may be released after the
         # collector cleared the buffer's slots: the lease (if any) already counted it gone.
         lease = getattr(self, "_lease", None)
         if lease is not None:
-            lease.unexport()
+            lease.unexport(token)
 
     def fill(self, data: Any, offset: int = 0) -> int:
         """Copy the bytes of ``data`` (any C-contiguous buffer) into the buffer at ``offset``; returns

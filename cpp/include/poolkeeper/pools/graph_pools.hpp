@@ -31,16 +31,21 @@
 // Thread safety: every member may be called from any thread; one mutex (mu_) guards the scope
 // list, the pool table and the owner table, and private-pool calls are made under it (they are
 // rare: captures and the frees of graph-owned blocks). routing() and holds_private_blocks() are
-// lock-free reads for the C ABI's fast path.
+// lock-free reads for the C ABI's fast path. Filters are user code (a Python callable takes the
+// GIL, and may call back into this object): they run, and are destroyed, with mu_ not held --
+// allocate() reads the open scopes under mu_, asks their filters outside it, then takes mu_ again
+// to allocate from the chosen pool, or from `main` when that scope ended in between.
 // Errors: allocate/deallocate/record_stream throw what the pools throw (OutOfMemory,
 // InvalidPointer, ...); begin/end/release of an unknown id throw InvalidArgument.
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -51,6 +56,15 @@ namespace poolkeeper {
 
 using GraphPoolId = std::pair<std::uint64_t, std::uint64_t>;  // PyTorch's MempoolId_t
 using CaptureFilter = std::function<bool(Stream)>;
+
+// A filter that throws this stops the allocation: it propagates from allocate() unchanged (the
+// Python bindings carry KeyboardInterrupt and SystemExit in it). Any other exception a filter
+// throws is counted in filter_errors and the filter does not claim the allocation.
+struct CaptureFilterAbort : std::exception {
+  std::exception_ptr original;
+  explicit CaptureFilterAbort(std::exception_ptr e) : original(std::move(e)) {}
+  const char* what() const noexcept override { return "a capture filter stopped the allocation"; }
+};
 
 struct GraphPoolInfo {
   GraphPoolId id{};
@@ -105,11 +119,12 @@ class GraphPools {
   };
   struct Scope {
     GraphPoolId id;
-    CaptureFilter filter;
+    std::shared_ptr<const CaptureFilter> filter;  // shared: allocate() copies the list to ask outside mu_
   };
   Private& create_or_use_locked(GraphPoolId id);
   void maybe_close_locked(std::map<GraphPoolId, Private>::iterator it);
-  Private* route_locked(Stream s);
+  // The pool the newest scope whose filter takes s names; asks the filters with mu_ not held.
+  std::optional<GraphPoolId> route(Stream s);
 
   std::shared_ptr<Pool> main_;
   std::mutex mu_;
