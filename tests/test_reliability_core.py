@@ -640,6 +640,37 @@ def test_ctrl_c_in_a_capture_filter_reaches_the_caller_not_filter_errors(exc):
     ok(r)
 
 
+def test_ctrl_c_in_a_capture_filter_under_the_c_abi_is_raised_again_and_the_device_pool_serves():
+    """Through the C ABI (a framework's allocator), the filter's KeyboardInterrupt cannot be raised
+    by the call: poolkeeper_malloc returned NULL ("a capture filter stopped the allocation") and the
+    interrupt was lost (found by a review of the fix above)."""
+    r = child("""
+        from capi_lib import load
+        lib = load()
+        pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+        _core.registry_set(0, pool)
+        g = _core.graph_pools(0)
+        def interrupted(s):
+            raise KeyboardInterrupt
+        g.begin((1, 0), interrupted)
+        seen = False
+        try:
+            lib.poolkeeper_malloc(64, 0, 5)  # (the interrupt comes as the call returns: no result kept)
+            for _ in range(100000):
+                pass
+        except KeyboardInterrupt:
+            seen = True
+        assert seen, "the filter's KeyboardInterrupt was lost"
+        # Served by the device pool, not failed, not claimed by the private pool.
+        assert pool.stats()["live_blocks"] == 1 and g.counters()["private_allocations"] == 0, g.counters()
+        g.end((1, 0))
+        g.validate()
+        _core.registry_clear()
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
 def test_a_scope_ended_while_its_filter_ran_does_not_take_the_allocation():
     """The filter now runs with the lock let go: if its scope ends meanwhile (another thread's
     end()), the allocation goes to the device pool, not to a pool no capture is using."""

@@ -39,7 +39,8 @@ struct PyCaptureFilter {
       return nb::cast<bool>(nb::handle(fn)(stream_to_py(s)));
     } catch (nb::python_error& e) {
       if (e.matches(PyExc_Exception)) throw;
-      throw CaptureFilterAbort(std::current_exception());
+      const bool interrupt = e.matches(PyExc_KeyboardInterrupt);
+      throw CaptureFilterAbort(std::current_exception(), interrupt ? +[] { PyErr_SetInterrupt(); } : nullptr);
     }
   }
 };

@@ -86,7 +86,15 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
   guarded([&] {
     // While a CUDA-graph scope is open on the device, its GraphPools decides (graph_pools.hpp).
     if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->routing()) {
-      out = gp->allocate(size, stream);
+      try {
+        out = gp->allocate(size, stream);
+      } catch (const poolkeeper::CaptureFilterAbort& a) {
+        // A Python filter was interrupted (Ctrl-C). This caller is a framework's allocator and
+        // cannot raise it: the interrupt is raised again once Python runs, and the filter that
+        // could not answer does not claim the allocation (the device pool serves it).
+        if (a.redeliver) a.redeliver();
+        out = gp->main()->allocate(size, stream);
+      }
       return;
     }
     const poolkeeper::registry::Pinned p(device);  // stays alive even if replaced meanwhile

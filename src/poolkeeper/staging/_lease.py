@@ -78,7 +78,7 @@ class Lease:
 
     __slots__ = (
         "pool", "ptr", "capacity", "nbytes", "lock", "_buffer_ref", "_state", "_views", "_jobs", "_done",
-        "_witnesses", "_seq", "_leaked", "_collected", "__weakref__",
+        "_witnesses", "_seq", "_leaked", "_collected", "_free_owed", "__weakref__",
     )
 
     def __init__(self, pool: "PinnedStagingPool", ptr: int, capacity: int, nbytes: int) -> None:
@@ -98,6 +98,9 @@ class Lease:
         self._witnesses: dict = {}  # copy seq -> (job, witness): minted, not consumed
         self._seq = 0  # copies issued so far; a copy's seq is its witness's copy_seq
         self._leaked = False  # ended while a copy's completion could not be confirmed
+        # CLOSED by the release of its last view, its memory not yet handed to the pool's free: a
+        # release cut short there (Ctrl-C) and repeated by the buffer slot frees it then.
+        self._free_owed = False
         self._collected = False  # the buffer's finalizer ran (see dropped)
 
     def bind(self, buffer: "StagingBuffer") -> None:
@@ -160,15 +163,22 @@ class Lease:
             self._views.add(token)
 
     def unexport(self, token: int) -> None:
-        """The view ``token`` was released (idempotent: a token not counted is ignored). The last view
-        of a CLOSING lease frees its memory, unless a copy still reads it (then the finalizer does)."""
+        """The view ``token`` was released. The last view of a CLOSING lease frees its memory,
+        unless a copy still reads it (then the finalizer does).
+
+        Idempotent as a whole, so the buffer slot can repeat a release a Ctrl-C cut short: a token
+        not counted is ignored, and a repeat still finishes what the first call began (the close,
+        the free it owes)."""
         with self.lock:
-            if self._collected or token not in self._views:
+            if self._collected:
                 return
             self._views.discard(token)
-            if self._state != CLOSING or self._views or self._poll_locked():
+            if self._state == CLOSING and not self._views and not self._poll_locked():
+                self._to_terminal_locked(CLOSED)
+                self._free_owed = True
+            if not self._free_owed:
                 return
-            self._to_terminal_locked(CLOSED)
+            self._free_owed = False
         self.pool._free_unretired(self.ptr, self.capacity, "closed")
 
     def write(self, offset: int, address: int, nbytes: int) -> None:

@@ -349,9 +349,11 @@ class PinnedStagingPool:
     def _free_unretired(self, ptr: int, cap: int, how: str) -> None:
         """A lease ended without retire (``how``: "dropped" or "closed"). May run in a finalizer:
         takes no lock. The "begin" event lets stats() wait for the free to be booked."""
-        self._events.append(("begin", 0))
         ok = False
         try:
+            # Inside the try: a Ctrl-C raised right after the "begin" is recorded still records
+            # its end ("abort"), or stats() would wait for it forever.
+            self._events.append(("begin", 0))
             self._upstream.deallocate(ptr, cap)
             ok = True
         finally:

@@ -60,9 +60,13 @@ using CaptureFilter = std::function<bool(Stream)>;
 // A filter that throws this stops the allocation: it propagates from allocate() unchanged (the
 // Python bindings carry KeyboardInterrupt and SystemExit in it). Any other exception a filter
 // throws is counted in filter_errors and the filter does not claim the allocation.
+// `redeliver`, when set, is what a caller that cannot raise `original` (the C ABI, called by a
+// framework's allocator) calls instead, so that the interrupt is not lost: it raises it again
+// later (for KeyboardInterrupt, PyErr_SetInterrupt; safe from any thread).
 struct CaptureFilterAbort : std::exception {
   std::exception_ptr original;
-  explicit CaptureFilterAbort(std::exception_ptr e) : original(std::move(e)) {}
+  void (*redeliver)() = nullptr;
+  CaptureFilterAbort(std::exception_ptr e, void (*again)()) : original(std::move(e)), redeliver(again) {}
   const char* what() const noexcept override { return "a capture filter stopped the allocation"; }
 };
 
