@@ -54,8 +54,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
 
 NATIVE_ARMS = ("torch", "torch_expandable")
-POOL_ARMS = ("arena", "arena_expandable", "size_class")
+# "KIND+OPTION": the kind installed with OPTION=True (not in the default run; name them in --arms).
+VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream")
+POOL_ARMS = ("arena", "arena_expandable", "size_class") + VARIANT_ARMS
+DEFAULT_ARMS = NATIVE_ARMS + POOL_ARMS[:3]
 ALL_ARMS = NATIVE_ARMS + POOL_ARMS
+
+
+def arm_pool(arm: str) -> Tuple[str, Dict[str, Any]]:
+    """The pool kind and options of one of poolkeeper's arms (``"arena_expandable+single_stream"``
+    is ``("arena_expandable", {"single_stream": True})``)."""
+    kind, _, flag = arm.partition("+")
+    return kind, ({flag: True} if flag else {})
 WORKLOADS = ("bert", "llama")
 
 BERT_CONFIG = dict(
@@ -822,9 +832,11 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
         if log_path:
             from poolkeeper.pools import make_device_pool
 
-            pkt.install(make_device_pool(arm, 0, log=log_path))  # before anything touches CUDA
+            kind, options = arm_pool(arm)
+            pkt.install(make_device_pool(kind, 0, log=log_path, **options))  # before anything touches CUDA
         else:
-            pkt.install(arm)  # before anything touches CUDA
+            kind, options = arm_pool(arm)
+            pkt.install(kind, **options)  # before anything touches CUDA
     elif arm == "torch_expandable" and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") != EXPANDABLE_ENV:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_ENV  # the parent sets it; run alone, set it here
     import numpy as np
@@ -959,7 +971,8 @@ def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma-separated, of {', '.join(ALL_ARMS)}")
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated, of {', '.join(ALL_ARMS)} (default: {', '.join(DEFAULT_ARMS)})")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     ap.add_argument("--quick", action="store_true", help="a smaller plan (well under a minute per arm)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",

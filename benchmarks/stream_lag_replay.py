@@ -4,11 +4,14 @@ deterministic).
 
     PYTHONPATH=<built poolkeeper> python3 benchmarks/stream_lag_replay.py [--pools arena,arena_expandable]
 
+A pool named ``KIND+OPTION`` is KIND with OPTION=True (``arena_expandable+single_stream``).
+
 A framework frees a block on the stream it allocated it on; the pool may hand it to that stream
 again at once, but to any other stream only after the stream's work has passed the release (a
 fence). Replays without streams (``poolkeeper replay``) see every release complete at once. Here
-the committed PyTorch traces (``benchmarks/traces``, with their pre-trace blocks) and the Llama
-benchmark's trace (``benchmarks/results/torch_model_native_trace.csv.gz``) run on stream 0 of the
+the committed PyTorch traces (``benchmarks/traces``, with their pre-trace blocks), the Llama
+benchmark's trace (``benchmarks/results/torch_model_native_trace.csv.gz``) and poolkeeper's own logs
+of the H200 real-model runs (``benchmarks/traces/live_*_arena.csv.gz``) run on stream 0 of the
 Simulated device: "idle" enqueues no device work (a fence completes as soon as it is recorded);
 "lag W/A" enqueues W us of work per allocation and advances the clock A us per event, so the stream
 falls behind the host (the real H200 run of BERT held 598-650 MiB where the stream-less replay
@@ -52,19 +55,25 @@ def main() -> int:
     traces = {name: snapshot_events(read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz")))
               for name in ("bert_serve", "gpt2_generate")}
     traces["llama"] = (replay_torch_trace.load(replay_torch_trace.DEFAULT_TRACE), ())
+    # poolkeeper's own allocation logs of the H200 real-model runs (arena arm, LoggingPool CSV):
+    # the live sequences, weights loading included (benchmarks/real_models.py --log-dir).
+    for name in ("bert", "llama"):
+        traces[f"live_{name}"] = snapshot_events(read_log(os.path.join(HERE, "traces", f"live_{name}_arena.csv.gz")))
     lags = ["idle" if not w else f"lag {w:g}/{a:g}" for w, a in LAGS]
     print("peak reserved / peak live, all on stream 0 of the Simulated device")
-    print(f"{'pool':18s} {'trace':14s} " + " ".join(f"{x:>10s}" for x in lags))
+    print(f"{'pool':31s} {'trace':14s} " + " ".join(f"{x:>10s}" for x in lags))
     for kind in args.pools.split(","):
+        base, _, flag = kind.partition("+")
+        options = {flag: True} if flag else {}
         every = []
         for name, (events, pre) in traces.items():
             row = []
             for w, a in LAGS:
-                r = replay_torch_trace.replay(events, kind, w, a, pre_trace=pre)
+                r = replay_torch_trace.replay(events, base, w, a, pre_trace=pre, **options)
                 row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
             every += row
-            print(f"{kind:18s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row), flush=True)
-        print(f"{kind:18s} {'mean':14s} {sum(every) / len(every):10.3f}")
+            print(f"{kind:31s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row), flush=True)
+        print(f"{kind:31s} {'mean':14s} {sum(every) / len(every):10.3f}", flush=True)
     return 0
 
 

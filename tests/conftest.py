@@ -43,10 +43,15 @@ EXTRA_POOLS = [k for k, kind in pk.pools.KINDS.items() if kind.needs_virtual]
 
 
 def build_pool(kind: str, up, **kw):
-    """Pool ``kind`` over ``up``: with its test options above, or with ``kw`` when given."""
+    """Pool ``kind`` (or a variant, ``"KIND+FLAG"``) over ``up``: with its test options above, or
+    with ``kw`` when given."""
+    kind, _, flag = kind.partition("+")
     if pk.pools.KINDS[kind].needs_virtual and not up.supports_virtual:
         pytest.skip(f"{up.name} has no virtual memory ({kind})")
-    return pk.make_pool(kind, up, **(kw or TEST_OPTIONS.get(kind, {})))
+    opts = dict(kw or TEST_OPTIONS.get(kind, {}))
+    if flag:
+        opts[flag] = True
+    return pk.make_pool(kind, up, **opts)
 
 
 @pytest.fixture(params=sorted(UPSTREAMS))

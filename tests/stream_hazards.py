@@ -41,17 +41,59 @@ class Hazards:
         self.recs = keep
 
 
+def _spans(pool: Any) -> List[Tuple[int, int]]:
+    return [(b.address, b.address + b.size) for b in pool.snapshot().backings]
+
+
+def _gone(before: List[Tuple[int, int]], after: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """The address ranges of ``before`` that ``after`` no longer covers."""
+    out = []
+    for a, e in before:
+        cur = [(a, e)]
+        for x, y in after:
+            nxt = []
+            for p, q in cur:
+                if y <= p or x >= q:
+                    nxt.append((p, q))
+                    continue
+                if p < x:
+                    nxt.append((p, x))
+                if q > y:
+                    nxt.append((y, q))
+            cur = nxt
+        out += cur
+    return out
+
+
+def check_left_pool(hz: Hazards, before: List[Tuple[int, int]], after: List[Tuple[int, int]], what: str) -> None:
+    """No address range may leave the pool (freed, unmapped, unaliased) while a stream's work
+    enqueued before its release may still use it. (Ranges are the snapshot's backings. A stitch
+    lends mapped pieces of the expandable range to a new range: their main-range addresses leave
+    the backings while still mapped, which this check would report; the seeds here make none
+    while a use is outstanding.)"""
+    for p, q in _gone(before, after):
+        for a, e, h in hz.recs:
+            if e <= p or a >= q:
+                continue
+            for x, time in h.items():
+                assert hz.sim.now >= time, (
+                    f"{what}: [{p:#x}, {q:#x}) left the pool at {hz.sim.now} while stream {x} uses "
+                    f"[{a:#x}, {e:#x}) until {time}")
+
+
 def traffic(pool: Any, sim: Any, rng: random.Random, steps: int, sizes, streams: List[Any],
             up: Any = None, check=None, dead_p: float = 0.0, record_p: float = 0.05,
             cross_p: float = 0.2, lock: Optional[threading.Lock] = None, hz: Optional[Hazards] = None,
-            capture_p: float = 0.0, lagmul: float = 1.0) -> None:
+            capture_p: float = 0.0, lagmul: float = 1.0, check_releases: bool = False) -> None:
     """Random allocations and releases on ``streams`` (None = no stream) with device lag; every
-    allocation checked against the hazards. ``up`` (a Faulty) is armed for some steps."""
+    allocation checked against the hazards. ``up`` (a Faulty) is armed for some steps.
+    ``check_releases``: also check every step's memory going back upstream (single thread only)."""
     hz = hz or Hazards(sim)
     lock = lock or threading.Lock()
     live: Dict[int, Tuple[int, Any, Set[Any]]] = {}
     for i in range(steps):
         r = rng.random()
+        before = _spans(pool) if check_releases else None
         if up is not None:
             up.armed = rng.random() < 0.15
         try:
@@ -109,6 +151,8 @@ def traffic(pool: Any, sim: Any, rng: random.Random, steps: int, sizes, streams:
         finally:
             if up is not None:
                 up.armed = False
+        if check_releases:
+            check_left_pool(hz, before, _spans(pool), f"step {i}")
         if check:
             with lock:
                 check()

@@ -13,14 +13,15 @@ import pytest
 
 import poolkeeper as pk
 from poolkeeper.errors import LiveBlocksError, PoolClosedError
+from pool_variants import VARIANTS
 from pool_oracle import Oracle, pick, state
 
 KiB, MiB = 1 << 10, 1 << 20
 ALIGN = 256
 
 # Every pool kind, those that need virtual memory included (conftest's make_pool skips them on
-# upstreams without it).
-@pytest.fixture(params=sorted(pk.pools.KINDS))
+# upstreams without it), and the variants (pool_variants.py).
+@pytest.fixture(params=sorted(pk.pools.KINDS) + VARIANTS)
 def pool_kind(request):
     return request.param
 

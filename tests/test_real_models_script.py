@@ -160,7 +160,19 @@ def test_child_env_expandable_only_in_its_arm():
 def test_arm_and_pool_kind_names_agree():
     pools = pytest.importorskip("poolkeeper.pools")
     for arm in rm.POOL_ARMS:
-        assert pools.pool_kind(arm).name == arm
+        kind, options = rm.arm_pool(arm)
+        assert pools.pool_kind(kind).name == kind
+        assert options == ({} if "+" not in arm else {arm.partition("+")[2]: True})
+
+
+def test_variant_arms_build_a_pool_with_their_option_and_stay_out_of_the_default_run():
+    pk = pytest.importorskip("poolkeeper")
+    for arm in rm.VARIANT_ARMS:
+        kind, options = rm.arm_pool(arm)
+        pool = pk.make_pool(kind, pk.upstream.Simulated(latency_us=0), **options)
+        assert pool.stats()["single_stream"] == 1
+        pool.close()
+        assert arm not in rm.DEFAULT_ARMS and arm in rm.ALL_ARMS
 
 
 def _have(mod):

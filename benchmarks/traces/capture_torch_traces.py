@@ -7,6 +7,10 @@ and transformers from the device image; random weights, no downloads):
   16-256 prompt tokens (HF generate: the KV cache grows by concatenation every step).
 - torch_bert_serve: BERT-base (fp16) forward passes for 60 requests of batch 1-32 x 16-512 tokens.
 
+(The two ``live_*_arena.csv.gz`` files here are not from this script: they are poolkeeper's own
+allocation logs of the arena arm of the H200 real-model runs, ``bash benchmarks/run_h200.sh
+live_logs``, which ``poolkeeper replay`` and ``benchmarks/stream_lag_replay.py`` read.)
+
 Each trace is the snapshot dict ``torch.cuda.memory._snapshot()`` returns (what
 ``_dump_snapshot`` pickles), gzip-compressed; ``*.stats.json`` holds the caching allocator's own
 peaks (``torch.cuda.memory_stats``) for the same run. ``requested_bytes.all.peak`` equals the

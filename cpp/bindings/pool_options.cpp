@@ -45,6 +45,7 @@ ArenaOptions arena_options(nb::handle opts) {
   o.stitch = r.flag("stitch", o.stitch);
   o.stitch_max_parts = r.size("stitch_max_parts", o.stitch_max_parts, false);
   o.shards = r.size("shards", o.shards);
+  o.single_stream = r.flag("single_stream", o.single_stream);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)

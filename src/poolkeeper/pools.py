@@ -170,7 +170,10 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
     requests above it get an oversize backing of their own), ``limit`` (None: no cap; 0 is refused),
     ``shards`` (0: one per hardware thread, at most 16; requests above ``thread_cache_max_block``
     are served by the calling thread's home shard, each with its own lock and backings, see
-    docs/threads.md; 1 with a ``limit`` or without a thread cache).
+    docs/threads.md; 1 with a ``limit``, without a thread cache or with ``single_stream``),
+    ``single_stream`` (False; docs/stream_order.md, "One stream": while every allocation names
+    one stream, a release on it is free at once, as in PyTorch's allocator; the first allocation
+    on another stream, or without one, waits once for that stream and ends the mode).
     With ``expandable=True`` (docs/expandable.md) also ``va_bytes``, ``step_fraction`` and
     ``max_step``; given without it they are an ``InvalidArgumentError``.
     """
@@ -190,6 +193,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
         oversize_threshold: int = 32 * MiB,
         limit: Optional[int] = None,
         shards: int = 0,
+        single_stream: bool = False,
         **unknown: Any,
     ) -> None:
         super().__init__(
@@ -197,6 +201,7 @@ class ArenaPool(_PoolAPI, _core.ArenaPool):
             _opts(
                 **unknown,
                 shards=shards,
+                single_stream=single_stream,
                 initial_backing=initial_backing,
                 max_backing=max_backing,
                 growth_factor=growth_factor,

@@ -20,7 +20,8 @@ import gc, torch
 import poolkeeper as pk
 from poolkeeper import _core
 from poolkeeper.integrations import torch as pkt
-inst = pkt.install(KIND)
+_kind, _, _flag = KIND.partition("+")  # "KIND+FLAG": KIND installed with FLAG=True
+inst = pkt.install(_kind, **({_flag: True} if _flag else {}))
 assert all(inst.hooks[h] for h in ("graph_begin", "graph_end", "graph_release")), inst.hooks
 torch.manual_seed(0)
 
@@ -39,10 +40,11 @@ def warm(fn):
 """
 
 
-@pytest.fixture(params=["arena", "arena_expandable"])
+@pytest.fixture(params=["arena", "arena_expandable", "arena_expandable+single_stream"])
 def PRELUDE(request):
-    """The prelude with poolkeeper installed as the arena (install()'s default) or the expandable
-    arena (what holds least on real models): graphs must work over both."""
+    """The prelude with poolkeeper installed as the arena (install()'s default), the expandable
+    arena (what holds least on real models), or that with single_stream (a capture ends the mode:
+    docs/stream_order.md, "One stream"): graphs must work over each."""
     return f"KIND = {request.param!r}\n" + PRELUDE_OF
 
 

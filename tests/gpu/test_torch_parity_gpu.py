@@ -161,3 +161,35 @@ print("done")
     r = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert "nanobind" not in r.stderr and "terminate" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["arena", "arena_expandable"])
+def test_single_stream_pool_makes_a_side_stream_wait_for_the_home_streams_last_use(kind):
+    """single_stream files a release on the home stream free at once. A side stream asking for
+    memory must not get that block until the home stream's queued work on it has run: here the
+    home stream sleeps, then writes 1s into the freed block; the side stream, given the same
+    block, writes 2s. Without the wait the late 1s would land over the side stream's 2s."""
+    out = run_isolated(
+        PRELUDE
+        + f"""
+pkt.install("{kind}", single_stream=True)
+n = 64 << 20
+x = torch.empty(n, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+ptr = x.data_ptr()
+torch.cuda._sleep(200_000_000)  # ~0.1 s of device time on the home (default) stream
+x.fill_(1)
+del x  # released on the home stream: free at once, for the home stream
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    y = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y.fill_(2)
+torch.cuda.synchronize()
+st = pkt.pools()[0].stats()
+print("same block:", y.data_ptr() == ptr, "barriers:", st["home_barriers"], "mode:", st["single_stream"])
+assert y.data_ptr() == ptr, "the side stream got other memory: the test proves nothing"
+assert st["home_barriers"] == 1 and st["single_stream"] == 0, st
+assert bool((y == 2).all()), "the home stream's late write landed in the side stream's block"
+"""
+    )
+    assert "same block: True" in out

@@ -42,6 +42,18 @@ EventId StreamOrder::record_or_settle(Stream s) {
   return kNullEvent;
 }
 
+void StreamOrder::wait_for_stream(Stream s) {
+  RelaxedCapture relaxed(*up_);
+  const EventId e = record_or_settle(s);
+  if (e == kNullEvent) return;  // a dead stream: settled by a device synchronize
+  struct Release {
+    Upstream* up;
+    EventId e;
+    ~Release() { up->release_event(e); }
+  } release{up_, e};
+  up_->wait_event(e);
+}
+
 void StreamOrder::fence_lane(Lane& l) {
   if (l.fenced || !l.tail || l.tail->pend_seq <= l.completed_seq) return;
   // Never fence a capturing stream: the event would be a node of the graph, never completing for

@@ -75,7 +75,9 @@ PoolStats ArenaPool::stats_locked() {
                   {"remote_frees", ev_.remote_frees}, {"stream_runs", ev_.stream_runs}, {"shard_fallbacks", ev_.shard_fallbacks},
                   {"caches_reclaimed", ev_.caches_reclaimed}, {"slow_allocations", ev_.slow_allocs},
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
-                  {"nowait_deallocations", ev_.nowait_frees}});
+                  {"nowait_deallocations", ev_.nowait_frees},
+                  {"single_stream", single_active_.load(std::memory_order_relaxed) ? 1 : 0},
+                  {"home_frees", ev_.home_frees}, {"home_barriers", ev_.home_barriers}});
   StreamOrderCounters so;
   so.add(order_);
   so.report(st);
@@ -148,6 +150,10 @@ void ArenaPool::validate() {
   std::lock_guard<detail::SpinMutex> g(mu_);
   drain_remote_locked();
   auto fail = [&](const std::string& m) { throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": " + m); };
+  // Single-stream mode: home releases are filed free only while it lasts, and only with a home.
+  if (home_dirty_ && (!single_active_.load() || home_.load() == kNoStream))
+    fail("home releases unsettled outside single-stream mode");
+  if (single_active_.load() && nshards_ != 1) fail("single-stream mode with several shards");
   std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
   std::uintptr_t prev_end = 0;
   std::size_t dirty = 0;

@@ -37,7 +37,8 @@ ArenaPool::ArenaPool(std::shared_ptr<Upstream> upstream, ArenaOptions opt)
   if (opt_.shards > 64) throw InvalidArgument("shards must be at most 64; got " + std::to_string(opt_.shards));
   // Homes live in the thread caches, and a limit is one budget kept by one set of books.
   nshards_ = opt_.shards ? opt_.shards : std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 16);
-  if (!cache_enabled_ || opt_.limit) nshards_ = 1;
+  if (!cache_enabled_ || opt_.limit || opt_.single_stream) nshards_ = 1;
+  single_active_.store(opt_.single_stream, std::memory_order_relaxed);
   if (nshards_ > 1) {
     shards_ = std::make_unique<std::atomic<ArenaPool*>[]>(nshards_ - 1);
     for (std::size_t i = 0; i + 1 < nshards_; ++i) shards_[i].store(nullptr, std::memory_order_relaxed);
@@ -81,9 +82,9 @@ ArenaPool::~ArenaPool() {
       reclaim_caches_locked();
       drain_locked(true);
       coalesce_locked();
+      if (home_barrier_locked()) source_->release_unused(out);  // else: nothing goes back (in use)
     } catch (...) {
     }
-    source_->release_unused(out);
   }
   for (auto& [p, n] : out) {
     try {
@@ -341,6 +342,9 @@ std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteres
   // Never during a graph capture scope: a free or unmap may synchronize the device, which would
   // invalidate the capture (capture.hpp). The scan simply finds nothing to release.
   if (upstream_->captures_underway() > 0) return 0;
+  // Single-stream mode: memory filed free at a home release may still be in use by the device.
+  // Trim waits for the home stream first; automatic scans never wait, so they skip.
+  if (home_dirty_ && (hysteresis || !home_barrier_locked())) return 0;
   return source_->release_free(out, hysteresis);
 }
 
@@ -375,6 +379,72 @@ std::size_t ArenaPool::scan_locked(Detached& out) {
   const std::size_t bytes = release_free_backings_locked(out, true);
   ++scan_epoch_;  // chunks handed out from now on were used since this scan
   return bytes;
+}
+
+// ---------------------------------------------------------------- single-stream mode
+
+bool ArenaPool::note_stream_locked(Stream s) {
+  if (!single_active_.load(std::memory_order_relaxed)) return true;
+  const Stream h = home_.load(std::memory_order_relaxed);
+  if (h == s) return true;
+  if (h == kNoStream) {
+    // No home yet, so nothing was filed free at a home release: a request without a stream is
+    // harmless, and the first stream becomes the home.
+    if (s != kNoStream) home_.store(s, std::memory_order_release);
+    return true;
+  }
+  return false;
+}
+
+bool ArenaPool::home_release_locked(const ArenaChunk* c, Stream s) const {
+  if (!single_active_.load(std::memory_order_relaxed) || s == kNoStream || c->used_on) return false;
+  if (c->alloc_stream != s) return false;  // allocated elsewhere (or without a stream): the usual rules
+  // Inside a capture scope the capture's rules decide (a block freed during a capture stays with
+  // what the capture may replay).
+  return home_.load(std::memory_order_relaxed) == s && upstream_->captures_underway() == 0;
+}
+
+bool ArenaPool::home_barrier_locked() {
+  if (!home_dirty_) return true;
+  const Stream h = home_.load(std::memory_order_relaxed);
+  if (upstream_->captures_underway() > 0) {
+    RelaxedCapture relaxed(*upstream_);
+    if (upstream_->stream_capturing(h)) return false;
+    try {
+      order_.wait_for_stream(h);
+    } catch (const UpstreamFailure&) {
+      return false;  // a destroyed home stream: no device synchronize while a capture scope is open
+    }
+  } else {
+    order_.wait_for_stream(h);
+  }
+  home_dirty_ = false;
+  ++ev_.home_barriers;
+  return true;
+}
+
+void ArenaPool::end_single_locked() {
+  if (home_barrier_locked()) {
+    single_active_.store(false, std::memory_order_release);
+    return;
+  }
+  // The home stream is being captured (or is gone while a capture scope is open), so nothing can
+  // wait for it now. Everything free may hold a home release it has not run past: all of it
+  // becomes pending on home (reusable there at once, elsewhere once the lane is fenced after the
+  // capture). Thread caches first, while the mode still keeps other streams off their fast path:
+  // blocks cached for any stream may come from such memory too.
+  const Stream h = home_.load(std::memory_order_relaxed);
+  reclaim_caches_locked();
+  single_active_.store(false, std::memory_order_release);
+  for (ArenaBacking* b : backings_)
+    for (ArenaChunk* c = b->first; c; c = c->next_addr) {
+      if (c->st() != ChunkState::Free) continue;
+      index_.remove(c);
+      c->alloc_stream = kNoStream;  // the release waits for home alone
+      order_.defer(c, h);
+      note_pending_locked(c);
+    }
+  home_dirty_ = false;
 }
 
 // ---------------------------------------------------------------- shards
@@ -505,6 +575,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   if (cache_enabled_ && !detail::tls_find_cache(id_)) detail::tls_prune();  // before the pool lock
   std::unique_lock<detail::SpinMutex> g(mu_);
   check_open();  // again under the lock: close() may have run since Pool::allocate looked
+  if (!note_stream_locked(s)) end_single_locked();
   ++ev_.slow_allocs;
   if (cache_enabled_) cache_locked();
   // No shrink tick here: a scan inside an allocation could return the very backing that would
@@ -563,7 +634,7 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
       if (ArenaChunk* c = index_.take_best_fit(rounded)) return carve_locked(c, rounded, nbytes, s);
     }
     // What the source can give back that would let the retry succeed; never in a capture scope.
-    if (upstream_->captures_underway() == 0) source_->release_for_oom(detached);
+    if (upstream_->captures_underway() == 0 && home_barrier_locked()) source_->release_for_oom(detached);
     const bool others = shards_in_use() > 1;  // their wholly free backings, from the same upstream
     if (!detached.empty() || others) {
       g.unlock();
@@ -645,6 +716,7 @@ void* ArenaPool::try_reuse_nowait(std::size_t nbytes, Stream s) {
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return nullptr;
   if (cache_enabled_ && !detail::tls_find_cache(id_)) return nullptr;  // a first visit prunes caches, unlocked
+  if (!note_stream_locked(s)) return nullptr;  // ending single-stream mode waits: the blocking path does
   if (cache_enabled_) cache_locked();
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   void* r = reuse_locked(rounded, nbytes, s);
@@ -684,7 +756,7 @@ Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
     if (spill_and_cache_locked(c, s)) return {};  // the cache was full: a batch goes back instead
     const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
     release_live_locked(c, s, detached);
-    if (s == kNoStream) source_->released(backing);
+    if (s == kNoStream) source_->released(backing);  // (skips a teardown while home releases are unsettled)
   }
   free_detached(detached);
   return {};
@@ -699,6 +771,17 @@ void ArenaPool::unlive_locked(ArenaChunk* c) {
 }
 
 void ArenaPool::release_live_locked(ArenaChunk* c, Stream s, Detached& out) {
+  if (home_release_locked(c, s)) {
+    // The home stream's later work is ordered after this release, and no other stream can take
+    // memory while the mode lasts: free at once, for best fit and merging.
+    ++ev_.slow_frees;
+    ++ev_.home_frees;
+    unlive_locked(c);
+    file_free_locked(c);
+    home_dirty_ = true;
+    tick_locked(out);
+    return;
+  }
   // First the step that can throw (recording events): if it does, the block is still live and
   // nothing was counted, so the caller's error leaves the pool as it was.
   if (s != kNoStream) order_.defer(c, s);
@@ -850,6 +933,7 @@ void ArenaPool::synchronize() {
   // "nothing stays pending" must hold whoever freed them.
   reclaim_caches_locked();
   drain_locked(true);
+  home_barrier_locked();  // single-stream mode: home releases are settled too (shrink may run again)
 }
 
 std::size_t ArenaPool::trim() {
@@ -926,6 +1010,7 @@ bool ArenaPool::do_close(LiveAtClose& live) {
       if (ArenaPool* sh = existing_shard(i)) sh->close();  // empty: cannot throw LiveBlocksAtClose
     reclaim_caches_locked();
     drain_locked(true);
+    if (!home_barrier_locked()) throw InvalidArgument("cannot close a single-stream pool while its stream is being captured");
     coalesce_locked();  // nothing is live, cached or pending now: each backing merges to one chunk
     for (auto& tc : caches_) fold_cache_locked(tc.get());
     source_->close(d);

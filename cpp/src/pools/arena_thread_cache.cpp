@@ -66,6 +66,11 @@ void tls_prune() {
 
 void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (!cache_enabled_ || nbytes - 1 >= opt_.thread_cache_max_block) return nullptr;  // 0 wraps: refused
+  // Single-stream mode: another stream (or none) ends the mode, which may wait: the locked path.
+  if (single_active_.load(std::memory_order_acquire)) {
+    const Stream h = home_.load(std::memory_order_acquire);
+    if (h != s && h != kNoStream) return nullptr;
+  }
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
   if (!tc->try_enter()) return nullptr;  // a reclaim is emptying this cache: the locked path serves
@@ -84,7 +89,7 @@ void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
     }
     // Dry for this size: another thread's cache may have handed a bin of it over (several
     // caches only; the locked path refills from the books otherwise).
-    if (!hit && !(ncaches_.load(std::memory_order_relaxed) > 1 && (hit = take_over(tc, rounded)))) return nullptr;
+    if (!hit && !(ncaches_.load(std::memory_order_relaxed) > 1 && (hit = take_over(tc, rounded, s)))) return nullptr;
     tc->hint = static_cast<int>(hit - tc->bins);
   }
   ArenaChunk* c = hit->items[--hit->count];
@@ -226,7 +231,7 @@ bool ArenaPool::hand_over(ThreadCache* tc, std::size_t size) {
   return true;
 }
 
-ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
+ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size, Stream s) {
   ThreadCache::Bin* bin = nullptr;
   for (auto& b : tc->bins)
     if (!b.count) {
@@ -235,6 +240,14 @@ ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size) {
     }
   if (!bin) return nullptr;
   std::lock_guard<detail::SpinMutex> g(xfer_.mu);
+  // Single-stream mode, checked again under xfer_.mu: a bin handed over after the home stream was
+  // set (a hand-over happens under this lock, after the home was stored) may hold home releases,
+  // which no other stream may take before the mode ends. try_allocate_fast's check may have read
+  // the home before it was set.
+  if (single_active_.load(std::memory_order_acquire)) {
+    const Stream h = home_.load(std::memory_order_acquire);
+    if (h != s && h != kNoStream) return nullptr;
+  }
   detail::TransferCache::Slot* slot = xfer_.find(size, false);
   if (!slot) return nullptr;
   std::uint32_t n = 0;
@@ -300,13 +313,20 @@ void ArenaPool::flush_cache_locked(ThreadCache* tc) {
 }
 
 // A chunk a thread cache or the transfer cache held, back into the books: free, or pending on the
-// stream it was released on (then reusable at once by that stream only). True when filed free.
+// stream it was released on (then reusable at once by that stream only; single-stream mode files
+// a home release free). True when it was cached free for every stream (the caches' books).
 bool ArenaPool::uncache_locked(ArenaChunk* c) {
   table_.erase(c->addr);
   c->used_epoch = scan_epoch_;  // in use through the caches until now: not idle memory
   if (c->cache_tag == kNoStream) {
     file_free_locked(c);
     return true;
+  }
+  if (home_release_locked(c, c->cache_tag)) {  // single-stream mode: free at once (release_live_locked)
+    ++ev_.home_frees;
+    file_free_locked(c);
+    home_dirty_ = true;
+    return false;  // (counted as pending while cached: tagged with a stream)
   }
   order_.defer(c, c->cache_tag);
   note_pending_locked(c);

@@ -421,6 +421,7 @@ class VirtualRange final : public BackingSource {
   // With reclaim_holes off, only pieces of the free tail. Under the pool lock; a refused unmap
   // stops the walk with that piece mapped and counted.
   std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
+    if (a_.home_dirty_) return 0;  // see dissolve(): home's queued work may still use free memory
     std::vector<std::uintptr_t> victims;
     const bool holes = a_.opt_.reclaim_holes || any;
     const std::vector<ArenaBacking*> segs = main_segments();
@@ -588,7 +589,9 @@ class VirtualRange final : public BackingSource {
   bool dissolve(std::map<std::uintptr_t, Stitch>::iterator& it) {
     {
       ArenaBacking* b = backing_at(it->first);
-      if (!wholly_free(b)) {
+      // Single-stream mode: free memory may still be in use by the home stream's queued work until
+      // the arena has waited for it (the paths that must release wait first; the others skip).
+      if (!wholly_free(b) || a_.home_dirty_) {
         ++it;
         return false;
       }

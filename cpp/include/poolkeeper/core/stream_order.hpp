@@ -157,6 +157,10 @@ class StreamOrder {
   // The block take_for_stream_fit would return, left in place; take_peeked(b) then takes it.
   BlockRecord* peek_for_stream_fit(Stream s, std::size_t size);
   void take_peeked(BlockRecord* b);
+  // Blocks the calling thread until s has run everything enqueued on it before this call (one
+  // event recorded and waited for; a destroyed stream: a device synchronize, as fences do). Not for
+  // a stream being captured (the event would be a node of the graph). Runs in relaxed capture mode.
+  void wait_for_stream(Stream s);
 
   // Fence every lane with unfenced releases, then hand each block whose events have completed to
   // on_ready(BlockRecord*) (state still Pending). wait=true blocks on each event first, so nothing

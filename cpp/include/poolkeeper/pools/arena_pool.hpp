@@ -37,13 +37,24 @@
 //   pieces not lent to a stitched range, never touch, and lie inside the range. With `stitch`,
 //   wholly free pieces may be mapped a second time into a stitched range (a backing of its own
 //   outside the range) instead of growing; each piece is then tiled by chunks in exactly one place.
+// - Single-stream mode (option `single_stream`, docs/stream_order.md "One stream"): while every
+//   allocation names the home stream (the first one seen), a release on home of a block used on
+//   home alone is filed Free at once instead of pending (home's later work is ordered after it;
+//   no other stream can be served meanwhile: the fast path refuses them and the locked path ends
+//   the mode first). `home_dirty_` marks memory the device may still be using; before any of it
+//   goes upstream (trim, OOM recovery, close, synchronize) the pool waits for home
+//   (home_barrier_locked); the paths that need not release (automatic shrink scans, a growth's
+//   release_on_grow and stitched-range teardowns, a free's teardown) skip instead (the virtual
+//   source checks home_dirty_ at each unmap and unalias); ending the mode waits once (or, while
+//   home is being captured, turns every free chunk pending on home).
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread and transfer caches included)
 //   chunks tile each backing exactly; every indexed chunk is Free and indexed once; after a
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes; the transfer
-//   cache is empty when fewer than two thread caches are left.
+//   cache is empty when fewer than two thread caches are left; home releases are unsettled only
+//   while single-stream mode lasts with a home, and the mode runs on one shard.
 // Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
 // the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
 // shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
@@ -124,8 +135,17 @@ struct ArenaOptions {
   // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
   std::size_t stitch_max_parts = 16;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
-  // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit or without a cache.
+  // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
+  // with single_stream.
   std::size_t shards = 0;
+  // One stream (docs/stream_order.md, "One stream"): while every allocation names the same stream
+  // (the pool's home, the first stream it sees), a block released on it is free at once, as in
+  // PyTorch's allocator, instead of pending until a fence: it merges with its free neighbours and
+  // best fit sees it. The first allocation on another stream or without one waits, once, for
+  // the home stream to pass its releases, and the mode ends. Memory goes back to the upstream
+  // (trim, OOM recovery, close, release_on_grow) only after such a wait; automatic shrink scans
+  // wait for nothing and are skipped while home releases are unsettled.
+  bool single_stream = false;
 };
 
 class ArenaPool final : public Pool {
@@ -200,7 +220,8 @@ class ArenaPool final : public Pool {
   // inside its fast-path scope. hand_over: one bin of `size` (free for every stream) out of tc;
   // take_over: up to a bin of `size` into an empty bin of tc (returned, or nullptr).
   bool hand_over(detail::ThreadCache* tc, std::size_t size);
-  detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size);
+  // (s: the request's stream, for single-stream mode's check.)
+  detail::ThreadCache::Bin* take_over(detail::ThreadCache* tc, std::size_t size, Stream s);
   // The free fast path's bin for a chunk of `size` released on s when the hinted bin will not do
   // (tc is the caller's own cache, inside its fast-path scope); nullptr: the locked path serves.
   detail::ThreadCache::Bin* free_bin_slow(detail::ThreadCache* tc, std::size_t size, Stream s);
@@ -247,6 +268,15 @@ class ArenaPool final : public Pool {
   void note_peak_locked();
   Refusal locate_locked(std::uintptr_t p);
   OomFigures figures_locked(std::size_t requested);
+  // Single-stream mode. note_stream_locked: a request on s (sets the home; false when s ends the
+  // mode, the caller then calls end_single_locked, or refuses when it may not wait).
+  bool note_stream_locked(Stream s);
+  // The home stream has passed every release filed free so far (waits for it on the host). False
+  // while a capture scope is open (no event may be recorded then; nothing is released then anyway).
+  bool home_barrier_locked();
+  void end_single_locked();  // the barrier, then the mode ends for good
+  // A release of c on s may be filed free at once (single-stream mode, c used on s alone).
+  bool home_release_locked(const detail::ArenaChunk* c, Stream s) const;
 
   // Set by the constructor, read-only afterwards (read lock-free by the fast paths).
   ArenaOptions opt_;
@@ -285,6 +315,11 @@ class ArenaPool final : public Pool {
   std::size_t peak_live_ = 0;
   std::size_t ops_since_scan_ = 0;  // guarded by mu_: locked releases since the last shrink scan
   std::uint64_t scan_epoch_ = 1;    // guarded by mu_: shrink scans so far + 1 (ArenaChunk::used_epoch)
+  // Single-stream mode. Written under mu_; single_active_ and home_ are also read lock-free by the
+  // allocation fast path (which then leaves every stream but home to the locked path).
+  std::atomic<bool> single_active_{false};
+  std::atomic<Stream> home_{kNoStream};
+  bool home_dirty_ = false;  // guarded by mu_: a home release was filed free since the last barrier
   // Event counters for stats() extras.
   struct Events {
     std::uint64_t coalesce_passes = 0, merges = 0, shrink_scans = 0, pressure_passes = 0, oom_retries = 0;
@@ -300,6 +335,7 @@ class ArenaPool final : public Pool {
     std::uint64_t remote_frees = 0;  // frees filed from the remote-free list
     std::uint64_t stream_runs = 0;   // runs of free and same-stream pending chunks merged instead of growing
     std::uint64_t shard_fallbacks = 0;  // threads sent home to shard 0: their shard could not be made
+    std::uint64_t home_frees = 0, home_barriers = 0;  // single-stream mode: releases filed free at once, waits
   } ev_;  // guarded by mu_
 };
 
