@@ -28,6 +28,15 @@ def make(single: bool = True, expandable: bool = False, **kw):
     return sim, pool, sim.stream(), sim.stream()
 
 
+def release_on_home(sim, pool, home, busy_us: float, nbytes: int = 4 * KiB) -> int:
+    """A block allocated and released on home while home still has busy_us of work queued that
+    may use it (the device lagging the host). Returns its address."""
+    a = pool.allocate(nbytes, home)
+    sim.enqueue(home, busy_us)
+    pool.deallocate(a, home)
+    return a
+
+
 def check(pool):
     pool.validate()
     st = pool.stats()
@@ -55,9 +64,7 @@ def test_a_home_release_merges_with_its_free_neighbour_instead_of_growing(single
 
 def test_the_first_stream_is_home_and_another_stream_waits_for_it_once_then_the_mode_ends():
     sim, pool, home, other = make()
-    a = pool.allocate(4 * KiB, home)
-    sim.enqueue(home, 1000)
-    pool.deallocate(a, home)
+    a = release_on_home(sim, pool, home, 1000)
     assert sim.now == 0 and pool.stats()["pending_bytes"] == 0  # free at once, no wait
     b = pool.allocate(4 * KiB, other)
     st = pool.stats()
@@ -74,9 +81,7 @@ def test_the_first_stream_is_home_and_another_stream_waits_for_it_once_then_the_
 
 def test_an_allocation_without_a_stream_ends_the_mode_too():
     sim, pool, home, _ = make()
-    a = pool.allocate(4 * KiB, home)
-    sim.enqueue(home, 250)
-    pool.deallocate(a, home)
+    a = release_on_home(sim, pool, home, 250)
     pool.allocate(4 * KiB)  # no stream: usable by anyone now, so home must be past its releases
     assert sim.now >= 250 and pool.stats()["single_stream"] == 0
     check(pool)
@@ -152,9 +157,7 @@ def test_the_non_blocking_path_leaves_the_end_of_the_mode_to_the_blocking_path()
     """pool.allocate tries the non-blocking path first (with the GIL held): it must not wait for
     the device, so it refuses, and the blocking path ends the mode."""
     sim, pool, home, other = make()
-    a = pool.allocate(4 * KiB, home)
-    sim.enqueue(home, 300)
-    pool.deallocate(a, home)
+    a = release_on_home(sim, pool, home, 300)
     before = pool.stats()
     b = pool.allocate(4 * KiB, other)
     st = pool.stats()
@@ -182,9 +185,7 @@ def test_thread_cached_home_releases_stay_with_home_and_other_streams_miss_the_c
 
 def test_a_cached_home_release_flushed_while_the_mode_lasts_is_filed_free():
     sim, pool, home, _ = make(thread_cache_bytes=MiB)
-    a = pool.allocate(4 * KiB, home)
-    sim.enqueue(home, 400)
-    pool.deallocate(a, home)
+    a = release_on_home(sim, pool, home, 400)
     pool.flush_thread_cache()
     st = pool.stats()
     assert st["home_frees"] == 1 and st["pending_bytes"] == 0 and st["single_stream"] == 1
