@@ -29,6 +29,7 @@ from poolkeeper.bench.replay_engine import ALLOC, FREE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import real_models  # noqa: E402  (its arm_pool: "KIND+OPTION" names)
 import replay_torch_trace  # noqa: E402  (the Llama trace's reader and replay)
 
 LAGS = [(0.0, 0.0), (5.0, 5.0), (10.0, 5.0), (20.0, 5.0), (50.0, 5.0)]
@@ -63,8 +64,7 @@ def main() -> int:
     print("peak reserved / peak live, all on stream 0 of the Simulated device")
     print(f"{'pool':31s} {'trace':14s} " + " ".join(f"{x:>10s}" for x in lags))
     for kind in args.pools.split(","):
-        base, _, flag = kind.partition("+")
-        options = {flag: True} if flag else {}
+        base, options = real_models.arm_pool(kind)
         every = []
         for name, (events, pre) in traces.items():
             row = []

@@ -397,11 +397,20 @@ bool ArenaPool::note_stream_locked(Stream s) {
 }
 
 bool ArenaPool::home_release_locked(const ArenaChunk* c, Stream s) const {
-  if (!single_active_.load(std::memory_order_relaxed) || s == kNoStream || c->used_on) return false;
+  if (!opt_.single_stream || !single_active_.load(std::memory_order_relaxed) || s == kNoStream || c->used_on)
+    return false;
   if (c->alloc_stream != s) return false;  // allocated elsewhere (or without a stream): the usual rules
   // Inside a capture scope the capture's rules decide (a block freed during a capture stays with
   // what the capture may replay).
   return home_.load(std::memory_order_relaxed) == s && upstream_->captures_underway() == 0;
+}
+
+void ArenaPool::file_home_free_locked(ArenaChunk* c) {
+  // The home stream's later work is ordered after this release, and no other stream can take
+  // memory while the mode lasts: free at once, for best fit and merging.
+  ++ev_.home_frees;
+  file_free_locked(c);
+  home_dirty_ = true;
 }
 
 bool ArenaPool::home_barrier_locked() {
@@ -772,13 +781,9 @@ void ArenaPool::unlive_locked(ArenaChunk* c) {
 
 void ArenaPool::release_live_locked(ArenaChunk* c, Stream s, Detached& out) {
   if (home_release_locked(c, s)) {
-    // The home stream's later work is ordered after this release, and no other stream can take
-    // memory while the mode lasts: free at once, for best fit and merging.
     ++ev_.slow_frees;
-    ++ev_.home_frees;
     unlive_locked(c);
-    file_free_locked(c);
-    home_dirty_ = true;
+    file_home_free_locked(c);
     tick_locked(out);
     return;
   }

@@ -67,10 +67,7 @@ void tls_prune() {
 void* ArenaPool::try_allocate_fast(std::size_t nbytes, Stream s) {
   if (!cache_enabled_ || nbytes - 1 >= opt_.thread_cache_max_block) return nullptr;  // 0 wraps: refused
   // Single-stream mode: another stream (or none) ends the mode, which may wait: the locked path.
-  if (single_active_.load(std::memory_order_acquire)) {
-    const Stream h = home_.load(std::memory_order_acquire);
-    if (h != s && h != kNoStream) return nullptr;
-  }
+  if (barred_from_caches(s)) return nullptr;
   ThreadCache* tc = detail::tls_find_cache(id_);
   if (!tc || closed_.load(std::memory_order_relaxed)) return nullptr;
   if (!tc->try_enter()) return nullptr;  // a reclaim is emptying this cache: the locked path serves
@@ -244,10 +241,7 @@ ThreadCache::Bin* ArenaPool::take_over(ThreadCache* tc, std::size_t size, Stream
   // set (a hand-over happens under this lock, after the home was stored) may hold home releases,
   // which no other stream may take before the mode ends. try_allocate_fast's check may have read
   // the home before it was set.
-  if (single_active_.load(std::memory_order_acquire)) {
-    const Stream h = home_.load(std::memory_order_acquire);
-    if (h != s && h != kNoStream) return nullptr;
-  }
+  if (barred_from_caches(s)) return nullptr;
   detail::TransferCache::Slot* slot = xfer_.find(size, false);
   if (!slot) return nullptr;
   std::uint32_t n = 0;
@@ -322,10 +316,8 @@ bool ArenaPool::uncache_locked(ArenaChunk* c) {
     file_free_locked(c);
     return true;
   }
-  if (home_release_locked(c, c->cache_tag)) {  // single-stream mode: free at once (release_live_locked)
-    ++ev_.home_frees;
-    file_free_locked(c);
-    home_dirty_ = true;
+  if (home_release_locked(c, c->cache_tag)) {
+    file_home_free_locked(c);
     return false;  // (counted as pending while cached: tagged with a stream)
   }
   order_.defer(c, c->cache_tag);

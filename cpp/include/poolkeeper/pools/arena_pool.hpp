@@ -277,6 +277,15 @@ class ArenaPool final : public Pool {
   void end_single_locked();  // the barrier, then the mode ends for good
   // A release of c on s may be filed free at once (single-stream mode, c used on s alone).
   bool home_release_locked(const detail::ArenaChunk* c, Stream s) const;
+  // c, released on home while the mode lasts, into the free index (the device may still use it).
+  void file_home_free_locked(detail::ArenaChunk* c);
+  // Lock-free, for the thread caches: single-stream mode keeps a request on s off every cache
+  // (s is not the home, and the home is set). A pool without the option reads no atomic.
+  bool barred_from_caches(Stream s) const {
+    if (!opt_.single_stream || !single_active_.load(std::memory_order_acquire)) return false;
+    const Stream h = home_.load(std::memory_order_acquire);
+    return h != s && h != kNoStream;
+  }
 
   // Set by the constructor, read-only afterwards (read lock-free by the fast paths).
   ArenaOptions opt_;
