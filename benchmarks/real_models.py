@@ -379,7 +379,9 @@ def markdown(results: Dict[str, Any]) -> str:
         "# Real models under each allocator (random weights, one process per arm and workload)",
         "",
         f"{meta.get('device_name', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}, "
-        f"plan `{results.get('plan_name')}`, seed {results.get('seed')}, device `{results.get('device')}`.",
+        f"plan `{results.get('plan_name')}`, seed {results.get('seed')}, device `{results.get('device')}`"
+        + (", deterministic algorithms with uninitialized memory filled (times include the filling)."
+           if results.get("deterministic") else "."),
         "",
     ]
     titles = {
@@ -820,11 +822,14 @@ def parse_cpus(text: str) -> List[int]:
 
 
 def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str,
-              log_path: Optional[str] = None) -> Dict[str, Any]:
+              log_path: Optional[str] = None, deterministic: bool = False) -> Dict[str, Any]:
     """One arm on one workload in this (fresh) process. ``log_path``: for poolkeeper's arms, the
     pool installed on device 0 is wrapped in a :class:`poolkeeper.LoggingPool` writing every
     allocation and free there (RMM's CSV, which ``poolkeeper replay`` reads), so the live sequence
-    can be replayed offline; its times then include the logging."""
+    can be replayed offline; its times then include the logging. ``deterministic``: PyTorch's
+    deterministic algorithms (warnings only where an op has none), with every uninitialized
+    tensor filled (``torch.utils.deterministic.fill_uninitialized_memory``), so that outputs cannot
+    depend on what an allocator's memory held before; its times include the filling."""
     probe_start = host_probe_ms()
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
@@ -843,6 +848,9 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     import torch
     import transformers
 
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     cuda = device == "cuda"
     dtype = {"bert": torch.float16, "llama": torch.bfloat16}[workload] if cuda else torch.float32
     t_start = time.perf_counter()
@@ -946,7 +954,8 @@ def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
     path = os.path.join(tmp, f"{arm}-{workload}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--workloads", workload, "--result-file", path,
            *(["--log-file", log_file] if log_file else []),
-           "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else [])
+           "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else []) + \
+          (["--deterministic"] if getattr(args, "deterministic", False) else [])
     errpath = path + ".stderr"
     t0 = time.perf_counter()
     try:
@@ -987,6 +996,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cpus", default=None,
                     help="run every arm's process on these CPUs only (e.g. 0-3): the same cores for every arm")
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="PyTorch's deterministic algorithms, every uninitialized tensor filled: outputs that "
+                         "still differ between arms cannot come from what the memory held before")
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--log-file", help=argparse.SUPPRESS)
@@ -1014,7 +1026,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.child:
         try:
-            res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device, args.log_file)
+            res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device, args.log_file,
+                            args.deterministic)
             code = 0
         except BaseException as e:  # reported by the parent; the other arms still run
             res = {"arm": args.child, "workload": workloads[0], "error": f"{type(e).__name__}: {e}",
@@ -1030,6 +1043,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                          if a in POOL_ARMS for r in range(args.rounds)])
     results: Dict[str, Any] = {
         "plan_name": plan_name,
+        "deterministic": args.deterministic,
         "plan": {w: plan[w] for w in workloads},
         "seed": args.seed,
         "device": args.device,

@@ -274,6 +274,50 @@ def test_install_arena_expandable_defaults_to_the_virtual_upstream(fake_torch):
     assert pkt.install("arena_expandable", upstream="virtual") is inst  # same arguments: same install
 
 
+@pytest.mark.parametrize("virtual", [True, False])
+def test_install_without_a_kind_makes_the_measured_default_or_its_fallback(fake_torch, monkeypatch, virtual):
+    """install()'s default is the expandable arena in single-stream mode where every device can
+    map memory (docs/integrations.md, "Which pool by default"), else the arena in that mode."""
+    fake_torch()
+    asked = []
+    monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: asked.append(1) or virtual)
+    inst = pkt.install()
+    assert asked == [1]
+    if virtual:
+        assert (inst.kind, inst.upstream) == ("arena_expandable", "virtual")
+    else:
+        assert (inst.kind, inst.upstream) == ("arena", "device")
+    assert inst.options == {"single_stream": True}
+    assert pkt.install() is inst  # the same arguments: the same installation
+
+
+def test_install_without_a_kind_takes_the_options_given_over_the_defaults(fake_torch, monkeypatch):
+    fake_torch()
+    monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
+    inst = pkt.install(single_stream=False, limit=64 * MiB)
+    assert inst.kind == "arena_expandable" and inst.options == {"single_stream": False, "limit": 64 * MiB}
+
+
+@pytest.mark.parametrize("upstream, kind", [("device", "arena"), ("async", "arena"), ("simulated", "arena_expandable")])
+def test_install_without_a_kind_over_a_named_upstream_picks_a_kind_that_runs_there(fake_torch, monkeypatch,
+                                                                                     upstream, kind):
+    fake_torch()
+    monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
+    inst = pkt.install(upstream=upstream)
+    assert (inst.kind, inst.upstream, inst.options) == (kind, upstream, {"single_stream": True})
+
+
+def test_the_default_pool_asks_about_virtual_memory_only_when_it_needs_it():
+    from poolkeeper.pools import FALLBACK_DEVICE_POOL, default_device_pool
+
+    def never() -> bool:
+        raise AssertionError("asked")
+
+    assert default_device_pool("device", never) == FALLBACK_DEVICE_POOL
+    assert default_device_pool("simulated", never)[0] == "arena_expandable"
+    assert default_device_pool(None, lambda: False) == FALLBACK_DEVICE_POOL
+
+
 def test_install_arena_expandable_over_a_plain_device_upstream_is_refused(fake_torch):
     t = fake_torch()
     with pytest.raises(InvalidArgumentError, match="cannot run over upstream 'device'"):

@@ -584,3 +584,20 @@ def test_odd_results_do_not_stop_the_report():
     res["runs"]["bert"]["arena_expandable"].update(log_path="/x/a|b\nc.csv", empty_drop_ns={"16384": 1.0})
     res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
     assert "`a_b_c.csv`" in rm.markdown(res)
+
+
+def test_deterministic_reaches_every_arms_process(tmp_path, monkeypatch):
+    """--deterministic must reach the child (where torch runs), else the outputs it is meant to
+    settle would be compared without it."""
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(rm.subprocess, "run", fake_run)
+    for flag in ([], ["--deterministic"]):
+        args = rm.argparse.Namespace(seed=1, device="cpu", quick=True, timeout=5.0,
+                                     deterministic=bool(flag))
+        rm.run_arm_process("torch", "bert", args, str(tmp_path))
+        assert ("--deterministic" in seen[-1]) == bool(flag)

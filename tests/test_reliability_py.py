@@ -541,10 +541,9 @@ class _StandIn:
     lambda: pk.ArenaPool(pk.upstream.Simulated(latency_us=0)),
     lambda: _StandIn("pinned"),
     lambda: _StandIn("device", device=-1, name="Simulated"),
-    lambda: None,
-    lambda: 42,
+    lambda: 42,  # (None is not here: it asks for the default kind)
     lambda: object(),
-], ids=["host", "simulated-size-class", "simulated-arena", "cuda-pinned", "simulated-kind", "none", "int", "object"])
+], ids=["host", "simulated-size-class", "simulated-arena", "cuda-pinned", "simulated-kind", "int", "object"])
 def test_torch_install_refuses_a_pool_not_over_cuda_device_memory(monkeypatch, make):
     from poolkeeper import _core
     from poolkeeper.integrations import torch as pk_torch

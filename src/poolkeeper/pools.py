@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from poolkeeper import _core
 from poolkeeper.errors import LiveBlocksError
@@ -355,6 +355,26 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
     if upstream is not None and upstream != "simulated" and upstream not in CUDA_UPSTREAMS:
         raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(CUDA_UPSTREAMS)})")
     return resolve_upstream(kind, upstream)
+
+
+# What PyTorch's install() makes when no pool is named, chosen from the real-model benchmark
+# (docs/integrations.md, "Which pool by default"): the expandable arena in single-stream mode. It
+# needs virtual memory on every device it may serve; where that is missing, or another upstream is
+# named, the fallback.
+DEFAULT_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena_expandable", {"single_stream": True})
+FALLBACK_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena", {"single_stream": True})
+
+
+def default_device_pool(upstream: Optional[str], virtual_memory: Callable[[], bool]) -> Tuple[str, Dict[str, Any]]:
+    """The pool kind and options a per-device entry point makes when none is named:
+    :data:`DEFAULT_DEVICE_POOL`, or :data:`FALLBACK_DEVICE_POOL` when the default needs virtual
+    memory and ``upstream`` names another (``"device"``, ``"async"``) or ``virtual_memory()``
+    (asked only then) says some device lacks it. ``"simulated"`` has every interface."""
+    kind, options = DEFAULT_DEVICE_POOL
+    if pool_kind(kind).needs_virtual:
+        if upstream not in (None, "virtual", "simulated") or (upstream != "simulated" and not virtual_memory()):
+            kind, options = FALLBACK_DEVICE_POOL
+    return kind, dict(options)
 
 
 def _with_fixed(k: PoolKind, options: Dict[str, Any]) -> Dict[str, Any]:

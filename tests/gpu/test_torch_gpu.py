@@ -49,6 +49,35 @@ print("ok")
     )
 
 
+def test_install_without_a_kind_makes_the_expandable_arena_in_single_stream_mode():
+    """install()'s default on a device with virtual memory (docs/integrations.md, "Which pool by
+    default"): home releases are free at once, and a side stream ends the mode with one wait."""
+    run_isolated(
+        PRELUDE
+        + """
+assert all(d.virtual_memory_supported for d in pk.cuda.devices())
+inst = pkt.install()
+assert (inst.kind, inst.upstream, inst.options) == ("arena_expandable", "virtual", {"single_stream": True}), inst
+x = torch.randn(1 << 20, device="cuda")
+y = (x * 2).sum()
+del x
+st = pkt.stats(0)
+assert st["expandable"] == 1 and st["single_stream"] == 1 and st["home_frees"] >= 1, st
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    z = torch.ones(1 << 10, device="cuda")
+torch.cuda.synchronize()
+st = pkt.stats(0)
+assert st["single_stream"] == 0 and st["home_barriers"] == 1, st
+assert float(y) == float(y) and float(z.sum()) == 1024.0
+for p in pkt.pools().values():
+    p.synchronize()
+    p.validate()
+print("ok")
+"""
+    )
+
+
 def test_install_after_cuda_init_is_refused():
     out = run_isolated(
         PRELUDE

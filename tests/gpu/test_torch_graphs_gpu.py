@@ -42,8 +42,8 @@ def warm(fn):
 
 @pytest.fixture(params=["arena", "arena_expandable", "arena_expandable+single_stream"])
 def PRELUDE(request):
-    """The prelude with poolkeeper installed as the arena (install()'s default), the expandable
-    arena (what holds least on real models), or that with single_stream (a capture ends the mode:
+    """The prelude with poolkeeper installed as the arena, the expandable arena, or that with
+    single_stream (install()'s default where devices map memory; a capture ends the mode:
     docs/stream_order.md, "One stream"): graphs must work over each."""
     return f"KIND = {request.param!r}\n" + PRELUDE_OF
 

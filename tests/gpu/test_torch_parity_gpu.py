@@ -193,3 +193,41 @@ assert bool((y == 2).all()), "the home stream's late write landed in the side st
 """
     )
     assert "same block: True" in out
+
+
+@pytest.mark.parametrize("kind", ["arena", "arena_expandable"])
+def test_single_stream_shrink_scans_wait_for_their_event_not_for_the_device(kind):
+    """Automatic shrink in single-stream mode: while the home stream still has queued work on a
+    released block, scans (one per release here) must leave it mapped (the late fill would fault
+    on unmapped memory); once the device has run past it, a later scan gives it back, without a
+    wait of its own (home_barriers stays 0)."""
+    out = run_isolated(
+        PRELUDE
+        + f"""
+pkt.install("{kind}", single_stream=True, shrink_interval=1, shrink_hysteresis=1)
+small = [torch.empty(256, dtype=torch.uint8, device="cuda") for _ in range(64)]
+big = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+torch.cuda.synchronize()
+torch.cuda._sleep(400_000_000)  # ~0.2 s of device time on the home (default) stream
+for b in big:
+    b.fill_(1)
+del b
+big.clear()  # released on home while the fills are still queued
+for _ in range(32):
+    small.pop()  # releases: a shrink scan each
+st = pkt.pools()[0].stats()
+print("released while busy:", st["upstream_deallocations"], st.get("unmap_calls", 0))
+assert st["upstream_deallocations"] == 0 and st.get("unmap_calls", 0) == 0, st
+torch.cuda.synchronize()  # the device has run past every release
+for _ in range(32):
+    small.pop()
+st = pkt.pools()[0].stats()
+gone = st["upstream_deallocations"] + st.get("unmap_calls", 0)
+print("released after:", gone, "barriers:", st["home_barriers"], "mode:", st["single_stream"])
+assert gone > 0 and st["home_barriers"] == 0 and st["single_stream"] == 1, st
+x = torch.ones(1 << 20, device="cuda")
+assert float(x.sum()) == float(1 << 20)
+pkt.pools()[0].validate()
+"""
+    )
+    assert "released after:" in out

@@ -198,8 +198,20 @@ def installation() -> Optional[Installation]:
     return _INSTALLED
 
 
+def _virtual_memory_everywhere() -> bool:
+    """Whether every CUDA device this process can see can run the expandable arena (CUDA virtual
+    memory). Asked of the driver, not of torch, which must not initialize CUDA before install()."""
+    try:
+        from poolkeeper import cuda as pk_cuda
+
+        n = pk_cuda.device_count()
+        return n > 0 and all(pk_cuda.device_info(d).virtual_memory_supported for d in range(n))
+    except Exception:  # no driver poolkeeper can use: the fallback pool asks nothing of it
+        return False
+
+
 def install(
-    pool: Any = "arena",
+    pool: Any = None,
     device: Union[None, int, Sequence[int]] = None,
     *,
     upstream: Optional[str] = None,
@@ -210,7 +222,11 @@ def install(
     Args:
         pool: the pool kind made for each device (``"arena"``, ``"arena_expandable"``,
             ``"size_class"``, ``"direct"``: :data:`poolkeeper.pools.KINDS`), or an existing
-            device pool to serve its own device.
+            device pool to serve its own device. None (default): ``"arena_expandable"`` with
+            ``single_stream=True`` where every visible device supports CUDA virtual memory and
+            ``upstream`` is None or ``"virtual"``, else ``"arena"`` with ``single_stream=True``
+            (:func:`poolkeeper.pools.default_device_pool`; why: docs/integrations.md, "Which pool
+            by default"). Options given here override those (``single_stream=False``).
         device: devices whose pools are made now rather than on first use (None: all lazily).
         upstream: where each device pool gets memory: ``"device"`` (``cuMemAlloc``), ``"async"``
             (``cuMemAllocAsync``) or ``"virtual"`` (``CudaVirtual``: reserve and map, what
@@ -240,10 +256,15 @@ def install(
         AllocatorInitializedError: CUDA is already initialized (see the message for what to do).
     """
     global _INSTALLED
-    if not isinstance(pool, str):
+    if pool is not None and not isinstance(pool, str):
         _check_device_pool(pool)  # before torch is even imported: a wrong pool is wrong anywhere
     torch = _torch()
     _require_cuda_torch(torch, "poolkeeper.integrations.torch.install()")
+    if pool is None:
+        from poolkeeper.pools import default_device_pool
+
+        pool, defaults = default_device_pool(upstream, _virtual_memory_everywhere)
+        options = {**defaults, **options}
     if isinstance(pool, str):
         from poolkeeper.pools import resolve_cuda_upstream, set_device_factory
 
