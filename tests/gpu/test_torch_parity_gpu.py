@@ -204,7 +204,7 @@ def test_single_stream_shrink_scans_wait_for_their_event_not_for_the_device(kind
     out = run_isolated(
         PRELUDE
         + f"""
-pkt.install("{kind}", single_stream=True, shrink_interval=1, shrink_hysteresis=1)
+pkt.install("{kind}", single_stream=True, shrink_interval=1, shrink_hysteresis=1, thread_cache_bytes=0)
 small = [torch.empty(256, dtype=torch.uint8, device="cuda") for _ in range(64)]
 big = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
 torch.cuda.synchronize()
