@@ -33,7 +33,7 @@ step() {  # name command...
 for s in "${steps[@]}"; do
   case $s in
     build) step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site . ;;
-    gpu_tests) step pytest_gpu timeout 420 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
+    gpu_tests) step pytest_gpu timeout 570 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
     vmm) step vmm_latency timeout 120 python3 benchmarks/vmm_latency.py --json "$OUT/vmm_latency_h200.json" ;;
     uploader) step uploader timeout 420 python3 benchmarks/uploader_bench.py "$OUT/uploader_h200.json" --sizes 256M,2G \
                 --engine native,python --nt off --tail on,off --chunks 1M,2M,4M,8M --threads 8,12 --reps 5 ;;
@@ -52,7 +52,7 @@ for s in "${steps[@]}"; do
       step dask_cupy_bench timeout 500 python3 benchmarks/dask_cupy_bench.py --json "$OUT/dask_cupy_bench_h200.json" ;;
     real_models) step real_models timeout 580 python3 benchmarks/real_models.py --out "$OUT/real_models_h200" ;;
     time_rounds) step real_models_rounds timeout 590 python3 benchmarks/real_models.py --workloads bert,llama \
-                   --arms torch,arena --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
+                   --arms torch,arena_expandable+single_stream --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
     live_logs)
       step real_models_logs timeout 400 python3 benchmarks/real_models.py --workloads bert,llama \
         --arms arena,arena_expandable --no-warmup --log-dir "$OUT/live_logs" --out "$OUT/real_models_logs"
