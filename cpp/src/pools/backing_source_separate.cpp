@@ -88,7 +88,7 @@ class SeparateBackings final : public BackingSource {
         b->free_scans = 0;
         continue;
       }
-      if (hysteresis && (++b->free_scans < a_.scans_to_release() || !a_.scan_may_release())) continue;
+      if (hysteresis && ++b->free_scans < a_.opt_.shrink_hysteresis) continue;
       bytes += b->size;
       a_.release_backing_locked(b, out);
     }
