@@ -34,7 +34,8 @@ def _run(seed: int, expandable: bool, single_stream: bool = False, home_share: i
     if rng.random() < 0.3:
         kw["limit"] = rng.choice([24, 48]) * MiB
     if single_stream:
-        kw["single_stream"] = True
+        # Frequent shrink scans too: none may give back home memory the device may still use.
+        kw.update(single_stream=True, shrink_interval=rng.choice([1, 3, 4096]), shrink_hysteresis=rng.choice([1, 2]))
     pool = pk.ArenaPool(up, **kw)
     streams = [sim.stream() for _ in range(3)]
     # Mostly one lagging stream, as a framework's traffic: its releases stay pending for the others.
