@@ -463,6 +463,14 @@ def markdown(results: Dict[str, Any]) -> str:
         if logs:
             lines += ["Allocation logs (`--log-dir`; those runs' times include the logging; `poolkeeper replay "
                       "FILE` replays one): " + ", ".join(logs), ""]
+        for arm, lay in sorted((results.get("layouts") or {}).get(wl, {}).items()):
+            if "error" in lay:
+                text = f"a log could not be read ({lay['error']})"
+            elif lay.get("same"):
+                text = f"the same calls at the same addresses in every round ({', '.join(map(str, lay['events']))} events)"
+            else:
+                text = f"differs from round 1 from event {lay.get('first_difference')} on"
+            lines += [f"Layout over the rounds, {arm}: {text}", ""]
         word = {True: "met", False: "missed", None: "n/a"}
         tg = targets(cmp_, times)
         if tg:
@@ -548,6 +556,32 @@ def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) 
     return (["Every round: summed request time, the host probe before and after the requests (a fixed "
              "pure-Python loop, the fastest of 5: a slow process shows there), peak reserved, output, and the "
              "requests whose output differs from torch's in the same round:", ""] + table_head("arm", *[f"round {i + 1}" for i in range(n)]) + rows + [""])
+
+
+def layout_key(path: str) -> List[Tuple[str, int, int]]:
+    """One allocation log (``--log-dir``) as its layout: every allocation and free in order, as
+    (kind, size, address minus the log's lowest allocated address)."""
+    from poolkeeper.bench.readers import read_log
+
+    events = read_log(path, "auto", None).events
+    base = min((ev.addr for ev in events if ev.size), default=0)
+    return [(ev.kind, ev.size, ev.addr - base) for ev in events]
+
+
+def same_layouts(paths: Sequence[str]) -> Dict[str, Any]:
+    """Whether the runs behind ``paths`` (one arm's logs, a round each) made the same calls and got
+    the same addresses (relative to each log's lowest): ``same`` (True/False), ``events`` (per log)
+    and ``first_difference`` (the event index where the first log and another part, or None). An
+    output that differs between runs of the same layout did not come from the memory's layout."""
+    keys = [layout_key(p) for p in paths]
+    first: Optional[int] = None
+    for k in keys[1:]:
+        n = next((i for i, (x, y) in enumerate(zip(keys[0], k)) if x != y), None)
+        if n is None and len(k) != len(keys[0]):
+            n = min(len(k), len(keys[0]))
+        if n is not None:
+            first = n if first is None else min(first, n)
+    return {"same": first is None, "events": [len(k) for k in keys], "first_difference": first}
 
 
 def out_stem(out: Optional[str], device: str, quick: bool) -> str:
@@ -1094,6 +1128,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["round_runs"] = {
             wl: {a: [{k: r[k] for k in ROUND_RUN_KEYS if k in r} for r in rs]
                  for a, rs in rounds[wl].items()} for wl in workloads}
+    if args.log_dir is not None and args.rounds > 1:
+        # Does an arm's layout change from one process to the next? (Outputs that differ between
+        # rounds of one layout come from elsewhere.)
+        results["layouts"] = {}
+        for wl in workloads:
+            for arm in arms:
+                paths = [os.path.join(args.log_dir, log_name(wl, arm, r)) for r in range(args.rounds)]
+                if arm in POOL_ARMS and all(os.path.exists(p) for p in paths):
+                    try:
+                        results["layouts"].setdefault(wl, {})[arm] = same_layouts(paths)
+                    except Exception as e:  # an unreadable log is reported, not fatal to the results
+                        results["layouts"].setdefault(wl, {})[arm] = {"same": None, "error": str(e)}
     results["comparison"] = {wl: compare(results["runs"][wl]) for wl in workloads}
     stem = out_stem(args.out, args.device, args.quick)
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)

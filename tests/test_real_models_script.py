@@ -601,3 +601,22 @@ def test_deterministic_reaches_every_arms_process(tmp_path, monkeypatch):
                                      deterministic=bool(flag))
         rm.run_arm_process("torch", "bert", args, str(tmp_path))
         assert ("--deterministic" in seen[-1]) == bool(flag)
+
+
+def _rmm_log(path, base, events):
+    rows = ["Thread,Time,Action,Pointer,Size,Stream"]
+    for i, (action, off, size) in enumerate(events):
+        rows.append(f"1,00:00:{i:02d}.000000,{action},{base + off:x},{size},0")
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_same_layouts_compares_calls_and_addresses_relative_to_each_logs_base(tmp_path):
+    ev = [("allocate", 0, 4096), ("allocate", 4096, 512), ("free", 0, 4096), ("allocate", 0, 1024)]
+    a = _rmm_log(tmp_path / "a.csv", 0x7F0000000000, ev)
+    b = _rmm_log(tmp_path / "b.csv", 0x300000000, ev)  # another base: the same layout
+    c = _rmm_log(tmp_path / "c.csv", 0x300000000, ev[:3] + [("allocate", 8192, 1024)])  # moved
+    assert rm.same_layouts([a, b]) == {"same": True, "events": [4, 4], "first_difference": None}
+    assert rm.same_layouts([a, b, c]) == {"same": False, "events": [4, 4, 4], "first_difference": 3}
+    d = _rmm_log(tmp_path / "d.csv", 0x300000000, ev[:2])
+    assert rm.same_layouts([a, d])["first_difference"] == 2  # a log that stops early differs there
