@@ -51,7 +51,14 @@ def snapshot_events(trace):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pools", default="arena,arena_expandable")
+    ap.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a pool option for every pool named (as `poolkeeper replay -o`: max_step=32MiB)")
+    ap.add_argument("--idle-only", action="store_true", help="only the idle column (a single_stream pool's rows "
+                                                             "are the same in every column)")
     args = ap.parse_args()
+    from poolkeeper.bench.options import parse_options
+
+    extra = parse_options(args.option)
     print("command: python3 benchmarks/stream_lag_replay.py " + " ".join(sys.argv[1:]))
     traces = {name: snapshot_events(read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz")))
               for name in ("bert_serve", "gpt2_generate")}
@@ -60,15 +67,17 @@ def main() -> int:
     # the live sequences, weights loading included (benchmarks/real_models.py --log-dir).
     for name in ("bert", "llama"):
         traces[f"live_{name}"] = snapshot_events(read_log(os.path.join(HERE, "traces", f"live_{name}_arena.csv.gz")))
-    lags = ["idle" if not w else f"lag {w:g}/{a:g}" for w, a in LAGS]
+    runs = LAGS[:1] if args.idle_only else LAGS
+    lags = ["idle" if not w else f"lag {w:g}/{a:g}" for w, a in runs]
     print("peak reserved / peak live, all on stream 0 of the Simulated device")
     print(f"{'pool':31s} {'trace':14s} " + " ".join(f"{x:>10s}" for x in lags))
     for kind in args.pools.split(","):
         base, options = real_models.arm_pool(kind)
+        options = {**options, **extra}
         every = []
         for name, (events, pre) in traces.items():
             row = []
-            for w, a in LAGS:
+            for w, a in runs:
                 r = replay_torch_trace.replay(events, base, w, a, pre_trace=pre, **options)
                 row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
             every += row

@@ -826,3 +826,18 @@ def test_devices_say_whether_virtual_memory_runs_there(fakes, lib, env, expect):
                           "bad_index": _core.cuda_virtual_memory_supported(7)}))
     """, **env)
     assert out == {"info": [expect], "direct": expect, "bad_index": False}
+
+
+@pytest.mark.parametrize("lib, expect", [("full", True), ("novmm", False)])
+def test_install_default_asks_about_virtual_memory_without_making_a_context(fakes, tmp_path, lib, expect):
+    """install()'s default picks its kind by asking each device about virtual memory. The first
+    version asked poolkeeper.cuda.device_info, which retains a context on every device it
+    describes: every process with the default install held one on every visible GPU (review)."""
+    log = tmp_path / "driver.log"
+    out = run(fakes[lib], """
+        from poolkeeper.integrations import torch as pkt
+        print(json.dumps({"vmm": pkt._virtual_memory_everywhere()}))
+    """, FAKE_CUDA_DEVICES=4, FAKE_CUDA_LOG=log)
+    assert out["vmm"] is expect
+    text = log.read_text() if log.exists() else ""
+    assert "retain" not in text, text

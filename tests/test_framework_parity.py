@@ -315,6 +315,7 @@ def test_the_default_pool_asks_about_virtual_memory_only_when_it_needs_it():
 
     assert default_device_pool("device", never) == FALLBACK_DEVICE_POOL
     assert default_device_pool("simulated", never)[0] == "arena_expandable"
+    assert default_device_pool("virtual", never)[0] == "arena_expandable"  # named: kept, never the arena over it
     assert default_device_pool(None, lambda: False) == FALLBACK_DEVICE_POOL
 
 

@@ -368,11 +368,13 @@ FALLBACK_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena", {"single_stream": T
 def default_device_pool(upstream: Optional[str], virtual_memory: Callable[[], bool]) -> Tuple[str, Dict[str, Any]]:
     """The pool kind and options a per-device entry point makes when none is named:
     :data:`DEFAULT_DEVICE_POOL`, or :data:`FALLBACK_DEVICE_POOL` when the default needs virtual
-    memory and ``upstream`` names another (``"device"``, ``"async"``) or ``virtual_memory()``
-    (asked only then) says some device lacks it. ``"simulated"`` has every interface."""
+    memory and ``upstream`` names another (``"device"``, ``"async"``), or names none and
+    ``virtual_memory()`` (asked only then) says some device lacks it. ``"virtual"`` and
+    ``"simulated"`` keep the default (an upstream named ``"virtual"`` on a device without virtual
+    memory fails as it would under any kind)."""
     kind, options = DEFAULT_DEVICE_POOL
     if pool_kind(kind).needs_virtual:
-        if upstream not in (None, "virtual", "simulated") or (upstream != "simulated" and not virtual_memory()):
+        if upstream not in (None, "virtual", "simulated") or (upstream is None and not virtual_memory()):
             kind, options = FALLBACK_DEVICE_POOL
     return kind, dict(options)
 

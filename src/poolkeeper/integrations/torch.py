@@ -200,12 +200,12 @@ def installation() -> Optional[Installation]:
 
 def _virtual_memory_everywhere() -> bool:
     """Whether every CUDA device this process can see can run the expandable arena (CUDA virtual
-    memory). Asked of the driver, not of torch, which must not initialize CUDA before install()."""
+    memory). Asked of the driver, not of torch, which must not initialize CUDA before install(),
+    and by device attributes alone: ``poolkeeper.cuda.device_info`` would retain a context on
+    every device, hundreds of MiB each, in every process (a review found it)."""
     try:
-        from poolkeeper import cuda as pk_cuda
-
-        n = pk_cuda.device_count()
-        return n > 0 and all(pk_cuda.device_info(d).virtual_memory_supported for d in range(n))
+        n = int(_core.cuda_device_count())
+        return n > 0 and all(bool(_core.cuda_virtual_memory_supported(d)) for d in range(n))
     except Exception:  # no driver poolkeeper can use: the fallback pool asks nothing of it
         return False
 
