@@ -152,6 +152,46 @@ def test_shrink_hysteresis_resets_when_a_backing_is_used_between_scans():
     pool.validate()
 
 
+def test_a_cache_refill_restarts_the_hysteresis_of_the_backing_it_takes_from():
+    """A refill hands chunks to a thread cache without going through the locked hand-out, which
+    alone restarted a backing's count: a backing a cache had used since the last scan was given
+    back at the next one (review)."""
+    import threading
+
+    pool = pk.ArenaPool(sim(), initial_backing=MiB, max_backing=MiB, shrink_interval=0, shrink_hysteresis=2)
+    made, done = threading.Event(), threading.Event()
+
+    def other():  # a second thread cache, kept alive (its exit would fold it away)
+        pool.deallocate(pool.allocate(4 * KiB))
+        made.set()
+        done.wait()
+
+    t = threading.Thread(target=other)
+    t.start()
+    made.wait()
+    try:
+        r = pool.allocate(512 * KiB)
+        keep = pool.allocate(256 * KiB)  # the resident backing is full
+        x1, x2 = pool.allocate(512 * KiB), pool.allocate(512 * KiB)  # backing X
+        pool.deallocate(x1)
+        pool.deallocate(x2)
+        pool.flush_thread_cache()
+        pool.deallocate(r)
+        pool.flush_thread_cache()
+        assert pool.shrink_scan() == 0  # X free once
+        assert pool.allocate(512 * KiB) == r  # locked: refills this thread's cache from X
+        c = pool.allocate(512 * KiB)  # a cache hit: X's memory, used since the scan
+        assert c in (x1, x2)
+        pool.deallocate(c)
+        pool.flush_thread_cache()
+        assert pool.shrink_scan() == 0  # the refill restarted X's count
+    finally:
+        done.set()
+        t.join()
+    pool.deallocate(keep)
+    pool.validate()
+
+
 def test_automatic_shrink_runs_every_interval():
     pool = pk.ArenaPool(sim(), initial_backing=64 * KiB, max_backing=64 * KiB, thread_cache_bytes=0, shrink_interval=8)
     ptrs = [pool.allocate(64 * KiB) for _ in range(3)]

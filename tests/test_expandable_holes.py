@@ -127,6 +127,30 @@ def test_shrink_scans_unmap_a_middle_piece_only_after_the_hysteresis():
     pool.close()
 
 
+def test_a_growth_that_fills_a_hole_keeps_the_last_hand_out_of_the_free_chunk_it_joins():
+    """A growth into a hole merged the free chunk after the hole into its own, and the merged
+    chunk forgot that chunk's hand-out: a piece used since the last scan counted idle for two
+    scans and was unmapped at the next one (review)."""
+    up = sim()
+    pool = pool_in_granules(up, shrink_hysteresis=2, shrink_interval=0, map_piece=G)
+    a0, a1, a2 = pool.allocate(G), pool.allocate(G), pool.allocate(2 * G)
+    h, a5 = pool.allocate(2 * G), pool.allocate(G)
+    pool.deallocate(a2)
+    pool.trim()  # a two-piece hole before h
+    pool.deallocate(h)
+    assert pool.shrink_scan() == 0  # h's pieces free once
+    x = pool.allocate(2 * G)
+    assert x == h  # handed out again after that scan
+    pool.deallocate(x)
+    y = pool.allocate(3 * G)  # maps the hole and joins x's free chunk: h's second piece stays free
+    unmaps = pool.stats()["unmap_calls"]
+    assert pool.shrink_scan() == 0 and pool.stats()["unmap_calls"] == unmaps  # used since the last scan
+    consistent(pool, up)
+    for p in (a0, a1, a5, y):
+        pool.deallocate(p)
+    pool.close()
+
+
 def test_pending_releases_are_never_unmapped_until_their_stream_is_done():
     up = sim()
     pool = pool_in_granules(up)

@@ -377,6 +377,9 @@ class VirtualRange final : public BackingSource {
       ArenaChunk* h = next->first;
       if (h->st() == ChunkState::Free) {
         unindex(a_, h);
+        // The run keeps h's last hand-out: a shrink scan must not count h's pieces idle since
+        // before it (a reused piece was unmapped at the next scan; review).
+        run->used_epoch = std::max(run->used_epoch, h->used_epoch);
         run->size += h->size;
         run->next_addr = h->next_addr;
         if (h->next_addr) h->next_addr->prev_addr = run;
