@@ -114,7 +114,6 @@ void* ArenaPool::make_live_locked(ArenaChunk* c, std::size_t nbytes, Stream s) {
   c->requested = nbytes;
   c->alloc_stream = c->last_stream = s;
   c->set(ChunkState::Live);
-  c->backing->free_scans = 0;
   c->used_epoch = scan_epoch_;
   table_.insert(c->addr, c);
   live_.store(live_.load(std::memory_order_relaxed) + nbytes, std::memory_order_relaxed);
@@ -256,12 +255,16 @@ void ArenaPool::coalesce_locked() {
 }
 
 // c's next neighbour, already out of the index or lane and counted in c->size, leaves the list.
-void ArenaPool::swallow_next_locked(ArenaChunk* c) {
+void ArenaPool::join_next_locked(ArenaChunk* c) {
   ArenaChunk* n = c->next_addr;
-  c->used_epoch = std::max(c->used_epoch, n->used_epoch);
+  c->used_epoch = std::max(c->used_epoch, n->used_epoch);  // a shrink scan must see n's last hand-out
   c->next_addr = n->next_addr;
   if (n->next_addr) n->next_addr->prev_addr = c;
   chunk_nodes_.destroy(n);
+}
+
+void ArenaPool::swallow_next_locked(ArenaChunk* c) {
+  join_next_locked(c);
   ++ev_.merges;
 }
 

@@ -379,7 +379,6 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
     c->set(ChunkState::ThreadCached);
     c->cache_tag = kNoStream;
     c->used_epoch = scan_epoch_;
-    c->backing->free_scans = 0;  // handed out (to a cache) since the last scan, as make_live_locked counts it
     table_.insert(c->addr, c);
     bin->size = rounded;
     bin->stream = kNoStream;

@@ -84,11 +84,14 @@ class SeparateBackings final : public BackingSource {
   std::size_t release_free(Detached& out, bool hysteresis) override {
     std::size_t bytes = 0;
     for (ArenaBacking* b : std::vector<ArenaBacking*>(a_.backings_)) {
-      if (b->resident || !wholly_free(b)) {
+      std::uint64_t used = 0;
+      if (b->resident || !wholly_free(b, &used)) {
         b->free_scans = 0;
         continue;
       }
-      if (hysteresis && ++b->free_scans < a_.opt_.shrink_hysteresis) continue;
+      if (hysteresis &&
+          (b->free_scans = idle_scans_after(true, used, a_.scan_epoch_, b->free_scans)) < a_.opt_.shrink_hysteresis)
+        continue;
       bytes += b->size;
       a_.release_backing_locked(b, out);
     }

@@ -375,19 +375,14 @@ class VirtualRange final : public BackingSource {
     }
     if (next && at + n == next->addr) {  // the gap is filled: next joins this segment
       ArenaChunk* h = next->first;
+      run->next_addr = h;  // run ends the segment: h follows it now
+      h->prev_addr = run;
       if (h->st() == ChunkState::Free) {
         unindex(a_, h);
-        // The run keeps h's last hand-out: a shrink scan must not count h's pieces idle since
-        // before it (a reused piece was unmapped at the next scan; review).
-        run->used_epoch = std::max(run->used_epoch, h->used_epoch);
         run->size += h->size;
-        run->next_addr = h->next_addr;
-        if (h->next_addr) h->next_addr->prev_addr = run;
         seg->last = next->last == h ? run : next->last;
-        a_.chunk_nodes_.destroy(h);
+        a_.join_next_locked(run);  // keeps h's last hand-out for the shrink scans (a review found it lost)
       } else {
-        seg->last->next_addr = h;
-        h->prev_addr = seg->last;
         seg->last = next->last;
       }
       for (ArenaChunk* c = run->next_addr; c; c = c->next_addr) c->backing = seg;
@@ -446,10 +441,8 @@ class VirtualRange final : public BackingSource {
         const bool in_tail = si + 1 == segs.size() && ps >= tail_start;
         if ((!holes && !in_tail) || (keep_tail && in_tail)) free = false;
         if (hysteresis) {
-          // As separate backings count (their count restarts when a chunk is handed out): free
-          // now, and the count restarts at 1 if something over it was handed out since the last scan.
           Piece& p = it->second;
-          p.idle_scans = !free ? 0 : used >= a_.scan_epoch_ ? 1 : p.idle_scans + 1;
+          p.idle_scans = idle_scans_after(free, used, a_.scan_epoch_, p.idle_scans);
           free = p.idle_scans >= a_.opt_.shrink_hysteresis;
         }
         if (free && ps != va_base_) victims.push_back(ps);

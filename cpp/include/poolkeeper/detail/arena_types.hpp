@@ -28,7 +28,7 @@ struct ArenaBacking {
   std::size_t size = 0;
   bool resident = false, oversize = false;
   bool dirty = false;            // some free chunk here may have a free neighbour (a merge is owed)
-  std::size_t free_scans = 0;    // consecutive shrink scans that found it wholly free
+  std::size_t free_scans = 0;    // consecutive shrink scans that found it wholly free and unused (idle_scans_after)
   ArenaChunk* first = nullptr;
   ArenaChunk* last = nullptr;    // the chunk at the end (an expandable backing grows from it)
 };

@@ -253,6 +253,10 @@ class ArenaPool final : public Pool {
   void unlive_locked(detail::ArenaChunk* c);
   void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
   void coalesce_locked();
+  // c takes in its next neighbour (the caller has already added its size): the list, the later
+  // hand-out (used_epoch) and the node. join_next_locked is the bare step (a growth joining a
+  // segment uses it); swallow_next_locked also counts a merge.
+  void join_next_locked(detail::ArenaChunk* c);
   void swallow_next_locked(detail::ArenaChunk* c);
   bool same_lane_pending(const detail::ArenaChunk* a, const detail::ArenaChunk* b) const;
   void note_pending_locked(detail::ArenaChunk* c);

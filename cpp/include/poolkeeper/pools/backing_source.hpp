@@ -19,6 +19,7 @@
 // error (UpstreamOutOfMemory, UpstreamFailure) when it refuses; in every case the books still
 // satisfy validate() (memory mapped before a later refusal stays, filed as free).
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -47,11 +48,25 @@ struct LimitHit {};  // growth would pass the pool's limit
 
 using Detached = std::vector<std::pair<void*, std::size_t>>;
 
-// Every chunk of b is Free (not live, pending or thread-cached).
-inline bool wholly_free(const ArenaBacking* b) {
-  for (const ArenaChunk* c = b->first; c; c = c->next_addr)
+// Every chunk of b is Free (not live, pending or thread-cached). `used`, when given, gets the
+// latest epoch in which one of them was handed out (ArenaChunk::used_epoch).
+inline bool wholly_free(const ArenaBacking* b, std::uint64_t* used = nullptr) {
+  std::uint64_t u = 0;
+  for (const ArenaChunk* c = b->first; c; c = c->next_addr) {
     if (c->st() != ChunkState::Free) return false;
+    u = std::max(u, c->used_epoch);
+  }
+  if (used) *used = u;
   return true;
+}
+
+// A shrink scan's count for memory (a backing, a piece) of consecutive scans in which it sat free
+// and was handed to no one: 0 when it is not free now, 1 when something over it was handed out
+// since the last scan (its latest used_epoch is this scan's epoch), else one more than before.
+// Every hand-out (a block made live, a thread-cache refill, a cache flush) stamps used_epoch, and
+// merges keep the later stamp, so no path has to restart the count itself.
+inline std::size_t idle_scans_after(bool free, std::uint64_t last_used, std::uint64_t epoch, std::size_t before) {
+  return !free ? 0 : last_used >= epoch ? 1 : before + 1;
 }
 
 class BackingSource {
