@@ -1,0 +1,87 @@
+"""benchmarks/llama_divergence.py: its pure parts (where two runs part, the layout digest of a
+pool's log) without torch."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "llama_divergence.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("llama_divergence_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ld = _load()
+
+
+def _run(tokens, modules, last_tokens=None, margins=None):
+    return {"tokens": tokens, "modules": modules, "last_tokens": last_tokens, "margins": margins or []}
+
+
+def test_script_imports_without_torch():
+    code = f"import importlib.util,sys; s=importlib.util.spec_from_file_location('m', {SCRIPT!r}); " \
+           "m=importlib.util.module_from_spec(s); s.loader.exec_module(m); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_compare_names_the_first_module_whose_bits_differ_and_the_addresses_there():
+    base = _run(["a", "b"], [[0, "m.in (input)", 1, 0], [0, "m.in", 2, 0], [1, "m.out (input)", 3, 0], [1, "m.out", 4, 512]])
+    run = _run(["a", "b"], [[0, "m.in (input)", 1, 0], [0, "m.in", 2, 0], [1, "m.out (input)", 3, 256], [1, "m.out", 5, 768]])
+    c = ld.compare(base, run)
+    assert c["requests_differ"] == []
+    # The input's bits are the same (its address is not what is compared): the output is first.
+    assert c["first_module_differs"] == {"step": 1, "module": "m.out", "addr_mod_4k": [512, 768]}
+
+
+def test_compare_finds_an_input_that_differs_before_its_module_output():
+    base = _run(["a"], [[3, "attn.o_proj (input)", 7, 0], [3, "attn.o_proj", 8, 0]])
+    run = _run(["a"], [[3, "attn.o_proj (input)", 9, 0], [3, "attn.o_proj", 10, 0]])
+    assert ld.compare(base, run)["first_module_differs"]["module"] == "attn.o_proj (input)"
+
+
+def test_compare_reports_the_margin_of_the_first_token_that_differs():
+    # Two rows, 3 steps; row 1 parts at step 2, where the base's margin was one bf16 step and the
+    # run's an exact tie.
+    base = _run(["x", "y"], [], last_tokens=[[1, 2, 3], [4, 5, 6]], margins=[[0.5, 0.5], [0.25, 0.2], [0.1, 0.03125]])
+    run = _run(["x", "z"], [], last_tokens=[[1, 2, 3], [4, 5, 7]], margins=[[0.5, 0.5], [0.25, 0.2], [0.1, 0.0]])
+    c = ld.compare(base, run)
+    assert c["requests_differ"] == [1]
+    assert c["first_token_differs"] == {"row": 1, "step": 2, "margin_base": 0.03125, "margin_run": 0.0}
+    assert "first_module_differs" not in c
+
+
+def test_compare_says_when_the_runs_called_other_modules():
+    base = _run(["a"], [[0, "m1", 1, 0]])
+    run = _run(["a"], [[0, "m2", 1, 0]])
+    assert ld.compare(base, run)["module_order_differs"] == [[0, "m1"], [0, "m2"]]
+
+
+def test_layout_digest_keeps_action_address_size_in_order_and_ignores_thread_and_time(tmp_path):
+    def log(name, rows, gz=False):
+        p = tmp_path / name
+        text = "Thread,Time,Action,Pointer,Size,Stream\n" + "".join(",".join(r) + "\n" for r in rows)
+        if gz:
+            with gzip.open(p, "wt") as f:
+                f.write(text)
+        else:
+            p.write_text(text)
+        return str(p)
+
+    a = log("a.csv", [("1", "10:00:00.1", "allocate", "7f00", "256", "0"), ("1", "10:00:00.2", "free", "7f00", "256", "0")])
+    b = log("b.csv.gz", [("9", "11:11:11.9", "allocate", "7f00", "256", "0"), ("9", "11:11:12.0", "free", "7f00", "256", "0")], gz=True)
+    c = log("c.csv", [("1", "10:00:00.1", "allocate", "7f00", "256", "0"), ("1", "10:00:00.2", "free", "7f00", "512", "0")])
+    d = log("d.csv", [("1", "10:00:00.2", "free", "7f00", "256", "0"), ("1", "10:00:00.1", "allocate", "7f00", "256", "0")])
+    assert ld.layout_digest(a) == ld.layout_digest(b)
+    assert ld.layout_digest(a) != ld.layout_digest(c)
+    assert ld.layout_digest(a) != ld.layout_digest(d)
+    assert ld.layout_digest(str(tmp_path / "missing.csv")) is None
