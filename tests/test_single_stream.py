@@ -331,3 +331,103 @@ def test_synchronize_settles_home_releases_so_shrink_runs_again():
     pool.deallocate(small, None)  # a release: a scan runs, nothing is unsettled
     assert pool.stats()["upstream_deallocations"] > 0
     check(pool)
+
+
+def scans_and_releases(pool) -> tuple:
+    st = pool.stats()
+    return st["shrink_scans"], st["upstream_deallocations"] + st.get("unmap_calls", 0)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_automatic_shrink_releases_settled_home_memory_without_waiting(expandable):
+    """Before: scans skipped while any home release was unsettled, which on a live run is nearly
+    always, so a single-stream pool never shrank on its own. Now each scan records an event on
+    home, and the next one releases what was free before it once the device has passed it."""
+    sim, pool, home, _ = make(expandable=expandable, shrink_interval=1, shrink_hysteresis=1)
+    if expandable and not sim.supports_virtual:
+        pytest.skip("Simulated upstream without virtual memory on this host")
+    small = [pool.allocate(4 * KiB, home) for _ in range(2)]
+    big = [pool.allocate(3 * MiB, home) for _ in range(4)]
+    sim.enqueue(home, 100)
+    for p in big:
+        pool.deallocate(p, home)  # a scan at each: the device is still busy, nothing goes
+    assert scans_and_releases(pool)[1] == 0
+    sim.advance(150)  # the device has run past every release
+    pool.deallocate(small[0], home)  # the next scan finds its predecessor's event complete
+    st = pool.stats()
+    assert scans_and_releases(pool)[1] > 0 and sim.now == 150  # released, and nothing waited
+    assert st["home_barriers"] == 0 and st["single_stream"] == 1
+    check(pool)
+    pool.deallocate(small[1], home)
+    sim.advance(10)
+    pool.trim()
+    check(pool)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_shrink_scan_never_releases_memory_freed_after_the_event_it_relies_on(expandable):
+    """The event a scan trusts was recorded at the previous scan; memory freed after that scan may
+    still be in use by work queued later, whatever that event says."""
+    sim, pool, home, _ = make(expandable=expandable, shrink_interval=1, shrink_hysteresis=1)
+    if expandable and not sim.supports_virtual:
+        pytest.skip("Simulated upstream without virtual memory on this host")
+    keep = [pool.allocate(4 * KiB, home) for _ in range(3)]
+    if expandable:  # fill the first (resident) piece, so that a and b each have pieces of their own
+        keep.append(pool.allocate(2 * MiB - 3 * 4 * KiB, home))
+    a = pool.allocate(4 * MiB, home)
+    b = pool.allocate(4 * MiB, home)
+    sim.enqueue(home, 100)
+    pool.deallocate(a, home)  # scan 1: a free once; event E1 (done at 100)
+    sim.advance(100)
+    sim.enqueue(home, 1000)  # b's last use: until 1100
+    pool.deallocate(b, home)  # scan 2: E1 done, a free at scan 1 too: a goes; b (free once) stays
+    released_a = scans_and_releases(pool)[1]
+    assert released_a > 0
+    pool.deallocate(keep[0], home)  # scan 3: E2 (after b's release) not done: b stays
+    assert scans_and_releases(pool)[1] == released_a
+    sim.advance(1000)  # now 1100: home has passed b's release
+    pool.deallocate(keep[1], home)  # scan 4: E3 done: b goes
+    assert scans_and_releases(pool)[1] > released_a and sim.now == 1100
+    assert pool.stats()["home_barriers"] == 0
+    check(pool)
+    for p in keep[2:]:
+        pool.deallocate(p, home)
+
+
+def test_a_scan_that_finds_every_home_release_passed_settles_the_pool():
+    """With no home release since the last scan's event and the event complete, nothing is
+    unsettled: trim then gives memory back without waiting for the device."""
+    sim, pool, home, _ = make(shrink_interval=1, shrink_hysteresis=4)
+    keep = pool.allocate(4 * KiB, None)  # no stream yet: the mode stays (no home)
+    a = pool.allocate(3 * MiB, home)
+    sim.enqueue(home, 100)
+    pool.deallocate(a, home)  # scan: event recorded after the only home release
+    sim.advance(200)
+    pool.deallocate(keep, None)  # a release without a stream never waits; its scan settles
+    st = pool.stats()
+    assert st["home_settles"] == 1 and st["home_barriers"] == 0
+    assert pool.trim() > 0 and pool.stats()["home_barriers"] == 0 and sim.now == 200
+    check(pool)
+
+
+def test_no_settle_event_is_recorded_while_a_capture_scope_is_open():
+    sim, pool, home, other = make(shrink_interval=1)
+    keep = pool.allocate(4 * KiB, home)
+    a = pool.allocate(3 * MiB, home)
+    sim.enqueue(home, 100)
+    pool.deallocate(a, home)  # unsettled: outside a scope, its scan records a settle event
+    recorded = sim.events_recorded
+    assert recorded == 1
+    gp = _core.GraphPools(pool)
+    gp.begin((1, 0), other)  # a capture scope: home is being captured
+    sim.begin_capture(home)
+    pool.deallocate(keep, None)  # no event for the release itself; its scan records none either
+    assert sim.end_capture(home), sim.last_capture_violation
+    gp.end((1, 0))
+    assert sim.events_recorded == recorded and sim.capture_violations == 0
+    keep = pool.allocate(4 * KiB, home)
+    check(pool)
+    pool.deallocate(keep, home)
+    sim.advance(200)
+    pool.trim()
+    check(pool)

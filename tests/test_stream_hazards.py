@@ -34,7 +34,7 @@ def _run(seed: int, expandable: bool, single_stream: bool = False, home_share: i
     if rng.random() < 0.3:
         kw["limit"] = rng.choice([24, 48]) * MiB
     if single_stream:
-        # Frequent shrink scans too: none may give back home memory the device may still use.
+        # Frequent shrink scans too: they release home memory only behind their own settle events.
         kw.update(single_stream=True, shrink_interval=rng.choice([1, 3, 4096]), shrink_hysteresis=rng.choice([1, 2]))
     pool = pk.ArenaPool(up, **kw)
     streams = [sim.stream() for _ in range(3)]

@@ -194,3 +194,54 @@ assert bool((y == 2).all()), "the home stream's late write landed in the side st
     )
     assert "same block: True" in out
 
+
+@pytest.mark.parametrize("kind", ["arena", "arena_expandable"])
+def test_single_stream_shrink_scans_wait_for_their_event_not_for_the_device(kind):
+    """Automatic shrink in single-stream mode: while the home stream still has queued work on a
+    released block, scans (one per release here) must leave it mapped (the late fill would fault
+    on unmapped memory); once the device has run past it, a later scan gives it back, without a
+    wait of its own (home_barriers stays 0)."""
+    out = run_isolated(
+        PRELUDE
+        + f"""
+import time
+pkt.install("{kind}", single_stream=True, shrink_interval=1, shrink_hysteresis=1, thread_cache_bytes=0)
+small = [torch.empty(256, dtype=torch.uint8, device="cuda") for _ in range(64)]
+big = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+for b in big:
+    b.fill_(0)  # loads the fill kernel now: its first launch loads the module, and that waits for the device
+torch.cuda.synchronize()
+before = pkt.pools()[0].stats()
+t0 = time.perf_counter()
+torch.cuda._sleep(2_000_000_000)  # about 1 s of device time on the home (default) stream
+for b in big:
+    b.fill_(1)
+del b
+big.clear()  # released on home while the fills are still queued
+for _ in range(32):
+    small.pop()  # releases: a shrink scan each
+st = pkt.pools()[0].stats()
+# The premise, read after the figures: home was still busy, so whatever they show went upstream
+# while its queued fills could still write the memory.
+busy = not torch.cuda.current_stream().query()
+print("released while busy:", st["upstream_deallocations"] - before["upstream_deallocations"],
+      st.get("unmap_calls", 0) - before.get("unmap_calls", 0), "home busy:", busy,
+      "host s since the sleep: %.3f" % (time.perf_counter() - t0), "scans:", st["shrink_scans"],
+      "settles:", st["home_settles"], "barriers:", st["home_barriers"])
+assert busy, "the device finished the sleep before the check: the test proves nothing"
+assert st["upstream_deallocations"] == before["upstream_deallocations"], st
+assert st.get("unmap_calls", 0) == before.get("unmap_calls", 0), st
+torch.cuda.synchronize()  # the device has run past every release
+for _ in range(32):
+    small.pop()
+st = pkt.pools()[0].stats()
+gone = st["upstream_deallocations"] + st.get("unmap_calls", 0)
+print("released after:", gone, "barriers:", st["home_barriers"], "mode:", st["single_stream"])
+assert gone > 0 and st["home_barriers"] == 0 and st["single_stream"] == 1, st
+x = torch.ones(1 << 20, device="cuda")
+assert float(x.sum()) == float(1 << 20)
+pkt.pools()[0].validate()
+"""
+    )
+    print(out)  # the figures, also when it passes (pytest -s)
+    assert "released after:" in out

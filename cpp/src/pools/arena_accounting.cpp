@@ -77,7 +77,8 @@ PoolStats ArenaPool::stats_locked() {
                   {"slow_deallocations", ev_.slow_frees}, {"nowait_allocations", ev_.nowait_allocs},
                   {"nowait_deallocations", ev_.nowait_frees},
                   {"single_stream", single_active_.load(std::memory_order_relaxed) ? 1 : 0},
-                  {"home_frees", ev_.home_frees}, {"home_barriers", ev_.home_barriers}});
+                  {"home_frees", ev_.home_frees}, {"home_barriers", ev_.home_barriers},
+                  {"home_settles", ev_.home_settles}});
   StreamOrderCounters so;
   so.add(order_);
   so.report(st);
@@ -154,6 +155,8 @@ void ArenaPool::validate() {
   if (home_dirty_ && (!single_active_.load() || home_.load() == kNoStream))
     fail("home releases unsettled outside single-stream mode");
   if (single_active_.load() && nshards_ != 1) fail("single-stream mode with several shards");
+  if (home_fence_set_ && !home_dirty_) fail("a shrink scan's settle event kept with nothing unsettled");
+  if (fence_passed_) fail("a shrink scan's settle point left set outside the scan");
   std::size_t reserved = 0, live = 0, overhead = 0, free_b = 0, pending = 0, cached = 0, nlive = 0, ncached = 0;
   std::uintptr_t prev_end = 0;
   std::size_t dirty = 0;

@@ -85,6 +85,7 @@ ArenaPool::~ArenaPool() {
       if (home_barrier_locked()) source_->release_unused(out);  // else: nothing goes back (in use)
     } catch (...) {
     }
+    drop_home_fence_locked();
   }
   for (auto& [p, n] : out) {
     try {
@@ -346,8 +347,10 @@ std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteres
   // invalidate the capture (capture.hpp). The scan simply finds nothing to release.
   if (upstream_->captures_underway() > 0) return 0;
   // Single-stream mode: memory filed free at a home release may still be in use by the device.
-  // Trim waits for the home stream first; automatic scans never wait, so they skip.
-  if (home_dirty_ && (hysteresis || !home_barrier_locked())) return 0;
+  // Trim waits for the home stream first. Automatic scans never wait: they still count free scans
+  // (a skipped count would let the next scan take memory freed after its predecessor for memory
+  // free since then), and release only when scan_may_release().
+  if (home_dirty_ && !hysteresis && !home_barrier_locked()) return 0;
   return source_->release_free(out, hysteresis);
 }
 
@@ -379,9 +382,57 @@ void ArenaPool::tick_locked(Detached& out) {
 
 std::size_t ArenaPool::scan_locked(Detached& out) {
   ++ev_.shrink_scans;
-  const std::size_t bytes = release_free_backings_locked(out, true);
+  fence_passed_ = home_dirty_ && poll_home_fence_locked();
+  std::size_t bytes = 0;
+  try {
+    bytes = release_free_backings_locked(out, true);
+  } catch (...) {
+    fence_passed_ = false;
+    throw;
+  }
+  fence_passed_ = false;
+  if (home_dirty_) fence_home_locked();
   ++scan_epoch_;  // chunks handed out from now on were used since this scan
   return bytes;
+}
+
+bool ArenaPool::poll_home_fence_locked() {
+  if (!home_fence_set_ || upstream_->captures_underway() > 0) return false;
+  bool done = false;
+  try {
+    done = upstream_->query_event(home_fence_);
+  } catch (const UpstreamFailure&) {
+    return false;  // unknown: treated as not yet (trim and synchronize still wait for home)
+  }
+  if (done && ev_.home_frees == fence_home_frees_) {
+    // Home has run past every release filed free so far: settled, as after a barrier.
+    drop_home_fence_locked();
+    home_dirty_ = false;
+    ++ev_.home_settles;
+  }
+  return done;
+}
+
+void ArenaPool::fence_home_locked() {
+  drop_home_fence_locked();
+  if (upstream_->captures_underway() > 0) return;
+  try {
+    home_fence_ = upstream_->record_event(home_.load(std::memory_order_relaxed));
+  } catch (const UpstreamFailure&) {
+    return;  // a destroyed home stream: no settle point; trim and synchronize still wait
+  }
+  home_fence_set_ = true;
+  fence_home_frees_ = ev_.home_frees;
+}
+
+void ArenaPool::drop_home_fence_locked() {
+  if (!home_fence_set_) return;
+  home_fence_set_ = false;
+  try {
+    upstream_->release_event(home_fence_);
+  } catch (...) {
+  }
+  home_fence_ = kNullEvent;
 }
 
 // ---------------------------------------------------------------- single-stream mode
@@ -430,6 +481,7 @@ bool ArenaPool::home_barrier_locked() {
   } else {
     order_.wait_for_stream(h);
   }
+  drop_home_fence_locked();
   home_dirty_ = false;
   ++ev_.home_barriers;
   return true;
@@ -456,6 +508,7 @@ void ArenaPool::end_single_locked() {
       order_.defer(c, h);
       note_pending_locked(c);
     }
+  drop_home_fence_locked();
   home_dirty_ = false;
 }
 

@@ -90,7 +90,8 @@ class SeparateBackings final : public BackingSource {
         continue;
       }
       if (hysteresis &&
-          (b->free_scans = idle_scans_after(true, used, a_.scan_epoch_, b->free_scans)) < a_.opt_.shrink_hysteresis)
+          ((b->free_scans = idle_scans_after(true, used, a_.scan_epoch_, b->free_scans)) < a_.scans_to_release() ||
+           !a_.scan_may_release()))
         continue;
       bytes += b->size;
       a_.release_backing_locked(b, out);

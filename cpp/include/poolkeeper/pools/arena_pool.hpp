@@ -43,10 +43,12 @@
 //   no other stream can be served meanwhile: the fast path refuses them and the locked path ends
 //   the mode first). `home_dirty_` marks memory the device may still be using; before any of it
 //   goes upstream (trim, OOM recovery, close, synchronize) the pool waits for home
-//   (home_barrier_locked); the paths that need not release (automatic shrink scans, a growth's
-//   release_on_grow and stitched-range teardowns, a free's teardown) skip instead (the virtual
-//   source checks home_dirty_ at each unmap and unalias); ending the mode waits once (or, while
-//   home is being captured, turns every free chunk pending on home).
+//   (home_barrier_locked); the paths that need not release (a growth's release_on_grow and
+//   stitched-range teardowns, a free's teardown) skip instead (the virtual source checks
+//   home_dirty_ at each unmap and unalias); automatic shrink scans never wait either: each records
+//   an event on home, and the next scan releases only memory free since the previous one, once
+//   that event has completed (home_fence_); ending the mode waits once (or, while home is being
+//   captured, turns every free chunk pending on home).
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread and transfer caches included)
@@ -144,7 +146,8 @@ struct ArenaOptions {
   // best fit sees it. The first allocation on another stream or without one waits, once, for
   // the home stream to pass its releases, and the mode ends. Memory goes back to the upstream
   // (trim, OOM recovery, close, release_on_grow) only after such a wait; automatic shrink scans
-  // wait for nothing and are skipped while home releases are unsettled.
+  // wait for nothing: each records an event on home, and the next releases what was free at both
+  // scans once that event has completed.
   bool single_stream = false;
 };
 
@@ -279,6 +282,20 @@ class ArenaPool final : public Pool {
   // while a capture scope is open (no event may be recorded then; nothing is released then anyway).
   bool home_barrier_locked();
   void end_single_locked();  // the barrier, then the mode ends for good
+  // Shrink scans' settle point (home_fence_): poll the previous scan's event (true: complete; clears
+  // home_dirty_ when no home release came after it), record the next one, drop it. Never wait; never
+  // during a capture scope (a query may synchronize, an event recorded then joins the graph).
+  bool poll_home_fence_locked();
+  void fence_home_locked();
+  void drop_home_fence_locked();
+  // Consecutive free scans before a shrink scan may release memory: shrink_hysteresis, and at least
+  // 2 while home releases are unsettled (free at the previous scan too, so every release over it
+  // came before that scan's event; fence_passed_ says whether home has run past it).
+  std::size_t scans_to_release() const {
+    return home_dirty_ && opt_.shrink_hysteresis < 2 ? 2 : opt_.shrink_hysteresis;
+  }
+  // Whether the shrink scan under way may release what has stayed free for scans_to_release().
+  bool scan_may_release() const { return !home_dirty_ || fence_passed_; }
   // A release of c on s may be filed free at once (single-stream mode, c used on s alone).
   bool home_release_locked(const detail::ArenaChunk* c, Stream s) const;
   // c, released on home while the mode lasts, into the free index (the device may still use it).
@@ -333,6 +350,15 @@ class ArenaPool final : public Pool {
   std::atomic<bool> single_active_{false};
   std::atomic<Stream> home_{kNoStream};
   bool home_dirty_ = false;  // guarded by mu_: a home release was filed free since the last barrier
+  // Automatic shrink's settle point while home releases are unsettled: an event recorded on home at
+  // the end of each shrink scan. A scan that finds the previous one's event complete knows home has
+  // run past every release filed before that scan, so memory free since then (and handed to no one
+  // since) may go upstream without waiting; if no home release came after the event, home_dirty_
+  // clears. Guarded by mu_; home_fence_set_ implies home_dirty_.
+  EventId home_fence_ = kNullEvent;
+  bool home_fence_set_ = false;
+  std::uint64_t fence_home_frees_ = 0;  // ev_.home_frees when home_fence_ was recorded
+  bool fence_passed_ = false;  // during a shrink scan only: the previous scan's event has completed
   // Event counters for stats() extras.
   struct Events {
     std::uint64_t coalesce_passes = 0, merges = 0, shrink_scans = 0, pressure_passes = 0, oom_retries = 0;
@@ -349,6 +375,7 @@ class ArenaPool final : public Pool {
     std::uint64_t stream_runs = 0;   // runs of free and same-stream pending chunks merged instead of growing
     std::uint64_t shard_fallbacks = 0;  // threads sent home to shard 0: their shard could not be made
     std::uint64_t home_frees = 0, home_barriers = 0;  // single-stream mode: releases filed free at once, waits
+    std::uint64_t home_settles = 0;  // single-stream mode: home_dirty_ cleared by a scan's event, no wait
   } ev_;  // guarded by mu_
 };
 
