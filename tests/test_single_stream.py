@@ -431,3 +431,66 @@ def test_no_settle_event_is_recorded_while_a_capture_scope_is_open():
     sim.advance(200)
     pool.trim()
     check(pool)
+
+
+def test_a_capture_scope_closing_during_a_shrink_scan_does_not_let_the_next_scan_free_busy_memory():
+    # Regression: a scan skipped its count while a capture scope was open, then (the scope closed
+    # meanwhile by another thread) recorded a settle event and advanced the epoch anyway. A block
+    # handed out before that scan then looked free at two scans in a row, and the next scan gave
+    # it back while work queued on home after the event still used it. The window is a race, so
+    # this runs until it sees one or its time is up; without the fix it found one in a few
+    # seconds on a 2-core machine.
+    import sys
+    import threading
+    import time
+
+    sim = pk.upstream.Simulated(latency_us=0)
+    home, other = sim.stream(), sim.stream()
+    pool = pk.ArenaPool(sim, single_stream=True, shrink_interval=1, shrink_hysteresis=1, thread_cache_bytes=0)
+    gp = _core.GraphPools(pool)
+    keep = pool.allocate(256, home)
+    stop, go = threading.Event(), threading.Event()
+
+    def toggle_scopes() -> None:
+        while not stop.is_set():
+            if not go.wait(0.01):
+                continue
+            gp.begin((7, 0), other)
+            gp.end((7, 0))
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    th = threading.Thread(target=toggle_scopes, daemon=True)
+    th.start()
+    hazards = 0
+    try:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and not hazards:
+            sim.advance(max(0.0, sim.busy_until(home) - sim.now) + 1)  # home idle
+            x = pool.allocate(64 * MiB, home)
+            pool.deallocate(x, home)  # a scan counts x's backing free once
+            x = pool.allocate(64 * MiB, home)  # handed out again
+            b = pool.buffer(256, home)
+            go.set()
+            b.release()  # a scan (the GIL released) while scopes open and close
+            go.clear()
+            while sim.captures_underway:  # the scopes' thread finishes its round, then none is open
+                time.sleep(0)
+            time.sleep(0.0005)
+            while sim.captures_underway:
+                time.sleep(0)
+            before = pool.stats()["upstream_deallocations"]
+            sim.enqueue(home, 1000)  # x's last use, queued after that scan's event
+            pool.deallocate(x, home)  # the next scan
+            if pool.stats()["upstream_deallocations"] > before and sim.busy_until(home) > sim.now:
+                hazards += 1
+            sim.advance(2000)
+            pool.trim()
+    finally:
+        stop.set()
+        go.set()
+        th.join(5)
+        sys.setswitchinterval(old_interval)
+    assert hazards == 0
+    pool.deallocate(keep, home)
+    pool.validate()

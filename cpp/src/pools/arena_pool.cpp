@@ -342,7 +342,8 @@ void ArenaPool::release_backing_locked(ArenaBacking* b, Detached& out) {
 
 // Release wholly free, non-resident backings: all of them (trim) or those wholly free for
 // shrink_hysteresis consecutive scans (automatic shrink). Returns bytes detached.
-std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteresis) {
+std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteresis, bool* counted) {
+  if (counted) *counted = false;
   // Never during a graph capture scope: a free or unmap may synchronize the device, which would
   // invalidate the capture (capture.hpp). The scan simply finds nothing to release.
   if (upstream_->captures_underway() > 0) return 0;
@@ -351,6 +352,7 @@ std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteres
   // (a skipped count would let the next scan take memory freed after its predecessor for memory
   // free since then), and release only when scan_may_release().
   if (home_dirty_ && !hysteresis && !home_barrier_locked()) return 0;
+  if (counted) *counted = true;
   return source_->release_free(out, hysteresis);
 }
 
@@ -384,13 +386,19 @@ std::size_t ArenaPool::scan_locked(Detached& out) {
   ++ev_.shrink_scans;
   fence_passed_ = home_dirty_ && poll_home_fence_locked();
   std::size_t bytes = 0;
+  bool counted = false;
   try {
-    bytes = release_free_backings_locked(out, true);
+    bytes = release_free_backings_locked(out, true, &counted);
   } catch (...) {
     fence_passed_ = false;
     throw;
   }
   fence_passed_ = false;
+  // A scan that counted nothing (a capture scope was open) is no scan: it records no settle point
+  // and keeps the epoch. Reading the scope again here instead let a scope that closed in between
+  // record an event and advance the epoch over uncounted memory, and the next scan gave back a
+  // block handed out before this one as if it had stayed free (a review found it).
+  if (!counted) return bytes;
   if (home_dirty_) fence_home_locked();
   ++scan_epoch_;  // chunks handed out from now on were used since this scan
   return bytes;

@@ -45,10 +45,11 @@
 //   goes upstream (trim, OOM recovery, close, synchronize) the pool waits for home
 //   (home_barrier_locked); the paths that need not release (a growth's release_on_grow and
 //   stitched-range teardowns, a free's teardown) skip instead (the virtual source checks
-//   home_dirty_ at each unmap and unalias); automatic shrink scans never wait either: each records
-//   an event on home, and the next scan releases only memory free since the previous one, once
-//   that event has completed (home_fence_); ending the mode waits once (or, while home is being
-//   captured, turns every free chunk pending on home).
+//   home_dirty_ at each unmap and unalias); automatic shrink scans never wait either: while home
+//   releases are unsettled each records an event on home, and the next scan releases only memory
+//   free since the previous one, once that event has completed (home_fence_; a scan a capture
+//   scope kept from counting records none and keeps the epoch); ending the mode waits once (or,
+//   while home is being captured, turns every free chunk pending on home).
 //
 // Invariants (validate()):
 //   reserved == live + free + pending + overhead  (thread and transfer caches included)
@@ -265,7 +266,9 @@ class ArenaPool final : public Pool {
   void note_pending_locked(detail::ArenaChunk* c);
   detail::ArenaBacking* adopt_locked(std::uintptr_t addr, std::size_t size, bool oversize, bool resident);
   void release_backing_locked(detail::ArenaBacking* b, Detached& out);
-  std::size_t release_free_backings_locked(Detached& out, bool hysteresis);
+  // counted: set when the backing source counted its free scans (false while a capture scope is
+  // open, or when trim could not wait for home).
+  std::size_t release_free_backings_locked(Detached& out, bool hysteresis, bool* counted = nullptr);
   void free_detached(Detached& d);
   void tick_locked(Detached& out);
   std::size_t scan_locked(Detached& out);  // one shrink scan: hysteresis release, then a new epoch
