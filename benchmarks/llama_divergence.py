@@ -5,13 +5,15 @@ close the tokens were where the outputs part.
 
 Each run is a fresh process that builds ``benchmarks/real_models.py``'s Llama-style model (same
 seed, same warm-up, the same first requests of its full plan, PyTorch's deterministic algorithms
-with uninitialized memory filled) under one allocator:
+with uninitialized memory filled; warnings only where an op has no deterministic version) under
+one allocator:
 
 - ``torch``: PyTorch's caching allocator;
 - ``torch_layout``: the same with ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:21,roundup_power2_divisions:16``
   (PyTorch's allocator, its blocks laid out differently);
-- ``default``: ``poolkeeper.integrations.torch.install()`` with no arguments, logging every
-  allocation and free so the layouts of the runs can be compared;
+- ``default``: the pool ``install()`` makes with no arguments on a device with virtual memory
+  (``poolkeeper.pools.default_device_pool``: the expandable arena, single-stream), built with a
+  log of every allocation and free and installed, so the layouts of the runs can be compared;
 - ``KIND`` or ``KIND+OPTION``: that pool installed.
 
 In the last request every module's output is checksummed (its bits, exactly) at every step
@@ -167,6 +169,8 @@ def compare(base: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
     diff = [i for i, (a, b) in enumerate(zip(base["tokens"], r["tokens"])) if a != b]
     out: Dict[str, Any] = {"requests_differ": diff}
     first = None
+    if len(base["modules"]) != len(r["modules"]):
+        out["module_records"] = [len(base["modules"]), len(r["modules"])]
     for x, y in zip(base["modules"], r["modules"]):
         if x[:2] != y[:2]:
             out["module_order_differs"] = [x[:2], y[:2]]
@@ -179,12 +183,18 @@ def compare(base: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:
                                        "addr_mod_4k": [first[0][3], first[1][3]]}
     bt, rt = base.get("last_tokens"), r.get("last_tokens")
     if bt and rt and bt != rt:
-        for row, (a, b) in enumerate(zip(bt, rt)):
-            if a != b:
-                k = next(j for j in range(len(a)) if a[j] != b[j])
-                out["first_token_differs"] = {"row": row, "step": k, "margin_base": base["margins"][k][row],
-                                              "margin_run": r["margins"][k][row]}
-                break
+        # The earliest step at which any row's token differs (each row's later tokens follow from
+        # its first difference), and every row that differs there.
+        firsts = [(next(j for j in range(min(len(a), len(b))) if a[j] != b[j]), row)
+                  for row, (a, b) in enumerate(zip(bt, rt)) if a != b and any(x != y for x, y in zip(a, b))]
+        if firsts:
+            k = min(f[0] for f in firsts)
+            rows = [row for step, row in firsts if step == k]
+            out["first_token_differs"] = {"row": rows[0], "step": k, "margin_base": base["margins"][k][rows[0]],
+                                          "margin_run": r["margins"][k][rows[0]]}
+            if len(rows) > 1:
+                out["first_token_differs"]["also_rows"] = rows[1:]
+        out["rows_differ"] = [row for _, row in sorted(firsts, key=lambda f: f[1])]
     return out
 
 

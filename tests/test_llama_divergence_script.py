@@ -57,7 +57,24 @@ def test_compare_reports_the_margin_of_the_first_token_that_differs():
     c = ld.compare(base, run)
     assert c["requests_differ"] == [1]
     assert c["first_token_differs"] == {"row": 1, "step": 2, "margin_base": 0.03125, "margin_run": 0.0}
+    assert c["rows_differ"] == [1]
     assert "first_module_differs" not in c
+
+
+def test_compare_takes_the_earliest_flip_over_every_row_not_the_lowest_row():
+    # Row 0 parts at step 3, row 1 at step 1 (a tie there): the flip that matters is row 1's.
+    margins = [[0.5, 0.5], [0.5, 0.0], [0.5, 0.5], [0.5, 0.5]]
+    base = _run(["x"], [], last_tokens=[[1, 2, 3, 4], [5, 6, 7, 8]], margins=margins)
+    run = _run(["y"], [], last_tokens=[[1, 2, 3, 9], [5, 0, 7, 8]], margins=margins)
+    c = ld.compare(base, run)
+    assert c["first_token_differs"] == {"row": 1, "step": 1, "margin_base": 0.0, "margin_run": 0.0}
+    assert c["rows_differ"] == [0, 1]
+
+
+def test_compare_says_when_one_run_recorded_more_modules():
+    base = _run(["a"], [[0, "m", 1, 0]])
+    run = _run(["a"], [[0, "m", 1, 0], [1, "m", 2, 0]])
+    assert ld.compare(base, run)["module_records"] == [1, 2]
 
 
 def test_compare_says_when_the_runs_called_other_modules():

@@ -315,7 +315,7 @@ def retire_log(monkeypatch, up: Uploader) -> list:
 @pytest.mark.parametrize("hook", ["fail_fill_at", "fail_copy_at"])
 @pytest.mark.parametrize("k", [0, 3, 9])
 def test_a_failing_fill_or_copy_raises_a_typed_error_and_leaves_the_pool_consistent(host, monkeypatch, hook, k):
-    n = 8 * CHUNK + 5  # 11 chunks with the ramp: k = 9 is near the end
+    n = 8 * CHUNK + 5  # 10 chunks with the ramp: k = 9 is the last
     data = payload(n, seed=k)
     with native(host, workers=3, depth=2) as up:
         up.warm_up()
