@@ -3,23 +3,10 @@ pool's log) without torch."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "llama_divergence.py")
+from benchmark_scripts import load_script, loading_imports_torch
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("llama_divergence_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ld = _load()
+ld = load_script("llama_divergence.py")
 
 
 def _run(tokens, modules, last_tokens=None, margins=None):
@@ -27,11 +14,7 @@ def _run(tokens, modules, last_tokens=None, margins=None):
 
 
 def test_script_imports_without_torch():
-    code = f"import importlib.util,sys; s=importlib.util.spec_from_file_location('m', {SCRIPT!r}); " \
-           "m=importlib.util.module_from_spec(s); s.loader.exec_module(m); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert not loading_imports_torch("llama_divergence.py")
 
 
 def test_compare_names_the_first_module_whose_bits_differ_and_the_addresses_there():

@@ -11,28 +11,15 @@ import subprocess
 import sys
 
 import pytest
+from benchmark_scripts import load_script, loading_imports_torch, script_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "real_models.py")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("real_models_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rm = _load()
+SCRIPT = script_path("real_models.py")
+rm = load_script("real_models.py")
 
 
 def test_script_imports_without_torch():
     # The parent must stay torch-free: torch is imported only in the arm's own process.
-    code = f"import importlib.util,sys; s=importlib.util.spec_from_file_location('m', {SCRIPT!r}); " \
-           "m=importlib.util.module_from_spec(s); s.loader.exec_module(m); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert not loading_imports_torch("real_models.py")
 
 
 def test_quantiles_nearest_rank():
