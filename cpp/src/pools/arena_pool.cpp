@@ -350,7 +350,7 @@ std::size_t ArenaPool::release_free_backings_locked(Detached& out, bool hysteres
   // Single-stream mode: memory filed free at a home release may still be in use by the device.
   // Trim waits for the home stream first. Automatic scans never wait: they still count free scans
   // (a skipped count would let the next scan take memory freed after its predecessor for memory
-  // free since then), and release only when scan_may_release().
+  // free since then), and release only what scan_may_release() allows.
   if (home_dirty_ && !hysteresis && !home_barrier_locked()) return 0;
   if (counted) *counted = true;
   return source_->release_free(out, hysteresis);

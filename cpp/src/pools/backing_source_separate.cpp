@@ -89,9 +89,7 @@ class SeparateBackings final : public BackingSource {
         b->free_scans = 0;
         continue;
       }
-      if (hysteresis &&
-          ((b->free_scans = idle_scans_after(true, used, a_.scan_epoch_, b->free_scans)) < a_.scans_to_release() ||
-           !a_.scan_may_release()))
+      if (hysteresis && !a_.scan_may_release(b->free_scans = idle_scans_after(true, used, a_.scan_epoch_, b->free_scans)))
         continue;
       bytes += b->size;
       a_.release_backing_locked(b, out);

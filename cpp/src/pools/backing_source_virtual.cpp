@@ -420,9 +420,8 @@ class VirtualRange final : public BackingSource {
   // stops the walk with that piece mapped and counted.
   std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
     // See dissolve(): home's queued work may still use free memory. A shrink scan counts anyway and
-    // releases only what the arena's settle point covers (scans_to_release, scan_may_release).
+    // releases only what the arena's settle point covers (scan_may_release).
     if (a_.home_dirty_ && !hysteresis) return 0;
-    const bool may_release = !hysteresis || a_.scan_may_release();
     std::vector<std::uintptr_t> victims;
     const bool holes = a_.opt_.reclaim_holes || any;
     const std::vector<ArenaBacking*> segs = main_segments();
@@ -446,9 +445,9 @@ class VirtualRange final : public BackingSource {
         if (hysteresis) {
           Piece& p = it->second;
           p.idle_scans = idle_scans_after(free, used, a_.scan_epoch_, p.idle_scans);
-          free = p.idle_scans >= a_.scans_to_release();
+          free = a_.scan_may_release(p.idle_scans);
         }
-        if (free && may_release && ps != va_base_) victims.push_back(ps);
+        if (free && ps != va_base_) victims.push_back(ps);
       }
     }
     if (min_bytes) {

@@ -78,6 +78,7 @@
 // claimed in the budget first); the expandable arena's map/unmap call the upstream under the
 // growing shard's lock only (docs/threads.md).
 #pragma once
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -291,14 +292,14 @@ class ArenaPool final : public Pool {
   bool poll_home_fence_locked();
   void fence_home_locked();
   void drop_home_fence_locked();
-  // Consecutive free scans before a shrink scan may release memory: shrink_hysteresis, and at least
-  // 2 while home releases are unsettled (free at the previous scan too, so every release over it
-  // came before that scan's event; fence_passed_ says whether home has run past it).
-  std::size_t scans_to_release() const {
-    return home_dirty_ && opt_.shrink_hysteresis < 2 ? 2 : opt_.shrink_hysteresis;
+  // Whether the shrink scan under way may release memory that has sat free and unused for
+  // `idle_scans` scans (idle_scans_after), the one rule both backing sources ask: shrink_hysteresis
+  // scans, and while home releases are unsettled at least 2 (free at the previous scan too, so every
+  // release over it came before that scan's event) with that event complete (fence_passed_).
+  bool scan_may_release(std::size_t idle_scans) const {
+    if (!home_dirty_) return idle_scans >= opt_.shrink_hysteresis;
+    return fence_passed_ && idle_scans >= std::max<std::size_t>(2, opt_.shrink_hysteresis);
   }
-  // Whether the shrink scan under way may release what has stayed free for scans_to_release().
-  bool scan_may_release() const { return !home_dirty_ || fence_passed_; }
   // A release of c on s may be filed free at once (single-stream mode, c used on s alone).
   bool home_release_locked(const detail::ArenaChunk* c, Stream s) const;
   // c, released on home while the mode lasts, into the free index (the device may still use it).
