@@ -26,7 +26,6 @@ but whose output is not computes differently depending on where its tensors lie.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -152,17 +151,13 @@ def child(arm: str, requests: int, out: str, log: Optional[str]) -> None:
 
 
 def layout_digest(path: str) -> Optional[str]:
-    """Every logged call's action, address and size, in order (times left out)."""
+    """A short digest of a pool log's layout as ``real_models.layout_key`` reads it (every call's
+    kind, size and address relative to the log's lowest, in order); None without the log."""
     if not path or not os.path.exists(path):
         return None
-    h = hashlib.sha256()
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        next(f, None)
-        for line in f:
-            parts = line.rstrip("\n").split(",")
-            h.update(",".join(parts[2:5]).encode())
-    return h.hexdigest()[:12]
+    import real_models as rm
+
+    return hashlib.sha256(repr(rm.layout_key(path)).encode()).hexdigest()[:12]
 
 
 def compare(base: Dict[str, Any], r: Dict[str, Any]) -> Dict[str, Any]:

@@ -66,7 +66,7 @@ def test_compare_says_when_the_runs_called_other_modules():
     assert ld.compare(base, run)["module_order_differs"] == [[0, "m1"], [0, "m2"]]
 
 
-def test_layout_digest_keeps_action_address_size_in_order_and_ignores_thread_and_time(tmp_path):
+def test_layout_digest_is_the_calls_in_order_with_addresses_relative_to_the_log(tmp_path):
     def log(name, rows, gz=False):
         p = tmp_path / name
         text = "Thread,Time,Action,Pointer,Size,Stream\n" + "".join(",".join(r) + "\n" for r in rows)
@@ -77,10 +77,14 @@ def test_layout_digest_keeps_action_address_size_in_order_and_ignores_thread_and
             p.write_text(text)
         return str(p)
 
-    a = log("a.csv", [("1", "10:00:00.1", "allocate", "7f00", "256", "0"), ("1", "10:00:00.2", "free", "7f00", "256", "0")])
-    b = log("b.csv.gz", [("9", "11:11:11.9", "allocate", "7f00", "256", "0"), ("9", "11:11:12.0", "free", "7f00", "256", "0")], gz=True)
-    c = log("c.csv", [("1", "10:00:00.1", "allocate", "7f00", "256", "0"), ("1", "10:00:00.2", "free", "7f00", "512", "0")])
-    d = log("d.csv", [("1", "10:00:00.2", "free", "7f00", "256", "0"), ("1", "10:00:00.1", "allocate", "7f00", "256", "0")])
+    def calls(base, second=0x100, t="10:00:00.1", thread="1"):
+        return [(thread, t, "allocate", hex(base), "256", "0"), (thread, t, "allocate", hex(base + second), "512", "0"),
+                (thread, t, "free", hex(base), "256", "0")]
+
+    a = log("a.csv", calls(0x7F0000))
+    b = log("b.csv.gz", calls(0x9A0000, t="11:11:11.9", thread="9"), gz=True)  # another base, time, thread
+    c = log("c.csv", calls(0x7F0000, second=0x200))  # the second block elsewhere
+    d = log("d.csv", list(reversed(calls(0x7F0000))))  # the calls in another order
     assert ld.layout_digest(a) == ld.layout_digest(b)
     assert ld.layout_digest(a) != ld.layout_digest(c)
     assert ld.layout_digest(a) != ld.layout_digest(d)
