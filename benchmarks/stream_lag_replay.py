@@ -48,6 +48,18 @@ def snapshot_events(trace):
     return events, list(pre.items())
 
 
+def load_traces():
+    """Every committed trace as {name: (events, pre-trace blocks)}, in the order the tables print."""
+    traces = {name: snapshot_events(read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz")))
+              for name in ("bert_serve", "gpt2_generate")}
+    traces["llama"] = (replay_torch_trace.load(replay_torch_trace.DEFAULT_TRACE), ())
+    # poolkeeper's own allocation logs of the H200 real-model runs (arena arm, LoggingPool CSV):
+    # the live sequences, weights loading included (benchmarks/real_models.py --log-dir).
+    for name in ("bert", "llama"):
+        traces[f"live_{name}"] = snapshot_events(read_log(os.path.join(HERE, "traces", f"live_{name}_arena.csv.gz")))
+    return traces
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pools", default="arena,arena_expandable")
@@ -60,13 +72,7 @@ def main() -> int:
 
     extra = parse_options(args.option)
     print("command: python3 benchmarks/stream_lag_replay.py " + " ".join(sys.argv[1:]))
-    traces = {name: snapshot_events(read_log(os.path.join(HERE, "traces", f"torch_{name}.pickle.gz")))
-              for name in ("bert_serve", "gpt2_generate")}
-    traces["llama"] = (replay_torch_trace.load(replay_torch_trace.DEFAULT_TRACE), ())
-    # poolkeeper's own allocation logs of the H200 real-model runs (arena arm, LoggingPool CSV):
-    # the live sequences, weights loading included (benchmarks/real_models.py --log-dir).
-    for name in ("bert", "llama"):
-        traces[f"live_{name}"] = snapshot_events(read_log(os.path.join(HERE, "traces", f"live_{name}_arena.csv.gz")))
+    traces = load_traces()
     runs = LAGS[:1] if args.idle_only else LAGS
     lags = ["idle" if not w else f"lag {w:g}/{a:g}" for w, a in runs]
     print("peak reserved / peak live, all on stream 0 of the Simulated device")

@@ -1,0 +1,48 @@
+"""benchmarks/granule_floor.py: the ideal whole-granule allocator's peak, on a trace small enough to
+add up by hand, and the script's table over the committed traces."""
+from __future__ import annotations
+
+from benchmark_scripts import load_script, loading_imports_torch
+
+gf = load_script("granule_floor.py")
+MiB = 1 << 20
+
+
+def test_script_imports_without_torch():
+    assert not loading_imports_torch("granule_floor.py")
+
+
+def test_large_blocks_take_whole_granules_and_small_ones_pack_into_the_fewest():
+    pre = [(0x100, 3 * MiB)]  # 2 granules
+    events = [
+        (True, 0x200, 1 * MiB, 0),      # small: 1 granule for the small bytes
+        (True, 0x300, 3 * MiB // 2, 0),  # small: 2.5 MiB of small bytes -> 2 granules
+        (True, 0x400, 2 * MiB, 0),      # exactly one granule
+        (False, 0x200, 0, 0),           # small bytes 1.5 MiB -> 1 granule
+        (False, 0x999, 0, 0),           # not live: skipped, as the replays skip it
+        (True, 0x500, 5 * MiB, 0),      # 3 granules
+    ]
+    peak_live, peak = gf.whole_granule_peak(events, pre)
+    assert peak_live == 3 * MiB + 3 * MiB // 2 + 2 * MiB + 5 * MiB
+    # At the end: large 4 + 2 + 6 MiB, small 1.5 MiB -> 2 MiB.
+    assert peak == 14 * MiB
+
+
+def test_the_peak_is_the_highest_moment_not_the_end():
+    events = [(True, 1, 7 * MiB, 0), (False, 1, 0, 0), (True, 2, MiB, 0)]
+    assert gf.whole_granule_peak(events) == (7 * MiB, 8 * MiB)
+
+
+def test_a_second_allocation_at_a_live_address_replaces_the_first():
+    events = [(True, 1, 4 * MiB, 0), (True, 1, 2 * MiB, 0)]
+    assert gf.whole_granule_peak(events) == (4 * MiB, 4 * MiB)
+
+
+def test_the_table_covers_every_committed_trace_and_no_floor_is_below_peak_live(capsys):
+    assert gf.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    body = [line.split() for line in out[3:]]
+    assert [r[0] for r in body] == ["bert_serve", "gpt2_generate", "llama", "live_bert", "live_llama"]
+    for r in body:
+        live, floor, default = float(r[1]), float(r[2]), float(r[4])
+        assert floor >= live and default >= live
