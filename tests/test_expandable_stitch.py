@@ -169,6 +169,31 @@ def test_close_tears_down_stitched_ranges_left_and_unreserves_both_ranges():
     assert (c["reserves"], c["unreserves"]) == (2, 2) and up.aliased_bytes() == 0 and up.mapped_bytes() == 0
 
 
+def test_close_with_every_unalias_and_unmap_refused_leaks_them_counted_and_stays_consistent():
+    """A refused unalias at close() used to keep the stitched range in the books with no backing
+    left, and validate() failed on the closed pool (found by hostile probing)."""
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_frees=True, fail_every=1, error="upstream", armed=False)
+    pool, keep, base = fragmented(up)
+    s = inner.stream()
+    p = pool.allocate(3 * G, s)
+    inner.enqueue(s, 50.0)
+    pool.deallocate(p, s)  # pending: the stitched range stays until close
+    for x in keep:
+        pool.deallocate(x)
+    pool.synchronize()
+    assert pool.stats()["stitched_ranges"] == 1
+    up.armed = True
+    pool.close()
+    st = pool.stats()
+    assert st["reserved_bytes"] == st["mapped_bytes"] == st["stitched_ranges"] == 0
+    assert st["alias_failures"] == 3 and st["unmap_failures"] == 7  # 3 aliased pieces never asked, 4 refused
+    assert inner.counters()["unreserves"] == 0 and inner.aliased_bytes() == 3 * G
+    pool.validate()
+    pool.close()
+    pool.validate()
+
+
 def test_no_stitch_and_no_teardown_while_a_capture_scope_is_open():
     up = pk.upstream.Simulated(latency="none")
     pool, keep, base = fragmented(up)

@@ -378,3 +378,49 @@ def test_c_abi_routes_through_the_devices_graph_pools():
         assert lib.poolkeeper_graph_end(0, 11, 0) != 0  # no open scope: an error code, no crash
     finally:
         _core.registry_clear()
+
+
+def test_a_pool_over_faulty_keeps_the_capture_rules_of_the_device_under_it():
+    """Faulty forwards the capture state: a trim inside a capture scope, over a disarmed Faulty,
+    used to query an event in global capture mode (the relaxed mode the pool asked Faulty for
+    never reached the device) and broke the capture (found by hostile probing)."""
+    sim = pk.upstream.Simulated(latency="none")
+    pool = pk.ArenaPool(pk.upstream.Faulty(sim, armed=False), expandable=True, single_stream=True,
+                        thread_cache_bytes=0, shrink_interval=1)
+    gp = _core.GraphPools(pool)
+    home, side = sim.stream(), sim.stream()
+    a = pool.allocate(225795, home)
+    gp.begin(G1, side)
+    sim.begin_capture(side)
+    pool.deallocate(a, home)
+    pool.trim()
+    assert sim.end_capture(side), sim.last_capture_violation
+    gp.end(G1)
+    check(sim, pool, gp)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_graph_block_freed_through_the_device_pool_is_an_invalid_pointer(expandable):
+    """A private pool's backing is a block of the device pool. Its first block used to have that
+    block's address, so freeing it through the device pool by mistake was accepted: the device pool
+    took the whole backing back and handed it out again while the graph still served from it (two
+    live owners of the same bytes; found by hostile probing). Graph blocks now start inside the
+    device pool's block, never at its start."""
+    sim, pool, gp = make(single_stream=True, thread_cache_bytes=0, expandable=expandable)
+    home, cs = sim.stream(), sim.stream()
+    gp.begin(G1, cs)
+    p = gp.allocate(100, cs)
+    with pytest.raises(pk.errors.InvalidPointerError):
+        pool.deallocate(p, cs)
+    check(sim, pool, gp)
+    q = gp.allocate(MiB, cs)
+    r = pool.allocate(MiB, home)
+    assert r + MiB <= q or q + MiB <= r  # no byte has two owners
+    check(sim, pool, gp)
+    gp.end(G1)
+    gp.release(G1)
+    gp.deallocate(p, cs)
+    gp.deallocate(q, cs)  # the private pool's last block: its backing goes back to the device pool
+    pool.deallocate(r, home)
+    check(sim, pool, gp)
+    assert pool.stats()["live_blocks"] == 0

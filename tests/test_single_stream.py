@@ -16,7 +16,9 @@ from poolkeeper import _core
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def make(single: bool = True, expandable: bool = False, **kw):
+def make(single: bool = True, expandable: bool = False, faulty: bool = False, **kw):
+    """faulty: the pool sits on a disarmed Faulty over the simulated device (which refuses nothing
+    and must change nothing, capture rules included)."""
     sim = pk.upstream.Simulated(latency_us=0)
     opts = dict(thread_cache_bytes=0, single_stream=single)
     if expandable:
@@ -24,7 +26,7 @@ def make(single: bool = True, expandable: bool = False, **kw):
     else:
         opts.update(initial_backing=MiB)
     opts.update(kw)
-    pool = pk.ArenaPool(sim, **opts)
+    pool = pk.ArenaPool(pk.upstream.Faulty(sim, armed=False) if faulty else sim, **opts)
     return sim, pool, sim.stream(), sim.stream()
 
 
@@ -192,10 +194,13 @@ def test_a_cached_home_release_flushed_while_the_mode_lasts_is_filed_free():
     check(pool)
 
 
-def test_ending_the_mode_while_home_is_captured_records_no_event_and_keeps_the_memory_pending():
+@pytest.mark.parametrize("faulty", [False, True])
+def test_ending_the_mode_while_home_is_captured_records_no_event_and_keeps_the_memory_pending(faulty):
     """No event may be recorded on a stream being captured: the memory the home stream released
-    becomes pending on it instead (fenced once the capture is over)."""
-    sim, pool, home, other = make()
+    becomes pending on it instead (fenced once the capture is over). Over Faulty too: it answered
+    "is this stream capturing?" itself (never), so the pool waited on the captured home stream
+    and broke the capture (found by hostile probing)."""
+    sim, pool, home, other = make(faulty=faulty)
     gp = _core.GraphPools(pool)
     a = pool.allocate(64 * KiB, home)
     sim.enqueue(home, 600)

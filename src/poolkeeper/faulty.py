@@ -28,8 +28,9 @@ with the upstream. What each pool then does with a refused free:
   ``close()``): counted in ``upstream_free_failures`` and dropped from the pool's books (leaked;
   the upstream's ``outstanding_bytes`` still shows it).
 
-Name, kind, alignment and the whole stream interface (events, synchronize) are the inner
-upstream's, so a pool over ``Faulty(Simulated(...))`` keeps its virtual streams; drive the
+Name, kind, alignment, the whole stream interface (events, synchronize) and the capture state
+(which streams are capturing, the thread's capture mode, open capture scopes) are the inner
+upstream's, so a pool over ``Faulty(Simulated(...))`` keeps its virtual streams and captures; drive the
 virtual device (``stream()``, ``enqueue``, ``advance``) through ``inner``.
 
 Example::

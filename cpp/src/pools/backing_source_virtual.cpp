@@ -720,10 +720,15 @@ class VirtualRange final : public BackingSource {
     return b->first;
   }
 
-  // close/destructor: every chunk gone, every alias and piece unmapped, the ranges unreserved
-  // (failures counted, never thrown; a piece that cannot be unmapped keeps its range reserved).
+  // close/destructor: every chunk gone, every alias and piece unmapped, the ranges unreserved.
+  // Failures are counted, never thrown, and never stop the walk: each refused unalias or unmap
+  // leaks that one alias or piece (out of the books, like a refused backing of the default arena),
+  // the rest still go back, and a range that keeps a mapping stays reserved, leaked with it.
+  // (Hostile probing found one refused unmap leaving every later piece mapped and the books
+  // claiming mapped bytes with nothing reserved, so validate() failed on the closed pool.)
   void release_all() {
     bool aliases_left = false;
+    std::vector<std::uintptr_t> still_aliased;  // pieces an unalias left mapped twice: unmapping them is refused
     for (auto& [dst, st] : stitches_) {
       std::size_t at = st.size;
       for (auto p = st.parts.rbegin(); p != st.parts.rend(); ++p) {
@@ -731,15 +736,16 @@ class VirtualRange final : public BackingSource {
         try {
           a_.upstream_->unalias(dst + at, p->second);
           ++unalias_calls_;
-          pieces_.at(p->first).lent_to = 0;
         } catch (...) {
           ++alias_failures_;
           ++a_.ev_.upstream_free_failures;
           aliases_left = true;
+          still_aliased.push_back(p->first);
         }
+        pieces_.at(p->first).lent_to = 0;
       }
     }
-    if (!aliases_left) stitches_.clear();
+    stitches_.clear();
     auto& segs = a_.backings_;
     for (ArenaBacking* b : segs) {
       for (ArenaChunk* c = b->first; c;) {
@@ -757,33 +763,41 @@ class VirtualRange final : public BackingSource {
     if (sva_base_ && !aliases_left) {
       try {
         a_.upstream_->unreserve(sva_base_, sva_bytes_);
-        sva_base_ = 0;
       } catch (...) {
         ++a_.ev_.upstream_free_failures;
       }
     }
-    while (!pieces_.empty()) {
-      auto last = std::prev(pieces_.end());
-      try {
-        a_.upstream_->unmap(last->first, last->second.size);
-      } catch (...) {
+    sva_base_ = 0;  // released, or leaked with the aliases left in it: never tried again
+    bool pieces_left = false;
+    for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
+      // A piece still aliased is not asked: the upstream refuses to unmap it (it stays, leaked).
+      bool gone = false;
+      if (std::find(still_aliased.begin(), still_aliased.end(), it->first) == still_aliased.end()) {
+        try {
+          a_.upstream_->unmap(it->first, it->second.size);
+          gone = true;
+        } catch (...) {
+        }
+      }
+      if (gone) {
+        ++unmap_calls_;
+        a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
+      } else {
         ++unmap_failures_;
         ++a_.ev_.upstream_free_failures;
-        return;  // the rest stays mapped (leaked and counted); the range cannot be unreserved
+        pieces_left = true;
       }
-      ++unmap_calls_;
-      a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
-      mapped_ -= last->second.size;
-      pieces_.erase(last);
+      mapped_ -= it->second.size;
     }
-    if (va_base_) {
+    pieces_.clear();
+    if (va_base_ && !pieces_left) {
       try {
         a_.upstream_->unreserve(va_base_, va_bytes_);
-        va_base_ = 0;
       } catch (...) {
         ++a_.ev_.upstream_free_failures;
       }
     }
+    va_base_ = 0;
   }
 
   std::uintptr_t va_base_ = 0, sva_base_ = 0;

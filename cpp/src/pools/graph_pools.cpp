@@ -32,11 +32,19 @@ class PoolBackedUpstream final : public Upstream {
  protected:
   // kNoStream both ways: a backing is taken free for every stream, and given back only after the
   // device was synchronized (GraphPools closes a private pool after a device synchronize).
-  void* do_allocate(std::size_t n) override { return parent_->allocate(n, kNoStream); }
-  void do_deallocate(void* p, std::size_t) override { parent_->deallocate(p, kNoStream); }
+  // A backing starts one alignment unit into the device pool's block: otherwise the private pool's
+  // first block had the very address of a live block of the device pool, and a caller who freed it
+  // through the device pool by mistake returned the whole backing there while the graph still
+  // served from it (two owners of the same memory; found by hostile probing). Now every graph
+  // address is inside a device-pool block, never its start, so that mistake is an InvalidPointerError.
+  void* do_allocate(std::size_t n) override {
+    return static_cast<char*>(parent_->allocate(n + pad_, kNoStream)) + pad_;
+  }
+  void do_deallocate(void* p, std::size_t) override { parent_->deallocate(static_cast<char*>(p) - pad_, kNoStream); }
 
  private:
   std::shared_ptr<Pool> parent_;
+  std::size_t pad_ = parent_->alignment();
 };
 
 std::string id_text(GraphPoolId id) {

@@ -18,8 +18,10 @@
 // (a second mapping of mapped memory) are forwarded too: an alias is watched like a map (same
 // errors), an unalias like an unmap.
 //
-// Everything else -- name, kind, device, alignment and the whole stream interface -- is
-// forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual streams.
+// Everything else -- name, kind, device, alignment, the whole stream interface and the capture
+// state -- is forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual
+// streams and its captures (hostile probing found captures_underway alone answered here, the relaxed
+// capture mode never reaching the device: a trim in a capture scope broke the capture).
 // Thread safety: every member may be called concurrently (atomic counters; the plan's rules are
 // fixed at construction, only `armed` changes).
 #pragma once
@@ -63,6 +65,12 @@ class FaultyUpstream final : public Upstream {
   void wait_event(EventId e) override { inner_->wait_event(e); }
   void release_event(EventId e) override { inner_->release_event(e); }
   void synchronize() override { inner_->synchronize(); }
+  // Capture state is the inner upstream's too: a capture begun on the inner device's stream is a
+  // capture here, and the relaxed mode a pool asks for must reach the device that checks it.
+  // Scopes may be opened on either object (a pool opens them on its own upstream, this one).
+  bool stream_capturing(Stream s) override { return inner_->stream_capturing(s); }
+  int exchange_capture_mode(int mode) override { return inner_->exchange_capture_mode(mode); }
+  int captures_underway() const override { return Upstream::captures_underway() + inner_->captures_underway(); }
 
   const std::shared_ptr<Upstream>& inner() const { return inner_; }
   const FaultPlan& plan() const { return plan_; }
