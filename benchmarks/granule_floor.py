@@ -11,7 +11,7 @@ poolkeeper's logs of the H200 real-model runs), with three figures beside the ta
   (2 MiB) gets whole granules of its own, gathered from anywhere at no cost (stitching with
   unlimited free maps), and every smaller block is packed with no waste at all, so at each moment it
   holds the sum over large live blocks of their size rounded up to the granule, plus the small live
-  bytes rounded up to one granule. Placement that shares a granule between the end of one block and
+  bytes rounded up to a whole number of granules. Placement that shares a granule between the end of one block and
   the start of the next can hold less; stitching whole granules cannot;
 - the default pool (install()'s: the expandable arena in single-stream mode), replayed.
 

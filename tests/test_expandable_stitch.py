@@ -188,6 +188,7 @@ def test_close_with_every_unalias_and_unmap_refused_leaks_them_counted_and_stays
     st = pool.stats()
     assert st["reserved_bytes"] == st["mapped_bytes"] == st["stitched_ranges"] == 0
     assert st["alias_failures"] == 3 and st["unmap_failures"] == 7  # 3 aliased pieces never asked, 4 refused
+    assert st["upstream_free_failures"] == 3 + 4  # the upstream's refusals: each counted once
     assert inner.counters()["unreserves"] == 0 and inner.aliased_bytes() == 3 * G
     pool.validate()
     pool.close()

@@ -722,10 +722,9 @@ class VirtualRange final : public BackingSource {
 
   // close/destructor: every chunk gone, every alias and piece unmapped, the ranges unreserved.
   // Failures are counted, never thrown, and never stop the walk: each refused unalias or unmap
-  // leaks that one alias or piece (out of the books, like a refused backing of the default arena),
-  // the rest still go back, and a range that keeps a mapping stays reserved, leaked with it.
-  // (Hostile probing found one refused unmap leaving every later piece mapped and the books
-  // claiming mapped bytes with nothing reserved, so validate() failed on the closed pool.)
+  // leaks that one alias or piece (out of the books, like a refused backing of the default arena:
+  // a closed pool's books are empty, so validate() holds), the rest still go back, and a range
+  // that keeps a mapping stays reserved, leaked with it.
   void release_all() {
     bool aliases_left = false;
     std::vector<std::uintptr_t> still_aliased;  // pieces an unalias left mapped twice: unmapping them is refused
@@ -771,8 +770,9 @@ class VirtualRange final : public BackingSource {
     bool pieces_left = false;
     for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
       // A piece still aliased is not asked: the upstream refuses to unmap it (it stays, leaked).
+      const bool aliased = std::find(still_aliased.begin(), still_aliased.end(), it->first) != still_aliased.end();
       bool gone = false;
-      if (std::find(still_aliased.begin(), still_aliased.end(), it->first) == still_aliased.end()) {
+      if (!aliased) {
         try {
           a_.upstream_->unmap(it->first, it->second.size);
           gone = true;
@@ -784,7 +784,7 @@ class VirtualRange final : public BackingSource {
         a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
       } else {
         ++unmap_failures_;
-        ++a_.ev_.upstream_free_failures;
+        if (!aliased) ++a_.ev_.upstream_free_failures;  // one not asked was counted at its refused unalias
         pieces_left = true;
       }
       mapped_ -= it->second.size;

@@ -32,11 +32,11 @@ class PoolBackedUpstream final : public Upstream {
  protected:
   // kNoStream both ways: a backing is taken free for every stream, and given back only after the
   // device was synchronized (GraphPools closes a private pool after a device synchronize).
-  // A backing starts one alignment unit into the device pool's block: otherwise the private pool's
-  // first block had the very address of a live block of the device pool, and a caller who freed it
-  // through the device pool by mistake returned the whole backing there while the graph still
-  // served from it (two owners of the same memory; found by hostile probing). Now every graph
-  // address is inside a device-pool block, never its start, so that mistake is an InvalidPointerError.
+  // A backing starts one alignment unit into the device pool's block, so no graph block has the
+  // address of a device-pool block: a graph block freed through the device pool by mistake points
+  // inside a live block (InvalidPointerError) instead of handing the whole backing back while the
+  // graph still serves from it. (The private pool asks for round sizes less the pad, see
+  // create_or_use_locked, so the device pool still sees its round sizes.)
   void* do_allocate(std::size_t n) override {
     return static_cast<char*>(parent_->allocate(n + pad_, kNoStream)) + pad_;
   }
@@ -81,8 +81,12 @@ GraphPools::Private& GraphPools::create_or_use_locked(GraphPoolId id) {
     opt.alignment = main_->alignment();
     opt.thread_cache_bytes = 0;  // every block's owner must be known under mu_
     opt.shrink_interval = 0;     // graph memory stays until the pool is released
-    opt.initial_backing = std::size_t{2} << 20;
-    opt.max_backing = std::size_t{64} << 20;
+    // Round sizes less PoolBackedUpstream's pad: the device pool is asked for 2 MiB, 4 MiB, ...
+    // 64 MiB, the sizes it caches (a size-class pool would round 2 MiB + pad up to its 2.5 MiB
+    // class, a direct pool's cuMemAlloc to 4 MiB, and a cached 2 MiB block could not serve).
+    const std::size_t pad = main_->alignment();
+    opt.initial_backing = (std::size_t{2} << 20) - pad;
+    opt.max_backing = (std::size_t{64} << 20) - pad;
     pp.pool = std::make_shared<ArenaPool>(pp.up, opt);
     it = pools_.emplace(id, std::move(pp)).first;
     ++counters_.pools_created;

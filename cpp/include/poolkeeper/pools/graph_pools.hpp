@@ -26,7 +26,8 @@
 //   output the caller still holds), that happens when the last of them is freed.
 //
 // Invariants (validate()): each private pool validates; what each private pool reserves equals
-// the bytes its backing upstream has outstanding in the device pool; the owner table holds
+// the bytes its backing upstream has outstanding (each backing holds one alignment unit more in
+// the device pool: graph blocks never start where a device-pool block does); the owner table holds
 // exactly the live blocks of the private pools; open scopes name existing pools.
 // Thread safety: every member may be called from any thread; one mutex (mu_) guards the scope
 // list, the pool table and the owner table, and private-pool calls are made under it (they are

@@ -20,8 +20,7 @@
 //
 // Everything else -- name, kind, device, alignment, the whole stream interface and the capture
 // state -- is forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual
-// streams and its captures (hostile probing found captures_underway alone answered here, the relaxed
-// capture mode never reaching the device: a trim in a capture scope broke the capture).
+// streams and its captures: a wrapper that refuses nothing must change nothing the device checks.
 // Thread safety: every member may be called concurrently (atomic counters; the plan's rules are
 // fixed at construction, only `armed` changes).
 #pragma once
