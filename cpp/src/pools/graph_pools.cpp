@@ -81,9 +81,10 @@ GraphPools::Private& GraphPools::create_or_use_locked(GraphPoolId id) {
     opt.alignment = main_->alignment();
     opt.thread_cache_bytes = 0;  // every block's owner must be known under mu_
     opt.shrink_interval = 0;     // graph memory stays until the pool is released
-    // Round sizes less PoolBackedUpstream's pad: the device pool is asked for 2 MiB, 4 MiB, ...
-    // 64 MiB, the sizes it caches (a size-class pool would round 2 MiB + pad up to its 2.5 MiB
-    // class, a direct pool's cuMemAlloc to 4 MiB, and a cached 2 MiB block could not serve).
+    // Round sizes less PoolBackedUpstream's pad: the device pool is asked for 2 MiB first, 64 MiB
+    // at the cap and a little under 4, 8, ... MiB between, so its cached round blocks serve (a
+    // size-class pool would round 2 MiB + pad up to its 2.5 MiB class, a direct pool's cuMemAlloc
+    // to 4 MiB, and a cached 2 MiB block could not serve).
     const std::size_t pad = main_->alignment();
     opt.initial_backing = (std::size_t{2} << 20) - pad;
     opt.max_backing = (std::size_t{64} << 20) - pad;
