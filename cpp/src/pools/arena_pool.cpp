@@ -395,9 +395,9 @@ std::size_t ArenaPool::scan_locked(Detached& out) {
   }
   fence_passed_ = false;
   // A scan that counted nothing (a capture scope was open) is no scan: it records no settle point
-  // and keeps the epoch. Reading the scope again here instead let a scope that closed in between
-  // record an event and advance the epoch over uncounted memory, and the next scan gave back a
-  // block handed out before this one as if it had stayed free (a review found it).
+  // and keeps the epoch. (Asking the scope again here would let one that closed in between advance
+  // the epoch over uncounted memory, and the next scan give back a block handed out before this
+  // one as if it had stayed free.)
   if (!counted) return bytes;
   if (home_dirty_) fence_home_locked();
   ++scan_epoch_;  // chunks handed out from now on were used since this scan

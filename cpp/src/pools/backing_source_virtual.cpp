@@ -727,7 +727,6 @@ class VirtualRange final : public BackingSource {
   // that keeps a mapping stays reserved, leaked with it.
   void release_all() {
     bool aliases_left = false;
-    std::vector<std::uintptr_t> still_aliased;  // pieces an unalias left mapped twice: unmapping them is refused
     for (auto& [dst, st] : stitches_) {
       std::size_t at = st.size;
       for (auto p = st.parts.rbegin(); p != st.parts.rend(); ++p) {
@@ -735,13 +734,12 @@ class VirtualRange final : public BackingSource {
         try {
           a_.upstream_->unalias(dst + at, p->second);
           ++unalias_calls_;
+          pieces_.at(p->first).lent_to = 0;
         } catch (...) {
           ++alias_failures_;
           ++a_.ev_.upstream_free_failures;
-          aliases_left = true;
-          still_aliased.push_back(p->first);
+          aliases_left = true;  // the piece stays lent: mapped twice, its unmap would be refused
         }
-        pieces_.at(p->first).lent_to = 0;
       }
     }
     stitches_.clear();
@@ -769,8 +767,8 @@ class VirtualRange final : public BackingSource {
     sva_base_ = 0;  // released, or leaked with the aliases left in it: never tried again
     bool pieces_left = false;
     for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
-      // A piece still aliased is not asked: the upstream refuses to unmap it (it stays, leaked).
-      const bool aliased = std::find(still_aliased.begin(), still_aliased.end(), it->first) != still_aliased.end();
+      // A piece still aliased (still lent) is not asked: the upstream refuses to unmap it.
+      const bool aliased = it->second.lent_to != 0;
       bool gone = false;
       if (!aliased) {
         try {

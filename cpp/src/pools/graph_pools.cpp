@@ -5,6 +5,7 @@
 
 #include "poolkeeper/pools/arena_pool.hpp"
 #include "poolkeeper/core/capture.hpp"
+#include "poolkeeper/core/forwarding_upstream.hpp"
 
 namespace poolkeeper {
 
@@ -12,22 +13,14 @@ namespace {
 
 // The device pool seen as an upstream: a private pool's backings are blocks of the device pool.
 // Stream and capture questions go to the device pool's own upstream (same device, same streams).
-class PoolBackedUpstream final : public Upstream {
+class PoolBackedUpstream final : public ForwardingUpstream {
  public:
-  explicit PoolBackedUpstream(std::shared_ptr<Pool> parent) : parent_(std::move(parent)) {}
+  explicit PoolBackedUpstream(std::shared_ptr<Pool> parent)
+      : ForwardingUpstream(parent->upstream()), parent_(std::move(parent)) {}
   std::string name() const override { return "GraphPool(" + parent_->name() + ")"; }
-  MemoryKind kind() const override { return parent_->upstream()->kind(); }
-  int device() const override { return parent_->upstream()->device(); }
+  MemoryKind kind() const override { return inner_->kind(); }
+  int device() const override { return inner_->device(); }
   std::size_t alignment() const override { return parent_->alignment(); }
-  bool streams_supported() const override { return parent_->upstream()->streams_supported(); }
-  EventId record_event(Stream s) override { return parent_->upstream()->record_event(s); }
-  bool query_event(EventId e) override { return parent_->upstream()->query_event(e); }
-  void wait_event(EventId e) override { parent_->upstream()->wait_event(e); }
-  void release_event(EventId e) override { parent_->upstream()->release_event(e); }
-  void synchronize() override { parent_->upstream()->synchronize(); }
-  bool stream_capturing(Stream s) override { return parent_->upstream()->stream_capturing(s); }
-  int exchange_capture_mode(int mode) override { return parent_->upstream()->exchange_capture_mode(mode); }
-  int captures_underway() const override { return parent_->upstream()->captures_underway(); }
 
  protected:
   // kNoStream both ways: a backing is taken free for every stream, and given back only after the

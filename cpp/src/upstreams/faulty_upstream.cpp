@@ -5,7 +5,7 @@
 namespace poolkeeper {
 
 FaultyUpstream::FaultyUpstream(std::shared_ptr<Upstream> inner, FaultPlan plan)
-    : inner_(std::move(inner)), plan_(std::move(plan)), armed_(plan_.armed) {
+    : ForwardingUpstream(std::move(inner)), plan_(std::move(plan)), armed_(plan_.armed) {
   if (!inner_) throw InvalidArgument("Faulty needs an inner upstream");
   std::sort(plan_.fail_at.begin(), plan_.fail_at.end());
   plan_.fail_at.erase(std::unique(plan_.fail_at.begin(), plan_.fail_at.end()), plan_.fail_at.end());

@@ -18,9 +18,9 @@
 // (a second mapping of mapped memory) are forwarded too: an alias is watched like a map (same
 // errors), an unalias like an unmap.
 //
-// Everything else -- name, kind, device, alignment, the whole stream interface and the capture
-// state -- is forwarded to the inner upstream, so a pool over Faulty(Simulated) keeps its virtual
-// streams and its captures: a wrapper that refuses nothing must change nothing the device checks.
+// Everything else -- name, kind, device, alignment, and (ForwardingUpstream) the whole stream
+// interface and the capture state -- is the inner upstream's, so a pool over Faulty(Simulated)
+// keeps its virtual streams and its captures.
 // Thread safety: every member may be called concurrently (atomic counters; the plan's rules are
 // fixed at construction, only `armed` changes).
 #pragma once
@@ -28,7 +28,7 @@
 #include <memory>
 #include <vector>
 
-#include "poolkeeper/core/upstream.hpp"
+#include "poolkeeper/core/forwarding_upstream.hpp"
 
 namespace poolkeeper {
 
@@ -42,7 +42,7 @@ struct FaultPlan {
   bool armed = true;                     // initial state of the switch
 };
 
-class FaultyUpstream final : public Upstream {
+class FaultyUpstream final : public ForwardingUpstream {
  public:
   static constexpr int kInjectedCode = 990;
 
@@ -58,20 +58,6 @@ class FaultyUpstream final : public Upstream {
   std::size_t vm_granularity() const override { return inner_->vm_granularity(); }
   std::size_t memory_capacity() const override { return inner_->memory_capacity(); }
 
-  bool streams_supported() const override { return inner_->streams_supported(); }
-  EventId record_event(Stream s) override { return inner_->record_event(s); }
-  bool query_event(EventId e) override { return inner_->query_event(e); }
-  void wait_event(EventId e) override { inner_->wait_event(e); }
-  void release_event(EventId e) override { inner_->release_event(e); }
-  void synchronize() override { inner_->synchronize(); }
-  // Capture state is the inner upstream's too: a capture begun on the inner device's stream is a
-  // capture here, and the relaxed mode a pool asks for must reach the device that checks it.
-  // Scopes may be opened on either object (a pool opens them on its own upstream, this one).
-  bool stream_capturing(Stream s) override { return inner_->stream_capturing(s); }
-  int exchange_capture_mode(int mode) override { return inner_->exchange_capture_mode(mode); }
-  int captures_underway() const override { return Upstream::captures_underway() + inner_->captures_underway(); }
-
-  const std::shared_ptr<Upstream>& inner() const { return inner_; }
   const FaultPlan& plan() const { return plan_; }
   bool armed() const { return armed_.load(std::memory_order_acquire); }
   void set_armed(bool on) { armed_.store(on, std::memory_order_release); }
@@ -96,7 +82,6 @@ class FaultyUpstream final : public Upstream {
   void maybe_refuse_free(const char* what, std::uintptr_t p, std::size_t nbytes);
   bool should_fail(std::uint64_t index, std::size_t nbytes) const;
 
-  std::shared_ptr<Upstream> inner_;
   FaultPlan plan_;  // fail_at sorted
   std::atomic<bool> armed_;
   std::atomic<std::uint64_t> calls_{0}, injected_allocs_{0}, injected_frees_{0};
