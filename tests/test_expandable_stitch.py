@@ -315,6 +315,47 @@ def test_a_pool_dropped_with_live_stitched_blocks_gives_back_only_what_is_free()
     assert (mapped, aliased) == (7 * G, 2 * G) and unaliases == 2
 
 
+def test_a_piece_at_the_main_ranges_end_never_joins_the_stitched_range_after_it():
+    # Simulated reserves the stitch area right after the main range. A stitched range torn down
+    # gave its last piece (the main range's last 2 MiB) back to the main range, which merged it
+    # with the stitched range starting at the next address: one "segment" across both ranges,
+    # validate() failed and the next trim (or the destructor) crashed. In a subprocess: that was
+    # a segfault. Found by fuzzing with a range the pool could fill.
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import json
+        import poolkeeper as pk
+        MiB = 1 << 20
+        up = pk.upstream.Simulated(latency_us=0)
+        pool = pk.ArenaPool(up, expandable=True, va_bytes=16 * MiB, map_piece=2 * MiB, step_fraction=0,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+        a = [pool.allocate(2 * MiB) for _ in range(8)]   # the whole range mapped, one piece each
+        pool.deallocate(a[1]); pool.deallocate(a[3])
+        s1 = pool.allocate(4 * MiB)                      # stitched: the stitch area's first 4 MiB
+        pool.deallocate(a[5]); pool.deallocate(a[7])
+        s2 = pool.allocate(4 * MiB)                      # stitched from pieces 5 and 7 (the range's end)
+        assert pool.stats()["stitched_ranges"] == 2
+        pool.deallocate(s2)                              # torn down: piece 7 back at the main range's end,
+        pool.validate()                                  # right before s1's range, still live
+        pool.deallocate(s1)
+        pool.validate()
+        for p in (a[0], a[2], a[4], a[6]):
+            pool.deallocate(p)
+        pool.trim()
+        pool.validate()
+        st = pool.stats()
+        pool.close()
+        print(json.dumps([st["mapped_bytes"], st["stitched_ranges"], up.mapped_bytes(), up.aliased_bytes()]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mapped, stitched, up_mapped, up_aliased = json.loads(r.stdout.strip().splitlines()[-1])
+    # After the trim only the resident first piece stays; after close nothing at all.
+    assert (mapped, stitched, up_mapped, up_aliased) == (2 * MiB, 0, 0, 0)
+
+
 # Seeds whose traffic stitches (asserted at the end). 3 left the list when a growth began to extend
 # a run pending on the requesting stream (docs/stream_order.md): its traffic no longer needs one.
 @pytest.mark.parametrize("seed", [1, 2, 4, 5, 6, 7, 9])

@@ -567,7 +567,10 @@ class VirtualRange final : public BackingSource {
     const auto& segs = a_.backings_;
     auto it = std::upper_bound(segs.begin(), segs.end(), ps, [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
     ArenaBacking* prev = it != segs.begin() && in_main((*(it - 1))->addr) && (*(it - 1))->addr + (*(it - 1))->size == ps ? *(it - 1) : nullptr;
-    ArenaBacking* next = it != segs.end() && (*it)->addr == ps + n ? *it : nullptr;
+    // Only a segment of the main range: the stitch area may begin right where the main range ends
+    // (Simulated reserves them back to back), and a piece at the main range's end once merged
+    // with the stitched range after it into one "segment" across both (found by fuzzing).
+    ArenaBacking* next = it != segs.end() && in_main((*it)->addr) && (*it)->addr == ps + n ? *it : nullptr;
     a_.file_free_locked(absorb(ps, n, prev, next, false));
   }
 
