@@ -19,6 +19,8 @@ std::size_t parse_size(nb::handle h, const char* what = "nbytes");
 // or __repr__ is theirs (or the interpreter's) and is thrown on unchanged as nb::python_error.
 void clear_bad_input_error();
 std::uintptr_t parse_ptr(nb::handle h);
+// An integer in [0, 2^64) (an event id, a capture mode): InvalidArgument naming `what` otherwise.
+std::uint64_t parse_u64(nb::handle h, const char* what);
 // A duration in microseconds: an int or float, finite and >= 0 (InvalidArgument otherwise).
 double parse_duration_us(nb::handle h, const char* what);
 // None -> kNoStream; int; objects with __cuda_stream__ (CUDA stream protocol), .cuda_stream

@@ -75,6 +75,14 @@ double parse_duration_us(nb::handle h, const char* what) {
   return d;
 }
 
+std::uint64_t parse_u64(nb::handle h, const char* what) {
+  int of;
+  const long long v = to_ll(h, what, of);
+  if (of < 0 || (of == 0 && v < 0) || (of > 0 && v == 0))  // below 0, or at 2^64 and above
+    throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is not in [0, 2^64)");
+  return static_cast<std::uint64_t>(v);
+}
+
 std::uintptr_t parse_ptr(nb::handle h) {
   int of;
   long long v = to_ll(h, "ptr", of);

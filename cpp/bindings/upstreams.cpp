@@ -10,11 +10,20 @@ namespace poolkeeper::py {
 namespace {
 // map / unmap / unreserve: a range given as (addr, nbytes), the size parsed like every size, the
 // call (a driver call on a device) without the GIL.
+// Addresses and event ids are converted here too: nanobind's own conversion of an int outside
+// [0, 2^64) is a TypeError ("incompatible function arguments"), not a poolkeeper error.
 template <void (Upstream::*F)(std::uintptr_t, std::size_t)>
-void range_call(Upstream& u, std::uintptr_t addr, nb::handle nbytes) {
+void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
+  const std::uintptr_t addr = parse_ptr(addr_);
   const std::size_t n = parse_size(nbytes, "nbytes");
   ReleaseGil nogil;
   (u.*F)(addr, n);
+}
+// A capture mode as the driver numbers them: 0 global, 1 thread-local, 2 relaxed.
+int capture_mode(nb::handle h) {
+  const std::uint64_t m = parse_u64(h, "mode");
+  if (m > 2) throw InvalidArgument("mode must be 0 (global), 1 (thread-local) or 2 (relaxed); got " + std::to_string(m));
+  return static_cast<int>(m);
 }
 }  // namespace
 
@@ -71,7 +80,8 @@ void bind_upstreams(nb::module_& m) {
                    "Whether alias/unalias (a second mapping of mapped memory) are available.")
       .def(
           "alias",
-          [](Upstream& u, std::uintptr_t dst, std::uintptr_t src, nb::handle nbytes) {
+          [](Upstream& u, nb::handle dst_, nb::handle src_, nb::handle nbytes) {
+            const std::uintptr_t dst = parse_ptr(dst_), src = parse_ptr(src_);
             const std::size_t n = parse_size(nbytes, "nbytes");
             ReleaseGil nogil;
             u.alias(dst, src, n);
@@ -83,15 +93,16 @@ void bind_upstreams(nb::module_& m) {
           "addr"_a, "nbytes"_a.none(), "Remove exactly one earlier alias; the memory stays mapped at its source.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
-      .def("query_event", &Upstream::query_event, "event"_a)
+      .def("query_event", [](Upstream& u, nb::handle e) { return u.query_event(parse_u64(e, "event")); }, "event"_a.none())
       .def(
           "wait_event",
-          [](Upstream& u, EventId e) {
+          [](Upstream& u, nb::handle e_) {
+            const EventId e = parse_u64(e_, "event");
             ReleaseGil nogil;
             u.wait_event(e);
           },
-          "event"_a)
-      .def("release_event", &Upstream::release_event, "event"_a)
+          "event"_a.none())
+      .def("release_event", [](Upstream& u, nb::handle e) { u.release_event(parse_u64(e, "event")); }, "event"_a.none())
       .def("synchronize", [](Upstream& u) {
         ReleaseGil nogil;
         u.synchronize();
@@ -152,7 +163,7 @@ void bind_upstreams(nb::module_& m) {
       .def_prop_ro("live_events", &SimulatedUpstream::live_events)
       .def(
           "begin_capture",
-          [](SimulatedUpstream& u, nb::handle s, int mode) { u.begin_capture(parse_stream(s), mode); }, "stream"_a,
+          [](SimulatedUpstream& u, nb::handle s, nb::handle mode) { u.begin_capture(parse_stream(s), capture_mode(mode)); }, "stream"_a,
           "mode"_a = 0,
           "Start capturing stream (mode 0 global, 1 thread-local, 2 relaxed): CUDA's capture rules are "
           "checked from now on (capture_violations).")
@@ -165,7 +176,7 @@ void bind_upstreams(nb::module_& m) {
       .def_prop_ro("capture_violations", &SimulatedUpstream::capture_violations,
                    "Calls that would have invalidated an active capture on a GPU.")
       .def_prop_ro("last_capture_violation", &SimulatedUpstream::last_capture_violation)
-      .def("set_capture_mode", [](SimulatedUpstream& u, int mode) { return u.exchange_capture_mode(mode); },
+      .def("set_capture_mode", [](SimulatedUpstream& u, nb::handle mode) { return u.exchange_capture_mode(capture_mode(mode)); },
            "mode"_a, "Set this thread's capture mode (returns the previous one), like cudaThreadExchangeStreamCaptureMode.")
       .def_prop_ro("captures_underway", [](SimulatedUpstream& u) { return u.captures_underway(); })
       .def_prop_ro("capacity", &SimulatedUpstream::capacity)

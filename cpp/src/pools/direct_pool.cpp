@@ -43,7 +43,19 @@ void* DirectPool::do_allocate(std::size_t nbytes, Stream s) {
     budget_.cancel(n);
     throw;
   }
-  std::lock_guard<std::mutex> g(mu_);
+  std::unique_lock<std::mutex> g(mu_);
+  if (closed()) {
+    // close() ran while the upstream was busy (it saw no live block): give the memory back rather
+    // than hand a closed pool's block out, which no deallocate could ever take back (found by
+    // hostile probing: the bytes stayed outstanding upstream and live in the closed pool's stats).
+    budget_.cancel(n);
+    g.unlock();
+    try {
+      upstream_free(p, n);
+    } catch (...) {
+    }
+    check_open();  // throws PoolClosed
+  }
   budget_.commit(n);
   BlockRecord* b = nodes_.create();
   b->addr = reinterpret_cast<std::uintptr_t>(p);
@@ -101,8 +113,11 @@ void DirectPool::reset_peaks() {
   peak_live_ = live_;
 }
 
-PoolStats DirectPool::stats() {
+PoolStats DirectPool::stats() { return stats_impl(nullptr); }
+
+PoolStats DirectPool::stats_impl(std::vector<BackingInfo>* blocks) {
   std::lock_guard<std::mutex> g(mu_);
+  if (blocks) table_.for_each([&](std::uintptr_t, BlockRecord* b) { blocks->push_back(block_backing(*b)); });
   PoolStats st;
   st.reserved = budget_.reserved;
   st.live = live_;
@@ -144,11 +159,9 @@ bool DirectPool::do_close(LiveAtClose& live) {
 }
 
 Snapshot DirectPool::snapshot() {
-  Snapshot snap = snapshot_head(stats());
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    table_.for_each([&](std::uintptr_t, BlockRecord* b) { snap.backings.push_back(block_backing(*b)); });
-  }
+  std::vector<BackingInfo> blocks;
+  Snapshot snap = snapshot_head(stats_impl(&blocks));
+  snap.backings = std::move(blocks);
   sort_backings(snap);
   return snap;
 }

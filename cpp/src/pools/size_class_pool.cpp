@@ -390,8 +390,20 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
       budget_.cancel(csize);
       throw;
     }
-    Guard g(sh.mu);
-    Guard g2(grow_mu_);
+    std::unique_lock<detail::SpinMutex> g(sh.mu);
+    std::unique_lock<detail::SpinMutex> g2(grow_mu_);
+    if (closed()) {
+      // close() ran while the upstream was busy (it saw no live block): give the memory back
+      // rather than hand a closed pool's block out, which no deallocate could take back.
+      budget_.cancel(csize);
+      g2.unlock();
+      g.unlock();
+      try {
+        upstream_free(p, csize);
+      } catch (...) {
+      }
+      check_open();  // throws PoolClosed
+    }
     budget_.commit(csize);
     Block* nb = nodes_.create();
     nb->addr = reinterpret_cast<std::uintptr_t>(p);
@@ -561,7 +573,9 @@ std::size_t SizeClassPool::release_cached() {
   return bytes;
 }
 
-PoolStats SizeClassPool::stats() {
+PoolStats SizeClassPool::stats() { return stats_impl(nullptr); }
+
+PoolStats SizeClassPool::stats_impl(std::vector<BackingInfo>* blocks, bool* raced) {
   PoolStats st;
   std::map<Stream, std::size_t> by_stream;
   std::vector<bool> cached(nclasses_, false);
@@ -570,6 +584,16 @@ PoolStats SizeClassPool::stats() {
   StreamOrderCounters so;
   {
     AllLocks all(this);
+    if (blocks) {
+      for (auto& sp : shards_) file_remote_locked(*sp);
+      table_.for_each([&](std::uintptr_t, Block* b) {
+        BackingInfo& bi = blocks->emplace_back(block_backing(*b));
+        if (b->st() == ChunkState::Pending) shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
+      });
+      if (raced)
+        *raced = std::any_of(shards_.begin(), shards_.end(),
+                             [](const auto& sp) { return sp->remote.load(std::memory_order_acquire) != nullptr; });
+    }
     for (auto& sp : shards_) {
       Shard& sh = *sp;
       st.live += sh.live;
@@ -698,15 +722,18 @@ bool SizeClassPool::do_close(LiveAtClose& live) {
 }
 
 Snapshot SizeClassPool::snapshot() {
-  Snapshot snap = snapshot_head(stats());
-  {
-    AllLocks all(this);
-    table_.for_each([&](std::uintptr_t, Block* b) {
-      BackingInfo& bi = snap.backings.emplace_back(block_backing(*b));
-      if (b->st() == ChunkState::Pending)
-        shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
-    });
+  std::vector<BackingInfo> blocks;
+  PoolStats st;
+  // A free that lands lock-free during the walk is rare (it needs the walk to hold the freeing
+  // thread's shard lock); a few tries make such a snapshot rarer still, never a wait.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    bool raced = false;
+    blocks.clear();
+    st = stats_impl(&blocks, &raced);
+    if (!raced) break;
   }
+  Snapshot snap = snapshot_head(std::move(st));
+  snap.backings = std::move(blocks);
   sort_backings(snap);
   return snap;
 }

@@ -98,6 +98,12 @@ class SizeClassPool final : public Pool {
   std::size_t class_index(std::size_t rounded) const;
 
  private:
+  // stats(), and with `blocks` given every block as a backing, under one hold of every lock: a
+  // snapshot's stats and chunks are one observation (taken apart, a snapshot during traffic failed
+  // accounting.check 420 times in 2,000, found by hostile probing). With `blocks`, the remote
+  // lists are filed first, and `raced` says whether a lock-free free claimed a block during the
+  // walk (its chunk reads free while the shard's books still count it live): the caller retries.
+  PoolStats stats_impl(std::vector<BackingInfo>* blocks, bool* raced = nullptr);
   POOLKEEPER_POOL_HOOKS;
 
   // alignas: one block's record never shares a cache line with another's, so threads working on
