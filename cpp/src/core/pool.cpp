@@ -80,6 +80,14 @@ void Pool::unregister() {
   d.erase(std::remove(d.begin(), d.end(), this), d.end());
 }
 
+void Pool::give_back_after_close(void* p, std::size_t n) {
+  try {
+    upstream_free(p, n);
+  } catch (...) {
+  }
+  throw_closed();
+}
+
 void Pool::throw_closed() const {
   check_not_forked();
   throw PoolClosed(label() + " is closed");

@@ -53,14 +53,14 @@ class SeparateBackings final : public BackingSource {
     a_.budget_.cancel(size);  // adopt_locked() books them as reserved
     if (a_.closed()) {
       // Closed while the upstream was busy (close() needs a quiet pool; this keeps the memory
-      // from leaking all the same).
+      // from leaking all the same). The lock is held again when grow() throws (its contract).
       g.unlock();
       try {
-        a_.upstream_free(p, size);
+        a_.give_back_after_close(p, size);
       } catch (...) {
+        g.lock();
+        throw;
       }
-      g.lock();
-      a_.check_open();
     }
     ++a_.ev_.backings_created;
     if (oversize) ++a_.ev_.oversize_backings_created;

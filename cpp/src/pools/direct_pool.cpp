@@ -45,16 +45,9 @@ void* DirectPool::do_allocate(std::size_t nbytes, Stream s) {
   }
   std::unique_lock<std::mutex> g(mu_);
   if (closed()) {
-    // close() ran while the upstream was busy (it saw no live block): give the memory back rather
-    // than hand a closed pool's block out, which no deallocate could ever take back (found by
-    // hostile probing: the bytes stayed outstanding upstream and live in the closed pool's stats).
     budget_.cancel(n);
     g.unlock();
-    try {
-      upstream_free(p, n);
-    } catch (...) {
-    }
-    check_open();  // throws PoolClosed
+    give_back_after_close(p, n);
   }
   budget_.commit(n);
   BlockRecord* b = nodes_.create();

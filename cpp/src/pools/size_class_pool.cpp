@@ -393,16 +393,10 @@ void* SizeClassPool::do_allocate(std::size_t nbytes, Stream s) {
     std::unique_lock<detail::SpinMutex> g(sh.mu);
     std::unique_lock<detail::SpinMutex> g2(grow_mu_);
     if (closed()) {
-      // close() ran while the upstream was busy (it saw no live block): give the memory back
-      // rather than hand a closed pool's block out, which no deallocate could take back.
       budget_.cancel(csize);
       g2.unlock();
       g.unlock();
-      try {
-        upstream_free(p, csize);
-      } catch (...) {
-      }
-      check_open();  // throws PoolClosed
+      give_back_after_close(p, csize);
     }
     budget_.commit(csize);
     Block* nb = nodes_.create();

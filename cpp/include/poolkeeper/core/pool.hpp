@@ -236,6 +236,11 @@ class Pool {
     upstream_->deallocate(p, n);
     up_frees_.fetch_add(1, std::memory_order_relaxed);
   }
+  // Memory an upstream call handed over after close() had run (close() saw no live block while
+  // the call was under way): it goes back to the upstream (a refusal is swallowed: the pool is
+  // gone) and the allocation raises PoolClosed, rather than hand out a closed pool's block that no
+  // deallocate could take back. Called with none of the pool's locks held.
+  [[noreturn]] void give_back_after_close(void* p, std::size_t n);
   void fill_upstream_counts(PoolStats& st) const {
     st.extra.emplace_back("upstream_allocations", up_allocs_.load(std::memory_order_relaxed));
     st.extra.emplace_back("upstream_deallocations", up_frees_.load(std::memory_order_relaxed));
