@@ -74,19 +74,26 @@ Refusal DirectPool::do_deallocate(void* p, Stream) {
       });
       return r;
     }
+    // Out of the books before the upstream call, held against the limit until it returns: a
+    // snapshot meanwhile sees neither the block nor its bytes (it saw the bytes reserved with no
+    // block to hold them: 178 of 2,000 snapshots during traffic failed accounting.check).
     table_.erase(a);
+    budget_.start_release(b->size);
+    live_ -= b->requested;
   }
   try {
     upstream_free(p, b->size);
   } catch (...) {
     // The upstream kept the memory: the block is live again, nothing is lost from the books.
     std::lock_guard<std::mutex> g(mu_);
+    budget_.end_release(b->size);
+    budget_.grow(b->size);
+    live_ += b->requested;
     table_.insert(a, b);
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
-  budget_.release(b->size);
-  live_ -= b->requested;
+  budget_.end_release(b->size);
   b->drop_used_on();
   nodes_.destroy(b);
   return {};
