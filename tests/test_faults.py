@@ -103,11 +103,29 @@ def test_faulty_indices_and_rules():
         dict(fail_at=5),
         dict(fail_bytes_over=-1),
         dict(error="segfault"),
+        dict(refuse_after_us=-1),
+        dict(refuse_after_us=61_000_000),
+        dict(refuse_after_us=1.5),
     ],
 )
 def test_faulty_bad_plan_is_a_typed_error(kw):
     with pytest.raises(pk.errors.InvalidArgumentError):
         pk.upstream.Faulty(pk.upstream.Host(), **kw)
+
+
+def test_faulty_refuse_after_us_delays_only_refused_calls():
+    import time
+
+    f = pk.upstream.Faulty(pk.upstream.Host(), fail_at={1}, refuse_after_us=200_000)
+    assert f.refuse_after_us == 200_000 and "refuse_after_us=200000" in repr(f)
+    t0 = time.monotonic()
+    p = f.allocate(256)  # call 0: served at once
+    served = time.monotonic() - t0
+    with pytest.raises(pk.errors.OutOfMemoryError):
+        f.allocate(256)  # call 1: refused after the delay
+    refused = time.monotonic() - t0 - served
+    f.deallocate(p, 256)
+    assert refused >= 0.2 > served
 
 
 def test_faulty_forwards_the_stream_interface():

@@ -197,6 +197,43 @@ _OUT_OF_RANGE_CALLS = [
 ]
 
 
+_HUGE = 10**5000  # str() of it raises ValueError (int max str digits)
+_ODD_ARGUMENT_CALLS = [
+    ("map", (None, 2 << 20)), ("unmap", (None, 2 << 20)), ("unreserve", (None, 1)), ("unalias", (None, 2 << 20)),
+    ("alias", (None, 0, 2 << 20)), ("alias", (0, None, 2 << 20)), ("set_capture_mode", (None,)),
+    ("begin_capture", (None,)), ("end_capture", (None,)), ("destroy_stream", (None,)),
+    ("map", (_HUGE, 2 << 20)), ("allocate", (_HUGE,)), ("deallocate", (_HUGE, 1)), ("query_event", (_HUGE,)),
+    ("record_event", (_HUGE,)), ("set_capture_mode", (_HUGE,)), ("reserve", (-_HUGE,)),
+]
+
+
+@pytest.mark.parametrize("faulty", [False, True], ids=["simulated", "faulty"])
+@pytest.mark.parametrize(
+    "name,args", _ODD_ARGUMENT_CALLS, ids=[f"{n}-{'huge' if _HUGE in a or -_HUGE in a else 'none'}" for n, a in _ODD_ARGUMENT_CALLS]
+)
+def test_regression_raw_upstream_calls_with_none_or_unprintable_ints_were_not_poolkeeper_errors(faulty, name, args):
+    # Found by review of the fix below: None where an address, a stream to capture or a capture mode
+    # goes was nanobind's TypeError, and an int too long for str() made the error message itself
+    # raise ValueError (every message quoted the argument's repr).
+    sim = pk.upstream.Simulated(latency="none")
+    up = pk.upstream.Faulty(sim) if faulty else sim
+    if not hasattr(up, name):
+        pytest.skip(f"{type(up).__name__} has no {name}")
+    with pytest.raises(pk.errors.PoolkeeperError) as e:
+        getattr(up, name)(*args)
+    assert "<" not in str(e.value) or "NoneType" in str(e.value)
+    if any(a is _HUGE or a == -_HUGE for a in args if isinstance(a, int)):
+        assert "an int of 16610 bits" in str(e.value)
+
+
+def test_a_wrong_capture_mode_is_told_with_the_modes_there_are():
+    sim = pk.upstream.Simulated(latency="none")
+    for mode in (-1, 3, 2**64, "global"):
+        with pytest.raises(pk.errors.InvalidArgumentError, match=r"0 \(global\), 1 \(thread-local\) or 2 \(relaxed\)"):
+            sim.set_capture_mode(mode)
+    assert sim.set_capture_mode(1) == 0 and sim.set_capture_mode(0) == 1  # the mode was not changed by them
+
+
 @pytest.mark.parametrize("faulty", [False, True], ids=["simulated", "faulty"])
 @pytest.mark.parametrize("name,args", _OUT_OF_RANGE_CALLS, ids=[f"{n}{a[0]}" for n, a in _OUT_OF_RANGE_CALLS])
 def test_regression_raw_upstream_calls_with_ints_outside_64_bits_were_a_nanobind_type_error(faulty, name, args):
@@ -251,3 +288,69 @@ def test_regression_snapshot_during_traffic_took_stats_and_blocks_apart(make):
         t.join(30)
     assert not bad, f"{len(bad)} of 2,000 snapshots inconsistent, e.g. {bad[0]}"
     pool.validate()
+
+
+def test_regression_direct_close_during_a_refused_free_put_the_block_into_the_closed_pool():
+    # Found by review: a block in its upstream free had left Direct's table, so close() saw no live
+    # block and closed; the upstream then refused the free and the block went back into the closed
+    # pool (reserved for good, no deallocate could take it). close() now counts a block in its
+    # upstream free as live, and refuses.
+    import time
+
+    sim = pk.upstream.Simulated(latency="none")
+    up = pk.upstream.Faulty(sim, fail_frees=True, fail_at={1}, error="upstream", refuse_after_us=300_000)
+    pool = pk.Direct(up)
+    p = pool.allocate(1 << 20)
+    out: list = []
+
+    def free():
+        try:
+            pool.deallocate(p)
+            out.append(None)
+        except Exception as e:  # reported to the test
+            out.append(e)
+
+    t = threading.Thread(target=free)
+    t.start()
+    time.sleep(0.1)  # the free is inside the upstream call (sleeping before its refusal)
+    with pytest.raises(pk.errors.LiveBlocksError, match="1 block"):
+        pool.close()
+    t.join(30)
+    assert isinstance(out[0], pk.errors.UpstreamError), out
+    assert up.injected_deallocations == 1
+    st = pool.stats()
+    assert (st["live_blocks"], st["reserved_bytes"]) == (1, 1 << 20)  # live again, in an open pool
+    pool.validate()
+    pool.deallocate(p)
+    pool.close()
+    assert sim.counters()["outstanding_bytes"] == 0
+
+
+@pytest.mark.parametrize("kind", ["direct", "size_class", "arena"])
+def test_a_refused_free_of_memory_handed_over_after_close_is_counted(kind):
+    # The give-back of memory an upstream allocation handed over after close() ran used to
+    # swallow a refusal uncounted: the bytes stayed with the upstream and no figure said so.
+    import time
+
+    sim = pk.upstream.Simulated(latency_us=300_000)  # the allocation is under way for 0.3 s
+    up = pk.upstream.Faulty(sim, fail_frees=True, fail_at={1}, error="upstream")  # call 1: the give-back
+    pool = {"direct": lambda: pk.Direct(up), "size_class": lambda: pk.SizeClassPool(up),
+            "arena": lambda: pk.ArenaPool(up, initial_backing=1 << 16)}[kind]()
+    out: list = []
+
+    def miss():
+        try:
+            out.append(pool.allocate(1 << 20))
+        except Exception as e:  # reported to the test
+            out.append(e)
+
+    t = threading.Thread(target=miss)
+    t.start()
+    time.sleep(0.1)
+    pool.close()
+    t.join(30)
+    assert isinstance(out[0], pk.PoolClosedError), out
+    assert up.injected_deallocations == 1
+    st = pool.stats()
+    assert st["upstream_free_failures"] == 1
+    assert st["reserved_bytes"] == 0 and sim.counters()["outstanding_bytes"] > 0  # leaked upstream, as counted

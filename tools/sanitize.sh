@@ -49,6 +49,7 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --scenario transfer-exit --ops 4000  # a cache handing bins over while the other exits
 "$root/asan/stress" --scenario registry --ops 40000  # pools built while others trace foreign pointers
 "$root/asan/stress" --scenario capi-registry --ops 40000  # C-ABI pools replaced under their callers
+"$root/asan/stress" --scenario remote-claim  # a snapshot while a lock-free free is held mid-step (test seam)
 stage "ASan+UBSan: native upload engine (three engines at once, faults, close during an upload)"
 "$root/asan/upload_engine_stress" --rounds 100 --seed 1
 stage "ASan+UBSan: fuzz target on past findings, the seed corpus and random inputs"
@@ -70,6 +71,7 @@ stage "TSan: stress"
 "$root/tsan/stress" --scenario transfer-exit --ops 2000
 "$root/tsan/stress" --scenario registry --ops 4000
 "$root/tsan/stress" --scenario capi-registry --ops 4000
+"$root/tsan/stress" --scenario remote-claim
 stage "TSan: native upload engine"
 "$root/tsan/upload_engine_stress" --rounds 60 --seed 1
 if [ $strict = 1 ]; then

@@ -14,6 +14,39 @@ void clear_bad_input_error() {
 }
 
 namespace {
+// Bits of a Python int's magnitude (int.bit_length()); 0 when asking fails.
+std::size_t mpz_bits_of(PyObject* o) {
+  PyObject* r = PyObject_CallMethod(o, "bit_length", nullptr);
+  std::size_t bits = 0;
+  if (r) {
+    bits = PyLong_AsSize_t(r);
+    Py_DECREF(r);
+    if (bits == static_cast<std::size_t>(-1)) bits = 0;
+  }
+  clear_bad_input_error();
+  return bits;
+}
+}  // namespace
+
+std::string shown(nb::handle h) {
+  PyObject* o = h.ptr();
+  const std::string type = Py_TYPE(o)->tp_name;
+  if (PyLong_Check(o)) {
+    const std::size_t bits = mpz_bits_of(o);
+    if (bits > 256) return "an int of " + std::to_string(bits) + " bits";
+  }
+  std::string out = "a " + type + " object";
+  if (PyObject* rep = PyObject_Repr(o)) {
+    Py_ssize_t n = 0;
+    if (const char* u = PyUnicode_AsUTF8AndSize(rep, &n)) out.assign(u, static_cast<std::size_t>(n));
+    Py_DECREF(rep);
+  }
+  clear_bad_input_error();
+  if (out.size() > 120) out = out.substr(0, 117) + "...";
+  return out;
+}
+
+namespace {
 // overflow: 0 when the value fits a long long; +1 at or above 2^63 (the unsigned bits when below
 // 2^64, else 0); -1 below -2^63.
 long long to_ll(nb::handle h, const char* what, int& overflow) {
@@ -53,8 +86,8 @@ std::size_t parse_size(nb::handle h, const char* what) {
   long long v = to_ll(h, what, of);
   if (of || v < 0) {
     if (of < 0 || (of == 0 && v < 0))
-      throw InvalidArgument(std::string(what) + " must be positive; got " + nb::cast<std::string>(nb::repr(h)));
-    throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is absurd (above 2^62)");
+      throw InvalidArgument(std::string(what) + " must be positive; got " + shown(h));
+    throw InvalidArgument(std::string(what) + " " + shown(h) + " is absurd (above 2^62)");
   }
   return static_cast<std::size_t>(v);
 }
@@ -62,16 +95,16 @@ std::size_t parse_size(nb::handle h, const char* what) {
 double parse_duration_us(nb::handle h, const char* what) {
   PyObject* o = h.ptr();
   if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o)))
-    throw InvalidArgument(std::string(what) + " must be a number of microseconds; got " + nb::cast<std::string>(nb::repr(h)));
+    throw InvalidArgument(std::string(what) + " must be a number of microseconds; got " + shown(h));
   const double d = PyFloat_AsDouble(o);
   if (PyErr_Occurred()) {
     clear_bad_input_error();
-    throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is out of range");
+    throw InvalidArgument(std::string(what) + " " + shown(h) + " is out of range");
   }
   // NaN compares false with everything, so a NaN duration never completes: refuse it (and inf)
   // here rather than wait forever on it later.
   if (!std::isfinite(d) || d < 0)
-    throw InvalidArgument(std::string(what) + " must be a finite number >= 0; got " + nb::cast<std::string>(nb::repr(h)));
+    throw InvalidArgument(std::string(what) + " must be a finite number >= 0; got " + shown(h));
   return d;
 }
 
@@ -79,7 +112,7 @@ std::uint64_t parse_u64(nb::handle h, const char* what) {
   int of;
   const long long v = to_ll(h, what, of);
   if (of < 0 || (of == 0 && v < 0) || (of > 0 && v == 0))  // below 0, or at 2^64 and above
-    throw InvalidArgument(std::string(what) + " " + nb::cast<std::string>(nb::repr(h)) + " is not in [0, 2^64)");
+    throw InvalidArgument(std::string(what) + " " + shown(h) + " is not in [0, 2^64)");
   return static_cast<std::uint64_t>(v);
 }
 
@@ -87,7 +120,7 @@ std::uintptr_t parse_ptr(nb::handle h) {
   int of;
   long long v = to_ll(h, "ptr", of);
   if (of) {
-    if (of < 0 || v == 0 || v == -1) throw InvalidPointer("pointer " + nb::cast<std::string>(nb::repr(h)) + " is not an address", 0, "unknown");
+    if (of < 0 || v == 0 || v == -1) throw InvalidPointer("pointer " + shown(h) + " is not an address", 0, "unknown");
     return static_cast<std::uintptr_t>(static_cast<unsigned long long>(v));
   }
   if (v < 0) throw InvalidPointer("pointer " + std::to_string(v) + " is negative: not an address", 0, "unknown");
@@ -105,7 +138,7 @@ constexpr int kMaxStreamNesting = 8;
 // are not an Exception pass through unchanged.
 [[noreturn]] void raise_not_a_stream(nb::handle h, nb::python_error& e) {
   if (!e.matches(PyExc_Exception)) throw e;
-  const std::string what = nb::cast<std::string>(nb::repr(e.value()));
+  const std::string what = shown(e.value());
   const std::string tp = nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))).attr("__name__"));
   nb::raise_from(e, nb::module_::import_("poolkeeper.errors").attr("InvalidStreamError"),
                  "reading the stream handle of %s raised %s", tp.c_str(), what.c_str());
@@ -137,7 +170,7 @@ Stream parse_stream_at(nb::handle h, int depth) {
     unsigned long long u = PyLong_AsUnsignedLongLong(o);
     if (!PyErr_Occurred() && u != kNoStream) return u;
     clear_bad_input_error();
-    throw InvalidArgument("stream " + nb::cast<std::string>(nb::repr(h)) + " is not a stream handle", true);
+    throw InvalidArgument("stream " + shown(h) + " is not a stream handle", true);
   }
   if (depth >= kMaxStreamNesting)
     throw InvalidArgument("stream object nests more than " + std::to_string(kMaxStreamNesting) +

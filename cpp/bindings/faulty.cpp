@@ -9,7 +9,7 @@ namespace poolkeeper::py {
 
 namespace {
 FaultPlan read_plan(nb::handle fail_every, nb::handle fail_at, nb::handle fail_bytes_over, bool fail_frees,
-                    const std::string& error, bool armed) {
+                    const std::string& error, bool armed, nb::handle refuse_after_us) {
   FaultPlan plan;
   if (!fail_every.is_none()) {
     plan.fail_every = parse_size(fail_every, "fail_every");
@@ -28,10 +28,10 @@ FaultPlan read_plan(nb::handle fail_every, nb::handle fail_at, nb::handle fail_b
       nb::object o = nb::steal(item);
       int of = 0;
       if (PyBool_Check(o.ptr()) || !PyLong_Check(o.ptr()))
-        throw InvalidArgument("fail_at holds call indices (ints >= 0); got " + nb::cast<std::string>(nb::repr(o)));
+        throw InvalidArgument("fail_at holds call indices (ints >= 0); got " + shown(o));
       const long long v = PyLong_AsLongLongAndOverflow(o.ptr(), &of);
       if (of || v < 0)
-        throw InvalidArgument("fail_at holds call indices (ints >= 0); got " + nb::cast<std::string>(nb::repr(o)));
+        throw InvalidArgument("fail_at holds call indices (ints >= 0); got " + shown(o));
       plan.fail_at.push_back(static_cast<std::uint64_t>(v));
     }
     if (PyErr_Occurred()) throw nb::python_error();
@@ -42,6 +42,12 @@ FaultPlan read_plan(nb::handle fail_every, nb::handle fail_at, nb::handle fail_b
   else if (error == "upstream") plan.error = FaultPlan::Error::Failure;
   else throw InvalidArgument("error must be 'oom' or 'upstream'; got '" + error + "'");
   plan.armed = armed;
+  if (!refuse_after_us.is_none()) {
+    plan.refuse_after_us = parse_size(refuse_after_us, "refuse_after_us");
+    if (plan.refuse_after_us > 60'000'000)
+      throw InvalidArgument("refuse_after_us must be at most 60,000,000 (one minute); got " +
+                            std::to_string(plan.refuse_after_us));
+  }
   return plan;
 }
 }  // namespace
@@ -51,19 +57,20 @@ void bind_faulty(nb::module_& m) {
       .def(
           "__init__",
           [](FaultyUpstream* self, nb::handle inner, nb::handle fail_every, nb::handle fail_at,
-             nb::handle fail_bytes_over, bool fail_frees, nb::handle error, bool armed) {
+             nb::handle fail_bytes_over, bool fail_frees, nb::handle error, bool armed, nb::handle refuse_after_us) {
             // Converted here, not by nanobind, so a wrong inner or error is an InvalidArgumentError.
             if (!nb::isinstance<Upstream>(inner))
               throw InvalidArgument("Faulty needs an inner upstream (e.g. poolkeeper.upstream.Host()); got " +
-                                    nb::cast<std::string>(nb::repr(inner)));
+                                    shown(inner));
             if (!nb::isinstance<nb::str>(error))
-              throw InvalidArgument("error must be 'oom' or 'upstream'; got " + nb::cast<std::string>(nb::repr(error)));
+              throw InvalidArgument("error must be 'oom' or 'upstream'; got " + shown(error));
             FaultPlan plan =
-                read_plan(fail_every, fail_at, fail_bytes_over, fail_frees, nb::cast<std::string>(error), armed);
+                read_plan(fail_every, fail_at, fail_bytes_over, fail_frees, nb::cast<std::string>(error), armed,
+                          refuse_after_us);
             new (self) FaultyUpstream(nb::cast<std::shared_ptr<Upstream>>(inner), std::move(plan));
           },
           "inner"_a.none(), "fail_every"_a = nb::none(), "fail_at"_a = nb::none(), "fail_bytes_over"_a = nb::none(),
-          "fail_frees"_a = false, "error"_a.none() = "oom", "armed"_a = true)
+          "fail_frees"_a = false, "error"_a.none() = "oom", "armed"_a = true, "refuse_after_us"_a.none() = nb::none())
       .def_prop_ro("inner", [](FaultyUpstream& f) { return f.inner(); })
       .def_prop_rw("armed", &FaultyUpstream::armed, &FaultyUpstream::set_armed)
       .def_prop_ro("calls", &FaultyUpstream::calls)
@@ -82,6 +89,7 @@ void bind_faulty(nb::module_& m) {
         return f.plan().fail_bytes_over ? nb::object(nb::int_(f.plan().fail_bytes_over)) : nb::none();
       })
       .def_prop_ro("fail_frees", [](FaultyUpstream& f) { return f.plan().fail_frees; })
+      .def_prop_ro("refuse_after_us", [](FaultyUpstream& f) { return f.plan().refuse_after_us; })
       .def_prop_ro("error", [](FaultyUpstream& f) {
         return std::string(f.plan().error == FaultPlan::Error::Oom ? "oom" : "upstream");
       });

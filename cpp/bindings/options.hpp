@@ -41,7 +41,7 @@ class OptionReader {
     if (!dict_.is_valid() || !dict_.contains(key)) return def;
     nb::handle v = dict_[key];
     if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr())))
-      throw InvalidArgument(pool_ + ": option '" + key + "' must be a number; got " + nb::cast<std::string>(nb::repr(v)));
+      throw InvalidArgument(pool_ + ": option '" + key + "' must be a number; got " + shown(v));
     const double d = PyFloat_AsDouble(v.ptr());
     if (PyErr_Occurred()) {
       PyErr_Clear();
@@ -54,7 +54,7 @@ class OptionReader {
     if (!dict_.is_valid() || !dict_.contains(key)) return def;
     nb::handle v = dict_[key];
     if (!PyBool_Check(v.ptr()))
-      throw InvalidArgument(pool_ + ": option '" + key + "' must be True or False; got " + nb::cast<std::string>(nb::repr(v)));
+      throw InvalidArgument(pool_ + ": option '" + key + "' must be True or False; got " + shown(v));
     return v.ptr() == Py_True;
   }
   void finish() {

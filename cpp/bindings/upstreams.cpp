@@ -21,8 +21,12 @@ void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
 }
 // A capture mode as the driver numbers them: 0 global, 1 thread-local, 2 relaxed.
 int capture_mode(nb::handle h) {
-  const std::uint64_t m = parse_u64(h, "mode");
-  if (m > 2) throw InvalidArgument("mode must be 0 (global), 1 (thread-local) or 2 (relaxed); got " + std::to_string(m));
+  std::uint64_t m = 3;
+  try {
+    m = parse_u64(h, "mode");
+  } catch (const InvalidArgument&) {  // not an int in [0, 2^64): told as any other wrong mode
+  }
+  if (m > 2) throw InvalidArgument("mode must be 0 (global), 1 (thread-local) or 2 (relaxed); got " + shown(h));
   return static_cast<int>(m);
 }
 }  // namespace
@@ -69,13 +73,13 @@ void bind_upstreams(nb::module_& m) {
           "nbytes"_a.none(), "Reserve a virtual range (granule multiple). Returns its base.")
       .def(
           "map", &range_call<&Upstream::map>,
-          "addr"_a, "nbytes"_a.none(), "Map physical memory onto [addr, addr+nbytes) of a reserved range (counted as an allocation).")
+          "addr"_a.none(), "nbytes"_a.none(), "Map physical memory onto [addr, addr+nbytes) of a reserved range (counted as an allocation).")
       .def(
           "unmap", &range_call<&Upstream::unmap>,
-          "addr"_a, "nbytes"_a.none(), "Unmap exactly one earlier map's range (counted as a deallocation).")
+          "addr"_a.none(), "nbytes"_a.none(), "Unmap exactly one earlier map's range (counted as a deallocation).")
       .def(
           "unreserve", &range_call<&Upstream::unreserve>,
-          "addr"_a, "nbytes"_a.none(), "Give back a reserved range with nothing mapped in it.")
+          "addr"_a.none(), "nbytes"_a.none(), "Give back a reserved range with nothing mapped in it.")
       .def_prop_ro("supports_alias", &Upstream::supports_alias,
                    "Whether alias/unalias (a second mapping of mapped memory) are available.")
       .def(
@@ -86,11 +90,11 @@ void bind_upstreams(nb::module_& m) {
             ReleaseGil nogil;
             u.alias(dst, src, n);
           },
-          "dst"_a, "src"_a, "nbytes"_a.none(),
+          "dst"_a.none(), "src"_a.none(), "nbytes"_a.none(),
           "Map the memory of one mapped piece [src, src+nbytes) again at dst (not counted as an allocation).")
       .def(
           "unalias", &range_call<&Upstream::unalias>,
-          "addr"_a, "nbytes"_a.none(), "Remove exactly one earlier alias; the memory stays mapped at its source.")
+          "addr"_a.none(), "nbytes"_a.none(), "Remove exactly one earlier alias; the memory stays mapped at its source.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", [](Upstream& u, nb::handle e) { return u.query_event(parse_u64(e, "event")); }, "event"_a.none())
@@ -125,13 +129,13 @@ void bind_upstreams(nb::module_& m) {
             if (!latency_us.is_none()) {
               const double us = parse_duration_us(latency_us, "latency_us");
               if (us > kMaxSimulatedCallUs)
-                throw InvalidArgument("latency_us " + nb::cast<std::string>(nb::repr(latency_us)) +
+                throw InvalidArgument("latency_us " + shown(latency_us) +
                                       " is above the simulated device's bound of one second per call");
               model = LatencyModel::fixed(us);
             } else {
               if (!latency.is_none() && !nb::isinstance<nb::str>(latency))
                 throw InvalidArgument("latency must be 'h200' or 'none' (or give latency_us); got " +
-                                      nb::cast<std::string>(nb::repr(latency)));
+                                      shown(latency));
               const std::string name = latency.is_none() ? "h200" : nb::cast<std::string>(latency);
               if (name == "h200") model = LatencyModel::h200();
               else if (name == "none") model = LatencyModel::none();
@@ -143,7 +147,7 @@ void bind_upstreams(nb::module_& m) {
           "latency"_a = nb::none(), "latency_us"_a = nb::none(), "capacity"_a = nb::none(), "alignment"_a.none() = 256)
       .def("stream", &SimulatedUpstream::new_stream, "A new simulated stream (an int handle).")
       .def(
-          "destroy_stream", [](SimulatedUpstream& u, nb::handle s) { u.destroy_stream(parse_stream(s)); }, "stream"_a,
+          "destroy_stream", [](SimulatedUpstream& u, nb::handle s) { u.destroy_stream(parse_stream(s)); }, "stream"_a.none(),
           "Destroy a stream, as cuStreamDestroy: its enqueued work still completes, but recording an event on it "
           "fails with CUDA_ERROR_INVALID_HANDLE from now on.")
       .def_prop_ro("events_recorded", &SimulatedUpstream::events_recorded, "Events recorded so far (all streams).")
@@ -163,21 +167,21 @@ void bind_upstreams(nb::module_& m) {
       .def_prop_ro("live_events", &SimulatedUpstream::live_events)
       .def(
           "begin_capture",
-          [](SimulatedUpstream& u, nb::handle s, nb::handle mode) { u.begin_capture(parse_stream(s), capture_mode(mode)); }, "stream"_a,
-          "mode"_a = 0,
+          [](SimulatedUpstream& u, nb::handle s, nb::handle mode) { u.begin_capture(parse_stream(s), capture_mode(mode)); }, "stream"_a.none(),
+          "mode"_a.none() = 0,
           "Start capturing stream (mode 0 global, 1 thread-local, 2 relaxed): CUDA's capture rules are "
           "checked from now on (capture_violations).")
       .def(
-          "end_capture", [](SimulatedUpstream& u, nb::handle s) { return u.end_capture(parse_stream(s)); }, "stream"_a,
+          "end_capture", [](SimulatedUpstream& u, nb::handle s) { return u.end_capture(parse_stream(s)); }, "stream"_a.none(),
           "Stop capturing stream; True when the capture stayed valid.")
       .def(
           "is_capturing", [](SimulatedUpstream& u, nb::handle s) { return u.stream_capturing(parse_stream(s)); },
-          "stream"_a)
+          "stream"_a.none())
       .def_prop_ro("capture_violations", &SimulatedUpstream::capture_violations,
                    "Calls that would have invalidated an active capture on a GPU.")
       .def_prop_ro("last_capture_violation", &SimulatedUpstream::last_capture_violation)
       .def("set_capture_mode", [](SimulatedUpstream& u, nb::handle mode) { return u.exchange_capture_mode(capture_mode(mode)); },
-           "mode"_a, "Set this thread's capture mode (returns the previous one), like cudaThreadExchangeStreamCaptureMode.")
+           "mode"_a.none(), "Set this thread's capture mode (returns the previous one), like cudaThreadExchangeStreamCaptureMode.")
       .def_prop_ro("captures_underway", [](SimulatedUpstream& u) { return u.captures_underway(); })
       .def_prop_ro("capacity", &SimulatedUpstream::capacity)
       .def("mapped_bytes", &SimulatedUpstream::mapped_bytes, "Physical bytes mapped now (all reserved ranges).")

@@ -24,7 +24,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|remote-claim|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -49,6 +49,7 @@
 #include "poolkeeper/core/registry.hpp"
 #include "poolkeeper/upstreams/simulated_upstream.hpp"
 #include "poolkeeper/pools/size_class_pool.hpp"
+#include "poolkeeper/detail/test_seam.hpp"
 
 using namespace poolkeeper;
 
@@ -786,10 +787,74 @@ void scenario_capi_registry(const Options& o) {
   if (up->counters().outstanding_bytes) fail("capi-registry: upstream still holds memory");
 }
 
+// remote-claim: a thread freeing another shard's SizeClassPool block is held by a test seam
+// after its claim and before its push onto the shard's remote list, and meanwhile this thread
+// takes a snapshot, stats() and validate(). The books still count the block live then, so the
+// walk must report it live: claimed as Free, it was a free chunk the stats did not count (a
+// snapshot during traffic failed accounting.check; validate() threw). Deterministic: the seam
+// holds the thread, no timing is involved.
+std::atomic<int> g_claim_state{0};  // 0 idle, 1 a thread is held at the seam, 2 let it go
+void hold_at_claim(detail::Seam) {
+  g_claim_state.store(1);
+  while (g_claim_state.load() != 2) std::this_thread::yield();
+}
+
+void scenario_remote_claim(const Options&) {
+  auto up = std::make_shared<HostUpstream>();
+  SizeClassOptions so;
+  so.shards = 2;
+  auto pool = std::make_shared<SizeClassPool>(up, so);
+  void* p = pool_alloc(*pool, 4096, kNoStream);
+  detail::g_seam_hook.store(&hold_at_claim);
+  bool held = false;
+  // A new thread's shard is the next thread number's: of two threads in a row one is in the
+  // other shard, whose free of p goes lock-free.
+  for (int attempt = 0; attempt < 4 && !held; ++attempt) {
+    g_claim_state.store(0);
+    std::atomic<bool> done{false};
+    std::thread t([&] {
+      pool_free(*pool, p, kNoStream);
+      done = true;
+    });
+    while (!done && g_claim_state.load() != 1) std::this_thread::yield();
+    held = g_claim_state.load() == 1;
+    if (held) {
+      const Snapshot snap = pool->snapshot();
+      std::size_t live = 0, live_chunks = 0, free = 0;
+      for (const auto& b : snap.backings)
+        for (const auto& c : b.chunks) {
+          if (c.state == ChunkState::Live) live += c.requested, ++live_chunks;
+          else if (c.state == ChunkState::Free) free += c.size;
+          else fail("remote-claim: a chunk in state " + std::string(chunk_state_name(c.state)));
+        }
+      if (live != snap.stats.live || live_chunks != snap.stats.live_blocks || free != snap.stats.free)
+        fail("remote-claim: snapshot of a claimed block: chunks live " + std::to_string(live) + " in " +
+             std::to_string(live_chunks) + ", free " + std::to_string(free) + "; stats live " +
+             std::to_string(snap.stats.live) + " in " + std::to_string(snap.stats.live_blocks) + ", free " +
+             std::to_string(snap.stats.free));
+      try {
+        pool->validate();
+      } catch (const std::exception& e) {
+        fail(std::string("remote-claim: validate() with a claimed block: ") + e.what());
+      }
+      g_claim_state.store(2);
+    }
+    t.join();
+    if (!held) p = pool_alloc(*pool, 4096, kNoStream);  // freed on the locked path: again
+  }
+  detail::g_seam_hook.store(nullptr);
+  if (!held) fail("remote-claim: no free went lock-free in four threads");
+  const PoolStats st = pool->stats();  // files the pushed block
+  if (st.live || st.live_blocks) fail("remote-claim: the claimed block is still live after its push");
+  pool->validate();
+  g_counts.ops.fetch_add(1, std::memory_order_relaxed);
+  pool->close();
+}
+
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|remote-claim|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -827,7 +892,8 @@ int main(int argc, char** argv) {
   }
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
-      o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "all")
+      o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "remote-claim" &&
+      o.scenario != "all")
     return usage();
 
   int ran = 0;
@@ -846,6 +912,7 @@ int main(int argc, char** argv) {
   if (o.scenario == "thread-exit" || o.scenario == "all") scenario_thread_exit(o);
   if (o.scenario == "transfer-exit" || o.scenario == "all") scenario_transfer_exit(o);
   if (o.scenario == "capi-registry" || o.scenario == "all") scenario_capi_registry(o);
+  if (o.scenario == "remote-claim" || o.scenario == "all") scenario_remote_claim(o);
 
   auto& k = g_counts;
   std::printf(

@@ -57,6 +57,9 @@ class Faulty(_core.FaultyUpstream):
         fail_frees: watch ``deallocate`` calls too (default: allocations only).
         error: ``"oom"`` (default) or ``"upstream"``: how a refused allocation fails.
         armed: start armed (default) or disarmed; ``armed`` can be switched at any time.
+        refuse_after_us: a refused call first sleeps this many microseconds (at most one
+            minute), as a driver call that fails after its work, so a test can act on the pool
+            while the refused call is under way (default 0).
 
     Attributes:
         calls: watched calls so far. injected: calls refused so far
@@ -78,8 +81,11 @@ class Faulty(_core.FaultyUpstream):
         fail_frees: bool = False,
         error: str = "oom",
         armed: bool = True,
+        refuse_after_us: int = 0,
     ) -> None:
-        super().__init__(inner, fail_every, fail_at, fail_bytes_over, bool(fail_frees), str(error), bool(armed))
+        super().__init__(
+            inner, fail_every, fail_at, fail_bytes_over, bool(fail_frees), str(error), bool(armed), refuse_after_us
+        )
 
     def __repr__(self) -> str:
         rules = []
@@ -91,6 +97,8 @@ class Faulty(_core.FaultyUpstream):
             rules.append(f"fail_bytes_over={self.fail_bytes_over}")
         rules.append(f"fail_frees={self.fail_frees}")
         rules.append(f"error={self.error!r}")
+        if self.refuse_after_us:
+            rules.append(f"refuse_after_us={self.refuse_after_us}")
         state = "armed" if self.armed else "disarmed"
         return f"Faulty({self.inner!r}, {', '.join(rules)}; {state}, {self.injected}/{self.calls} refused)"
 

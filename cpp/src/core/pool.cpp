@@ -84,6 +84,7 @@ void Pool::give_back_after_close(void* p, std::size_t n) {
   try {
     upstream_free(p, n);
   } catch (...) {
+    refused_after_close_.fetch_add(1, std::memory_order_relaxed);
   }
   throw_closed();
 }

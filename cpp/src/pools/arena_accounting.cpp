@@ -82,7 +82,8 @@ PoolStats ArenaPool::stats_locked() {
   StreamOrderCounters so;
   so.add(order_);
   so.report(st);
-  add_extras(st, {{"upstream_free_failures", ev_.upstream_free_failures}, {"oom_retries", ev_.oom_retries},
+  add_extras(st, {{"upstream_free_failures", ev_.upstream_free_failures + refused_after_close()},
+                  {"oom_retries", ev_.oom_retries},
                   {"tree_chunks", index_.tree_size()}, {"table_capacity", table_.capacity()},
                   {"table_grows", table_.grows()}, {"chunk_nodes", chunk_nodes_.live()}});
   source_->stats(st);

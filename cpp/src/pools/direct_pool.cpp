@@ -127,6 +127,9 @@ PoolStats DirectPool::stats_impl(std::vector<BackingInfo>* blocks) {
   st.live_blocks = table_.size();
   st.backings = table_.size();
   st.limit = opt_.limit;
+  // A refused free of a live block goes back to its caller; only memory handed over after close()
+  // has a refusal the pool swallows.
+  add_extras(st, {{"upstream_free_failures", refused_after_close()}});
   fill_upstream_counts(st);
   return st;
 }
@@ -148,9 +151,13 @@ void DirectPool::validate() {
 
 bool DirectPool::do_close(LiveAtClose& live) {
   std::lock_guard<std::mutex> g(mu_);
-  if (table_.size()) {
-    live.blocks = table_.size();
-    live.bytes = live_;
+  // A block in its upstream free has left the table but not the pool: the upstream may refuse
+  // the free and hand it back. Closing meanwhile put that block back into a closed pool (its
+  // bytes reserved for good, found by hostile probing), so close() counts it as still live.
+  const std::size_t freeing = nodes_.live() - table_.size();
+  if (table_.size() || freeing) {
+    live.blocks = table_.size() + freeing;
+    live.bytes = live_ + budget_.releasing;
     table_.for_each([&](std::uintptr_t a, BlockRecord*) { live.note(a); });
     return false;
   }

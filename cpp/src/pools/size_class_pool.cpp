@@ -1,4 +1,5 @@
 #include "poolkeeper/pools/size_class_pool.hpp"
+#include "poolkeeper/detail/test_seam.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -93,12 +94,16 @@ bool SizeClassPool::free_remote(Block* b, std::uintptr_t a) {
     cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
     return false;
   }
+  // Remote, not Free: until its shard files it the books count the block live, and an observation
+  // that walks the blocks meanwhile (snapshot, validate) must read it as they count it. (As Free,
+  // a claim landing during a snapshot's walk made the snapshot fail accounting.check.)
   ChunkState live = ChunkState::Live;
-  if (!b->state.compare_exchange_strong(live, ChunkState::Free, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+  if (!b->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed)) {
     if (capped()) cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
     return false;  // freed already (or being freed): the locked path reports it
   }
   // b is ours now and on no list: its shard cannot change until it is filed.
+  POOLKEEPER_SEAM(RemoteClaimed);
   Shard& sh = *shards_[b->home()];
   Block* head = sh.remote.load(std::memory_order_relaxed);
   do {
@@ -569,7 +574,7 @@ std::size_t SizeClassPool::release_cached() {
 
 PoolStats SizeClassPool::stats() { return stats_impl(nullptr); }
 
-PoolStats SizeClassPool::stats_impl(std::vector<BackingInfo>* blocks, bool* raced) {
+PoolStats SizeClassPool::stats_impl(std::vector<BackingInfo>* blocks) {
   PoolStats st;
   std::map<Stream, std::size_t> by_stream;
   std::vector<bool> cached(nclasses_, false);
@@ -578,16 +583,14 @@ PoolStats SizeClassPool::stats_impl(std::vector<BackingInfo>* blocks, bool* race
   StreamOrderCounters so;
   {
     AllLocks all(this);
-    if (blocks) {
-      for (auto& sp : shards_) file_remote_locked(*sp);
+    if (blocks)
       table_.for_each([&](std::uintptr_t, Block* b) {
         BackingInfo& bi = blocks->emplace_back(block_backing(*b));
-        if (b->st() == ChunkState::Pending) shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
+        // One read of the state: a claim may turn Live into Remote between two reads.
+        const ChunkState s = bi.chunks[0].state;
+        if (s == ChunkState::Remote) bi.chunks[0].state = ChunkState::Live;
+        if (s == ChunkState::Pending) shards_[b->home()]->order.describe(b, bi.chunks[0].waits_on, bi.chunks[0].event);
       });
-      if (raced)
-        *raced = std::any_of(shards_.begin(), shards_.end(),
-                             [](const auto& sp) { return sp->remote.load(std::memory_order_acquire) != nullptr; });
-    }
     for (auto& sp : shards_) {
       Shard& sh = *sp;
       st.live += sh.live;
@@ -620,7 +623,8 @@ PoolStats SizeClassPool::stats_impl(std::vector<BackingInfo>* blocks, bool* race
                     {"cached_classes", static_cast<std::uint64_t>(std::count(cached.begin(), cached.end(), true))},
                     {"released_blocks", released_blocks_}});
     so.report(st);
-    add_extras(st, {{"upstream_free_failures", upstream_free_failures_}, {"oom_retries", oom_retries_},
+    add_extras(st, {{"upstream_free_failures", upstream_free_failures_ + refused_after_close()},
+                    {"oom_retries", oom_retries_},
                     {"table_capacity", table_.capacity()}, {"shards", shards_.size()},
                     {"shard_migrations", migrated}, {"remote_frees", remote}});
   }
@@ -645,6 +649,7 @@ void SizeClassPool::validate() {
     r[k] += b->size;
     switch (b->st()) {
       case ChunkState::Live:
+      case ChunkState::Remote:  // claimed by a lock-free free not yet filed: the books count it live
         if (b->requested > b->size) throw InvariantViolation("SizeClassPool: requested above class size");
         l[k] += b->requested;
         o[k] += b->size - b->requested;
@@ -699,7 +704,7 @@ bool SizeClassPool::do_close(LiveAtClose& live) {
     for (auto& sh : shards_) live.blocks += sh->live_blocks, live.bytes += sh->live;
     if (live.blocks) {
       table_.for_each([&](std::uintptr_t a, Block* b) {
-        if (b->st() == ChunkState::Live) live.note(a);
+        if (b->st() == ChunkState::Live || b->st() == ChunkState::Remote) live.note(a);
       });
       return false;
     }
@@ -717,15 +722,7 @@ bool SizeClassPool::do_close(LiveAtClose& live) {
 
 Snapshot SizeClassPool::snapshot() {
   std::vector<BackingInfo> blocks;
-  PoolStats st;
-  // A free that lands lock-free during the walk is rare (it needs the walk to hold the freeing
-  // thread's shard lock); a few tries make such a snapshot rarer still, never a wait.
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    bool raced = false;
-    blocks.clear();
-    st = stats_impl(&blocks, &raced);
-    if (!raced) break;
-  }
+  PoolStats st = stats_impl(&blocks);
   Snapshot snap = snapshot_head(std::move(st));
   snap.backings = std::move(blocks);
   sort_backings(snap);

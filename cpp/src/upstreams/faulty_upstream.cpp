@@ -1,6 +1,8 @@
 #include "poolkeeper/upstreams/faulty_upstream.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 namespace poolkeeper {
 
@@ -22,6 +24,7 @@ void FaultyUpstream::maybe_refuse_alloc(const char* what, std::size_t nbytes) {
   const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
   if (!should_fail(i, nbytes)) return;
   injected_allocs_.fetch_add(1, std::memory_order_relaxed);
+  if (plan_.refuse_after_us) std::this_thread::sleep_for(std::chrono::microseconds(plan_.refuse_after_us));
   const std::string msg = std::string("injected fault: ") + what + " #" + std::to_string(i) + " of " +
                           format_bytes(nbytes) + " refused by " + name();
   if (plan_.error == FaultPlan::Error::Oom) throw UpstreamOutOfMemory(msg, name(), "POOLKEEPER_INJECTED_OOM", kInjectedCode);
@@ -33,6 +36,7 @@ void FaultyUpstream::maybe_refuse_free(const char* what, std::uintptr_t p, std::
   const std::uint64_t i = calls_.fetch_add(1, std::memory_order_relaxed);
   if (!should_fail(i, nbytes)) return;
   injected_frees_.fetch_add(1, std::memory_order_relaxed);
+  if (plan_.refuse_after_us) std::this_thread::sleep_for(std::chrono::microseconds(plan_.refuse_after_us));
   throw UpstreamFailure(std::string("injected fault: ") + what + " #" + std::to_string(i) + " of " + format_ptr(p) +
                             " (" + format_bytes(nbytes) + ") refused by " + name(),
                         name(), "POOLKEEPER_INJECTED_FAULT", kInjectedCode);

@@ -16,7 +16,8 @@
 // - Thread safety: all members may be called concurrently, except close(), validate() and
 //   snapshot(), which need no concurrent allocate/deallocate on the same pool (ArenaPool's
 //   lock-free thread-cache paths change chunk records without the pool lock; stats() stays exact
-//   at any time through its seqlocked counters).
+//   at any time through its seqlocked counters). A pool may promise more: Direct's and
+//   SizeClassPool's snapshot() are exact during traffic (their headers say so).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -237,10 +238,14 @@ class Pool {
     up_frees_.fetch_add(1, std::memory_order_relaxed);
   }
   // Memory an upstream call handed over after close() had run (close() saw no live block while
-  // the call was under way): it goes back to the upstream (a refusal is swallowed: the pool is
-  // gone) and the allocation raises PoolClosed, rather than hand out a closed pool's block that no
-  // deallocate could take back. Called with none of the pool's locks held.
+  // the call was under way): it goes back to the upstream (a refusal is counted in
+  // refused_after_close() and swallowed: the pool is gone) and the allocation raises PoolClosed,
+  // rather than hand out a closed pool's block that no deallocate could take back. Called with
+  // none of the pool's locks held.
   [[noreturn]] void give_back_after_close(void* p, std::size_t n);
+  // Frees give_back_after_close() saw refused (the bytes stay with the upstream): each pool adds
+  // them to its stats' upstream_free_failures.
+  std::uint64_t refused_after_close() const { return refused_after_close_.load(std::memory_order_relaxed); }
   void fill_upstream_counts(PoolStats& st) const {
     st.extra.emplace_back("upstream_allocations", up_allocs_.load(std::memory_order_relaxed));
     st.extra.emplace_back("upstream_deallocations", up_frees_.load(std::memory_order_relaxed));
@@ -257,7 +262,7 @@ class Pool {
   std::atomic<bool> closed_{false};
   // Counters of this pool's upstream calls and OOM errors (PyTorch's num_ooms): relaxed atomics,
   // written by any thread, read by stats().
-  std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0}, ooms_{0};
+  std::atomic<std::uint64_t> up_allocs_{0}, up_frees_{0}, ooms_{0}, refused_after_close_{0};
 
  private:
   [[noreturn]] void throw_forked() const;

@@ -4,7 +4,10 @@
 //
 // Stream order: Direct holds nothing, so a release goes straight to the upstream (for CudaAsync
 // that is a stream-ordered free on the upstream's stream; cuMemFree itself waits for the device).
-// Thread-safe (one mutex).
+// Thread-safe (one mutex, guarding the table, the budget and live_). snapshot() is exact during
+// traffic: a block leaves the books (table, reserved, live) in the same hold that starts its
+// upstream free, and a refused free books it back. close() counts a block in its upstream free
+// as live (the upstream may refuse and hand it back). validate() wants a quiet pool.
 #pragma once
 #include <mutex>
 

@@ -12,7 +12,7 @@
 //   is free at once first; if none had one and some were busy, each in turn, waiting, locks in
 //   index order), so sharding never grows the footprint while another shard holds a fitting block.
 // - Cross-thread frees. A stream-less free of a block of another thread's shard (or of the
-//   caller's own shard while its lock is busy) takes no lock: it claims the block (Live -> Free,
+//   caller's own shard while its lock is busy) takes no lock: it claims the block (Live -> Remote,
 //   one compare-exchange on the block's state: a second free of it fails there and is reported by
 //   the locked path) and pushes it on that shard's `remote` list (one more compare-exchange on a
 //   cache line of its own). Whoever next holds that shard's lock files the list -- the shard's
@@ -21,8 +21,10 @@
 //   lists (the cache lines the allocating thread works on). The list is filed before a miss
 //   looks elsewhere (the own shard's, then each other shard's before its blocks are borrowed),
 //   before a new per-shard live peak is taken, and at every observation point (AllLocks: stats,
-//   validate, snapshot, close, reset_peaks), by trim(), process_pending() and synchronize(): no
-//   observation sees a block on it, and nothing pushed on it is ever lost to the pool. A free on
+//   validate, snapshot, close, reset_peaks), by trim(), process_pending() and synchronize(), and
+//   nothing pushed on it is ever lost to the pool. Until filed, a Remote block is live in its
+//   shard's books, and every observation counts it so (a claim that lands while an observation
+//   holds the locks, or whose push has not happened yet, cannot be filed by it). A free on
 //   a stream takes the block's shard lock (stream bookkeeping lives there).
 // - Live and cached blocks are held in one open-addressing PointerTable (no heap traffic per
 //   insert/erase once grown), so a double free is told from an unknown pointer. It is read
@@ -33,13 +35,14 @@
 //   under the shard lock that owns the block's stream order: one shard, not the whole pool.
 // - Stream order through the shared StreamOrder component, one per shard.
 //
-// Invariants (validate(), after filing every remote list): per shard and in total,
-// reserved == live + free + pending + overhead;
+// Invariants (validate(), after filing every remote list; Remote blocks count as live): per
+// shard and in total, reserved == live + free + pending + overhead;
 // every free-list block is Free, of its class and of that shard; table size == live + free +
 // pending blocks; pending totals match; the shards' reserved bytes add to the pool's.
 // peak_live is exact while one thread uses the pool; with several it is the largest of what one
 // shard held and of every stats()/validate() observation (a lower bound of the true peak).
-// Thread safety: all members may be called concurrently (validate/close/snapshot: quiescent).
+// Thread safety: all members may be called concurrently; stats() and snapshot() are exact
+// observations during other threads' traffic, validate() and close() want a quiet pool.
 // Freeing a block the caller does not own while another thread frees or trims it is outside the
 // contract (as with any allocator); a double free in sequence is always reported.
 // Locks: shard locks in index order, then grow_mu_. Each SpinMutex spins briefly, then parks.
@@ -100,10 +103,9 @@ class SizeClassPool final : public Pool {
  private:
   // stats(), and with `blocks` given every block as a backing, under one hold of every lock: a
   // snapshot's stats and chunks are one observation (taken apart, a snapshot during traffic failed
-  // accounting.check 420 times in 2,000, found by hostile probing). With `blocks`, the remote
-  // lists are filed first, and `raced` says whether a lock-free free claimed a block during the
-  // walk (its chunk reads free while the shard's books still count it live): the caller retries.
-  PoolStats stats_impl(std::vector<BackingInfo>* blocks, bool* raced = nullptr);
+  // accounting.check 420 times in 2,000, found by hostile probing). A Remote block is reported
+  // live, as the books count it.
+  PoolStats stats_impl(std::vector<BackingInfo>* blocks);
   POOLKEEPER_POOL_HOOKS;
 
   // alignas: one block's record never shares a cache line with another's, so threads working on
@@ -141,7 +143,8 @@ class SizeClassPool final : public Pool {
   };
   using Guard = std::lock_guard<detail::SpinMutex>;
   // Every shard lock (index order), then grow_mu_: an observation point of the whole pool. Files
-  // every remote list, so the observation sees each lock-free free as done.
+  // every remote list, so the observation sees each lock-free free pushed by then as done (one
+  // claimed later stays Remote, live in the books, until the next lock holder files it).
   struct AllLocks {
     explicit AllLocks(SizeClassPool* p);
     ~AllLocks();
@@ -150,7 +153,7 @@ class SizeClassPool final : public Pool {
 
   Shard& my_shard();
   std::uint32_t my_shard_index() const;
-  // Lock-free free (stream-less): claim b (Live -> Free) and push it on its shard's remote list.
+  // Lock-free free (stream-less): claim b (Live -> Remote) and push it on its shard's remote list.
   // False: b is not a live block at a (the locked path decides), or the cache cap refuses.
   bool free_remote(Block* b, std::uintptr_t a);
   // sh locked: file sh's remote list (live -> free in sh's books). Returns blocks filed.

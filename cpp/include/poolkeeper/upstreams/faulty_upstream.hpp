@@ -10,7 +10,9 @@
 // A failing call never reaches the inner upstream. An allocation fails with UpstreamOutOfMemory
 // (error = Oom, "POOLKEEPER_INJECTED_OOM") or UpstreamFailure (error = Failure,
 // "POOLKEEPER_INJECTED_FAULT"); a free always fails with UpstreamFailure (the memory stays with
-// the upstream, as a refused cuMemFree leaves it). Error code: kInjectedCode.
+// the upstream, as a refused cuMemFree leaves it). Error code: kInjectedCode. With
+// refuse_after_us, a refused call first sleeps that long (a driver call that fails after its
+// work), so a test can act on the pool while a refused call is under way.
 //
 // Virtual memory is forwarded when the inner upstream has it: a map is watched like an
 // allocation (same index sequence, same rules, same errors; a refused map maps nothing) and an
@@ -40,6 +42,7 @@ struct FaultPlan {
   bool fail_frees = false;               // watch deallocate calls too
   Error error = Error::Oom;              // how an allocation fails
   bool armed = true;                     // initial state of the switch
+  std::uint64_t refuse_after_us = 0;     // a refused call sleeps this long before it throws
 };
 
 class FaultyUpstream final : public ForwardingUpstream {
