@@ -158,6 +158,25 @@ def test_regression_arena_limit_passed_after_a_refused_shrink_free():
     assert sim.counters()["peak_outstanding_bytes"] <= 64 * 1024
 
 
+def _under_way(call):
+    """Starts call() in a thread and gives it 0.1 s to reach its slow upstream call; returns the
+    thread and a list that gets call()'s result or the exception it raised."""
+    import time
+
+    out: list = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as e:  # reported to the test
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.1)
+    return t, out
+
+
 @pytest.mark.parametrize("make", [pk.Direct, pk.SizeClassPool], ids=["direct", "size_class"])
 def test_regression_close_during_an_upstream_allocation_leaked_the_block(make):
     # Found by hostile probing: close() saw no live block while another thread's allocate() was in
@@ -165,21 +184,9 @@ def test_regression_close_during_an_upstream_allocation_leaked_the_block(make):
     # which no deallocate could take back (PoolClosedError): the bytes stayed outstanding upstream
     # and live in the closed pool's stats. The allocation now gives them back and raises, as
     # ArenaPool's growth does (test_growth_outside_lock.py).
-    import time
-
     up = pk.upstream.Simulated(latency_us=300_000)  # every upstream call busy-waits 0.3 s
     pool = make(up)
-    out: list = []
-
-    def miss():
-        try:
-            out.append(pool.allocate(1 << 20))
-        except Exception as e:  # reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=miss)
-    t.start()
-    time.sleep(0.1)  # inside the upstream call by now
+    t, out = _under_way(lambda: pool.allocate(1 << 20))
     pool.close()
     t.join(30)
     assert isinstance(out[0], pk.PoolClosedError), out
@@ -295,24 +302,11 @@ def test_regression_direct_close_during_a_refused_free_put_the_block_into_the_cl
     # block and closed; the upstream then refused the free and the block went back into the closed
     # pool (reserved for good, no deallocate could take it). close() now counts a block in its
     # upstream free as live, and refuses.
-    import time
-
     sim = pk.upstream.Simulated(latency="none")
     up = pk.upstream.Faulty(sim, fail_frees=True, fail_at={1}, error="upstream", refuse_after_us=300_000)
     pool = pk.Direct(up)
     p = pool.allocate(1 << 20)
-    out: list = []
-
-    def free():
-        try:
-            pool.deallocate(p)
-            out.append(None)
-        except Exception as e:  # reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=free)
-    t.start()
-    time.sleep(0.1)  # the free is inside the upstream call (sleeping before its refusal)
+    t, out = _under_way(lambda: pool.deallocate(p))  # sleeps in the upstream before its refusal
     with pytest.raises(pk.errors.LiveBlocksError, match="1 block"):
         pool.close()
     t.join(30)
@@ -330,23 +324,11 @@ def test_regression_direct_close_during_a_refused_free_put_the_block_into_the_cl
 def test_a_refused_free_of_memory_handed_over_after_close_is_counted(kind):
     # The give-back of memory an upstream allocation handed over after close() ran used to
     # swallow a refusal uncounted: the bytes stayed with the upstream and no figure said so.
-    import time
-
     sim = pk.upstream.Simulated(latency_us=300_000)  # the allocation is under way for 0.3 s
     up = pk.upstream.Faulty(sim, fail_frees=True, fail_at={1}, error="upstream")  # call 1: the give-back
     pool = {"direct": lambda: pk.Direct(up), "size_class": lambda: pk.SizeClassPool(up),
             "arena": lambda: pk.ArenaPool(up, initial_backing=1 << 16)}[kind]()
-    out: list = []
-
-    def miss():
-        try:
-            out.append(pool.allocate(1 << 20))
-        except Exception as e:  # reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=miss)
-    t.start()
-    time.sleep(0.1)
+    t, out = _under_way(lambda: pool.allocate(1 << 20))
     pool.close()
     t.join(30)
     assert isinstance(out[0], pk.PoolClosedError), out
