@@ -233,6 +233,26 @@ def test_regression_raw_upstream_calls_with_none_or_unprintable_ints_were_not_po
         assert "an int of 16610 bits" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda arg: pk.upstream.Faulty(arg),
+        lambda arg: pk.upstream.Faulty(pk.upstream.Host(), fail_at=[arg]),
+        lambda arg: pk.upstream.Simulated(latency="none").set_capture_mode(arg),
+        lambda arg: pk.ArenaPool(pk.upstream.Host(), expandable=arg),
+    ],
+    ids=["faulty_inner", "fail_at", "capture_mode", "pool_option"],
+)
+@pytest.mark.parametrize("arg", ["x" + "\u00e9" * 80, "\u6a21\u5f0f" * 30, "y" + "\u6a21\u5f0f" * 30], ids=["2-byte", "3-byte", "3-byte+1"])
+def test_regression_a_long_non_ascii_argument_cut_in_a_message_made_the_error_unconvertible(call, arg):
+    # Found by review: the message's copy of the argument was cut at 117 bytes, inside a UTF-8
+    # character, and the undecodable message reached the caller as RuntimeError("an error occurred
+    # and could not be converted") instead of the typed error.
+    with pytest.raises(pk.errors.PoolkeeperError) as e:
+        call(arg)
+    assert "..." in str(e.value)
+
+
 def test_a_wrong_capture_mode_is_told_with_the_modes_there_are():
     sim = pk.upstream.Simulated(latency="none")
     for mode in (-1, 3, 2**64, "global"):
@@ -307,8 +327,9 @@ def test_regression_direct_close_during_a_refused_free_put_the_block_into_the_cl
     pool = pk.Direct(up)
     p = pool.allocate(1 << 20)
     t, out = _under_way(lambda: pool.deallocate(p))  # sleeps in the upstream before its refusal
-    with pytest.raises(pk.errors.LiveBlocksError, match="1 block"):
+    with pytest.raises(pk.errors.LiveBlocksError, match="1 block") as e:
         pool.close()
+    assert (e.value.blocks, e.value.bytes, e.value.sample) == (1, 1 << 20, [p])  # the block, as it was live
     t.join(30)
     assert isinstance(out[0], pk.errors.UpstreamError), out
     assert up.injected_deallocations == 1

@@ -19,9 +19,9 @@ std::size_t parse_size(nb::handle h, const char* what = "nbytes");
 // or __repr__ is theirs (or the interpreter's) and is thrown on unchanged as nb::python_error.
 void clear_bad_input_error();
 std::uintptr_t parse_ptr(nb::handle h);
-// An argument as an error message shows it: its repr, at most 120 characters; an int too long to
-// print as "an int of N bits" (str() of an int over 4,300 digits raises ValueError, and a message
-// must never raise); "a <type> object" where repr itself raises. Never throws a Python error
+// An argument as an error message shows it: its repr, at most 120 bytes (cut between UTF-8
+// characters); an int too long to print as "an int of N bits" (str() of an int over 4,300 digits
+// raises ValueError, and a message must never raise); "a <type> object" where repr raises. Never throws a Python error
 // other than KeyboardInterrupt/SystemExit/MemoryError (see clear_bad_input_error).
 std::string shown(nb::handle h);
 // An integer in [0, 2^64) (an event id, a capture mode): InvalidArgument naming `what` otherwise.

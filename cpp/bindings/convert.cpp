@@ -42,7 +42,13 @@ std::string shown(nb::handle h) {
     Py_DECREF(rep);
   }
   clear_bad_input_error();
-  if (out.size() > 120) out = out.substr(0, 117) + "...";
+  if (out.size() > 120) {
+    // Cut at a character's first byte: half a UTF-8 character made the message undecodable, and
+    // the error reached the caller as "an error occurred and could not be converted".
+    std::size_t cut = 117;
+    while (cut && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80) --cut;
+    out = out.substr(0, cut) + "...";
+  }
   return out;
 }
 

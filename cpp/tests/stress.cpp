@@ -787,9 +787,9 @@ void scenario_capi_registry(const Options& o) {
   if (up->counters().outstanding_bytes) fail("capi-registry: upstream still holds memory");
 }
 
-// remote-claim: a thread freeing another shard's SizeClassPool block is held by a test seam
-// after its claim and before its push onto the shard's remote list, and meanwhile this thread
-// takes a snapshot, stats() and validate(). The books still count the block live then, so the
+// remote-claim: a thread freeing another shard's SizeClassPool block (uncapped and capped) is
+// held by a test seam after its claim and before its push onto the shard's remote list, and
+// meanwhile this thread takes a snapshot and validate(). The books still count the block live then, so the
 // walk must report it live: claimed as Free, it was a free chunk the stats did not count (a
 // snapshot during traffic failed accounting.check; validate() threw). Deterministic: the seam
 // holds the thread, no timing is involved.
@@ -799,10 +799,18 @@ void hold_at_claim(detail::Seam) {
   while (g_claim_state.load() != 2) std::this_thread::yield();
 }
 
+void remote_claim_on(std::size_t max_cached_bytes);
+
 void scenario_remote_claim(const Options&) {
+  remote_claim_on(SIZE_MAX);  // uncapped
+  remote_claim_on(1 << 20);   // capped: the claim counts the bytes as cached too
+}
+
+void remote_claim_on(std::size_t max_cached_bytes) {
   auto up = std::make_shared<HostUpstream>();
   SizeClassOptions so;
   so.shards = 2;
+  so.max_cached_bytes = max_cached_bytes;
   auto pool = std::make_shared<SizeClassPool>(up, so);
   void* p = pool_alloc(*pool, 4096, kNoStream);
   detail::g_seam_hook.store(&hold_at_claim);

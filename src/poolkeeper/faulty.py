@@ -57,9 +57,9 @@ class Faulty(_core.FaultyUpstream):
         fail_frees: watch ``deallocate`` calls too (default: allocations only).
         error: ``"oom"`` (default) or ``"upstream"``: how a refused allocation fails.
         armed: start armed (default) or disarmed; ``armed`` can be switched at any time.
-        refuse_after_us: a refused call first sleeps this many microseconds (at most one
-            minute), as a driver call that fails after its work, so a test can act on the pool
-            while the refused call is under way (default 0).
+        refuse_after_us: a refused call first sleeps this many microseconds (at most ten
+            seconds: the sleep cannot be interrupted), as a driver call that fails after its
+            work, so a test can act on the pool while the refused call is under way (default 0).
 
     Attributes:
         calls: watched calls so far. injected: calls refused so far

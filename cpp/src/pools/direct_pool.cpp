@@ -77,6 +77,7 @@ Refusal DirectPool::do_deallocate(void* p, Stream) {
     // Out of the books before the upstream call, held against the limit until it returns: a
     // snapshot meanwhile sees neither the block nor its bytes (it saw the bytes reserved with no
     // block to hold them: 178 of 2,000 snapshots during traffic failed accounting.check).
+    freeing_.push_back(b);  // first: the one step that can throw (then nothing has changed)
     table_.erase(a);
     budget_.start_release(b->size);
     live_ -= b->requested;
@@ -86,6 +87,7 @@ Refusal DirectPool::do_deallocate(void* p, Stream) {
   } catch (...) {
     // The upstream kept the memory: the block is live again, nothing is lost from the books.
     std::lock_guard<std::mutex> g(mu_);
+    std::erase(freeing_, b);
     budget_.end_release(b->size);
     budget_.grow(b->size);
     live_ += b->requested;
@@ -93,6 +95,7 @@ Refusal DirectPool::do_deallocate(void* p, Stream) {
     throw;
   }
   std::lock_guard<std::mutex> g(mu_);
+  std::erase(freeing_, b);
   budget_.end_release(b->size);
   b->drop_used_on();
   nodes_.destroy(b);
@@ -154,10 +157,13 @@ bool DirectPool::do_close(LiveAtClose& live) {
   // A block in its upstream free has left the table but not the pool: the upstream may refuse
   // the free and hand it back. Closing meanwhile put that block back into a closed pool (its
   // bytes reserved for good, found by hostile probing), so close() counts it as still live.
-  const std::size_t freeing = nodes_.live() - table_.size();
-  if (table_.size() || freeing) {
-    live.blocks = table_.size() + freeing;
-    live.bytes = live_ + budget_.releasing;
+  if (table_.size() || !freeing_.empty()) {
+    live.blocks = table_.size() + freeing_.size();
+    live.bytes = live_;
+    for (BlockRecord* b : freeing_) {
+      live.bytes += b->requested;
+      live.note(b->addr);
+    }
     table_.for_each([&](std::uintptr_t a, BlockRecord*) { live.note(a); });
     return false;
   }

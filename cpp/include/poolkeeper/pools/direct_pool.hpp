@@ -10,6 +10,7 @@
 // as live (the upstream may refuse and hand it back). validate() wants a quiet pool.
 #pragma once
 #include <mutex>
+#include <vector>
 
 #include "poolkeeper/detail/budget.hpp"
 #include "poolkeeper/detail/node_arena.hpp"
@@ -55,6 +56,9 @@ class DirectPool final : public Pool {
   detail::PointerTable<BlockRecord*> table_;  // guarded by mu_: the live blocks
   detail::Budget budget_;                      // guarded by mu_: reserved, in-flight claims, limit
   std::size_t live_ = 0, peak_live_ = 0;       // guarded by mu_
+  // guarded by mu_: blocks out of the table while their upstream free runs (a refused free puts
+  // one back); close() counts them live. A handful at most: one per thread in deallocate().
+  std::vector<BlockRecord*> freeing_;
 };
 
 }  // namespace poolkeeper
