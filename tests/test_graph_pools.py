@@ -446,3 +446,114 @@ def test_a_graph_block_freed_through_the_device_pool_is_an_invalid_pointer(expan
     pool.deallocate(r, home)
     check(sim, pool, gp)
     assert pool.stats()["live_blocks"] == 0
+
+
+def _capture_one_block_through_the_c_abi(lib, sim, gid):
+    """A graph captured through the C ABI that keeps one block (a static output) live."""
+    s = sim.stream()
+    assert lib.poolkeeper_graph_begin(0, gid, 0, s) == 0
+    p = lib.poolkeeper_malloc(100_000, 0, s)
+    assert p and lib.poolkeeper_graph_end(0, gid, 0) == 0
+    return p, s
+
+
+def test_regression_a_new_pools_block_was_freed_through_the_old_pools_graph_pools():
+    # Found by hostile probing: after registry_set replaced the device pool while a graph's block
+    # was live, every C ABI free went through the old GraphPools (it held private blocks), which
+    # handed the new pool's blocks to the old pool: "belongs to ArenaPool #3, not to #1", and the
+    # new pool kept them live for good. Only a graph's own blocks go through it now.
+    lib = load_capi()
+    sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
+    a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
+    _core.registry_set(0, a)
+    try:
+        p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
+        _core.registry_set(0, b)
+        q = lib.poolkeeper_malloc(4096, 0, 2**64 - 1)
+        assert b.owns(q)
+        assert lib.poolkeeper_free(q, 0, 2**64 - 1) == 0, lib.poolkeeper_last_error()
+        assert b.stats()["live_blocks"] == 0
+        assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()  # the graph's block: its pool
+        assert lib.poolkeeper_graph_release(0, 1, 0) == 0
+        a.validate()
+        b.validate()
+        assert a.stats()["live_blocks"] == 0
+    finally:
+        _core.registry_clear()
+
+
+def test_regression_a_graphs_block_could_not_be_freed_after_a_pool_swap_and_a_new_capture():
+    # Found by hostile probing: a capture after registry_set made a new GraphPools and retired the
+    # old one, which no free looked at any more: the old graph's static output could never be
+    # freed ("belongs to ArenaPool #2, not to #3") and its graph never released. Retired
+    # GraphPools keep serving their blocks' frees and their graphs' release, and go once idle.
+    lib = load_capi()
+    sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
+    a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
+    _core.registry_set(0, a)
+    try:
+        p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
+        _core.registry_set(0, b)
+        p2, s2 = _capture_one_block_through_the_c_abi(lib, sim_b, 2)  # a new GraphPools, over b
+        assert lib.poolkeeper_torch_record_stream(p, 0, sim_a.stream()) == 0, lib.poolkeeper_last_error()
+        assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
+        assert lib.poolkeeper_graph_release(0, 1, 0) == 0, lib.poolkeeper_last_error()
+        a.synchronize()
+        a.validate()
+        assert a.stats()["live_blocks"] == 0  # the graph's private pool gave its backing back to a
+        assert lib.poolkeeper_free(p2, 0, s2) == 0 and lib.poolkeeper_graph_release(0, 2, 0) == 0
+        assert lib.poolkeeper_graph_release(0, 1, 0) == 0  # gone: nothing to do (as for ids never used)
+        b.validate()
+    finally:
+        _core.registry_clear()
+
+
+def test_regression_replacing_the_device_pool_while_threads_allocate_through_graph_scopes_crashed():
+    # Found by hostile probing: the C ABI used the device's GraphPools through a raw pointer, and a
+    # graph_begin after registry_set destroyed the replaced GraphPools (and with it the replaced
+    # device pool) while other threads were inside poolkeeper_malloc: a segfault or "pure virtual
+    # method called" within a second, in 7 of 7 runs. Calls now pin it (a per-thread hazard).
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        sys.path.insert(0, %r)
+        import poolkeeper as pk
+        from poolkeeper import _core
+        from capi_lib import load
+        lib = load()
+        sim = pk.upstream.Simulated(latency="none")
+        s, other = sim.stream(), sim.stream()
+        _core.registry_set(0, pk.ArenaPool(sim))
+        stop = False
+        def worker():
+            while not stop:
+                p = lib.poolkeeper_malloc(4096, 0, other)
+                if p:
+                    lib.poolkeeper_free(p, 0, other)  # may name the pool swapped in meanwhile: an error code
+        ts = [threading.Thread(target=worker) for _ in range(3)]
+        for t in ts:
+            t.start()
+        end = time.monotonic() + 3
+        i = 0
+        while time.monotonic() < end:
+            _core.registry_set(0, pk.ArenaPool(sim))
+            assert lib.poolkeeper_graph_begin(0, i, 0, s) == 0
+            assert lib.poolkeeper_graph_end(0, i, 0) == 0
+            assert lib.poolkeeper_graph_release(0, i, 0) == 0
+            i += 1
+        stop = True
+        for t in ts:
+            t.join()
+        _core.registry_clear()
+        print("rounds", i)
+        os._exit(0)
+        """
+        % str(__import__("pathlib").Path(__file__).parent)
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert int(r.stdout.split()[-1]) > 100

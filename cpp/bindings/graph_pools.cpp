@@ -149,8 +149,8 @@ void bind_graph_pools(nb::module_& m) {
   m.def("graph_pools", [](int device) { return graph_registry::get(device); }, "device"_a,
         "The GraphPools of device's registry pool (made on first use).");
   m.def("graph_pools_find", [](int device) -> nb::object {
-        if (!graph_registry::find(device)) return nb::none();
-        return nb::cast(graph_registry::get(device));
+        std::shared_ptr<GraphPools> gp = graph_registry::current(device);
+        return gp ? nb::cast(gp) : nb::none();
       }, "device"_a);
   m.def("graph_registry_clear", &graph_registry::clear);
 }

@@ -85,17 +85,21 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
   void* out = nullptr;
   guarded([&] {
     // While a CUDA-graph scope is open on the device, its GraphPools decides (graph_pools.hpp).
-    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->routing()) {
-      try {
-        out = gp->allocate(size, stream);
-      } catch (const poolkeeper::CaptureFilterAbort& a) {
-        // A Python filter was interrupted (Ctrl-C). This caller is a framework's allocator and
-        // cannot raise it: the interrupt is raised again once Python runs, and the filter that
-        // could not answer does not claim the allocation (the device pool serves it).
-        if (a.redeliver) a.redeliver();
-        out = gp->main()->allocate(size, stream);
+    // Pinned: a get() or clear() on another thread may replace that GraphPools meanwhile.
+    {
+      const poolkeeper::graph_registry::Pinned g(device);
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->routing()) {
+        try {
+          out = gp->allocate(size, stream);
+        } catch (const poolkeeper::CaptureFilterAbort& a) {
+          // A Python filter was interrupted (Ctrl-C). This caller is a framework's allocator and
+          // cannot raise it: the interrupt is raised again once Python runs, and the filter that
+          // could not answer does not claim the allocation (the device pool serves it).
+          if (a.redeliver) a.redeliver();
+          out = gp->main()->allocate(size, stream);
+        }
+        return;
       }
-      return;
     }
     const poolkeeper::registry::Pinned p(device);  // stays alive even if replaced meanwhile
     p->check_not_forked();
@@ -108,12 +112,17 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
 PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
   const TimedCall timed(g_free_clock);
   return guarded([&] {
-    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->holds_private_blocks()) {
-      gp->deallocate(ptr, stream);  // a graph's block goes back to its private pool
-      return;
+    {
+      const poolkeeper::graph_registry::Pinned g(device);
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
+        return;  // a graph's block goes back to its private pool
     }
     const poolkeeper::registry::Pinned p(device);
     p->check_not_forked();
+    // A graph's block captured before the device's pool was replaced: its retired GraphPools.
+    if (poolkeeper::graph_registry::retired_hold_blocks() && !p->owns_live(reinterpret_cast<std::uintptr_t>(ptr)) &&
+        poolkeeper::graph_registry::deallocate_retired(ptr, stream))
+      return;
     if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
   });
 }
@@ -130,12 +139,15 @@ PK_EXPORT void poolkeeper_torch_free(void* ptr, size_t, int device, void* stream
 
 PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream) {
   return guarded([&] {
-    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device); gp && gp->holds_private_blocks()) {
-      gp->record_stream(ptr, torch_stream(stream));
-      return;
+    {
+      const poolkeeper::graph_registry::Pinned g(device);
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
     }
     const poolkeeper::registry::Pinned p(device);
     p->check_not_forked();
+    if (poolkeeper::graph_registry::retired_hold_blocks() && !p->owns_live(reinterpret_cast<std::uintptr_t>(ptr)) &&
+        poolkeeper::graph_registry::record_stream_retired(ptr, torch_stream(stream)))
+      return;
     p->record_stream(ptr, torch_stream(stream));
   });
 }
@@ -183,6 +195,6 @@ PK_EXPORT int poolkeeper_graph_end(int device, uint64_t id0, uint64_t id1) {
 
 PK_EXPORT int poolkeeper_graph_release(int device, uint64_t id0, uint64_t id1) {
   return guarded([&] {
-    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device)) gp->release({id0, id1});
+    poolkeeper::graph_registry::release(device, {id0, id1});
   });
 }

@@ -45,7 +45,7 @@ PK_EXPORT void poolkeeper_torch_end_allocate_to_pool(int device, TorchMempoolId 
 PK_EXPORT void poolkeeper_torch_release_pool(int device, TorchMempoolId id) {
   // Called from graph and MemPool destructors: never throw there.
   try {
-    if (poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device)) gp->release(pool_id(id));
+    poolkeeper::graph_registry::release(device, pool_id(id));
   } catch (...) {
   }
 }

@@ -33,9 +33,8 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
   const auto s = static_cast<poolkeeper::Stream>(reinterpret_cast<std::uintptr_t>(stream));
   try {
     for (auto& [device, pool] : poolkeeper::registry::all()) {
-      poolkeeper::GraphPools* gp = poolkeeper::graph_registry::find(device);
-      if (gp && gp->owns_private(reinterpret_cast<std::uintptr_t>(ptr))) {  // a graph's block
-        gp->record_stream(ptr, s);
+      const poolkeeper::graph_registry::Pinned g(device);
+      if (g.get() && g.get()->record_stream_private(ptr, s)) {  // a graph's block
         g_record_served.fetch_add(1, std::memory_order_relaxed);
         return;
       }
@@ -44,6 +43,10 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
         g_record_served.fetch_add(1, std::memory_order_relaxed);
         return;
       }
+    }
+    if (poolkeeper::graph_registry::retired_hold_blocks() && poolkeeper::graph_registry::record_stream_retired(ptr, s)) {
+      g_record_served.fetch_add(1, std::memory_order_relaxed);  // a graph's block from before a pool swap
+      return;
     }
   } catch (...) {
     // A hook must not throw into PyTorch; an unowned/failed call is counted below.

@@ -48,6 +48,7 @@ struct ThreadHazard {
   ~ThreadHazard() {
     detail::t_hazard = nullptr;
     h->ptr.store(nullptr, std::memory_order_release);
+    h->graph.store(nullptr, std::memory_order_release);
     h->taken.store(false, std::memory_order_release);
   }
 };
@@ -166,6 +167,13 @@ std::vector<std::pair<int, std::shared_ptr<Pool>>> all() {
 }
 
 namespace detail {
+bool graph_hazards(std::vector<const void*>& out) {
+  if (g_asymmetric.load(std::memory_order_relaxed) && !heavy_barrier()) return false;
+  for (Hazard* h = g_hazards.load(std::memory_order_acquire); h; h = h->next)
+    if (const void* p = h->graph.load(std::memory_order_seq_cst)) out.push_back(p);
+  return true;
+}
+
 Hazard* claim_thread_hazard() {
   thread_local ThreadHazard t;
   t_hazard = t.h;

@@ -183,34 +183,37 @@ void* GraphPools::allocate(std::size_t nbytes, Stream s) {
   return main_->allocate(nbytes, s);
 }
 
+bool GraphPools::deallocate_private(void* p, Stream s) {
+  if (!holds_private_blocks()) return false;
+  std::lock_guard<std::mutex> g(mu_);
+  auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (o == owner_.end()) return false;
+  auto it = pools_.find(o->second);
+  it->second.pool->deallocate(p, s);  // throws before anything changes here
+  owner_.erase(o);
+  --it->second.live_blocks;
+  ++counters_.private_deallocations;
+  private_blocks_.fetch_sub(1, std::memory_order_acq_rel);
+  maybe_close_locked(it);
+  return true;
+}
+
 void GraphPools::deallocate(void* p, Stream s) {
-  if (holds_private_blocks()) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (o != owner_.end()) {
-      auto it = pools_.find(o->second);
-      it->second.pool->deallocate(p, s);  // throws before anything changes here
-      owner_.erase(o);
-      --it->second.live_blocks;
-      ++counters_.private_deallocations;
-      private_blocks_.fetch_sub(1, std::memory_order_acq_rel);
-      maybe_close_locked(it);
-      return;
-    }
-  }
+  if (deallocate_private(p, s)) return;
   if (!main_->try_deallocate_fast(p, s)) main_->deallocate(p, s);
 }
 
+bool GraphPools::record_stream_private(void* p, Stream s) {
+  if (!holds_private_blocks()) return false;
+  std::lock_guard<std::mutex> g(mu_);
+  auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (o == owner_.end()) return false;
+  pools_.at(o->second).pool->record_stream(p, s);
+  return true;
+}
+
 void GraphPools::record_stream(void* p, Stream s) {
-  if (holds_private_blocks()) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (o != owner_.end()) {
-      pools_.at(o->second).pool->record_stream(p, s);
-      return;
-    }
-  }
-  main_->record_stream(p, s);
+  if (!record_stream_private(p, s)) main_->record_stream(p, s);
 }
 
 bool GraphPools::owns_private(std::uintptr_t p) {

@@ -39,6 +39,7 @@ namespace detail {
 // cache line would pass that line between their cores at every call.
 struct alignas(64) Hazard {
   std::atomic<Pool*> ptr{nullptr};
+  std::atomic<const void*> graph{nullptr};  // the GraphPools the call is inside (graph_registry::Pinned)
   std::atomic<bool> taken{false};
   Hazard* next = nullptr;
 };
@@ -50,6 +51,11 @@ extern __attribute__((tls_model("initial-exec"))) thread_local Hazard* t_hazard;
 extern std::atomic<bool> g_asymmetric;
 Hazard* claim_thread_hazard();                      // a thread's first call
 Pool* pin_slow(int device, Hazard* h, Pool* saved);  // bad index, no pool yet, or replaced meanwhile
+// Every GraphPools some thread's hazard names right now, after the heavy barrier (see
+// g_asymmetric) has drained every reader's pending hazard store; false when that barrier failed
+// (the caller then keeps everything: a leak, never a use-after-free). For graph_registry, whose
+// writers call it after unpublishing, with their own lock held.
+bool graph_hazards(std::vector<const void*>& out);
 }  // namespace detail
 
 // The device's pool (created through the factory when needed; throws like get()), kept alive

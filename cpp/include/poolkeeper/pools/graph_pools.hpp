@@ -96,8 +96,13 @@ class GraphPools {
   bool holds_private_blocks() const { return private_blocks_.load(std::memory_order_acquire) > 0; }
 
   void* allocate(std::size_t nbytes, Stream s);
+  // A private block goes back to its private pool; any other to `main`.
   void deallocate(void* p, Stream s);
   void record_stream(void* p, Stream s);
+  // Only when p is a live private block: true when it was (the C ABI sends the rest to the
+  // device's current pool, which after a pool swap is not `main`).
+  bool deallocate_private(void* p, Stream s);
+  bool record_stream_private(void* p, Stream s);
   // Is p a live block of a private pool?
   bool owns_private(std::uintptr_t p);
 
