@@ -78,3 +78,52 @@ def test_arena_vs_pool_needs_or_runs_the_arena(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["params"]["upstream"] for r in rows} == {"instant", "h200"}
     assert "arena_vs_pool" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "{snap}/x.json"],
+        ["report", "-o", "{snap}/x.html", "{snap}"],
+        ["compare", "{snap}/x"],
+        ["lab", "--write", "{snap}/x.html"],
+        ["report", "-o", "/dev/full", "{snap}"],
+        ["lab", "--write", "/dev/full"],
+    ],
+    ids=["report-input-under-a-file", "report-output-under-a-file", "compare-under-a-file", "lab-under-a-file",
+         "report-disk-full", "lab-disk-full"],
+)
+def test_regression_an_os_error_other_than_a_missing_file_was_a_traceback(argv, tmp_path, capsys):
+    # Found by hostile probing: main() caught only FileNotFoundError, IsADirectoryError and
+    # PermissionError, so a path under a regular file (NotADirectoryError) or a full disk
+    # (ENOSPC, /dev/full) ended in a traceback. Every OSError is one line and exit code 1 now.
+    import os
+
+    import poolkeeper as pk
+
+    if "/dev/full" in argv and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    pool.allocate(100)
+    snap = tmp_path / "snap.json"
+    pool.snapshot().to_json(str(snap))
+    assert main([a.replace("{snap}", str(snap)) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("poolkeeper ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_regression_a_lone_surrogate_in_a_snapshot_left_an_empty_report_and_a_traceback(tmp_path, capsys):
+    # Found by hostile probing: "\ud800" is valid JSON; the page could not be encoded as UTF-8 at
+    # its write, after the output file was opened: UnicodeEncodeError and an empty HTML file.
+    import poolkeeper as pk
+
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    pool.allocate(100)
+    snap = tmp_path / "snap.json"
+    pool.snapshot().to_json(str(snap))
+    d = json.loads(snap.read_text())
+    d["pool"] = "\ud800"
+    snap.write_text(json.dumps(d))
+    out = tmp_path / "map.html"
+    assert main(["report", "-o", str(out), str(snap)]) == 0
+    assert out.stat().st_size > 0 and "\\ud800" in out.read_text(encoding="utf-8")

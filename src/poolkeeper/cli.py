@@ -57,7 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PoolkeeperError as e:
         print(f"poolkeeper {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except OSError as e:
+        # A path that is not there, not a directory, not writable, a full disk (/dev/full): the
+        # message says which, and a traceback would say nothing more.
         print(f"poolkeeper {args.command}: {e}", file=sys.stderr)
         return 1
 

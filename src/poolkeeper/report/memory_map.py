@@ -176,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"poolkeeper report: refusing {args.snapshot}: malformed snapshot ({type(e).__name__}: {str(e)[:200]})",
               file=sys.stderr)
         return 1
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(page)
+    # A lone surrogate in a snapshot's text (valid JSON, "\ud800") cannot be written as UTF-8: it is
+    # written escaped, and encoded before the file is opened so that no failure leaves it empty.
+    data = page.encode("utf-8", errors="backslashreplace")
+    with open(out, "wb") as f:
+        f.write(data)
     print(f"wrote {out}")
     return 0
