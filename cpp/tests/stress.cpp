@@ -24,7 +24,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|remote-claim|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|remote-claim|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -47,6 +47,7 @@
 #include "poolkeeper/pools/direct_pool.hpp"
 #include "poolkeeper/upstreams/host_upstream.hpp"
 #include "poolkeeper/core/registry.hpp"
+#include "poolkeeper/pools/graph_registry.hpp"
 #include "poolkeeper/upstreams/simulated_upstream.hpp"
 #include "poolkeeper/pools/size_class_pool.hpp"
 #include "poolkeeper/detail/test_seam.hpp"
@@ -787,6 +788,56 @@ void scenario_capi_registry(const Options& o) {
   if (up->counters().outstanding_bytes) fail("capi-registry: upstream still holds memory");
 }
 
+// capi-graph: threads allocate and free through the device's GraphPools as the C ABI does
+// (graph_registry::Pinned, then the GraphPools) while another thread replaces the device's pool,
+// opens and closes capture scopes on the new one (which retires the old GraphPools) and clears
+// the graph registry: each GraphPools, and the pool under it, must outlive every call inside it
+// (before the pin, the retired GraphPools was destroyed under its callers: a segfault).
+void scenario_capi_graph(const Options& o) {
+  auto up = std::make_shared<HostUpstream>();
+  constexpr int kDevice = 5;
+  ArenaOptions ao;
+  ao.initial_backing = 64 << 10;
+  registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
+  const std::uint64_t rounds = std::max<std::uint64_t>(64, o.ops / 8);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> users;
+  for (int t = 0; t < 3; ++t)
+    users.emplace_back([&, t] {
+      std::uint64_t i = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        const std::size_t n = 512 + (i++ * 977 + t * 131) % 8192;
+        const graph_registry::Pinned g(kDevice);
+        if (GraphPools* gp = g.get()) {
+          try {
+            void* b = gp->allocate(n, kNoStream);  // a scope's private pool, or the device pool
+            write_cookie(b, n, static_cast<std::uint32_t>(t));
+            if (!check_cookie(b, n, static_cast<std::uint32_t>(t))) fail("capi-graph: block overwritten");
+            gp->deallocate(b, kNoStream);
+            g_counts.ops.fetch_add(2, std::memory_order_relaxed);
+          } catch (const PoolClosed&) {  // a private pool closed by a release just now
+          }
+        }
+      }
+    });
+  for (std::uint64_t i = 0; i < rounds; ++i) {
+    registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
+    auto gp = graph_registry::get(kDevice);  // over the new pool: the old GraphPools is retired
+    const GraphPoolId id{i, 0};
+    gp->begin(id, [](Stream) { return true; });
+    std::this_thread::yield();
+    gp->end(id);
+    graph_registry::release(kDevice, id);
+    gp.reset();
+    if (i % 8 == 7) graph_registry::clear();
+  }
+  stop = true;
+  for (auto& u : users) u.join();
+  graph_registry::clear();
+  registry::clear();
+  if (up->counters().outstanding_bytes) fail("capi-graph: upstream still holds memory");
+}
+
 // remote-claim: a thread freeing another shard's SizeClassPool block (uncapped and capped) is
 // held by a test seam after its claim and before its push onto the shard's remote list, and
 // meanwhile this thread takes a snapshot and validate(). The books still count the block live then, so the
@@ -862,7 +913,7 @@ void remote_claim_on(std::size_t max_cached_bytes) {
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|remote-claim|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|remote-claim|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -900,7 +951,8 @@ int main(int argc, char** argv) {
   }
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
-      o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "remote-claim" &&
+      o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "capi-graph" &&
+      o.scenario != "remote-claim" &&
       o.scenario != "all")
     return usage();
 
@@ -920,6 +972,7 @@ int main(int argc, char** argv) {
   if (o.scenario == "thread-exit" || o.scenario == "all") scenario_thread_exit(o);
   if (o.scenario == "transfer-exit" || o.scenario == "all") scenario_transfer_exit(o);
   if (o.scenario == "capi-registry" || o.scenario == "all") scenario_capi_registry(o);
+  if (o.scenario == "capi-graph" || o.scenario == "all") scenario_capi_graph(o);
   if (o.scenario == "remote-claim" || o.scenario == "all") scenario_remote_claim(o);
 
   auto& k = g_counts;
