@@ -457,55 +457,57 @@ def _capture_one_block_through_the_c_abi(lib, sim, gid):
     return p, s
 
 
-def test_regression_a_new_pools_block_was_freed_through_the_old_pools_graph_pools():
+@pytest.fixture
+def two_pools_on_device_0():
+    """The C ABI, and two arena pools on simulated devices of their own, the first installed on
+    device 0 (the tests swap in the second). The registry is cleared afterwards."""
+    lib = load_capi()
+    sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
+    a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
+    _core.registry_set(0, a)
+    try:
+        yield lib, sim_a, sim_b, a, b
+    finally:
+        _core.registry_clear()
+
+
+def test_regression_a_new_pools_block_was_freed_through_the_old_pools_graph_pools(two_pools_on_device_0):
     # Found by hostile probing: after registry_set replaced the device pool while a graph's block
     # was live, every C ABI free went through the old GraphPools (it held private blocks), which
     # handed the new pool's blocks to the old pool: "belongs to ArenaPool #3, not to #1", and the
     # new pool kept them live for good. Only a graph's own blocks go through it now.
-    lib = load_capi()
-    sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
-    a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
-    _core.registry_set(0, a)
-    try:
-        p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
-        _core.registry_set(0, b)
-        q = lib.poolkeeper_malloc(4096, 0, 2**64 - 1)
-        assert b.owns(q)
-        assert lib.poolkeeper_free(q, 0, 2**64 - 1) == 0, lib.poolkeeper_last_error()
-        assert b.stats()["live_blocks"] == 0
-        assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()  # the graph's block: its pool
-        assert lib.poolkeeper_graph_release(0, 1, 0) == 0
-        a.validate()
-        b.validate()
-        assert a.stats()["live_blocks"] == 0
-    finally:
-        _core.registry_clear()
+    lib, sim_a, _, a, b = two_pools_on_device_0
+    p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
+    _core.registry_set(0, b)
+    q = lib.poolkeeper_malloc(4096, 0, 2**64 - 1)
+    assert b.owns(q)
+    assert lib.poolkeeper_free(q, 0, 2**64 - 1) == 0, lib.poolkeeper_last_error()
+    assert b.stats()["live_blocks"] == 0
+    assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()  # the graph's block: its pool
+    assert lib.poolkeeper_graph_release(0, 1, 0) == 0
+    a.validate()
+    b.validate()
+    assert a.stats()["live_blocks"] == 0
 
 
-def test_regression_a_graphs_block_could_not_be_freed_after_a_pool_swap_and_a_new_capture():
+def test_regression_a_graphs_block_could_not_be_freed_after_a_pool_swap_and_a_new_capture(two_pools_on_device_0):
     # Found by hostile probing: a capture after registry_set made a new GraphPools and retired the
     # old one, which no free looked at any more: the old graph's static output could never be
     # freed ("belongs to ArenaPool #2, not to #3") and its graph never released. Retired
     # GraphPools keep serving their blocks' frees and their graphs' release, and go once idle.
-    lib = load_capi()
-    sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
-    a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
-    _core.registry_set(0, a)
-    try:
-        p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
-        _core.registry_set(0, b)
-        p2, s2 = _capture_one_block_through_the_c_abi(lib, sim_b, 2)  # a new GraphPools, over b
-        assert lib.poolkeeper_torch_record_stream(p, 0, sim_a.stream()) == 0, lib.poolkeeper_last_error()
-        assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
-        assert lib.poolkeeper_graph_release(0, 1, 0) == 0, lib.poolkeeper_last_error()
-        a.synchronize()
-        a.validate()
-        assert a.stats()["live_blocks"] == 0  # the graph's private pool gave its backing back to a
-        assert lib.poolkeeper_free(p2, 0, s2) == 0 and lib.poolkeeper_graph_release(0, 2, 0) == 0
-        assert lib.poolkeeper_graph_release(0, 1, 0) == 0  # gone: nothing to do (as for ids never used)
-        b.validate()
-    finally:
-        _core.registry_clear()
+    lib, sim_a, sim_b, a, b = two_pools_on_device_0
+    p, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
+    _core.registry_set(0, b)
+    p2, s2 = _capture_one_block_through_the_c_abi(lib, sim_b, 2)  # a new GraphPools, over b
+    assert lib.poolkeeper_torch_record_stream(p, 0, sim_a.stream()) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_graph_release(0, 1, 0) == 0, lib.poolkeeper_last_error()
+    a.synchronize()
+    a.validate()
+    assert a.stats()["live_blocks"] == 0  # the graph's private pool gave its backing back to a
+    assert lib.poolkeeper_free(p2, 0, s2) == 0 and lib.poolkeeper_graph_release(0, 2, 0) == 0
+    assert lib.poolkeeper_graph_release(0, 1, 0) == 0  # gone: nothing to do (as for ids never used)
+    b.validate()
 
 
 def test_regression_replacing_the_device_pool_while_threads_allocate_through_graph_scopes_crashed():
@@ -557,3 +559,60 @@ def test_regression_replacing_the_device_pool_while_threads_allocate_through_gra
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert int(r.stdout.split()[-1]) > 100
+
+
+def test_regression_a_graph_release_on_one_device_released_another_devices_retired_graph():
+    # Found by review of the retired-GraphPools fix: release(device, id) looked through every
+    # device's retired GraphPools, so releasing id 7 on device 1 released device 0's graph 7.
+    lib = load_capi()
+    sim0, sim1 = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
+    _core.registry_set(0, pk.ArenaPool(sim0))
+    _core.registry_set(1, pk.ArenaPool(sim1))
+    try:
+        p, s = _capture_one_block_through_the_c_abi(lib, sim0, 7)
+        old = _core.graph_pools(0)
+        _core.registry_set(0, pk.ArenaPool(sim0))
+        _capture_one_block_through_the_c_abi(lib, sim0, 8)  # retires device 0's first GraphPools
+        s1 = sim1.stream()
+        assert lib.poolkeeper_graph_begin(1, 9, 0, s1) == 0 and lib.poolkeeper_graph_end(1, 9, 0) == 0
+        assert lib.poolkeeper_graph_release(1, 7, 0) == 0  # device 1 has no graph 7: nothing to do
+        assert [(i["id"], i["uses"], i["released"]) for i in old.info()] == [((7, 0), 1, False)]
+        assert lib.poolkeeper_free(p, 0, s) == 0
+        assert [i["id"] for i in old.info()] == [(7, 0)]  # still held by its graph
+        assert lib.poolkeeper_graph_release(0, 7, 0) == 0 and old.info() == []
+    finally:
+        _core.registry_clear()
+
+
+def test_a_capture_open_across_a_pool_swap_ends_and_its_device_pool_blocks_free(two_pools_on_device_0):
+    # Found by review: graph_end after the device's pool was replaced made a new GraphPools and
+    # failed ("not open"), leaving the old one routing for good; and a block the replaced pool
+    # served during that capture (an allocation the capture did not claim) could not be freed
+    # through the C ABI any more once frees went to the new pool.
+    lib, sim, _, a, b = two_pools_on_device_0
+    s, other = sim.stream(), sim.stream()
+    assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+    g = lib.poolkeeper_malloc(100_000, 0, s)  # the graph's block
+    gp = _core.graph_pools(0)
+    _core.registry_set(0, b)
+    q = lib.poolkeeper_malloc(4096, 0, other)  # not captured: the old GraphPools's device pool serves it
+    assert a.owns(q)
+    assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_graph_end(0, 1, 0) == 0, lib.poolkeeper_last_error()  # in the GraphPools that has it
+    assert not gp.info()[0]["open_scopes"]
+    assert lib.poolkeeper_free(g, 0, s) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+    assert a.stats()["live_blocks"] == 0
+    a.validate()
+
+
+def test_a_graphs_block_is_freed_after_the_registry_was_cleared(two_pools_on_device_0):
+    # Found by review: with no pool installed any more, the C ABI's free refused every pointer
+    # ("no poolkeeper pool is installed"), so a graph's static output could never be freed.
+    lib, sim, _, a, _ = two_pools_on_device_0
+    p, s = _capture_one_block_through_the_c_abi(lib, sim, 1)
+    _core.registry_clear()
+    assert lib.poolkeeper_torch_record_stream(p, 0, sim.stream()) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_graph_release(0, 1, 0) == 0
+    assert a.stats()["live_blocks"] == 0
+    assert lib.poolkeeper_free(p, 0, s) != 0  # twice: an error code, as ever

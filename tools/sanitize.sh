@@ -51,6 +51,8 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --scenario capi-registry --ops 40000  # C-ABI pools replaced under their callers
 "$root/asan/stress" --scenario remote-claim  # a snapshot while a lock-free free is held mid-step (test seam)
 "$root/asan/stress" --scenario capi-graph --ops 4000  # graph pools retired under their C-ABI callers
+"$root/asan/stress" --scenario graph-nested  # ... and under an outer call, from a nested one
+"$root/asan/stress" --scenario exit-order  # pools destroyed after the main thread's thread_locals
 stage "ASan+UBSan: native upload engine (three engines at once, faults, close during an upload)"
 "$root/asan/upload_engine_stress" --rounds 100 --seed 1
 stage "ASan+UBSan: fuzz target on past findings, the seed corpus and random inputs"

@@ -117,13 +117,18 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
         return;  // a graph's block goes back to its private pool
     }
-    const poolkeeper::registry::Pinned p(device);
-    p->check_not_forked();
-    // A graph's block captured before the device's pool was replaced: its retired GraphPools.
-    if (poolkeeper::graph_registry::retired_hold_blocks() && !p->owns_live(reinterpret_cast<std::uintptr_t>(ptr)) &&
-        poolkeeper::graph_registry::deallocate_retired(ptr, stream))
-      return;
-    if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
+    try {
+      const poolkeeper::registry::Pinned p(device);
+      p->check_not_forked();
+      if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
+    } catch (const poolkeeper::InvalidPointer&) {
+      // Not the device pool's (it changed nothing): maybe a block from before the device's pool
+      // was replaced that a GraphPools still knows -- a retired graph's, or one the replaced pool
+      // served during a capture. Asked only here, so ordinary frees pay nothing for it.
+      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream)) throw;
+    } catch (const poolkeeper::InvalidArgument&) {  // no pool installed for the device (cleared)
+      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream)) throw;
+    }
   });
 }
 
@@ -143,12 +148,15 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
       const poolkeeper::graph_registry::Pinned g(device);
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
     }
-    const poolkeeper::registry::Pinned p(device);
-    p->check_not_forked();
-    if (poolkeeper::graph_registry::retired_hold_blocks() && !p->owns_live(reinterpret_cast<std::uintptr_t>(ptr)) &&
-        poolkeeper::graph_registry::record_stream_retired(ptr, torch_stream(stream)))
-      return;
-    p->record_stream(ptr, torch_stream(stream));
+    try {
+      const poolkeeper::registry::Pinned p(device);
+      p->check_not_forked();
+      p->record_stream(ptr, torch_stream(stream));
+    } catch (const poolkeeper::InvalidPointer&) {  // as in poolkeeper_free
+      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream))) throw;
+    } catch (const poolkeeper::InvalidArgument&) {
+      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream))) throw;
+    }
   });
 }
 
@@ -190,7 +198,7 @@ PK_EXPORT int poolkeeper_graph_begin(int device, uint64_t id0, uint64_t id1, uin
 }
 
 PK_EXPORT int poolkeeper_graph_end(int device, uint64_t id0, uint64_t id1) {
-  return guarded([&] { poolkeeper::graph_registry::get(device)->end({id0, id1}); });
+  return guarded([&] { poolkeeper::graph_registry::end(device, {id0, id1}); });
 }
 
 PK_EXPORT int poolkeeper_graph_release(int device, uint64_t id0, uint64_t id1) {

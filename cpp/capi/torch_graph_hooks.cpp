@@ -39,7 +39,7 @@ PK_EXPORT void poolkeeper_torch_begin_allocate_to_pool(int device, TorchMempoolI
 }
 
 PK_EXPORT void poolkeeper_torch_end_allocate_to_pool(int device, TorchMempoolId id) {
-  rethrow_as_runtime_error("end_allocate_to_pool", [&] { poolkeeper::graph_registry::get(device)->end(pool_id(id)); });
+  rethrow_as_runtime_error("end_allocate_to_pool", [&] { poolkeeper::graph_registry::end(device, pool_id(id)); });
 }
 
 PK_EXPORT void poolkeeper_torch_release_pool(int device, TorchMempoolId id) {

@@ -24,7 +24,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|remote-claim|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|exit-order|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -745,45 +745,69 @@ void scenario_transfer_exit(const Options& o) {
   pool->close();
 }
 
-// capi-registry: threads allocate and free through registry::Pinned (as every C ABI call does)
-// while another thread replaces and clears the device's pool: each pool must outlive every call
-// that started in it (before Pinned, a replaced pool was destroyed under its callers).
-void scenario_capi_registry(const Options& o) {
-  auto up = std::make_shared<HostUpstream>();
-  constexpr int kDevice = 3;
-  ArenaOptions ao;
-  ao.initial_backing = 64 << 10;
-  registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
-  const std::uint64_t rounds = std::max<std::uint64_t>(64, o.ops / 8);
+// Three user threads run use(t, i) (i counts each thread's rounds) until `replace` has run
+// `rounds` times on this thread: the shape of the scenarios that swap what the users call into.
+template <class Use, class Replace>
+void users_while(std::uint64_t rounds, Use use, Replace replace) {
   std::atomic<bool> stop{false};
   std::vector<std::thread> users;
   for (int t = 0; t < 3; ++t)
     users.emplace_back([&, t] {
-      std::uint64_t i = 0;
-      while (!stop.load(std::memory_order_relaxed)) {
-        try {
-          const registry::Pinned p(kDevice);
-          const std::size_t n = 512 + (i++ * 977 + t * 131) % 8192;
-          void* b = pool_alloc(*p.get(), n, kNoStream);
-          write_cookie(b, n, static_cast<std::uint32_t>(t));
-          if (!check_cookie(b, n, static_cast<std::uint32_t>(t))) fail("capi-registry: block overwritten");
-          pool_free(*p.get(), b, kNoStream);
-          g_counts.ops.fetch_add(2, std::memory_order_relaxed);
-        } catch (const InvalidArgument&) {  // cleared just now: no pool installed
-        }
-      }
+      for (std::uint64_t i = 0; !stop.load(std::memory_order_relaxed); ++i) use(t, i);
     });
-  for (std::uint64_t i = 0; i < rounds; ++i) {
-    switch (i % 4) {
-      case 0: registry::set(kDevice, std::make_shared<DirectPool>(up)); break;
-      case 1: registry::set(kDevice, std::make_shared<SizeClassPool>(up)); break;
-      case 2: registry::set(kDevice, std::make_shared<ArenaPool>(up, ao)); break;
-      default: registry::clear(); break;
-    }
-    if (i % 16 == 0) std::this_thread::yield();
-  }
+  for (std::uint64_t i = 0; i < rounds; ++i) replace(i);
   stop = true;
   for (auto& u : users) u.join();
+}
+
+// A host upstream and small-backing arena options, and such an arena installed on `device`.
+struct SwapSetup {
+  std::shared_ptr<HostUpstream> up = std::make_shared<HostUpstream>();
+  ArenaOptions ao = [] {
+    ArenaOptions o;
+    o.initial_backing = 64 << 10;
+    return o;
+  }();
+  explicit SwapSetup(int device) { registry::set(device, std::make_shared<ArenaPool>(up, ao)); }
+};
+
+// One user round: a block of a size from (t, i), written, checked and freed.
+template <class Alloc, class Free>
+void use_block(const char* scenario, int t, std::uint64_t i, Alloc alloc, Free free) {
+  const std::size_t n = 512 + (i * 977 + t * 131) % 8192;
+  void* b = alloc(n);
+  write_cookie(b, n, static_cast<std::uint32_t>(t));
+  if (!check_cookie(b, n, static_cast<std::uint32_t>(t))) fail(std::string(scenario) + ": block overwritten");
+  free(b);
+  g_counts.ops.fetch_add(2, std::memory_order_relaxed);
+}
+
+// capi-registry: threads allocate and free through registry::Pinned (as every C ABI call does)
+// while another thread replaces and clears the device's pool: each pool must outlive every call
+// that started in it (before Pinned, a replaced pool was destroyed under its callers).
+void scenario_capi_registry(const Options& o) {
+  constexpr int kDevice = 3;
+  const SwapSetup env(kDevice);
+  auto& [up, ao] = env;
+  users_while(
+      std::max<std::uint64_t>(64, o.ops / 8),
+      [&](int t, std::uint64_t i) {
+        try {
+          const registry::Pinned p(kDevice);
+          use_block("capi-registry", t, i, [&](std::size_t n) { return pool_alloc(*p.get(), n, kNoStream); },
+                    [&](void* b) { pool_free(*p.get(), b, kNoStream); });
+        } catch (const InvalidArgument&) {  // cleared just now: no pool installed
+        }
+      },
+      [&](std::uint64_t i) {
+        switch (i % 4) {
+          case 0: registry::set(kDevice, std::make_shared<DirectPool>(up)); break;
+          case 1: registry::set(kDevice, std::make_shared<SizeClassPool>(up)); break;
+          case 2: registry::set(kDevice, std::make_shared<ArenaPool>(up, ao)); break;
+          default: registry::clear(); break;
+        }
+        if (i % 16 == 0) std::this_thread::yield();
+      });
   registry::clear();
   if (up->counters().outstanding_bytes) fail("capi-registry: upstream still holds memory");
 }
@@ -794,48 +818,87 @@ void scenario_capi_registry(const Options& o) {
 // the graph registry: each GraphPools, and the pool under it, must outlive every call inside it
 // (before the pin, the retired GraphPools was destroyed under its callers: a segfault).
 void scenario_capi_graph(const Options& o) {
-  auto up = std::make_shared<HostUpstream>();
   constexpr int kDevice = 5;
-  ArenaOptions ao;
-  ao.initial_backing = 64 << 10;
-  registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
-  const std::uint64_t rounds = std::max<std::uint64_t>(64, o.ops / 8);
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> users;
-  for (int t = 0; t < 3; ++t)
-    users.emplace_back([&, t] {
-      std::uint64_t i = 0;
-      while (!stop.load(std::memory_order_relaxed)) {
-        const std::size_t n = 512 + (i++ * 977 + t * 131) % 8192;
+  const SwapSetup env(kDevice);
+  auto& [up, ao] = env;
+  users_while(
+      std::max<std::uint64_t>(64, o.ops / 8),
+      [&](int t, std::uint64_t i) {
         const graph_registry::Pinned g(kDevice);
-        if (GraphPools* gp = g.get()) {
-          try {
-            void* b = gp->allocate(n, kNoStream);  // a scope's private pool, or the device pool
-            write_cookie(b, n, static_cast<std::uint32_t>(t));
-            if (!check_cookie(b, n, static_cast<std::uint32_t>(t))) fail("capi-graph: block overwritten");
-            gp->deallocate(b, kNoStream);
-            g_counts.ops.fetch_add(2, std::memory_order_relaxed);
-          } catch (const PoolClosed&) {  // a private pool closed by a release just now
-          }
+        GraphPools* gp = g.get();
+        if (!gp) return;
+        try {  // a scope's private pool, or the device pool
+          use_block("capi-graph", t, i, [&](std::size_t n) { return gp->allocate(n, kNoStream); },
+                    [&](void* b) { gp->deallocate(b, kNoStream); });
+        } catch (const PoolClosed&) {  // a private pool closed by a release just now
         }
-      }
-    });
-  for (std::uint64_t i = 0; i < rounds; ++i) {
-    registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
-    auto gp = graph_registry::get(kDevice);  // over the new pool: the old GraphPools is retired
-    const GraphPoolId id{i, 0};
-    gp->begin(id, [](Stream) { return true; });
-    std::this_thread::yield();
-    gp->end(id);
-    graph_registry::release(kDevice, id);
-    gp.reset();
-    if (i % 8 == 7) graph_registry::clear();
-  }
-  stop = true;
-  for (auto& u : users) u.join();
+      },
+      [&](std::uint64_t i) {
+        registry::set(kDevice, std::make_shared<ArenaPool>(up, ao));
+        auto gp = graph_registry::get(kDevice);  // over the new pool: the old GraphPools is retired
+        const GraphPoolId id{i, 0};
+        gp->begin(id, [](Stream) { return true; });
+        std::this_thread::yield();
+        gp->end(id);
+        graph_registry::release(kDevice, id);
+        if (i % 8 == 7) graph_registry::clear();
+      });
   graph_registry::clear();
   registry::clear();
   if (up->counters().outstanding_bytes) fail("capi-graph: upstream still holds memory");
+}
+
+// graph-nested: a capture filter that calls back into the C ABI on another device (a nested
+// graph_registry::Pinned) while the outer call's GraphPools is retired from inside it. The outer
+// GraphPools must stay alive: with one hazard slot per thread, the nested pin took the slot and
+// the retirement destroyed the outer GraphPools under its running allocate() (ASan: a
+// heap-use-after-free; found by review). Deterministic, one thread.
+void scenario_graph_nested(const Options&) {
+  auto up = std::make_shared<HostUpstream>();
+  ArenaOptions ao;
+  ao.initial_backing = 1 << 20;
+  registry::set(6, std::make_shared<ArenaPool>(up, ao));
+  registry::set(7, std::make_shared<ArenaPool>(up, ao));
+  GraphPools* outer = graph_registry::get(6).get();
+  bool armed = true;
+  graph_registry::get(7)->begin({2, 0}, [&](Stream) {
+    if (armed) {  // inside the nested call: end and release the outer graph, replace device 6's pool
+      armed = false;
+      outer->end({1, 0});
+      outer->release({1, 0});  // idle now: nothing but the outer call's pin keeps it
+      registry::set(6, std::make_shared<ArenaPool>(up, ao));
+      graph_registry::get(6);
+    }
+    return false;
+  });
+  graph_registry::get(6)->begin({1, 0}, [](Stream) {
+    const graph_registry::Pinned inner(7);  // the nested C ABI call on device 7
+    if (GraphPools* gp = inner.get()) gp->deallocate(gp->allocate(64, kNoStream), kNoStream);
+    return true;
+  });
+  {
+    const graph_registry::Pinned g(6);
+    if (!g.get()) fail("graph-nested: device 6 has no GraphPools");
+    else if (void* p = g.get()->allocate(4096, kNoStream)) g.get()->deallocate(p, kNoStream);
+  }
+  if (armed) fail("graph-nested: the nested filter did not run");
+  graph_registry::clear();
+  registry::clear();
+  g_counts.ops.fetch_add(1, std::memory_order_relaxed);
+}
+
+// exit-order: pools the main thread used through its thread caches are left for static
+// destruction at exit, which runs after the main thread's thread_locals are gone: a pool's
+// destructor must not read the freed thread-cache list (ASan: a heap-use-after-free in
+// tls_find_cache; found by review). The check is the process's own exit, so run it alone.
+std::shared_ptr<ArenaPool> g_exit_pools[2];
+void scenario_exit_order(const Options&) {
+  auto up = std::make_shared<HostUpstream>();
+  for (auto& p : g_exit_pools) {
+    p = std::make_shared<ArenaPool>(up, ArenaOptions{});
+    for (int i = 0; i < 100; ++i) pool_free(*p, pool_alloc(*p, 256, kNoStream), kNoStream);
+  }
+  g_counts.ops.fetch_add(400, std::memory_order_relaxed);
 }
 
 // remote-claim: a thread freeing another shard's SizeClassPool block (uncapped and capped) is
@@ -913,7 +976,7 @@ void remote_claim_on(std::size_t max_cached_bytes) {
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|remote-claim|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|exit-order|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -952,7 +1015,7 @@ int main(int argc, char** argv) {
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
       o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "capi-graph" &&
-      o.scenario != "remote-claim" &&
+      o.scenario != "graph-nested" && o.scenario != "remote-claim" && o.scenario != "exit-order" &&
       o.scenario != "all")
     return usage();
 
@@ -973,7 +1036,9 @@ int main(int argc, char** argv) {
   if (o.scenario == "transfer-exit" || o.scenario == "all") scenario_transfer_exit(o);
   if (o.scenario == "capi-registry" || o.scenario == "all") scenario_capi_registry(o);
   if (o.scenario == "capi-graph" || o.scenario == "all") scenario_capi_graph(o);
+  if (o.scenario == "graph-nested" || o.scenario == "all") scenario_graph_nested(o);
   if (o.scenario == "remote-claim" || o.scenario == "all") scenario_remote_claim(o);
+  if (o.scenario == "exit-order") scenario_exit_order(o);  // (not in all: it is about the exit)
 
   auto& k = g_counts;
   std::printf(

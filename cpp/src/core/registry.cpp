@@ -48,7 +48,8 @@ struct ThreadHazard {
   ~ThreadHazard() {
     detail::t_hazard = nullptr;
     h->ptr.store(nullptr, std::memory_order_release);
-    h->graph.store(nullptr, std::memory_order_release);
+    for (auto& g : h->graph) g.store(nullptr, std::memory_order_release);
+    h->graph_depth = 0;
     h->taken.store(false, std::memory_order_release);
   }
 };
@@ -170,7 +171,8 @@ namespace detail {
 bool graph_hazards(std::vector<const void*>& out) {
   if (g_asymmetric.load(std::memory_order_relaxed) && !heavy_barrier()) return false;
   for (Hazard* h = g_hazards.load(std::memory_order_acquire); h; h = h->next)
-    if (const void* p = h->graph.load(std::memory_order_seq_cst)) out.push_back(p);
+    for (auto& g : h->graph)
+      if (const void* p = g.load(std::memory_order_seq_cst)) out.push_back(p);
   return true;
 }
 

@@ -20,6 +20,10 @@ struct TlsEntry {
   ThreadCache* cache = nullptr;
 };
 
+// Set once this thread's TlsCaches is destroyed: pools destroyed later on this thread (static
+// destructors at exit, after the main thread's thread_locals) must not read its freed list.
+__attribute__((tls_model("initial-exec"))) thread_local bool t_caches_gone = false;
+
 struct TlsCaches {
   std::vector<TlsEntry> entries;
   ~TlsCaches() {
@@ -31,6 +35,7 @@ struct TlsCaches {
       Pool::with_pool(
           e.id, [](Pool& p, void* tc) { static_cast<ArenaPool&>(p).on_thread_exit(static_cast<ThreadCache*>(tc)); },
           e.cache);
+    t_caches_gone = true;
   }
 };
 // The hot lookup reads a trivially constructed, initial-exec TLS slot: no init guard and no
@@ -40,6 +45,7 @@ thread_local TlsCaches t_caches;
 }  // namespace
 
 ThreadCache* tls_find_cache(std::uint64_t id) {
+  if (t_caches_gone) return nullptr;  // (its caches were folded back into their pools)
   if (t_last.id == id) return t_last.cache;
   for (auto& e : t_caches.entries)
     if (e.id == id) {
@@ -50,12 +56,14 @@ ThreadCache* tls_find_cache(std::uint64_t id) {
 }
 
 void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
+  if (t_caches_gone) return;  // not remembered: the pool's close() or destructor flushes it
   TlsCaches& t = t_caches;
   t.entries.push_back({id, tc});
   t_last = t.entries.back();
 }
 
 void tls_prune() {
+  if (t_caches_gone) return;
   TlsCaches& t = t_caches;
   if (t.entries.size() <= 64) return;
   std::erase_if(t.entries, [](const TlsEntry& e) { return !Pool::with_pool(e.id, [](Pool&, void*) {}, nullptr); });

@@ -216,6 +216,16 @@ void GraphPools::record_stream(void* p, Stream s) {
   if (!record_stream_private(p, s)) main_->record_stream(p, s);
 }
 
+bool GraphPools::has_open_scope(GraphPoolId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  return std::any_of(scopes_.begin(), scopes_.end(), [&](const Scope& sc) { return sc.id == id; });
+}
+
+bool GraphPools::has_private_pools() {
+  std::lock_guard<std::mutex> g(mu_);
+  return !pools_.empty();
+}
+
 bool GraphPools::owns_private(std::uintptr_t p) {
   if (!holds_private_blocks()) return false;
   std::lock_guard<std::mutex> g(mu_);

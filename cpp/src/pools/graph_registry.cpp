@@ -12,32 +12,62 @@ std::mutex g_mu;
 std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices> g_graphs;  // guarded by g_mu
 std::array<std::atomic<GraphPools*>, registry::kMaxDevices> g_fast{};
 // Replaced or cleared GraphPools that are not idle yet (a scope open, private blocks live) or that
-// a C ABI call may still be inside (a hazard names them). Guarded by g_mu.
-std::vector<std::shared_ptr<GraphPools>> g_retired;
-std::atomic<std::size_t> g_retired_holding{0};  // how many of them hold private blocks
+// a C ABI call may still be inside (a hazard names them), with their device. Guarded by g_mu.
+struct Retired {
+  int device;
+  std::shared_ptr<GraphPools> gp;
+};
+std::vector<Retired> g_retired;
+using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu is let go
 
-bool idle(const GraphPools& gp) { return !gp.routing() && !gp.holds_private_blocks(); }
+// Nothing left for it to serve: no scope open, no private pool (a graph not yet released keeps
+// its pool, and its release must find it; its blocks live in that pool).
+bool idle(GraphPools& gp) { return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools(); }
+bool on(int device, int d) { return device < 0 || device == d; }
 
-// Under g_mu, after the caller's seq_cst store of the new g_fast value: keep `old` until it is idle
-// and no hazard names it; destroy (through `dead`, after g_mu is let go) the retired ones that are
-// both now. The store, the barrier in graph_hazards() and its loads pair with Pinned's hazard
-// store and its re-load of g_fast: a call either sees the new value or is seen here.
-void retire_locked(std::shared_ptr<GraphPools> old, std::vector<std::shared_ptr<GraphPools>>& dead) {
-  if (old) g_retired.push_back(std::move(old));
+// Under g_mu, after the caller's seq_cst store of any new g_fast value: destroy (through `dead`)
+// the retired GraphPools that are idle and that no hazard names. The store, the barrier in
+// graph_hazards() and its loads pair with Pinned's hazard store and its re-load of g_fast: a call
+// either sees the new value or is seen here.
+void collect_locked(Dead& dead) {
+  if (g_retired.empty() ||
+      std::none_of(g_retired.begin(), g_retired.end(), [](Retired& r) { return idle(*r.gp); }))
+    return;
   std::vector<const void*> busy;
-  if (!g_retired.empty() && registry::detail::graph_hazards(busy)) {
-    for (auto it = g_retired.begin(); it != g_retired.end();) {
-      if (idle(**it) && std::find(busy.begin(), busy.end(), it->get()) == busy.end()) {
-        dead.push_back(std::move(*it));
-        it = g_retired.erase(it);
-      } else {
-        ++it;
-      }
+  if (!registry::detail::graph_hazards(busy)) return;  // no barrier: keep them (a leak, never a use-after-free)
+  for (auto it = g_retired.begin(); it != g_retired.end();) {
+    if (idle(*it->gp) && std::find(busy.begin(), busy.end(), it->gp.get()) == busy.end()) {
+      dead.push_back(std::move(it->gp));
+      it = g_retired.erase(it);
+    } else {
+      ++it;
     }
   }
-  g_retired_holding.store(static_cast<std::size_t>(std::count_if(g_retired.begin(), g_retired.end(),
-                                                                 [](const auto& gp) { return gp->holds_private_blocks(); })),
-                          std::memory_order_release);
+}
+
+void collect() {
+  Dead dead;
+  std::lock_guard<std::mutex> g(g_mu);
+  collect_locked(dead);
+}
+
+// The GraphPools of the device (current first, then retired) for which pick() is true.
+template <class F>
+std::shared_ptr<GraphPools> find_locked(int device, F&& pick) {
+  for (int d = 0; d < registry::kMaxDevices; ++d)
+    if (on(device, d) && g_graphs[d] && pick(*g_graphs[d])) return g_graphs[d];
+  for (auto& r : g_retired)
+    if (on(device, r.device) && pick(*r.gp)) return r.gp;
+  return nullptr;
+}
+
+// The GraphPools that knows p, and whether p is one of its private blocks (else a block of its
+// device pool, which is no longer the device's current pool).
+std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> g(g_mu);
+  if (auto gp = find_locked(device, [&](GraphPools& x) { return x.owns_private(a); })) return {gp, true};
+  return {find_locked(device, [&](GraphPools& x) { return x.main()->owns_live(a); }), false};
 }
 }  // namespace
 
@@ -47,14 +77,20 @@ Pinned::Pinned(int device) {
   if (!p) return;  // the common case, no graph ever on the device: one load, no hazard touched
   registry::detail::Hazard* h = registry::detail::t_hazard;
   if (!h) h = registry::detail::claim_thread_hazard();
+  if (h->graph_depth >= registry::detail::Hazard::kGraphSlots) {
+    held_ = current(device);  // nested deeper than the slots: a reference instead
+    gp_ = held_.get();
+    return;
+  }
   hazard_ = h;
-  saved_ = h->graph.load(std::memory_order_relaxed);
+  slot_ = h->graph_depth++;
+  auto& slot = h->graph[static_cast<std::size_t>(slot_)];
   while (p) {
     if (registry::detail::g_asymmetric.load(std::memory_order_relaxed)) {
-      h->graph.store(p, std::memory_order_relaxed);
+      slot.store(p, std::memory_order_relaxed);
       std::atomic_signal_fence(std::memory_order_seq_cst);  // the writer's barrier does the rest
     } else {
-      h->graph.store(p, std::memory_order_seq_cst);
+      slot.store(p, std::memory_order_seq_cst);
     }
     GraphPools* again = g_fast[device].load(std::memory_order_seq_cst);
     if (again == p) break;
@@ -63,17 +99,25 @@ Pinned::Pinned(int device) {
   gp_ = p;
 }
 
+Pinned::~Pinned() {
+  if (!hazard_) return;
+  hazard_->graph[static_cast<std::size_t>(slot_)].store(nullptr, std::memory_order_release);
+  --hazard_->graph_depth;
+}
+
 std::shared_ptr<GraphPools> get(int device) {
   if (device < 0 || device >= registry::kMaxDevices)
     throw InvalidArgument("graph pools: device index " + std::to_string(device) + " out of range");
   std::shared_ptr<Pool> main = registry::get_shared(device);  // outside g_mu: may run the factory
-  std::vector<std::shared_ptr<GraphPools>> dead;  // destroyed after g_mu is let go
+  Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
   auto& slot = g_graphs[device];
   if (!slot || slot->main() != main) {
     auto fresh = std::make_shared<GraphPools>(std::move(main));
     g_fast[device].store(fresh.get(), std::memory_order_seq_cst);
-    retire_locked(std::exchange(slot, fresh), dead);
+    if (slot) g_retired.push_back({device, std::exchange(slot, fresh)});
+    else slot = std::move(fresh);
+    collect_locked(dead);
   }
   return slot;
 }
@@ -84,54 +128,58 @@ std::shared_ptr<GraphPools> current(int device) {
   return g_graphs[device];
 }
 
-void release(int device, GraphPoolId id) {
-  std::vector<std::shared_ptr<GraphPools>> dead;
-  std::lock_guard<std::mutex> g(g_mu);
-  std::shared_ptr<GraphPools> cur = device >= 0 && device < registry::kMaxDevices ? g_graphs[device] : nullptr;
-  if (!cur || !cur->private_pool(id)) {
-    // A graph captured before the device's pool was replaced: its GraphPools is a retired one.
-    for (auto& gp : g_retired)
-      if (gp->private_pool(id)) {
-        gp->release(id);
-        retire_locked(nullptr, dead);  // it may be idle now
-        return;
-      }
+void end(int device, GraphPoolId id) {
+  std::shared_ptr<GraphPools> gp;
+  if (device >= 0 && device < registry::kMaxDevices) {
+    std::lock_guard<std::mutex> g(g_mu);
+    gp = find_locked(device, [&](GraphPools& x) { return x.has_open_scope(id); });
   }
-  if (cur) cur->release(id);
+  if (!gp) gp = get(device);  // throws for a bad index; its end() for a scope that is not open
+  gp->end(id);                // (with g_mu let go: ending a scope destroys its filter)
+  collect();
 }
 
-bool retired_hold_blocks() noexcept { return g_retired_holding.load(std::memory_order_acquire) != 0; }
-
-bool deallocate_retired(void* p, Stream s) {
-  std::vector<std::shared_ptr<GraphPools>> dead;
-  std::lock_guard<std::mutex> g(g_mu);
-  for (auto& gp : g_retired)
-    if (gp->owns_private(reinterpret_cast<std::uintptr_t>(p))) {
-      gp->deallocate(p, s);
-      retire_locked(nullptr, dead);  // its last block: it (and its device pool) may go now
-      return true;
-    }
-  return false;
+void release(int device, GraphPoolId id) {
+  std::shared_ptr<GraphPools> gp;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (device < 0 || device >= registry::kMaxDevices) return;
+    gp = find_locked(device, [&](GraphPools& x) { return x.private_pool(id) != nullptr; });
+    if (!gp) gp = g_graphs[device];
+  }
+  if (!gp) return;
+  gp->release(id);  // (with g_mu let go: closing a private pool synchronizes the device)
+  collect();
 }
 
-bool record_stream_retired(void* p, Stream s) {
-  std::lock_guard<std::mutex> g(g_mu);
-  for (auto& gp : g_retired)
-    if (gp->owns_private(reinterpret_cast<std::uintptr_t>(p))) {
-      gp->record_stream(p, s);
-      return true;
-    }
-  return false;
+bool deallocate_elsewhere(int device, void* p, Stream s) {
+  auto [gp, is_private] = owner_of(device, p);
+  if (!gp) return false;
+  if (is_private) {
+    if (!gp->deallocate_private(p, s)) return false;  // freed by another thread meanwhile: the caller reports
+  } else {
+    gp->main()->deallocate(p, s);
+  }
+  collect();  // its last block: it (and the pool under it) may go now
+  return true;
+}
+
+bool record_stream_elsewhere(int device, void* p, Stream s) {
+  auto [gp, is_private] = owner_of(device, p);
+  if (!gp) return false;
+  if (is_private) return gp->record_stream_private(p, s);
+  gp->main()->record_stream(p, s);
+  return true;
 }
 
 void clear() {
-  std::vector<std::shared_ptr<GraphPools>> dead;
+  Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
   for (int d = 0; d < registry::kMaxDevices; ++d) {
     g_fast[d].store(nullptr, std::memory_order_seq_cst);
-    if (g_graphs[d]) g_retired.push_back(std::exchange(g_graphs[d], nullptr));
+    if (g_graphs[d]) g_retired.push_back({d, std::exchange(g_graphs[d], nullptr)});
   }
-  retire_locked(nullptr, dead);
+  collect_locked(dead);
 }
 
 }  // namespace poolkeeper::graph_registry

@@ -39,7 +39,11 @@ namespace detail {
 // cache line would pass that line between their cores at every call.
 struct alignas(64) Hazard {
   std::atomic<Pool*> ptr{nullptr};
-  std::atomic<const void*> graph{nullptr};  // the GraphPools the call is inside (graph_registry::Pinned)
+  // The GraphPools the call is inside (graph_registry::Pinned), one slot per nesting level: a
+  // capture filter may call back into the C ABI, and the outer call must stay protected.
+  static constexpr int kGraphSlots = 4;
+  std::array<std::atomic<const void*>, kGraphSlots> graph{};
+  int graph_depth = 0;  // this thread's pins in use (only its own thread touches it)
   std::atomic<bool> taken{false};
   Hazard* next = nullptr;
 };

@@ -108,6 +108,8 @@ class GraphPools {
 
   std::vector<GraphPoolInfo> info();
   std::shared_ptr<Pool> private_pool(GraphPoolId id);  // nullptr when there is none
+  bool has_open_scope(GraphPoolId id);                 // begin(id) not yet matched by end(id)
+  bool has_private_pools();                            // any private pool not closed yet
   // Addresses of the live blocks of private pool id (empty when there is no such pool).
   std::vector<std::uintptr_t> live_blocks(GraphPoolId id);
   void validate();

@@ -3,13 +3,18 @@
 // that device's GraphPools while it has a capture scope open or private blocks live.
 //
 // - When the device's pool is replaced (registry::set), the next get() makes a new GraphPools
-//   over the new pool; the old one is retired. A retired GraphPools whose private pools still
-//   hold live blocks (a graph's static outputs) keeps serving their frees (deallocate_retired)
-//   and the release of its graphs (release()), and goes once it is idle.
-// - A C ABI call inside a GraphPools keeps it alive (Pinned publishes it as the thread's graph
-//   hazard, as registry::Pinned does for pools): get() and clear() destroy a retired GraphPools
-//   only when it is idle and no hazard names it, and retry the rest at their next call.
-// Thread-safe. Pinned is lock-free; the other calls take the registry's lock.
+//   over the new pool and retires the old one. A retired GraphPools keeps serving what it still
+//   has -- its graphs' blocks, its open scopes' end(), its graphs' release(), blocks its device
+//   pool served -- through the *_elsewhere calls and end()/release() below, and goes once idle.
+// - A C ABI call inside a GraphPools keeps it alive: Pinned publishes it in the thread's hazard
+//   record (one slot per nesting level: a capture filter may call back into the C ABI), as
+//   registry::Pinned does for pools; a retired GraphPools is destroyed only when it is idle (no
+//   scope open, no private pool left: every graph released and its blocks freed) and no hazard
+//   names it, and the rest are retried at the
+//   next call that retires or serves one.
+// Thread-safe. Pinned is lock-free; the other calls take the registry's lock g_mu briefly and
+// call into a GraphPools (which may synchronize the device, or destroy a Python filter) with it
+// let go. Lock order: g_mu, then a GraphPools's own lock.
 #pragma once
 #include <memory>
 #include <vector>
@@ -21,22 +26,21 @@ namespace poolkeeper::graph_registry {
 
 // The device's current GraphPools for one C ABI call, kept alive while this object lives even if
 // get() or clear() replaces it meanwhile. get() is nullptr when the device has none (or the index
-// is out of range). Lock-free; throws only std::bad_alloc (a thread's first call claims its
-// hazard record). Not copyable; one thread.
+// is out of range). Lock-free unless pins nest deeper than the hazard record's slots (then it
+// holds a reference, taken under g_mu). Throws only std::bad_alloc. Not copyable; one thread.
 class Pinned {
  public:
   explicit Pinned(int device);
-  ~Pinned() {
-    if (hazard_) hazard_->graph.store(saved_, std::memory_order_release);
-  }
+  ~Pinned();
   Pinned(const Pinned&) = delete;
   Pinned& operator=(const Pinned&) = delete;
   GraphPools* get() const { return gp_; }
 
  private:
   GraphPools* gp_ = nullptr;
-  registry::detail::Hazard* hazard_ = nullptr;  // null: nothing pinned (the device had none)
-  const void* saved_ = nullptr;                  // a nested pin restores the outer one's
+  registry::detail::Hazard* hazard_ = nullptr;  // null: no slot taken
+  int slot_ = -1;
+  std::shared_ptr<GraphPools> held_;  // pins nested deeper than the slots
 };
 
 // The device's GraphPools, made over registry::get_shared(device) on first use and again when the
@@ -45,20 +49,23 @@ class Pinned {
 std::shared_ptr<GraphPools> get(int device);
 // The device's current GraphPools without making one: nullptr when there is none.
 std::shared_ptr<GraphPools> current(int device);
-// Release graph pool `id` of the device: the current GraphPools's, or a retired one's that still
-// has it (a graph captured before the device's pool was replaced). An id no GraphPools has is
-// nothing to do (PyTorch releases ids that never allocated). Throws what GraphPools::release
-// throws.
+// End scope `id` on the device: in the GraphPools that has it open (a retired one when the
+// capture began before the device's pool was replaced), else as get(device)->end(id) (which
+// throws InvalidArgument for a scope that is not open).
+void end(int device, GraphPoolId id);
+// Release graph pool `id` of the device: the current GraphPools's, or the device's retired one
+// that has it. An id no GraphPools of the device has is nothing to do (PyTorch releases ids that
+// never allocated). Throws what GraphPools::release throws.
 void release(int device, GraphPoolId id);
-// Is any retired GraphPools still holding live private blocks? (Lock-free; the C ABI's free asks
-// before it looks through them.)
-bool retired_hold_blocks() noexcept;
-// Free (or record a stream on) p if a retired GraphPools's private pool holds it: true when it
-// did. Throws what the private pool throws.
-bool deallocate_retired(void* p, Stream s);
-bool record_stream_retired(void* p, Stream s);
-// Forget every GraphPools (tests, and registry clearing); those whose private pools still hold
-// live blocks are retired, and keep serving those blocks' frees.
+// For a pointer the device's current pool refused: free it (or record a stream on it) where it
+// lives if a GraphPools of the device (device -1: of any device) knows it -- a private block of
+// a retired GraphPools, or a block that the replaced pool under a GraphPools served (allocations
+// a capture scope did not claim). True when it did; false when none knows it. Throws what that
+// pool throws.
+bool deallocate_elsewhere(int device, void* p, Stream s);
+bool record_stream_elsewhere(int device, void* p, Stream s);
+// Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
+// and keep serving their blocks.
 void clear();
 
 }  // namespace poolkeeper::graph_registry
