@@ -605,6 +605,37 @@ def test_a_capture_open_across_a_pool_swap_ends_and_its_device_pool_blocks_free(
     a.validate()
 
 
+def test_a_block_the_replaced_pool_served_outlives_the_graph_that_routed_it():
+    # Found by review: a block served by the replaced pool while a capture stayed open across the
+    # swap (an allocation the capture did not claim) kept no GraphPools alive; once that graph
+    # ended and was released, its GraphPools, and with it the last reference to the replaced
+    # pool, went, and the block could not be freed any more. A retired GraphPools stays while its
+    # device pool has live blocks.
+    import gc
+
+    lib = load_capi()
+    sim = pk.upstream.Simulated(latency="none")
+    a = pk.ArenaPool(sim)
+    _core.registry_set(0, a)
+    try:
+        s, other = sim.stream(), sim.stream()
+        assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+        g = lib.poolkeeper_malloc(100_000, 0, s)
+        _core.registry_set(0, pk.ArenaPool(sim))
+        q = lib.poolkeeper_malloc(4096, 0, other)  # served by a, through the GraphPools still published
+        assert a.owns(q)
+        assert lib.poolkeeper_graph_end(0, 1, 0) == 0
+        assert lib.poolkeeper_free(g, 0, s) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+        stats = a.stats
+        del a
+        gc.collect()
+        _core.graph_pools(0)  # retires the old GraphPools, and collects the idle ones
+        assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
+        assert stats()["live_blocks"] == 0
+    finally:
+        _core.registry_clear()
+
+
 def test_a_graphs_block_is_freed_after_the_registry_was_cleared(two_pools_on_device_0):
     # Found by review: with no pool installed any more, the C ABI's free refused every pointer
     # ("no poolkeeper pool is installed"), so a graph's static output could never be freed.

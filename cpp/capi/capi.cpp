@@ -117,17 +117,19 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
         return;  // a graph's block goes back to its private pool
     }
+    const poolkeeper::Pool* refused_by = nullptr;
     try {
       const poolkeeper::registry::Pinned p(device);
+      refused_by = p.get();
       p->check_not_forked();
       if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
     } catch (const poolkeeper::InvalidPointer&) {
       // Not the device pool's (it changed nothing): maybe a block from before the device's pool
       // was replaced that a GraphPools still knows -- a retired graph's, or one the replaced pool
       // served during a capture. Asked only here, so ordinary frees pay nothing for it.
-      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream)) throw;
+      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by)) throw;
     } catch (const poolkeeper::InvalidArgument&) {  // no pool installed for the device (cleared)
-      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream)) throw;
+      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by)) throw;
     }
   });
 }
@@ -148,14 +150,16 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
       const poolkeeper::graph_registry::Pinned g(device);
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
     }
+    const poolkeeper::Pool* refused_by = nullptr;
     try {
       const poolkeeper::registry::Pinned p(device);
+      refused_by = p.get();
       p->check_not_forked();
       p->record_stream(ptr, torch_stream(stream));
     } catch (const poolkeeper::InvalidPointer&) {  // as in poolkeeper_free
-      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream))) throw;
+      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream), refused_by)) throw;
     } catch (const poolkeeper::InvalidArgument&) {
-      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream))) throw;
+      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream), refused_by)) throw;
     }
   });
 }

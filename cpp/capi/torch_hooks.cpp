@@ -44,7 +44,7 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
         return;
       }
     }
-    if (poolkeeper::graph_registry::record_stream_elsewhere(-1, ptr, s)) {
+    if (poolkeeper::graph_registry::record_stream_elsewhere(-1, ptr, s, nullptr)) {
       g_record_served.fetch_add(1, std::memory_order_relaxed);  // a graph's block from before a pool swap
       return;
     }

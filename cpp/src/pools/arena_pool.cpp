@@ -547,7 +547,7 @@ ArenaPool* ArenaPool::home_shard() {
     check_open();
     tc = cache_locked();
   }
-  if (!tc->home) return nullptr;
+  if (!tc || !tc->home) return nullptr;  // (no cache: after this thread's thread_locals)
   try {
     return shard(tc->home);
   } catch (const UpstreamFailure&) {

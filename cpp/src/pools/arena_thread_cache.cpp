@@ -55,8 +55,9 @@ ThreadCache* tls_find_cache(std::uint64_t id) {
   return nullptr;
 }
 
+bool tls_caches_gone() { return t_caches_gone; }
+
 void tls_add_cache(std::uint64_t id, ThreadCache* tc) {
-  if (t_caches_gone) return;  // not remembered: the pool's close() or destructor flushes it
   TlsCaches& t = t_caches;
   t.entries.push_back({id, tc});
   t_last = t.entries.back();
@@ -300,6 +301,9 @@ bool ArenaPool::evict_transfer_locked(std::size_t size) {
 
 ThreadCache* ArenaPool::cache_locked() {
   if (ThreadCache* tc = detail::tls_find_cache(id_)) return tc;
+  // This thread's thread_locals are gone (a static destructor at exit): it runs without a cache.
+  // (Each call made one that no lookup found again: 40,000 caches for 20,000 pairs.)
+  if (detail::tls_caches_gone()) return nullptr;
   caches_.push_back(std::make_unique<ThreadCache>());
   ncaches_.store(caches_.size(), std::memory_order_relaxed);
   ThreadCache* tc = caches_.back().get();

@@ -21,8 +21,11 @@ std::vector<Retired> g_retired;
 using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu is let go
 
 // Nothing left for it to serve: no scope open, no private pool (a graph not yet released keeps
-// its pool, and its release must find it; its blocks live in that pool).
-bool idle(GraphPools& gp) { return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools(); }
+// its pool, and its release must find it; its blocks live in that pool), and no live block of
+// its device pool (one served while a scope stayed open across the swap is freed through it).
+bool idle(GraphPools& gp) {
+  return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools() && gp.main()->stats().live_blocks == 0;
+}
 bool on(int device, int d) { return device < 0 || device == d; }
 
 // Under g_mu, after the caller's seq_cst store of any new g_fast value: destroy (through `dead`)
@@ -61,13 +64,15 @@ std::shared_ptr<GraphPools> find_locked(int device, F&& pick) {
   return nullptr;
 }
 
-// The GraphPools that knows p, and whether p is one of its private blocks (else a block of its
-// device pool, which is no longer the device's current pool).
-std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p) {
+// The GraphPools that knows p, and whether p is one of its private blocks (else a live block of
+// its device pool). Never a device-pool block of `refused_by`: that pool has just refused p (a
+// block that is live there now was handed out again since: a double free, not ours to free).
+std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p, const Pool* refused_by) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> g(g_mu);
   if (auto gp = find_locked(device, [&](GraphPools& x) { return x.owns_private(a); })) return {gp, true};
-  return {find_locked(device, [&](GraphPools& x) { return x.main()->owns_live(a); }), false};
+  return {find_locked(device, [&](GraphPools& x) { return x.main().get() != refused_by && x.main()->owns_live(a); }),
+          false};
 }
 }  // namespace
 
@@ -152,8 +157,8 @@ void release(int device, GraphPoolId id) {
   collect();
 }
 
-bool deallocate_elsewhere(int device, void* p, Stream s) {
-  auto [gp, is_private] = owner_of(device, p);
+bool deallocate_elsewhere(int device, void* p, Stream s, const Pool* refused_by) {
+  auto [gp, is_private] = owner_of(device, p, refused_by);
   if (!gp) return false;
   if (is_private) {
     if (!gp->deallocate_private(p, s)) return false;  // freed by another thread meanwhile: the caller reports
@@ -164,8 +169,8 @@ bool deallocate_elsewhere(int device, void* p, Stream s) {
   return true;
 }
 
-bool record_stream_elsewhere(int device, void* p, Stream s) {
-  auto [gp, is_private] = owner_of(device, p);
+bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_by) {
+  auto [gp, is_private] = owner_of(device, p, refused_by);
   if (!gp) return false;
   if (is_private) return gp->record_stream_private(p, s);
   gp->main()->record_stream(p, s);

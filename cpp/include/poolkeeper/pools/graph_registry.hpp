@@ -9,8 +9,8 @@
 // - A C ABI call inside a GraphPools keeps it alive: Pinned publishes it in the thread's hazard
 //   record (one slot per nesting level: a capture filter may call back into the C ABI), as
 //   registry::Pinned does for pools; a retired GraphPools is destroyed only when it is idle (no
-//   scope open, no private pool left: every graph released and its blocks freed) and no hazard
-//   names it, and the rest are retried at the
+//   scope open, no private pool left -- every graph released and its blocks freed -- and no live
+//   block of its device pool) and no hazard names it, and the rest are retried at the
 //   next call that retires or serves one.
 // Thread-safe. Pinned is lock-free; the other calls take the registry's lock g_mu briefly and
 // call into a GraphPools (which may synchronize the device, or destroy a Python filter) with it
@@ -57,13 +57,13 @@ void end(int device, GraphPoolId id);
 // that has it. An id no GraphPools of the device has is nothing to do (PyTorch releases ids that
 // never allocated). Throws what GraphPools::release throws.
 void release(int device, GraphPoolId id);
-// For a pointer the device's current pool refused: free it (or record a stream on it) where it
-// lives if a GraphPools of the device (device -1: of any device) knows it -- a private block of
-// a retired GraphPools, or a block that the replaced pool under a GraphPools served (allocations
-// a capture scope did not claim). True when it did; false when none knows it. Throws what that
-// pool throws.
-bool deallocate_elsewhere(int device, void* p, Stream s);
-bool record_stream_elsewhere(int device, void* p, Stream s);
+// For a pointer the device's current pool (`refused_by`; null when none is installed) refused:
+// free it (or record a stream on it) where it lives if a GraphPools of the device (device -1: of
+// any device) knows it -- a private block of a retired GraphPools, or a live block of a replaced
+// device pool under one (allocations a capture scope did not claim). True when it did; false
+// when none knows it. Throws what that pool throws.
+bool deallocate_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
+bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
 // Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
 // and keep serving their blocks.
 void clear();
