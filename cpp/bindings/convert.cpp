@@ -15,7 +15,7 @@ void clear_bad_input_error() {
 
 namespace {
 // Bits of a Python int's magnitude (int.bit_length()); 0 when asking fails.
-std::size_t mpz_bits_of(PyObject* o) {
+std::size_t int_bits(PyObject* o) {
   PyObject* r = PyObject_CallMethod(o, "bit_length", nullptr);
   std::size_t bits = 0;
   if (r) {
@@ -32,7 +32,7 @@ std::string shown(nb::handle h) {
   PyObject* o = h.ptr();
   const std::string type = Py_TYPE(o)->tp_name;
   if (PyLong_Check(o)) {
-    const std::size_t bits = mpz_bits_of(o);
+    const std::size_t bits = int_bits(o);
     if (bits > 256) return "an int of " + std::to_string(bits) + " bits";
   }
   std::string out = "a " + type + " object";

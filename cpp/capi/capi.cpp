@@ -77,6 +77,26 @@ class TimedCall {
   std::chrono::steady_clock::time_point t0_{};
 };
 
+// `call` on the device's pool (pinned); when that pool refuses the pointer (or none is installed,
+// the registry cleared), `elsewhere(refusing pool or null)` may know it: a block from before the
+// device's pool was replaced that a GraphPools still serves -- a retired graph's, or one the
+// replaced pool handed out during a capture. Asked only on that error path, so ordinary calls pay
+// nothing for it; the error stands when it does not know the pointer either.
+template <class Call, class Elsewhere>
+void or_elsewhere(int device, Call&& call, Elsewhere&& elsewhere) {
+  const poolkeeper::Pool* refused_by = nullptr;
+  try {
+    const poolkeeper::registry::Pinned p(device);
+    refused_by = p.get();
+    p->check_not_forked();
+    call(*p.get());
+  } catch (const poolkeeper::InvalidPointer&) {
+    if (!elsewhere(refused_by)) throw;
+  } catch (const poolkeeper::InvalidArgument&) {
+    if (!elsewhere(refused_by)) throw;
+  }
+}
+
 poolkeeper::Stream torch_stream(void* s) { return static_cast<poolkeeper::Stream>(reinterpret_cast<std::uintptr_t>(s)); }
 }  // namespace
 
@@ -117,20 +137,14 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
         return;  // a graph's block goes back to its private pool
     }
-    const poolkeeper::Pool* refused_by = nullptr;
-    try {
-      const poolkeeper::registry::Pinned p(device);
-      refused_by = p.get();
-      p->check_not_forked();
-      if (!p->try_deallocate_fast(ptr, stream)) p->deallocate(ptr, stream);
-    } catch (const poolkeeper::InvalidPointer&) {
-      // Not the device pool's (it changed nothing): maybe a block from before the device's pool
-      // was replaced that a GraphPools still knows -- a retired graph's, or one the replaced pool
-      // served during a capture. Asked only here, so ordinary frees pay nothing for it.
-      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by)) throw;
-    } catch (const poolkeeper::InvalidArgument&) {  // no pool installed for the device (cleared)
-      if (!poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by)) throw;
-    }
+    or_elsewhere(
+        device,
+        [&](poolkeeper::Pool& p) {
+          if (!p.try_deallocate_fast(ptr, stream)) p.deallocate(ptr, stream);
+        },
+        [&](const poolkeeper::Pool* refused_by) {
+          return poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by);
+        });
   });
 }
 
@@ -150,17 +164,11 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
       const poolkeeper::graph_registry::Pinned g(device);
       if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
     }
-    const poolkeeper::Pool* refused_by = nullptr;
-    try {
-      const poolkeeper::registry::Pinned p(device);
-      refused_by = p.get();
-      p->check_not_forked();
-      p->record_stream(ptr, torch_stream(stream));
-    } catch (const poolkeeper::InvalidPointer&) {  // as in poolkeeper_free
-      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream), refused_by)) throw;
-    } catch (const poolkeeper::InvalidArgument&) {
-      if (!poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream), refused_by)) throw;
-    }
+    or_elsewhere(
+        device, [&](poolkeeper::Pool& p) { p.record_stream(ptr, torch_stream(stream)); },
+        [&](const poolkeeper::Pool* refused_by) {
+          return poolkeeper::graph_registry::record_stream_elsewhere(device, ptr, torch_stream(stream), refused_by);
+        });
   });
 }
 

@@ -20,6 +20,9 @@ struct TlsEntry {
   ThreadCache* cache = nullptr;
 };
 
+// The hot lookup reads a trivially constructed, initial-exec TLS slot: no init guard and no
+// __tls_get_addr call on the fast path. The list with a destructor is touched only on first use.
+__attribute__((tls_model("initial-exec"))) thread_local TlsEntry t_last;
 // Set once this thread's TlsCaches is destroyed: pools destroyed later on this thread (static
 // destructors at exit, after the main thread's thread_locals) must not read its freed list.
 __attribute__((tls_model("initial-exec"))) thread_local bool t_caches_gone = false;
@@ -36,17 +39,15 @@ struct TlsCaches {
           e.id, [](Pool& p, void* tc) { static_cast<ArenaPool&>(p).on_thread_exit(static_cast<ThreadCache*>(tc)); },
           e.cache);
     t_caches_gone = true;
+    t_last = {};  // ids start at 1: the hot lookup's first test never matches again
   }
 };
-// The hot lookup reads a trivially constructed, initial-exec TLS slot: no init guard and no
-// __tls_get_addr call on the fast path. The list with a destructor is touched only on first use.
-__attribute__((tls_model("initial-exec"))) thread_local TlsEntry t_last;
 thread_local TlsCaches t_caches;
 }  // namespace
 
 ThreadCache* tls_find_cache(std::uint64_t id) {
-  if (t_caches_gone) return nullptr;  // (its caches were folded back into their pools)
   if (t_last.id == id) return t_last.cache;
+  if (t_caches_gone) return nullptr;  // the list is freed (its caches went back to their pools)
   for (auto& e : t_caches.entries)
     if (e.id == id) {
       t_last = e;
