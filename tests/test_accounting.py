@@ -131,3 +131,15 @@ def test_snapshot_with_wrong_field_types_is_refused():
     d["backings"][0]["chunks"][0]["size"] = "4096"
     with pytest.raises(InvariantError, match="chunk size must be an integer"):
         Snapshot.from_dict(d)
+
+
+@pytest.mark.parametrize("alignment", [0, -256, 3, 1.5, "256", None])
+def test_snapshot_with_an_alignment_no_pool_has_is_refused(alignment):
+    # Found by hostile probing of `poolkeeper report`: alignment 0, -7 or 1.5 was taken as it came
+    # (int() of a float), and the map was drawn from a snapshot no pool can write.
+    pool, _ = busy_pool("arena")
+    d = pool.snapshot().to_dict()
+    assert Snapshot.from_dict(d).alignment == d["alignment"]
+    d["alignment"] = alignment
+    with pytest.raises(InvariantError, match="alignment"):
+        Snapshot.from_dict(d)

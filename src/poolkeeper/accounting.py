@@ -51,6 +51,13 @@ def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
     return v
 
 
+def _alignment(v: Any) -> int:
+    a = _int(v, "alignment")
+    if a <= 0 or a & (a - 1):  # every pool's alignment is a power of two
+        raise InvariantError(f"not a poolkeeper snapshot: alignment must be a power of two, got {a}")
+    return a
+
+
 def _brief(v: Any) -> str:
     # Bounded: a hostile value may be nested thousands deep or be megabytes long.
     if isinstance(v, (dict, list, tuple)):
@@ -121,7 +128,7 @@ class Snapshot:
             return cls(
                 pool=d["pool"],
                 upstream=d["upstream"],
-                alignment=int(d["alignment"]),
+                alignment=_alignment(d["alignment"]),
                 stats=stats,
                 backings=backings,
                 version=int(d.get("version", 1)),
