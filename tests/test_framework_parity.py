@@ -424,6 +424,20 @@ lib = ctypes.CDLL(_core.__file__)
 lib.poolkeeper_torch_malloc.restype = ctypes.c_void_p
 lib.poolkeeper_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 lazy = lib.poolkeeper_torch_malloc(4096, 3, None)   # a C++-made pool with a live block
+# A graph captured through the C ABI on the Python pool, then released: the device's GraphPools
+# (kept in the C ABI's graph registry) holds that pool too.
+for name, types in (("graph_begin", [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]),
+                    ("graph_end", [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]),
+                    ("graph_release", [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]),
+                    ("malloc", [ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64]),
+                    ("free", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64])):
+    getattr(lib, "poolkeeper_" + name).argtypes = types
+lib.poolkeeper_malloc.restype = ctypes.c_void_p
+s = sim.stream()
+assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+g = lib.poolkeeper_malloc(100_000, 0, s)
+assert lib.poolkeeper_graph_end(0, 1, 0) == 0 and lib.poolkeeper_free(g, 0, s) == 0
+assert lib.poolkeeper_graph_release(0, 1, 0) == 0
 wrapper = _core.registry_get(3)                      # ... and a Python wrapper around it
 buf = pool.buffer(1 << 20)
 raw = pool.allocate(4096)

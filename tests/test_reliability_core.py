@@ -522,6 +522,87 @@ def test_fork_while_another_thread_holds_the_pool_lock_gives_a_typed_error_not_a
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_regression_a_child_forked_while_a_thread_was_inside_the_c_abi_kept_the_pools_it_named():
+    # Found by review: a thread inside a C ABI call publishes the pool (and GraphPools) it is in as
+    # a hazard; in a child forked meanwhile that thread is gone but its record still named them,
+    # so a pool the child replaced was kept for good (retired, never collected). The fork handler
+    # gives the vanished threads' records back.
+    r = child("""
+        from capi_lib import load
+        lib = load()
+        sim = pk.upstream.Simulated(latency="none")
+        _core.registry_set(0, pk.ArenaPool(pk.upstream.Faulty(sim, fail_at={0}, refuse_after_us=2_000_000)))
+        _core.graph_pools(0)  # a GraphPools on device 0: C ABI calls pin it as well
+        s = sim.stream()
+        t = threading.Thread(target=lambda: lib.poolkeeper_malloc(64 << 20, 0, s))
+        t.start()
+        time.sleep(0.4)  # the thread sleeps in the upstream, inside both pins
+        pid = os.fork()
+        if pid == 0:
+            _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+            _core.graph_pools(0)  # retires the old GraphPools
+            os._exit(0 if _core.registry_retired() == {"pools": 0, "graph_pools": 0} else 3)
+        _, st = os.waitpid(pid, 0)
+        t.join()
+        assert os.waitstatus_to_exitcode(st) == 0, st
+        _core.registry_clear()
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_regression_a_child_forked_while_a_thread_held_the_graph_registry_lock_hung():
+    # Found by review: a thread holding the graph registry's lock at the fork (here: a graph_end
+    # waiting, under that lock, for a GraphPools whose own lock a capture's growth held) left it
+    # held in the child for good, and the child's next graph call waited forever. The child now
+    # starts with no GraphPools and a fresh lock.
+    r = child("""
+        import signal
+        from capi_lib import load
+        lib = load()
+        sim = pk.upstream.Simulated(latency="none")
+        _core.registry_set(0, pk.ArenaPool(pk.upstream.Faulty(sim, fail_at={1}, refuse_after_us=2_000_000)))
+        s = sim.stream()
+        assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+        first = lib.poolkeeper_malloc(4096, 0, s)  # call 0 grows at once; the next growth sleeps
+        got = []
+        t1 = threading.Thread(target=lambda: got.append(lib.poolkeeper_malloc(64 << 20, 0, s)))
+        t1.start()
+        time.sleep(0.3)  # t1 grows the capture's pool, holding the GraphPools's lock
+        t2 = threading.Thread(target=lambda: lib.poolkeeper_graph_end(0, 1, 0))
+        t2.start()
+        time.sleep(0.3)  # t2 waits for that lock, holding the graph registry's
+        assert t1.is_alive() and t2.is_alive()
+        pid = os.fork()
+        if pid == 0:
+            _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+            _core.graph_pools(0)
+            assert lib.poolkeeper_graph_begin(0, 2, 0, s) == 0 and lib.poolkeeper_graph_end(0, 2, 0) == 0
+            os._exit(0)
+        deadline = time.monotonic() + 20
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the child hung")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(st) == 0, st
+        t1.join()
+        t2.join()
+        for p in [first] + got:
+            assert lib.poolkeeper_free(p, 0, s) == 0
+        assert lib.poolkeeper_graph_release(0, 1, 0) == 0
+        _core.registry_clear()
+        print("CHILD-OK")
+    """)
+    ok(r)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_pool_inherited_through_fork_says_so():
     r = child("""
         from poolkeeper.errors import PoolClosedError

@@ -39,6 +39,11 @@ void bind_capi(nb::module_& m) {
       "Devices whose registry pool has a Python object (the interpreter-exit hook releases them).");
   m.def("_set_leak_warnings", [](bool on) { nb::set_leak_warnings(on); }, "on"_a,
         "nanobind's report of instances alive at interpreter exit (see poolkeeper._exit).");
+  m.def("registry_retired", []() {
+        return dict_of("pools", registry::retired_count(), "graph_pools", graph_registry::retired_count());
+      },
+      "Replaced pools and GraphPools the C ABI registry still keeps: a call was inside them when "
+      "they were replaced, or (GraphPools) a captured graph's blocks or scope are still live.");
   m.def("registry_devices", []() {
     nb::list l;
     for (auto& [d, p] : registry::all()) l.append(d);

@@ -6,8 +6,10 @@ Three things used to spoil the exit, none of them a reference-count error:
   made in Python and installed there (``install(pool=...)``, ``install(device=0)``) is held by a
   Python reference inside it, and that static is destroyed only after the interpreter is gone, so
   nanobind reported the pool and its upstream as leaked. At exit the hook below removes such
-  entries (and the lazy per-device factory), so Python frees those pools during its own cleanup
-  like any other object. Pools the factory made in C++ (no Python object) stay: tensors PyTorch
+  entries (and the lazy per-device factory), and the graph registry's GraphPools, which hold the
+  device pool too once a CUDA graph was captured through the C ABI, so Python frees those pools
+  during its own cleanup like any other object (a graph whose blocks are still live keeps its
+  pool). Pools the factory made in C++ (no Python object) stay: tensors PyTorch
   frees during shutdown still reach them.
 - a daemon thread inside a pool call (the GIL released) when the interpreter finalizes: CPython
   ends a thread that asks for the GIL back during finalization with ``pthread_exit``, whose forced
@@ -44,8 +46,15 @@ def _at_exit() -> None:
     _core._begin_exit()
     try:
         _core.registry_clear_factory()
-        for device in _core.registry_python_owned():
+        owned = _core.registry_python_owned()
+        for device in owned:
             _core.registry_set(device, None)
+        if owned:
+            # Each device's GraphPools (made by a CUDA-graph capture through the C ABI) holds its
+            # device pool as well. Forgetting them drops those with no scope open and no graph
+            # unreleased now, whatever the program's own blocks; one whose graph is still alive
+            # stays and keeps serving that graph's frees and release.
+            _core.graph_registry_clear(exiting=True)
     except Exception:
         pass
     cupy_integration = sys.modules.get("poolkeeper.integrations.cupy")

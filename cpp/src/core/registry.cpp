@@ -4,10 +4,12 @@
 #include <array>
 #include <atomic>
 #include <linux/membarrier.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <mutex>
+#include <new>
 
 namespace poolkeeper::registry {
 
@@ -96,6 +98,30 @@ void retire_locked(std::shared_ptr<Pool> old, std::vector<std::shared_ptr<Pool>>
   }
 }
 
+// fork(): see the header. Runs in the child, where only the forking thread exists.
+void fork_child() {
+  Hazard* mine = detail::t_hazard;
+  for (Hazard* h = g_hazards.load(std::memory_order_acquire); h; h = h->next) {
+    if (h == mine) continue;  // the forking thread's record: it may be inside a call right now
+    h->ptr.store(nullptr, std::memory_order_relaxed);
+    for (auto& g : h->graph) g.store(nullptr, std::memory_order_relaxed);
+    h->graph_depth = 0;
+    h->taken.store(false, std::memory_order_release);
+  }
+  if (g_mu.try_lock()) {
+    g_mu.unlock();
+    return;
+  }
+  // Held by a thread that does not exist here: every later call would wait for it forever. The
+  // old objects are not destroyed (their state may be half-changed): placement new leaks them.
+  new (&g_mu) std::mutex;
+  new (&g_pools) std::array<std::shared_ptr<Pool>, kMaxDevices + 1>();
+  new (&g_retired) std::vector<std::shared_ptr<Pool>>();
+  new (&g_factory) Factory();
+  for (auto& f : g_fast) f.store(nullptr, std::memory_order_relaxed);
+}
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, fork_child);
+
 int slot(int device) {
   if (device < -1 || device >= kMaxDevices)
     throw InvalidArgument("device index " + std::to_string(device) + " out of range [-1, " +
@@ -165,6 +191,11 @@ std::vector<std::pair<int, std::shared_ptr<Pool>>> all() {
   for (int i = 0; i <= kMaxDevices; ++i)
     if (g_pools[i]) out.emplace_back(i - 1, g_pools[i]);
   return out;
+}
+
+std::size_t retired_count() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_retired.size();
 }
 
 namespace detail {

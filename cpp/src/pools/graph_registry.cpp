@@ -4,6 +4,9 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <new>
+
+#include <pthread.h>
 
 namespace poolkeeper::graph_registry {
 
@@ -23,8 +26,11 @@ using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu 
 // Nothing left for it to serve: no scope open, no private pool (a graph not yet released keeps
 // its pool, and its release must find it; its blocks live in that pool), and no live block of
 // its device pool (one served while a scope stayed open across the swap is freed through it).
-bool idle(GraphPools& gp) {
-  return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools() && gp.main()->stats().live_blocks == 0;
+// At interpreter exit (clear(true)) the device pool's live blocks do not count: they are the
+// program's own, and keeping their pool alive past the exit is what the exit's clear is for.
+bool idle(GraphPools& gp, bool exiting = false) {
+  return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools() &&
+         (exiting || gp.main()->stats().live_blocks == 0);
 }
 bool on(int device, int d) { return device < 0 || device == d; }
 
@@ -32,14 +38,14 @@ bool on(int device, int d) { return device < 0 || device == d; }
 // the retired GraphPools that are idle and that no hazard names. The store, the barrier in
 // graph_hazards() and its loads pair with Pinned's hazard store and its re-load of g_fast: a call
 // either sees the new value or is seen here.
-void collect_locked(Dead& dead) {
+void collect_locked(Dead& dead, bool exiting = false) {
   if (g_retired.empty() ||
-      std::none_of(g_retired.begin(), g_retired.end(), [](Retired& r) { return idle(*r.gp); }))
+      std::none_of(g_retired.begin(), g_retired.end(), [&](Retired& r) { return idle(*r.gp, exiting); }))
     return;
   std::vector<const void*> busy;
   if (!registry::detail::graph_hazards(busy)) return;  // no barrier: keep them (a leak, never a use-after-free)
   for (auto it = g_retired.begin(); it != g_retired.end();) {
-    if (idle(*it->gp) && std::find(busy.begin(), busy.end(), it->gp.get()) == busy.end()) {
+    if (idle(*it->gp, exiting) && std::find(busy.begin(), busy.end(), it->gp.get()) == busy.end()) {
       dead.push_back(std::move(it->gp));
       it = g_retired.erase(it);
     } else {
@@ -74,6 +80,18 @@ std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p, const
   return {find_locked(device, [&](GraphPools& x) { return x.main().get() != refused_by && x.main()->owns_live(a); }),
           false};
 }
+// fork(): see the header. Runs in the child, where only the forking thread exists.
+void fork_child() {
+  if (g_mu.try_lock()) {
+    g_mu.unlock();
+    return;
+  }
+  new (&g_mu) std::mutex;  // the old objects leak (placement new): their state may be half-changed
+  new (&g_graphs) std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices>();
+  new (&g_retired) std::vector<Retired>();
+  for (auto& f : g_fast) f.store(nullptr, std::memory_order_relaxed);
+}
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, fork_child);
 }  // namespace
 
 Pinned::Pinned(int device) {
@@ -177,14 +195,19 @@ bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_
   return true;
 }
 
-void clear() {
+std::size_t retired_count() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_retired.size();
+}
+
+void clear(bool exiting) {
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
   for (int d = 0; d < registry::kMaxDevices; ++d) {
     g_fast[d].store(nullptr, std::memory_order_seq_cst);
     if (g_graphs[d]) g_retired.push_back({d, std::exchange(g_graphs[d], nullptr)});
   }
-  collect_locked(dead);
+  collect_locked(dead, exiting);
 }
 
 }  // namespace poolkeeper::graph_registry

@@ -7,6 +7,11 @@
 // - A pool replaced by set() or removed by clear() while a C ABI call is inside it stays alive
 //   until that call returns (Pinned publishes the pool it uses as a per-thread hazard pointer;
 //   set/clear destroy only pools no hazard names, and retry the rest at the next set/clear).
+// - fork(): in the child the other threads are gone, so their hazard records are given back (else
+//   what they name would be kept for good); and when another thread held the registry's lock at
+//   the fork, the child starts with an empty registry and a fresh lock (what the old one held is
+//   leaked: its state may have been half-changed, and the parent's pools are closed in the child
+//   anyway, see Pool::forked).
 // Thread-safe.
 #pragma once
 #include <array>
@@ -104,5 +109,8 @@ std::shared_ptr<Pool> get_shared(int device);
 void clear();
 // Every installed pool (for empty_cache / stats).
 std::vector<std::pair<int, std::shared_ptr<Pool>>> all();
+// Pools replaced or cleared that are still kept because a C ABI call was inside them at the last
+// set()/clear() (diagnostics; they go at the next set()/clear() that finds them unused).
+std::size_t retired_count();
 
 }  // namespace poolkeeper::registry

@@ -12,6 +12,10 @@
 //   scope open, no private pool left -- every graph released and its blocks freed -- and no live
 //   block of its device pool) and no hazard names it, and the rest are retried at the
 //   next call that retires or serves one.
+// - fork(): when another thread held this registry's lock at the fork, the child starts with no
+//   GraphPools and a fresh lock (the old ones are leaked; they sit over pools the child cannot
+//   use, see Pool::forked). The registry's own fork handler gives back the other threads' hazard
+//   records.
 // Thread-safe. Pinned is lock-free; the other calls take the registry's lock g_mu briefly and
 // call into a GraphPools (which may synchronize the device, or destroy a Python filter) with it
 // let go. Lock order: g_mu, then a GraphPools's own lock.
@@ -64,8 +68,12 @@ void release(int device, GraphPoolId id);
 // when none knows it. Throws what that pool throws.
 bool deallocate_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
 bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
+// Retired GraphPools still kept (diagnostics): not idle yet, or named by a hazard.
+std::size_t retired_count();
 // Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
-// and keep serving their blocks.
-void clear();
+// and keep serving their blocks. `exiting` (the interpreter-exit hook): live blocks of a device
+// pool do not keep its GraphPools (the program frees them through the pool it holds, if at all);
+// a scope still open or a graph not yet released still does.
+void clear(bool exiting = false);
 
 }  // namespace poolkeeper::graph_registry
