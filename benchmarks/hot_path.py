@@ -10,6 +10,7 @@ device; the pools are warmed first so every timed pair is a hit.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -63,6 +64,18 @@ def loop_pair_nanobind(pool, nbytes):
     return run
 
 
+def capi_lib():
+    """The C ABI's graph calls, from the extension itself (as PyTorch's hooks call them)."""
+    lib = ctypes.CDLL(_core.__file__)
+    u64 = ctypes.c_uint64
+    for name, args in (("graph_begin", [ctypes.c_int, u64, u64, u64]), ("graph_end", [ctypes.c_int, u64, u64]),
+                       ("graph_release", [ctypes.c_int, u64, u64]), ("malloc", [ctypes.c_size_t, ctypes.c_int, u64]),
+                       ("free", [ctypes.c_void_p, ctypes.c_int, u64])):
+        getattr(lib, "poolkeeper_" + name).argtypes = args
+    lib.poolkeeper_malloc.restype = ctypes.c_void_p
+    return lib
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
@@ -89,6 +102,25 @@ def main(argv=None) -> int:
         finally:
             _core.registry_set(-1, None)
         rows.append((f"{name}: poolkeeper_malloc+free (C ABI, native loop)", capi, None))
+        # The same on a device index that has had a CUDA-graph capture: from then on every C ABI call
+        # also pins the device's GraphPools (a per-thread hazard) and asks whether a scope is open.
+        # And with a graph alive (one captured block kept), as in a server whose decode step is a
+        # CUDA graph: its frees must tell the graph's blocks from the device pool's.
+        _core.registry_set(0, pool)
+        try:
+            _core.graph_pools(0)
+            graph = min(_core.capi_bench_pair(0, args.nbytes, args.n * 10) for _ in range(args.reps))
+            lib = capi_lib()
+            stream = 12345  # the capture's stream; the timed pairs run on the default stream
+            assert lib.poolkeeper_graph_begin(0, 1, 0, stream) == 0
+            block = lib.poolkeeper_malloc(args.nbytes, 0, stream)
+            assert block and lib.poolkeeper_graph_end(0, 1, 0) == 0
+            live = min(_core.capi_bench_pair(0, args.nbytes, args.n * 10) for _ in range(args.reps))
+            assert lib.poolkeeper_free(block, 0, stream) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+        finally:
+            _core.registry_clear()
+        rows.append((f"{name}: the same, device with graph pools", graph, None))
+        rows.append((f"{name}: the same, a graph's block alive", live, None))
         pool.validate()
         pool.close()
     print(f"hot path, {args.nbytes} B pool hits, min of {args.reps} x {args.n} ({machine_info()['cpu']})")

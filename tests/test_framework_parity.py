@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
@@ -472,6 +473,41 @@ def test_interpreter_exit_is_clean_whatever_is_alive(tmp_path, variant):
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == "done"
         assert r.stderr == ""  # no "nanobind: leaked ..." report, no terminate message
+
+
+FACTORY_POOL_AT_EXIT_SCRIPT = r"""
+import atexit, ctypes, sys
+state = {}
+def late_free():  # registered before poolkeeper is imported: runs after its exit hook
+    rc = state["lib"].poolkeeper_free(state["block"], 0, 99)
+    print("late free", rc, flush=True)
+atexit.register(late_free)
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = state["lib"] = load()
+_core.registry_set_factory("arena", {}, "simulated")
+assert lib.poolkeeper_malloc(4096, 0, 99)                       # the factory makes device 0's pool A
+assert lib.poolkeeper_graph_begin(0, 1, 0, 5) == 0
+_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated()))   # a Python pool replaces A ...
+state["block"] = lib.poolkeeper_malloc(4096, 0, 99)             # ... but A serves this (the scope is open)
+assert lib.poolkeeper_graph_end(0, 1, 0) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+"""
+
+
+def test_exit_hook_keeps_a_factory_pools_graph_pools_while_its_blocks_live(tmp_path):
+    # Found by review of the exit hook's graph-registry clearing: it dropped every device's
+    # GraphPools whatever its device pool's live blocks, and with it a pool the factory made in C++
+    # that only that GraphPools still reached (it served a block while a capture stayed open across
+    # the swap to a Python pool); PyTorch's frees during shutdown could not reach it any more. Only
+    # a GraphPools over the Python pool the hook removes is dropped regardless of live blocks.
+    script = tmp_path / "exit_factory.py"
+    script.write_text(FACTORY_POOL_AT_EXIT_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "late free 0", (r.stdout, r.stderr[-2000:])
 
 
 CUPY_EXIT_SCRIPT = r"""

@@ -647,3 +647,37 @@ def test_a_graphs_block_is_freed_after_the_registry_was_cleared(two_pools_on_dev
     assert lib.poolkeeper_graph_release(0, 1, 0) == 0
     assert a.stats()["live_blocks"] == 0
     assert lib.poolkeeper_free(p, 0, s) != 0  # twice: an error code, as ever
+
+
+def test_a_device_pool_free_does_not_wait_for_a_graphs_lock():
+    # While any graph held blocks, every C ABI free took the GraphPools's lock to ask whether the
+    # pointer was a graph's, so ordinary frees queued behind a capture's growth (and paid a mutex
+    # and a hash lookup each). A free the device pool takes on its lock-free path is its own block
+    # (a graph's block never starts where a device-pool block does) and asks no graph.
+    import time
+
+    lib = load_capi()
+    sim = pk.upstream.Simulated(latency="none")
+    _core.registry_set(0, pk.ArenaPool(pk.upstream.Faulty(sim, fail_at={2}, refuse_after_us=2_000_000)))
+    try:
+        s, other = sim.stream(), sim.stream()
+        assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+        first = lib.poolkeeper_malloc(4096, 0, s)  # a graph block: frees ask the graph from now on
+        q = lib.poolkeeper_malloc(4096, 0, other)  # the device pool's (upstream call 1; the growth below is call 2)
+        assert first and q
+        got = []
+        t = threading.Thread(target=lambda: got.append(lib.poolkeeper_malloc(64 << 20, 0, s)))
+        t.start()  # the capture's growth sleeps in the upstream with the GraphPools's lock held
+        time.sleep(0.3)
+        assert t.is_alive()
+        assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
+        assert t.is_alive()  # the free did not wait for the growth
+        t.join()
+        for p in [first] + got:
+            assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
+        assert lib.poolkeeper_graph_end(0, 1, 0) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+        gp = _core.graph_pools(0)
+        gp.validate()
+        assert gp.info() == []
+    finally:
+        _core.registry_clear()

@@ -552,34 +552,45 @@ def test_regression_a_child_forked_while_a_thread_was_inside_the_c_abi_kept_the_
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_regression_a_child_forked_while_a_thread_held_the_graph_registry_lock_hung():
+@pytest.mark.parametrize("registry_lock", [True, False], ids=["graph_registry_lock", "graph_pools_lock"])
+def test_regression_a_child_forked_while_a_thread_held_a_graph_lock_hung(registry_lock):
     # Found by review: a thread holding the graph registry's lock at the fork (here: a graph_end
     # waiting, under that lock, for a GraphPools whose own lock a capture's growth held) left it
-    # held in the child for good, and the child's next graph call waited forever. The child now
-    # starts with no GraphPools and a fresh lock.
+    # held in the child for good, and the child's next graph call waited forever; so did any
+    # allocation on the device with only the GraphPools's lock held (the capture's growth alone),
+    # even after the child installed a new pool. The child now starts with no GraphPools.
     r = child("""
         import signal
         from capi_lib import load
         lib = load()
         sim = pk.upstream.Simulated(latency="none")
         _core.registry_set(0, pk.ArenaPool(pk.upstream.Faulty(sim, fail_at={1}, refuse_after_us=2_000_000)))
-        s = sim.stream()
+        s, other = sim.stream(), sim.stream()
         assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
         first = lib.poolkeeper_malloc(4096, 0, s)  # call 0 grows at once; the next growth sleeps
         got = []
         t1 = threading.Thread(target=lambda: got.append(lib.poolkeeper_malloc(64 << 20, 0, s)))
         t1.start()
         time.sleep(0.3)  # t1 grows the capture's pool, holding the GraphPools's lock
-        t2 = threading.Thread(target=lambda: lib.poolkeeper_graph_end(0, 1, 0))
-        t2.start()
-        time.sleep(0.3)  # t2 waits for that lock, holding the graph registry's
-        assert t1.is_alive() and t2.is_alive()
+        threads = [t1]
+        if %(registry_lock)r:
+            t2 = threading.Thread(target=lambda: lib.poolkeeper_graph_end(0, 1, 0))
+            t2.start()
+            time.sleep(0.3)  # t2 waits for that lock, holding the graph registry's
+            threads.append(t2)
+        assert all(t.is_alive() for t in threads)
         pid = os.fork()
         if pid == 0:
+            code = 0
+            if lib.poolkeeper_malloc(4096, 0, other) or b"fork" not in lib.poolkeeper_last_error():
+                code = 3  # the inherited pool refuses, naming the fork
             _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+            p = lib.poolkeeper_malloc(4096, 0, other)
+            if not p or lib.poolkeeper_free(p, 0, other) != 0:
+                code = 4
             _core.graph_pools(0)
             assert lib.poolkeeper_graph_begin(0, 2, 0, s) == 0 and lib.poolkeeper_graph_end(0, 2, 0) == 0
-            os._exit(0)
+            os._exit(code)
         deadline = time.monotonic() + 20
         while True:
             done, st = os.waitpid(pid, os.WNOHANG)
@@ -591,14 +602,16 @@ def test_regression_a_child_forked_while_a_thread_held_the_graph_registry_lock_h
                 raise AssertionError("the child hung")
             time.sleep(0.01)
         assert os.waitstatus_to_exitcode(st) == 0, st
-        t1.join()
-        t2.join()
+        for t in threads:
+            t.join()
+        if not %(registry_lock)r:
+            assert lib.poolkeeper_graph_end(0, 1, 0) == 0
         for p in [first] + got:
             assert lib.poolkeeper_free(p, 0, s) == 0
         assert lib.poolkeeper_graph_release(0, 1, 0) == 0
         _core.registry_clear()
         print("CHILD-OK")
-    """)
+    """ % {"registry_lock": registry_lock})
     ok(r)
 
 

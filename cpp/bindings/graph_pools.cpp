@@ -152,9 +152,10 @@ void bind_graph_pools(nb::module_& m) {
         std::shared_ptr<GraphPools> gp = graph_registry::current(device);
         return gp ? nb::cast(gp) : nb::none();
       }, "device"_a);
-  m.def("graph_registry_clear", &graph_registry::clear, "exiting"_a = false,
-        "Forget every device's GraphPools (those still serving a graph are kept until idle); "
-        "exiting=True: a device pool's live blocks do not keep its GraphPools (the exit hook).");
+  m.def("graph_registry_clear", &graph_registry::clear);
+  m.def("graph_registry_drop_at_exit", &graph_registry::drop_at_exit, "device"_a,
+        "The exit hook, for a device whose Python-made pool it took out of the registry: retire its "
+        "GraphPools, which that pool's live blocks then do not keep.");
 }
 
 }  // namespace poolkeeper::py

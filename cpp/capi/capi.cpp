@@ -97,6 +97,19 @@ void or_elsewhere(int device, Call&& call, Elsewhere&& elsewhere) {
   }
 }
 
+// A free the device's pool takes on its lock-free path (a thread-cache hit): that block is the
+// pool's own, since no graph's block starts where a device-pool block does (see GraphPools), so
+// it needs no graph lookup -- which, while any graph holds blocks, takes the GraphPools's lock.
+// False sends the free down the full path (graphs first, then the pool, errors explained there).
+bool free_fast(int device, void* ptr, poolkeeper::Stream s) noexcept {
+  try {
+    const poolkeeper::registry::Pinned p(device);
+    return !p->forked() && p->try_deallocate_fast(ptr, s);
+  } catch (...) {
+    return false;  // a bad index, no pool: the full path reports it (or finds the block elsewhere)
+  }
+}
+
 poolkeeper::Stream torch_stream(void* s) { return static_cast<poolkeeper::Stream>(reinterpret_cast<std::uintptr_t>(s)); }
 }  // namespace
 
@@ -132,9 +145,10 @@ PK_EXPORT void* poolkeeper_malloc(size_t size, int device, uint64_t stream) {
 PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
   const TimedCall timed(g_free_clock);
   return guarded([&] {
+    if (free_fast(device, ptr, stream)) return;
     {
       const poolkeeper::graph_registry::Pinned g(device);
-      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->holds_private_blocks() && gp->deallocate_private(ptr, stream))
         return;  // a graph's block goes back to its private pool
     }
     or_elsewhere(
@@ -162,7 +176,9 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
   return guarded([&] {
     {
       const poolkeeper::graph_registry::Pinned g(device);
-      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
+      if (poolkeeper::GraphPools* gp = g.get();
+          gp && gp->holds_private_blocks() && gp->record_stream_private(ptr, torch_stream(stream)))
+        return;
     }
     or_elsewhere(
         device, [&](poolkeeper::Pool& p) { p.record_stream(ptr, torch_stream(stream)); },

@@ -46,15 +46,13 @@ def _at_exit() -> None:
     _core._begin_exit()
     try:
         _core.registry_clear_factory()
-        owned = _core.registry_python_owned()
-        for device in owned:
+        for device in _core.registry_python_owned():
+            # The device's GraphPools (made by a CUDA-graph capture through the C ABI) holds that
+            # pool as well: dropped now unless a scope is open or a graph not yet released, whatever
+            # the program's own blocks (a graph still alive keeps it, to serve its frees and release).
+            # Devices whose pool the factory made in C++ keep theirs, as they keep the pool.
+            _core.graph_registry_drop_at_exit(device)
             _core.registry_set(device, None)
-        if owned:
-            # Each device's GraphPools (made by a CUDA-graph capture through the C ABI) holds its
-            # device pool as well. Forgetting them drops those with no scope open and no graph
-            # unreleased now, whatever the program's own blocks; one whose graph is still alive
-            # stays and keeps serving that graph's frees and release.
-            _core.graph_registry_clear(exiting=True)
     except Exception:
         pass
     cupy_integration = sys.modules.get("poolkeeper.integrations.cupy")

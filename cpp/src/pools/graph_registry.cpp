@@ -19,6 +19,7 @@ std::array<std::atomic<GraphPools*>, registry::kMaxDevices> g_fast{};
 struct Retired {
   int device;
   std::shared_ptr<GraphPools> gp;
+  bool at_exit = false;  // dropped by the exit hook (drop_at_exit): its device pool's blocks do not keep it
 };
 std::vector<Retired> g_retired;
 using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu is let go
@@ -26,11 +27,12 @@ using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu 
 // Nothing left for it to serve: no scope open, no private pool (a graph not yet released keeps
 // its pool, and its release must find it; its blocks live in that pool), and no live block of
 // its device pool (one served while a scope stayed open across the swap is freed through it).
-// At interpreter exit (clear(true)) the device pool's live blocks do not count: they are the
-// program's own, and keeping their pool alive past the exit is what the exit's clear is for.
-bool idle(GraphPools& gp, bool exiting = false) {
+// One the exit hook dropped does not count its device pool's live blocks: they are the program's
+// own, and keeping that pool alive past the exit is what the hook is for.
+bool idle(const Retired& r) {
+  GraphPools& gp = *r.gp;
   return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools() &&
-         (exiting || gp.main()->stats().live_blocks == 0);
+         (r.at_exit || gp.main()->stats().live_blocks == 0);
 }
 bool on(int device, int d) { return device < 0 || device == d; }
 
@@ -38,14 +40,13 @@ bool on(int device, int d) { return device < 0 || device == d; }
 // the retired GraphPools that are idle and that no hazard names. The store, the barrier in
 // graph_hazards() and its loads pair with Pinned's hazard store and its re-load of g_fast: a call
 // either sees the new value or is seen here.
-void collect_locked(Dead& dead, bool exiting = false) {
-  if (g_retired.empty() ||
-      std::none_of(g_retired.begin(), g_retired.end(), [&](Retired& r) { return idle(*r.gp, exiting); }))
+void collect_locked(Dead& dead) {
+  if (g_retired.empty() || std::none_of(g_retired.begin(), g_retired.end(), [](const Retired& r) { return idle(r); }))
     return;
   std::vector<const void*> busy;
   if (!registry::detail::graph_hazards(busy)) return;  // no barrier: keep them (a leak, never a use-after-free)
   for (auto it = g_retired.begin(); it != g_retired.end();) {
-    if (idle(*it->gp, exiting) && std::find(busy.begin(), busy.end(), it->gp.get()) == busy.end()) {
+    if (idle(*it) && std::find(busy.begin(), busy.end(), it->gp.get()) == busy.end()) {
       dead.push_back(std::move(it->gp));
       it = g_retired.erase(it);
     } else {
@@ -80,12 +81,10 @@ std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p, const
   return {find_locked(device, [&](GraphPools& x) { return x.main().get() != refused_by && x.main()->owns_live(a); }),
           false};
 }
-// fork(): see the header. Runs in the child, where only the forking thread exists.
+// fork(): see the header. Runs in the child, where only the forking thread exists. Always, not
+// only when g_mu was held: a GraphPools's own lock may be held by a vanished thread too (a
+// capture's growth), and every GraphPools sits over pools the child cannot use anyway.
 void fork_child() {
-  if (g_mu.try_lock()) {
-    g_mu.unlock();
-    return;
-  }
   new (&g_mu) std::mutex;  // the old objects leak (placement new): their state may be half-changed
   new (&g_graphs) std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices>();
   new (&g_retired) std::vector<Retired>();
@@ -200,14 +199,27 @@ std::size_t retired_count() {
   return g_retired.size();
 }
 
-void clear(bool exiting) {
+void clear() {
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
   for (int d = 0; d < registry::kMaxDevices; ++d) {
     g_fast[d].store(nullptr, std::memory_order_seq_cst);
     if (g_graphs[d]) g_retired.push_back({d, std::exchange(g_graphs[d], nullptr)});
   }
-  collect_locked(dead, exiting);
+  collect_locked(dead);
+}
+
+void drop_at_exit(int device) {
+  Dead dead;
+  const Pool* leaving = registry::get_fast(device);  // compared only: the hook removes it next
+  std::lock_guard<std::mutex> g(g_mu);
+  if (device < 0 || device >= registry::kMaxDevices || !g_graphs[device]) return;
+  g_fast[device].store(nullptr, std::memory_order_seq_cst);
+  // Over another pool (one the factory made, replaced while a capture stayed open), the device
+  // pool's live blocks still keep it: shutdown frees reach that pool only through it.
+  const bool own = g_graphs[device]->main().get() == leaving;
+  g_retired.push_back({device, std::exchange(g_graphs[device], nullptr), own});
+  collect_locked(dead);
 }
 
 }  // namespace poolkeeper::graph_registry

@@ -12,10 +12,11 @@
 //   scope open, no private pool left -- every graph released and its blocks freed -- and no live
 //   block of its device pool) and no hazard names it, and the rest are retried at the
 //   next call that retires or serves one.
-// - fork(): when another thread held this registry's lock at the fork, the child starts with no
-//   GraphPools and a fresh lock (the old ones are leaked; they sit over pools the child cannot
-//   use, see Pool::forked). The registry's own fork handler gives back the other threads' hazard
-//   records.
+// - fork(): the child starts with no GraphPools and a fresh lock. The old ones are leaked, never
+//   touched: another thread may have held this registry's lock or a GraphPools's own at the fork
+//   (a capture's growth), and they sit over pools the child cannot use anyway (Pool::forked). An
+//   open capture scope does not carry over either. The registry's own fork handler gives back
+//   the other threads' hazard records.
 // Thread-safe. Pinned is lock-free; the other calls take the registry's lock g_mu briefly and
 // call into a GraphPools (which may synchronize the device, or destroy a Python filter) with it
 // let go. Lock order: g_mu, then a GraphPools's own lock.
@@ -71,9 +72,13 @@ bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_
 // Retired GraphPools still kept (diagnostics): not idle yet, or named by a hazard.
 std::size_t retired_count();
 // Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
-// and keep serving their blocks. `exiting` (the interpreter-exit hook): live blocks of a device
-// pool do not keep its GraphPools (the program frees them through the pool it holds, if at all);
-// a scope still open or a graph not yet released still does.
-void clear(bool exiting = false);
+// and keep serving their blocks.
+void clear();
+// The interpreter-exit hook, for a device whose pool (one made in Python) it is about to take out
+// of the registry: retire the device's GraphPools, which that pool's live blocks then do not keep
+// (the program frees them through the pool it holds, if at all); a scope still open or a graph not
+// yet released still does, and so do the live blocks of any other pool under it. Nothing to do
+// for a device with none.
+void drop_at_exit(int device);
 
 }  // namespace poolkeeper::graph_registry
