@@ -153,9 +153,15 @@ void bind_graph_pools(nb::module_& m) {
         return gp ? nb::cast(gp) : nb::none();
       }, "device"_a);
   m.def("graph_registry_clear", &graph_registry::clear);
-  m.def("graph_registry_drop_at_exit", &graph_registry::drop_at_exit, "device"_a,
-        "The exit hook, for a device whose Python-made pool it took out of the registry: retire its "
-        "GraphPools, which that pool's live blocks then do not keep.");
+  m.def("graph_registry_drop_at_exit", []() {
+        // With the GIL held (the exit hook): a pool with a Python object was made in Python.
+        graph_registry::drop_at_exit([](const Pool& p) { return nb::find(&p).is_valid(); });
+      },
+      "The exit hook: retire every GraphPools over a pool made in Python, which that pool's live "
+      "blocks then do not keep.");
+  m.def("registry_left_at_fork", []() { return registry::left_at_fork() || graph_registry::left_at_fork(); },
+        "True in a forked child that left the parent's registry entries or GraphPools behind (never "
+        "destroyed: their locks may have been held at the fork).");
 }
 
 }  // namespace poolkeeper::py

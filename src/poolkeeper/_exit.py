@@ -6,11 +6,12 @@ Three things used to spoil the exit, none of them a reference-count error:
   made in Python and installed there (``install(pool=...)``, ``install(device=0)``) is held by a
   Python reference inside it, and that static is destroyed only after the interpreter is gone, so
   nanobind reported the pool and its upstream as leaked. At exit the hook below removes such
-  entries (and the lazy per-device factory), and the graph registry's GraphPools, which hold the
-  device pool too once a CUDA graph was captured through the C ABI, so Python frees those pools
-  during its own cleanup like any other object (a graph whose blocks are still live keeps its
-  pool). Pools the factory made in C++ (no Python object) stay: tensors PyTorch
-  frees during shutdown still reach them.
+  entries (and the lazy per-device factory), and the graph registry's GraphPools over pools made
+  in Python, which hold those pools too once a CUDA graph was captured through the C ABI, so
+  Python frees them during its own cleanup like any other object (a graph not yet released keeps
+  its pool). Pools the factory made in C++ (no Python object) stay, with their GraphPools: tensors
+  PyTorch frees during shutdown still reach them. In a forked child, what the fork handlers left
+  behind on purpose (objects whose locks may have been held at the fork) is not reported.
 - a daemon thread inside a pool call (the GIL released) when the interpreter finalizes: CPython
   ends a thread that asks for the GIL back during finalization with ``pthread_exit``, whose forced
   unwind through a C++ destructor aborts the process ("terminate called without an active
@@ -47,12 +48,17 @@ def _at_exit() -> None:
     try:
         _core.registry_clear_factory()
         for device in _core.registry_python_owned():
-            # The device's GraphPools (made by a CUDA-graph capture through the C ABI) holds that
-            # pool as well: dropped now unless a scope is open or a graph not yet released, whatever
-            # the program's own blocks (a graph still alive keeps it, to serve its frees and release).
-            # Devices whose pool the factory made in C++ keep theirs, as they keep the pool.
-            _core.graph_registry_drop_at_exit(device)
             _core.registry_set(device, None)
+        # A GraphPools (made by a CUDA-graph capture through the C ABI) holds its device pool as
+        # well, installed or since replaced: those over pools made in Python are dropped now unless
+        # a scope is open or a graph not yet released, whatever the program's own blocks (a graph
+        # still alive keeps its pool, to serve its frees and release). Those over pools the factory
+        # made in C++ stay, as those pools do.
+        _core.graph_registry_drop_at_exit()
+        if _core.registry_left_at_fork():
+            # A forked child left the parent's registry objects behind on purpose (their locks may
+            # have been held at the fork), and with them the pools they hold: not a leak to report.
+            _core._set_leak_warnings(False)
     except Exception:
         pass
     cupy_integration = sys.modules.get("poolkeeper.integrations.cupy")

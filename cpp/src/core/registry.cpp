@@ -99,6 +99,7 @@ void retire_locked(std::shared_ptr<Pool> old, std::vector<std::shared_ptr<Pool>>
 }
 
 // fork(): see the header. Runs in the child, where only the forking thread exists.
+std::atomic<bool> g_left_at_fork{false};
 void fork_child() {
   Hazard* mine = detail::t_hazard;
   for (Hazard* h = g_hazards.load(std::memory_order_acquire); h; h = h->next) {
@@ -114,6 +115,7 @@ void fork_child() {
   }
   // Held by a thread that does not exist here: every later call would wait for it forever. The
   // old objects are not destroyed (their state may be half-changed): placement new leaks them.
+  g_left_at_fork.store(true, std::memory_order_relaxed);
   new (&g_mu) std::mutex;
   new (&g_pools) std::array<std::shared_ptr<Pool>, kMaxDevices + 1>();
   new (&g_retired) std::vector<std::shared_ptr<Pool>>();
@@ -197,6 +199,8 @@ std::size_t retired_count() {
   std::lock_guard<std::mutex> g(g_mu);
   return g_retired.size();
 }
+
+bool left_at_fork() { return g_left_at_fork.load(std::memory_order_relaxed); }
 
 namespace detail {
 bool graph_hazards(std::vector<const void*>& out) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <new>
 
@@ -84,7 +85,11 @@ std::pair<std::shared_ptr<GraphPools>, bool> owner_of(int device, void* p, const
 // fork(): see the header. Runs in the child, where only the forking thread exists. Always, not
 // only when g_mu was held: a GraphPools's own lock may be held by a vanished thread too (a
 // capture's growth), and every GraphPools sits over pools the child cannot use anyway.
+std::atomic<bool> g_left_at_fork{false};
 void fork_child() {
+  for (auto& f : g_fast)
+    if (f.load(std::memory_order_relaxed)) g_left_at_fork.store(true, std::memory_order_relaxed);
+  if (!g_retired.empty()) g_left_at_fork.store(true, std::memory_order_relaxed);
   new (&g_mu) std::mutex;  // the old objects leak (placement new): their state may be half-changed
   new (&g_graphs) std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices>();
   new (&g_retired) std::vector<Retired>();
@@ -209,17 +214,19 @@ void clear() {
   collect_locked(dead);
 }
 
-void drop_at_exit(int device) {
+void drop_at_exit(const std::function<bool(const Pool&)>& python_made) {
   Dead dead;
-  const Pool* leaving = registry::get_fast(device);  // compared only: the hook removes it next
   std::lock_guard<std::mutex> g(g_mu);
-  if (device < 0 || device >= registry::kMaxDevices || !g_graphs[device]) return;
-  g_fast[device].store(nullptr, std::memory_order_seq_cst);
-  // Over another pool (one the factory made, replaced while a capture stayed open), the device
-  // pool's live blocks still keep it: shutdown frees reach that pool only through it.
-  const bool own = g_graphs[device]->main().get() == leaving;
-  g_retired.push_back({device, std::exchange(g_graphs[device], nullptr), own});
+  for (auto& r : g_retired)
+    if (python_made(*r.gp->main())) r.at_exit = true;
+  for (int d = 0; d < registry::kMaxDevices; ++d)
+    if (g_graphs[d] && python_made(*g_graphs[d]->main())) {
+      g_fast[d].store(nullptr, std::memory_order_seq_cst);
+      g_retired.push_back({d, std::exchange(g_graphs[d], nullptr), true});
+    }
   collect_locked(dead);
 }
+
+bool left_at_fork() { return g_left_at_fork.load(std::memory_order_relaxed); }
 
 }  // namespace poolkeeper::graph_registry

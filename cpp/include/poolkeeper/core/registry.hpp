@@ -112,5 +112,8 @@ std::vector<std::pair<int, std::shared_ptr<Pool>>> all();
 // Pools replaced or cleared that are still kept because a C ABI call was inside them at the last
 // set()/clear() (diagnostics; they go at the next set()/clear() that finds them unused).
 std::size_t retired_count();
+// True in a forked child that started with an empty registry (another thread held its lock at the
+// fork): the inherited pools were left behind, never destroyed.
+bool left_at_fork();
 
 }  // namespace poolkeeper::registry

@@ -21,6 +21,7 @@
 // call into a GraphPools (which may synchronize the device, or destroy a Python filter) with it
 // let go. Lock order: g_mu, then a GraphPools's own lock.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -74,11 +75,15 @@ std::size_t retired_count();
 // Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
 // and keep serving their blocks.
 void clear();
-// The interpreter-exit hook, for a device whose pool (one made in Python) it is about to take out
-// of the registry: retire the device's GraphPools, which that pool's live blocks then do not keep
-// (the program frees them through the pool it holds, if at all); a scope still open or a graph not
-// yet released still does, and so do the live blocks of any other pool under it. Nothing to do
-// for a device with none.
-void drop_at_exit(int device);
+// The interpreter-exit hook: retire every GraphPools, current or retired, over a pool for which
+// python_made() is true (a pool made in Python, which the hook also takes out of the registry);
+// that pool's live blocks then do not keep it (the program frees them through the pool it holds,
+// if at all), while a scope still open or a graph not yet released still does. GraphPools over
+// pools the factory made in C++ stay as they are: PyTorch's frees at shutdown still reach them.
+// python_made is called with the registry's lock held.
+void drop_at_exit(const std::function<bool(const Pool&)>& python_made);
+// True in a forked child whose parent had GraphPools: they were left behind, never destroyed
+// (see fork() above), and hold the pools they sit over.
+bool left_at_fork();
 
 }  // namespace poolkeeper::graph_registry
