@@ -351,33 +351,30 @@ def test_capture_on_every_device_pool_kind(kind):
     assert st["live_bytes"] == 0 and st["pending_bytes"] == 0
 
 
-def test_c_abi_routes_through_the_devices_graph_pools():
-    lib = load_capi()
+def test_c_abi_routes_through_the_devices_graph_pools(c_abi):
+    lib = c_abi
     sim = pk.upstream.Simulated(latency="none")
     pool = pk.ArenaPool(sim)
     _core.registry_set(0, pool)
-    try:
-        s = sim.stream()
-        assert lib.poolkeeper_graph_begin(0, 11, 0, s) == 0
-        sim.begin_capture(s)
-        a = lib.poolkeeper_malloc(100_000, 0, s)
-        b = lib.poolkeeper_torch_malloc(100_000, 0, s)  # torch's entry point routes the same way
-        c = lib.poolkeeper_malloc(100_000, 0, sim.stream())  # not the captured stream
-        assert sim.end_capture(s)
-        assert lib.poolkeeper_graph_end(0, 11, 0) == 0
-        gp = _core.graph_pools(0)
-        assert gp.owns_private(a) and gp.owns_private(b) and not gp.owns_private(c)
-        assert lib.poolkeeper_free(a, 0, s) == 0
-        lib.poolkeeper_torch_free(b, 0, 0, s)
-        assert lib.poolkeeper_free(c, 0, 2**64 - 1) == 0
-        assert lib.poolkeeper_graph_release(0, 11, 0) == 0
-        assert gp.info() == []
-        gp.validate()
-        pool.validate()
-        assert sim.capture_violations == 0
-        assert lib.poolkeeper_graph_end(0, 11, 0) != 0  # no open scope: an error code, no crash
-    finally:
-        _core.registry_clear()
+    s = sim.stream()
+    assert lib.poolkeeper_graph_begin(0, 11, 0, s) == 0
+    sim.begin_capture(s)
+    a = lib.poolkeeper_malloc(100_000, 0, s)
+    b = lib.poolkeeper_torch_malloc(100_000, 0, s)  # torch's entry point routes the same way
+    c = lib.poolkeeper_malloc(100_000, 0, sim.stream())  # not the captured stream
+    assert sim.end_capture(s)
+    assert lib.poolkeeper_graph_end(0, 11, 0) == 0
+    gp = _core.graph_pools(0)
+    assert gp.owns_private(a) and gp.owns_private(b) and not gp.owns_private(c)
+    assert lib.poolkeeper_free(a, 0, s) == 0
+    lib.poolkeeper_torch_free(b, 0, 0, s)
+    assert lib.poolkeeper_free(c, 0, 2**64 - 1) == 0
+    assert lib.poolkeeper_graph_release(0, 11, 0) == 0
+    assert gp.info() == []
+    gp.validate()
+    pool.validate()
+    assert sim.capture_violations == 0
+    assert lib.poolkeeper_graph_end(0, 11, 0) != 0  # no open scope: an error code, no crash
 
 
 def test_a_pool_over_faulty_keeps_the_capture_rules_of_the_device_under_it():
@@ -458,17 +455,23 @@ def _capture_one_block_through_the_c_abi(lib, sim, gid):
 
 
 @pytest.fixture
-def two_pools_on_device_0():
+def c_abi():
+    """The C ABI (tests/capi_lib.py); the registry, and with it the graph registry, is cleared
+    afterwards whatever the test installed."""
+    try:
+        yield load_capi()
+    finally:
+        _core.registry_clear()
+
+
+@pytest.fixture
+def two_pools_on_device_0(c_abi):
     """The C ABI, and two arena pools on simulated devices of their own, the first installed on
-    device 0 (the tests swap in the second). The registry is cleared afterwards."""
-    lib = load_capi()
+    device 0 (the tests swap in the second)."""
     sim_a, sim_b = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
     a, b = pk.ArenaPool(sim_a), pk.ArenaPool(sim_b)
     _core.registry_set(0, a)
-    try:
-        yield lib, sim_a, sim_b, a, b
-    finally:
-        _core.registry_clear()
+    yield c_abi, sim_a, sim_b, a, b
 
 
 def test_regression_a_new_pools_block_was_freed_through_the_old_pools_graph_pools(two_pools_on_device_0):
@@ -561,27 +564,24 @@ def test_regression_replacing_the_device_pool_while_threads_allocate_through_gra
     assert int(r.stdout.split()[-1]) > 100
 
 
-def test_regression_a_graph_release_on_one_device_released_another_devices_retired_graph():
+def test_regression_a_graph_release_on_one_device_released_another_devices_retired_graph(c_abi):
     # Found by review of the retired-GraphPools fix: release(device, id) looked through every
     # device's retired GraphPools, so releasing id 7 on device 1 released device 0's graph 7.
-    lib = load_capi()
+    lib = c_abi
     sim0, sim1 = pk.upstream.Simulated(latency="none"), pk.upstream.Simulated(latency="none")
     _core.registry_set(0, pk.ArenaPool(sim0))
     _core.registry_set(1, pk.ArenaPool(sim1))
-    try:
-        p, s = _capture_one_block_through_the_c_abi(lib, sim0, 7)
-        old = _core.graph_pools(0)
-        _core.registry_set(0, pk.ArenaPool(sim0))
-        _capture_one_block_through_the_c_abi(lib, sim0, 8)  # retires device 0's first GraphPools
-        s1 = sim1.stream()
-        assert lib.poolkeeper_graph_begin(1, 9, 0, s1) == 0 and lib.poolkeeper_graph_end(1, 9, 0) == 0
-        assert lib.poolkeeper_graph_release(1, 7, 0) == 0  # device 1 has no graph 7: nothing to do
-        assert [(i["id"], i["uses"], i["released"]) for i in old.info()] == [((7, 0), 1, False)]
-        assert lib.poolkeeper_free(p, 0, s) == 0
-        assert [i["id"] for i in old.info()] == [(7, 0)]  # still held by its graph
-        assert lib.poolkeeper_graph_release(0, 7, 0) == 0 and old.info() == []
-    finally:
-        _core.registry_clear()
+    p, s = _capture_one_block_through_the_c_abi(lib, sim0, 7)
+    old = _core.graph_pools(0)
+    _core.registry_set(0, pk.ArenaPool(sim0))
+    _capture_one_block_through_the_c_abi(lib, sim0, 8)  # retires device 0's first GraphPools
+    s1 = sim1.stream()
+    assert lib.poolkeeper_graph_begin(1, 9, 0, s1) == 0 and lib.poolkeeper_graph_end(1, 9, 0) == 0
+    assert lib.poolkeeper_graph_release(1, 7, 0) == 0  # device 1 has no graph 7: nothing to do
+    assert [(i["id"], i["uses"], i["released"]) for i in old.info()] == [((7, 0), 1, False)]
+    assert lib.poolkeeper_free(p, 0, s) == 0
+    assert [i["id"] for i in old.info()] == [(7, 0)]  # still held by its graph
+    assert lib.poolkeeper_graph_release(0, 7, 0) == 0 and old.info() == []
 
 
 def test_a_capture_open_across_a_pool_swap_ends_and_its_device_pool_blocks_free(two_pools_on_device_0):
@@ -605,7 +605,7 @@ def test_a_capture_open_across_a_pool_swap_ends_and_its_device_pool_blocks_free(
     a.validate()
 
 
-def test_a_block_the_replaced_pool_served_outlives_the_graph_that_routed_it():
+def test_a_block_the_replaced_pool_served_outlives_the_graph_that_routed_it(c_abi):
     # Found by review: a block served by the replaced pool while a capture stayed open across the
     # swap (an allocation the capture did not claim) kept no GraphPools alive; once that graph
     # ended and was released, its GraphPools, and with it the last reference to the replaced
@@ -613,27 +613,24 @@ def test_a_block_the_replaced_pool_served_outlives_the_graph_that_routed_it():
     # device pool has live blocks.
     import gc
 
-    lib = load_capi()
+    lib = c_abi
     sim = pk.upstream.Simulated(latency="none")
     a = pk.ArenaPool(sim)
     _core.registry_set(0, a)
-    try:
-        s, other = sim.stream(), sim.stream()
-        assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
-        g = lib.poolkeeper_malloc(100_000, 0, s)
-        _core.registry_set(0, pk.ArenaPool(sim))
-        q = lib.poolkeeper_malloc(4096, 0, other)  # served by a, through the GraphPools still published
-        assert a.owns(q)
-        assert lib.poolkeeper_graph_end(0, 1, 0) == 0
-        assert lib.poolkeeper_free(g, 0, s) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
-        stats = a.stats
-        del a
-        gc.collect()
-        _core.graph_pools(0)  # retires the old GraphPools, and collects the idle ones
-        assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
-        assert stats()["live_blocks"] == 0
-    finally:
-        _core.registry_clear()
+    s, other = sim.stream(), sim.stream()
+    assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+    g = lib.poolkeeper_malloc(100_000, 0, s)
+    _core.registry_set(0, pk.ArenaPool(sim))
+    q = lib.poolkeeper_malloc(4096, 0, other)  # served by a, through the GraphPools still published
+    assert a.owns(q)
+    assert lib.poolkeeper_graph_end(0, 1, 0) == 0
+    assert lib.poolkeeper_free(g, 0, s) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+    stats = a.stats
+    del a
+    gc.collect()
+    _core.graph_pools(0)  # retires the old GraphPools, and collects the idle ones
+    assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
+    assert stats()["live_blocks"] == 0
 
 
 def test_a_graphs_block_is_freed_after_the_registry_was_cleared(two_pools_on_device_0):
@@ -649,35 +646,32 @@ def test_a_graphs_block_is_freed_after_the_registry_was_cleared(two_pools_on_dev
     assert lib.poolkeeper_free(p, 0, s) != 0  # twice: an error code, as ever
 
 
-def test_a_device_pool_free_does_not_wait_for_a_graphs_lock():
+def test_a_device_pool_free_does_not_wait_for_a_graphs_lock(c_abi):
     # While any graph held blocks, every C ABI free took the GraphPools's lock to ask whether the
     # pointer was a graph's, so ordinary frees queued behind a capture's growth (and paid a mutex
     # and a hash lookup each). A free the device pool takes on its lock-free path is its own block
     # (a graph's block never starts where a device-pool block does) and asks no graph.
     import time
 
-    lib = load_capi()
+    lib = c_abi
     sim = pk.upstream.Simulated(latency="none")
     _core.registry_set(0, pk.ArenaPool(pk.upstream.Faulty(sim, fail_at={2}, refuse_after_us=2_000_000)))
-    try:
-        s, other = sim.stream(), sim.stream()
-        assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
-        first = lib.poolkeeper_malloc(4096, 0, s)  # a graph block: frees ask the graph from now on
-        q = lib.poolkeeper_malloc(4096, 0, other)  # the device pool's (upstream call 1; the growth below is call 2)
-        assert first and q
-        got = []
-        t = threading.Thread(target=lambda: got.append(lib.poolkeeper_malloc(64 << 20, 0, s)))
-        t.start()  # the capture's growth sleeps in the upstream with the GraphPools's lock held
-        time.sleep(0.3)
-        assert t.is_alive()
-        assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
-        assert t.is_alive()  # the free did not wait for the growth
-        t.join()
-        for p in [first] + got:
-            assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
-        assert lib.poolkeeper_graph_end(0, 1, 0) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
-        gp = _core.graph_pools(0)
-        gp.validate()
-        assert gp.info() == []
-    finally:
-        _core.registry_clear()
+    s, other = sim.stream(), sim.stream()
+    assert lib.poolkeeper_graph_begin(0, 1, 0, s) == 0
+    first = lib.poolkeeper_malloc(4096, 0, s)  # a graph block: frees ask the graph from now on
+    q = lib.poolkeeper_malloc(4096, 0, other)  # the device pool's (upstream call 1; the growth below is call 2)
+    assert first and q
+    got = []
+    t = threading.Thread(target=lambda: got.append(lib.poolkeeper_malloc(64 << 20, 0, s)))
+    t.start()  # the capture's growth sleeps in the upstream with the GraphPools's lock held
+    time.sleep(0.3)
+    assert t.is_alive()
+    assert lib.poolkeeper_free(q, 0, other) == 0, lib.poolkeeper_last_error()
+    assert t.is_alive()  # the free did not wait for the growth
+    t.join()
+    for p in [first] + got:
+        assert lib.poolkeeper_free(p, 0, s) == 0, lib.poolkeeper_last_error()
+    assert lib.poolkeeper_graph_end(0, 1, 0) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+    gp = _core.graph_pools(0)
+    gp.validate()
+    assert gp.info() == []

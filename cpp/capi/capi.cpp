@@ -152,10 +152,7 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
         return;  // a graph's block goes back to its private pool
     }
     or_elsewhere(
-        device,
-        [&](poolkeeper::Pool& p) {
-          if (!p.try_deallocate_fast(ptr, stream)) p.deallocate(ptr, stream);
-        },
+        device, [&](poolkeeper::Pool& p) { p.deallocate(ptr, stream); },  // (free_fast tried the lock-free path)
         [&](const poolkeeper::Pool* refused_by) {
           return poolkeeper::graph_registry::deallocate_elsewhere(device, ptr, stream, refused_by);
         });

@@ -56,6 +56,13 @@ void collect_locked(Dead& dead) {
   }
 }
 
+// Under g_mu: take device d's GraphPools off the fast path, and retire it (it keeps serving what
+// it has until idle; see collect_locked).
+void retire_current_locked(int d, bool at_exit = false) {
+  g_fast[d].store(nullptr, std::memory_order_seq_cst);
+  if (g_graphs[d]) g_retired.push_back({d, std::exchange(g_graphs[d], nullptr), at_exit});
+}
+
 void collect() {
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
@@ -207,10 +214,7 @@ std::size_t retired_count() {
 void clear() {
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
-  for (int d = 0; d < registry::kMaxDevices; ++d) {
-    g_fast[d].store(nullptr, std::memory_order_seq_cst);
-    if (g_graphs[d]) g_retired.push_back({d, std::exchange(g_graphs[d], nullptr)});
-  }
+  for (int d = 0; d < registry::kMaxDevices; ++d) retire_current_locked(d);
   collect_locked(dead);
 }
 
@@ -220,10 +224,7 @@ void drop_at_exit(const std::function<bool(const Pool&)>& python_made) {
   for (auto& r : g_retired)
     if (python_made(*r.gp->main())) r.at_exit = true;
   for (int d = 0; d < registry::kMaxDevices; ++d)
-    if (g_graphs[d] && python_made(*g_graphs[d]->main())) {
-      g_fast[d].store(nullptr, std::memory_order_seq_cst);
-      g_retired.push_back({d, std::exchange(g_graphs[d], nullptr), true});
-    }
+    if (g_graphs[d] && python_made(*g_graphs[d]->main())) retire_current_locked(d, true);
   collect_locked(dead);
 }
 
