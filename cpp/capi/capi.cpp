@@ -148,7 +148,7 @@ PK_EXPORT int poolkeeper_free(void* ptr, int device, uint64_t stream) {
     if (free_fast(device, ptr, stream)) return;
     {
       const poolkeeper::graph_registry::Pinned g(device);
-      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->holds_private_blocks() && gp->deallocate_private(ptr, stream))
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->deallocate_private(ptr, stream))
         return;  // a graph's block goes back to its private pool
     }
     or_elsewhere(
@@ -173,9 +173,7 @@ PK_EXPORT int poolkeeper_torch_record_stream(void* ptr, int device, void* stream
   return guarded([&] {
     {
       const poolkeeper::graph_registry::Pinned g(device);
-      if (poolkeeper::GraphPools* gp = g.get();
-          gp && gp->holds_private_blocks() && gp->record_stream_private(ptr, torch_stream(stream)))
-        return;
+      if (poolkeeper::GraphPools* gp = g.get(); gp && gp->record_stream_private(ptr, torch_stream(stream))) return;
     }
     or_elsewhere(
         device, [&](poolkeeper::Pool& p) { p.record_stream(ptr, torch_stream(stream)); },
