@@ -584,6 +584,28 @@ def test_regression_a_graph_release_on_one_device_released_another_devices_retir
     assert lib.poolkeeper_graph_release(0, 7, 0) == 0 and old.info() == []
 
 
+@pytest.mark.parametrize("device", [-100, -3, -1, 70, 2**31 - 1])
+def test_regression_a_free_naming_a_device_that_does_not_exist_freed_a_graphs_block(two_pools_on_device_0, device):
+    # Found by hostile probing: the free's error path asked the graph registry with the caller's
+    # device index unchecked, and a negative one meant "every device": a free naming device -100
+    # freed device 0's graph block, and device -3 a replaced pool's block. A bad index is refused
+    # now, and the blocks stay live where they are.
+    from capi_lib import INVALID_ARGUMENT
+
+    lib, sim_a, _, a, b = two_pools_on_device_0
+    g, s = _capture_one_block_through_the_c_abi(lib, sim_a, 1)
+    kept = lib.poolkeeper_malloc(4096, 0, 9)
+    _core.registry_set(0, b)
+    _core.graph_pools(0)  # a later capture retires the first GraphPools
+    live = a.stats()["live_blocks"]
+    for p, stream in ((g, s), (kept, 9)):
+        assert lib.poolkeeper_free(p, device, stream) == INVALID_ARGUMENT
+    assert a.stats()["live_blocks"] == live and a.owns(kept)
+    assert lib.poolkeeper_free(kept, 0, 9) == 0 and lib.poolkeeper_free(g, 0, s) == 0
+    assert lib.poolkeeper_graph_release(0, 1, 0) == 0
+    a.validate()
+
+
 def test_a_capture_open_across_a_pool_swap_ends_and_its_device_pool_blocks_free(two_pools_on_device_0):
     # Found by review: graph_end after the device's pool was replaced made a new GraphPools and
     # failed ("not open"), leaving the old one routing for good; and a block the replaced pool

@@ -67,6 +67,13 @@ class ReleaseGil {
 };
 void install_exit_guard(nb::module_& m);
 
+// A pool made in Python, as the C ABI's registries keep it: their last copy may go on any thread
+// (a C ABI free that retires a GraphPools), and dropping it takes the GIL to release the Python
+// object. Once the interpreter is exiting a thread other than the exiting one leaves the object
+// to the process's end instead of asking for the GIL (see nogil.cpp). A pool without a Python
+// object, or none, comes back as it is. Call with the GIL held.
+std::shared_ptr<Pool> exit_safe(std::shared_ptr<Pool> pool);
+
 // f(pool) without the GIL, after refusing a pool inherited through fork(): how a binding calls a
 // pool method that may wait for the pool's lock or the device. Returns f's (C++) result.
 template <class P, class F>

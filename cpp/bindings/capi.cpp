@@ -10,7 +10,7 @@
 namespace poolkeeper::py {
 
 void bind_capi(nb::module_& m) {
-  m.def("registry_set", [](int device, std::shared_ptr<Pool> pool) { registry::set(device, std::move(pool)); },
+  m.def("registry_set", [](int device, std::shared_ptr<Pool> pool) { registry::set(device, exit_safe(std::move(pool))); },
         "device"_a, "pool"_a.none(), "Install pool for device (-1: host) behind the C ABI; None removes it.");
   m.def("registry_get", [](int device) -> nb::object {
         Pool* p = registry::get_fast(device);

@@ -77,7 +77,8 @@ nb::dict info_to_dict(const GraphPoolInfo& i) {
 void bind_graph_pools(nb::module_& m) {
   nb::class_<GraphPools>(m, "GraphPools",
                          "CUDA-graph private pools over one device pool (docs/integrations.md, 'CUDA graphs').")
-      .def(nb::init<std::shared_ptr<Pool>>(), "pool"_a)
+      .def("__init__", [](GraphPools* self, std::shared_ptr<Pool> pool) { new (self) GraphPools(exit_safe(std::move(pool))); },
+           "pool"_a)
       .def("begin",
            [](GraphPools& g, nb::handle id, nb::handle filter) {
              const GraphPoolId gid = parse_id(id);
@@ -155,10 +156,10 @@ void bind_graph_pools(nb::module_& m) {
   m.def("graph_registry_clear", &graph_registry::clear);
   m.def("graph_registry_drop_at_exit", []() {
         // With the GIL held (the exit hook): a pool with a Python object was made in Python.
-        graph_registry::drop_at_exit([](const Pool& p) { return nb::find(&p).is_valid(); });
+        return graph_registry::drop_at_exit([](const Pool& p) { return nb::find(&p).is_valid(); });
       },
       "The exit hook: retire every GraphPools over a pool made in Python, which that pool's live "
-      "blocks then do not keep.");
+      "blocks then do not keep. Returns how many stay (a capture scope open or a graph not yet released).");
   m.def("registry_left_at_fork", []() { return registry::left_at_fork() || graph_registry::left_at_fork(); },
         "True in a forked child that left the parent's registry entries or GraphPools behind (never "
         "destroyed: their locks may have been held at the fork).");

@@ -52,6 +52,33 @@ ReleaseGil::~ReleaseGil() {
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
 
+// The holder is nanobind's own shared_ptr: destroying it takes the GIL and releases the Python
+// reference. The same handshake as ReleaseGil's: either this thread sees g_exiting, or
+// begin_exit sees it in g_restoring and waits until the release is done.
+std::shared_ptr<Pool> exit_safe(std::shared_ptr<Pool> pool) {
+  if (!pool || !nb::find(pool.get()).is_valid()) return pool;
+  Pool* raw = pool.get();
+  auto* holder = new std::shared_ptr<Pool>(std::move(pool));
+  return std::shared_ptr<Pool>(raw, [holder](Pool*) noexcept {
+    g_restoring.fetch_add(1, std::memory_order_seq_cst);
+    if (!Py_IsInitialized()) {  // a C++ static let go after the interpreter: nothing to release into
+      g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    if (g_exiting.load(std::memory_order_seq_cst) &&
+        PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
+      // Asking for the GIL now would end this thread by a forced unwind through this (nothrow)
+      // deleter: std::terminate. The process is ending; the pool goes with it, unreported (it is
+      // not a leak of the program's).
+      nb::set_leak_warnings(false);
+      g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    delete holder;
+    g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+  });
+}
+
 void install_exit_guard(nb::module_& m) {
   m.def("_begin_exit", &begin_exit, "Interpreter exit: threads leaving a core call from now on wait instead.");
   nb::module_::import_("atexit").attr("register")(m.attr("_begin_exit"));

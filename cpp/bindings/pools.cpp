@@ -28,11 +28,7 @@ void bind_pools(nb::module_& m) {
           "ptr"_a.none(), "stream"_a.none())
       .def("stats",
            [](Pool& p) { return stats_to_dict(pool_call_nogil(p, [](Pool& q) { return q.stats(); })); })
-      .def("reset_peaks",
-           [](Pool& p) {
-             ReleaseGil nogil;
-             p.reset_peaks();
-           },
+      .def("reset_peaks", [](Pool& p) { pool_call_nogil(p, [](Pool& q) { q.reset_peaks(); }); },
            "Restart peak_reserved_bytes and peak_live_bytes from the current reserved and live bytes.")
       .def("validate", [](Pool& p) { pool_call_nogil(p, [](Pool& q) { q.validate(); }); })
       .def("trim", [](Pool& p) { return pool_call_nogil(p, [](Pool& q) { return q.trim(); }); })

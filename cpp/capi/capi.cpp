@@ -81,19 +81,22 @@ class TimedCall {
 // the registry cleared), `elsewhere(refusing pool or null)` may know it: a block from before the
 // device's pool was replaced that a GraphPools still serves -- a retired graph's, or one the
 // replaced pool handed out during a capture. Asked only on that error path, so ordinary calls pay
-// nothing for it; the error stands when it does not know the pointer either.
+// nothing for it; the error stands when it does not know the pointer either. Only for a device
+// that can have graphs: the graph registry reads a negative index as "any device" (the record-
+// stream hook, which is told none), so a free naming device -100 once freed device 0's graph block.
 template <class Call, class Elsewhere>
 void or_elsewhere(int device, Call&& call, Elsewhere&& elsewhere) {
   const poolkeeper::Pool* refused_by = nullptr;
+  const bool has_graphs = device >= 0 && device < poolkeeper::registry::kMaxDevices;
   try {
     const poolkeeper::registry::Pinned p(device);
     refused_by = p.get();
     p->check_not_forked();
     call(*p.get());
   } catch (const poolkeeper::InvalidPointer&) {
-    if (!elsewhere(refused_by)) throw;
+    if (!has_graphs || !elsewhere(refused_by)) throw;
   } catch (const poolkeeper::InvalidArgument&) {
-    if (!elsewhere(refused_by)) throw;
+    if (!has_graphs || !elsewhere(refused_by)) throw;
   }
 }
 

@@ -9,7 +9,7 @@ Three things used to spoil the exit, none of them a reference-count error:
   entries (and the lazy per-device factory), and the graph registry's GraphPools over pools made
   in Python, which hold those pools too once a CUDA graph was captured through the C ABI, so
   Python frees them during its own cleanup like any other object (a graph not yet released keeps
-  its pool). Pools the factory made in C++ (no Python object) stay, with their GraphPools: tensors
+  its pool, unreported). Pools the factory made in C++ (no Python object) stay, with their GraphPools: tensors
   PyTorch frees during shutdown still reach them. In a forked child, what the fork handlers left
   behind on purpose (objects whose locks may have been held at the fork) is not reported.
 - a daemon thread inside a pool call (the GIL released) when the interpreter finalizes: CPython
@@ -27,13 +27,21 @@ Three things used to spoil the exit, none of them a reference-count error:
   (``integrations.cupy.uninstall``), which drops that last reference; arrays still alive keep
   their own pool alive and return their blocks to it when Python frees them.
 - a thread Python never stops (a daemon thread still running) keeps its frames, and through them
-  module globals, alive through shutdown. Those objects are owned by that thread, not leaked, and
-  no binding can release them; when such a thread is alive at exit, nanobind's leak report is
-  switched off.
+  module globals, alive through shutdown; so does a thread that vanished at a ``fork()`` (in the
+  child CPython drops its state without clearing its frames). Those objects are owned by that
+  thread, not leaked, and no binding can release them; when such a thread is alive at exit, or
+  ran when the fork that made this process happened, nanobind's leak report is switched off. So
+  it is when a graph not yet released keeps its pool past the exit.
+- a C ABI call on another thread (a free that retires a graph's pools) may drop the last
+  reference to a pool made in Python, which takes the GIL; during finalization that ended the
+  thread by the same forced unwind, through a destructor: the process aborted. The C ABI's
+  registries hold such a pool through a reference that, once exit has begun, a thread other than
+  the exiting one leaves to the process's end instead.
 """
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -54,10 +62,14 @@ def _at_exit() -> None:
         # a scope is open or a graph not yet released, whatever the program's own blocks (a graph
         # still alive keeps its pool, to serve its frees and release). Those over pools the factory
         # made in C++ stay, as those pools do.
-        _core.graph_registry_drop_at_exit()
-        if _core.registry_left_at_fork():
-            # A forked child left the parent's registry objects behind on purpose (their locks may
-            # have been held at the fork), and with them the pools they hold: not a leak to report.
+        kept = _core.graph_registry_drop_at_exit()
+        if kept or _core.registry_left_at_fork() or _forked_beside_threads:
+            # Objects that outlive the interpreter on purpose, not leaks to report: a graph not yet
+            # released keeps its pool (its release may still come during shutdown); a forked child
+            # leaves the parent's registry objects behind (their locks may have been held at the
+            # fork); and in a child forked while other Python threads ran, CPython drops those
+            # threads' states without clearing their frames, so whatever those frames reached
+            # (their module's globals) is never freed.
             _core._set_leak_warnings(False)
     except Exception:
         pass
@@ -74,8 +86,24 @@ def _at_exit() -> None:
         _core._set_leak_warnings(False)
 
 
+_forked_beside_threads = False
+_threads_at_fork = False
+
+
+def _before_fork() -> None:
+    global _threads_at_fork
+    _threads_at_fork = threading.active_count() > 1
+
+
+def _after_fork_in_child() -> None:
+    global _forked_beside_threads
+    _forked_beside_threads = _forked_beside_threads or _threads_at_fork
+
+
 def register() -> None:
     atexit.register(_at_exit)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 __all__ = ["register"]

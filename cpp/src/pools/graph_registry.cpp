@@ -218,7 +218,7 @@ void clear() {
   collect_locked(dead);
 }
 
-void drop_at_exit(const std::function<bool(const Pool&)>& python_made) {
+std::size_t drop_at_exit(const std::function<bool(const Pool&)>& python_made) {
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
   for (auto& r : g_retired)
@@ -226,6 +226,7 @@ void drop_at_exit(const std::function<bool(const Pool&)>& python_made) {
   for (int d = 0; d < registry::kMaxDevices; ++d)
     if (g_graphs[d] && python_made(*g_graphs[d]->main())) retire_current_locked(d, true);
   collect_locked(dead);
+  return static_cast<std::size_t>(std::count_if(g_retired.begin(), g_retired.end(), [](const Retired& r) { return r.at_exit; }));
 }
 
 bool left_at_fork() { return g_left_at_fork.load(std::memory_order_relaxed); }
