@@ -463,16 +463,25 @@ print("done")
 """
 
 
+def _run_script(tmp_path, text: str, *args: str) -> subprocess.CompletedProcess:
+    """text as a script in a fresh interpreter, tests/ as its argv[1] (for capi_lib) and args
+    after it; a hang fails the test (timeout)."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script), str(Path(__file__).parent), *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def _assert_clean_exit(r: subprocess.CompletedProcess, out: str = "done") -> None:
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == out, (r.stdout, r.stderr[-2000:])
+    assert r.stderr == ""  # no "nanobind: leaked ..." report, no terminate message
+
+
 @pytest.mark.parametrize("variant", ["objects", "thread"])
 def test_interpreter_exit_is_clean_whatever_is_alive(tmp_path, variant):
-    script = tmp_path / "exit.py"
-    script.write_text(EXIT_SCRIPT)
     for _ in range(3 if variant == "thread" else 1):  # the abort depended on where the threads were
-        r = subprocess.run([sys.executable, str(script), variant], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.strip() == "done"
-        assert r.stderr == ""  # no "nanobind: leaked ..." report, no terminate message
+        _assert_clean_exit(_run_script(tmp_path, EXIT_SCRIPT, variant))
 
 
 FACTORY_POOL_AT_EXIT_SCRIPT = r"""
@@ -502,12 +511,7 @@ def test_exit_hook_keeps_a_factory_pools_graph_pools_while_its_blocks_live(tmp_p
     # that only that GraphPools still reached (it served a block while a capture stayed open across
     # the swap to a Python pool); PyTorch's frees during shutdown could not reach it any more. Only
     # a GraphPools over the Python pool the hook removes is dropped regardless of live blocks.
-    script = tmp_path / "exit_factory.py"
-    script.write_text(FACTORY_POOL_AT_EXIT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "late free 0", (r.stdout, r.stderr[-2000:])
+    _assert_clean_exit(_run_script(tmp_path, FACTORY_POOL_AT_EXIT_SCRIPT), "late free 0")
 
 
 SWAPPED_POOL_AT_EXIT_SCRIPT = r"""
@@ -541,13 +545,7 @@ def test_interpreter_exit_is_clean_after_a_graphs_python_pool_was_replaced(tmp_p
     # one over a Python pool replaced (or uninstalled) earlier, whose program block was still live,
     # kept that pool past the exit: nanobind's leak report. Every GraphPools over a pool made in
     # Python is dropped at exit now, current or retired.
-    script = tmp_path / "exit_swapped.py"
-    script.write_text(SWAPPED_POOL_AT_EXIT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), how], capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "done"
-    assert r.stderr == ""  # no "nanobind: leaked ..." report
+    _assert_clean_exit(_run_script(tmp_path, SWAPPED_POOL_AT_EXIT_SCRIPT, how))
 
 
 LAST_REFERENCE_AT_EXIT_SCRIPT = r"""
@@ -580,13 +578,7 @@ def test_regression_a_c_abi_free_during_finalization_that_dropped_a_python_pool_
     # the last reference to the pool made in Python under it, which takes the GIL; during
     # finalization CPython ended that thread with a forced unwind through the (nothrow) deleter:
     # "terminate called after throwing an instance of ...", SIGABRT, every run.
-    script = tmp_path / "exit_last_ref.py"
-    script.write_text(LAST_REFERENCE_AT_EXIT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "done"
-    assert r.stderr == ""  # no terminate message, no leak report
+    _assert_clean_exit(_run_script(tmp_path, LAST_REFERENCE_AT_EXIT_SCRIPT))
 
 
 UNRELEASED_GRAPH_AT_EXIT_SCRIPT = r"""
@@ -609,13 +601,7 @@ print("done")
 def test_interpreter_exit_is_clean_with_a_graph_not_yet_released(tmp_path, state):
     # Found by hostile probing: a graph not yet released (or a capture still open) keeps its pool
     # past the exit on purpose, and nanobind reported that pool and its upstream as leaked.
-    script = tmp_path / "exit_unreleased.py"
-    script.write_text(UNRELEASED_GRAPH_AT_EXIT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), state], capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "done"
-    assert r.stderr == ""
+    _assert_clean_exit(_run_script(tmp_path, UNRELEASED_GRAPH_AT_EXIT_SCRIPT, state))
 
 
 CUPY_EXIT_SCRIPT = r"""
@@ -658,13 +644,7 @@ print("done")
 def test_interpreter_exit_is_clean_with_the_cupy_integration_installed(tmp_path):
     # On the H200 a process that installed the CuPy integration printed nanobind's leak report
     # (its ArenaPools and their upstreams) at exit: CuPy's allocator global outlived the interpreter.
-    script = tmp_path / "cupy_exit.py"
-    script.write_text(CUPY_EXIT_SCRIPT)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "done"
-    assert r.stderr == ""
+    _assert_clean_exit(_run_script(tmp_path, CUPY_EXIT_SCRIPT))
 
 
 # -- the torch.OutOfMemoryError shim -------------------------------------------------------------------------
