@@ -548,13 +548,36 @@ def test_interpreter_exit_is_clean_after_a_graphs_python_pool_was_replaced(tmp_p
     _assert_clean_exit(_run_script(tmp_path, SWAPPED_POOL_AT_EXIT_SCRIPT, how))
 
 
-LAST_REFERENCE_AT_EXIT_SCRIPT = r"""
-import os, sys, threading, time, types
+@pytest.fixture(scope="module")
+def call_later(tmp_path_factory) -> str:
+    """tests/native_thread/call_later.c built: a C ABI call from a thread Python does not know."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler to build the native-thread helper")
+    lib = tmp_path_factory.mktemp("native") / "libcall_later.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(Path(__file__).parent / "native_thread" /
+                    "call_later.c"), "-lpthread"], check=True)
+    return str(lib)
+
+
+# A C ABI free from a thread of each kind: argv[2] "python" or "native", argv[3] the native helper.
+C_ABI_FREE_PRELUDE = r"""
+import ctypes, os, sys, threading, time, types
 import poolkeeper as pk
 from poolkeeper import _core
 sys.path.insert(0, sys.argv[1])
 from capi_lib import load
 lib = load()
+def free_on_another_thread(block, device, stream):
+    if sys.argv[2] == "python":
+        threading.Thread(target=lambda: lib.poolkeeper_free(block, device, stream), daemon=True).start()
+    else:
+        native = ctypes.CDLL(sys.argv[3])
+        native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+        assert native.call_later(ctypes.cast(lib.poolkeeper_free, ctypes.c_void_p).value, block, device, stream, 0) == 0
+"""
+
+LAST_REFERENCE_AT_EXIT_SCRIPT = C_ABI_FREE_PRELUDE + r"""
 a = pk.Direct(pk.upstream.Simulated(latency_us=300000))      # every upstream call takes 0.3 s
 _core.registry_set(0, a)                                     # install(pool=a)
 assert lib.poolkeeper_graph_begin(0, 1, 0, 5) == 0
@@ -563,7 +586,7 @@ block = lib.poolkeeper_malloc(4096, 0, 9)                    # the program's blo
 _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
 _core.graph_pools(0)                                         # a later capture retires a's GraphPools
 del a                                                        # which is now all that holds a
-threading.Thread(target=lambda: lib.poolkeeper_free(block, 0, 9), daemon=True).start()
+free_on_another_thread(block, 0, 9)
 class SlowFinalizer:   # finalization work that lets the GIL go, so the free ends during it
     def __del__(self):
         time.sleep(1)
@@ -573,12 +596,84 @@ print("done")
 """
 
 
-def test_regression_a_c_abi_free_during_finalization_that_dropped_a_python_pool_aborted(tmp_path):
+@pytest.mark.parametrize("thread", ["python", "native"])
+def test_regression_a_c_abi_free_during_finalization_that_dropped_a_python_pool_aborted(tmp_path, call_later,
+                                                                                        thread):
     # Found by hostile probing: a C ABI free on another thread that retired a GraphPools dropped
     # the last reference to the pool made in Python under it, which takes the GIL; during
     # finalization CPython ended that thread with a forced unwind through the (nothrow) deleter:
-    # "terminate called after throwing an instance of ...", SIGABRT, every run.
-    _assert_clean_exit(_run_script(tmp_path, LAST_REFERENCE_AT_EXIT_SCRIPT))
+    # "terminate called after throwing an instance of ...", SIGABRT, every run. Review of the fix:
+    # from a native thread the pool was kept but reported as leaked.
+    _assert_clean_exit(_run_script(tmp_path, LAST_REFERENCE_AT_EXIT_SCRIPT, thread, call_later))
+
+
+INSIDE_A_POOL_AT_EXIT_SCRIPT = C_ABI_FREE_PRELUDE + r"""
+a = pk.Direct(pk.upstream.Simulated(latency_us=300000))      # every upstream call takes 0.3 s
+_core.registry_set(0, a)                                     # install(pool=a)
+free_on_another_thread(lib.poolkeeper_malloc(4096, 0, 9), 0, 9)
+time.sleep(0.05)                                             # the free is inside a as the exit begins
+print("done")
+"""
+
+
+@pytest.mark.parametrize("thread", ["python", "native"])
+def test_interpreter_exit_is_clean_with_a_c_abi_call_inside_a_python_pool(tmp_path, call_later, thread):
+    # Found by review: the exit hook uninstalls the pool, which the registry then keeps (retired)
+    # for the call still inside it: from a native thread, nanobind reported it as leaked.
+    _assert_clean_exit(_run_script(tmp_path, INSIDE_A_POOL_AT_EXIT_SCRIPT, thread, call_later))
+
+
+DLPACK_DELETER_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, time, types
+import poolkeeper as pk
+pool = pk.ArenaPool(pk.upstream.Host())
+buf = pool.buffer(4096)
+capsule = buf.__dlpack__()
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+managed = api.PyCapsule_GetPointer(capsule, b"dltensor")
+assert api.PyCapsule_SetName(capsule, b"used_dltensor") == 0      # a consumer took it
+deleter = ctypes.c_void_p.from_address(managed + 56).value       # DLTensor (48 bytes), manager_ctx, deleter
+del capsule, buf
+native = ctypes.CDLL(sys.argv[3])
+native.call_later_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+assert native.call_later_ptr(deleter, managed, int(sys.argv[2])) == 0   # the consumer frees on its thread
+class SlowFinalizer:   # finalization work that lets the GIL go
+    def __del__(self):
+        time.sleep(1)
+m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
+print("done")
+"""
+
+
+@pytest.mark.parametrize("delay_ms", [0, 300])
+def test_regression_a_dlpack_deleter_on_a_native_thread_at_exit_left_its_buffer_reported(tmp_path, call_later,
+                                                                                         delay_ms):
+    # Found by review: a consumer's DLPack deleter on its own thread took the GIL as the
+    # interpreter exited (at 0 ms: while the exit hook ran, and its Python release was cut off by
+    # finalization when it let the GIL go; at 300 ms: during finalization, where asking for the
+    # GIL ends the thread by a forced unwind): the buffer, its pool and upstream were reported as
+    # leaked. The deleter now finishes before finalization begins, or leaves Python alone.
+    _assert_clean_exit(_run_script(tmp_path, DLPACK_DELETER_AT_EXIT_SCRIPT, str(delay_ms), call_later))
+
+
+GRAPH_POOLS_HELD_AT_EXIT_SCRIPT = r"""
+import poolkeeper as pk
+from poolkeeper import _core
+pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+gp = _core.GraphPools(pool)                                  # held by the program until finalization
+gp.begin((1, 0), 5); p = gp.allocate(4096, 5); gp.end((1, 0)); gp.deallocate(p, 5); gp.release((1, 0))
+print("done")
+"""
+
+
+def test_regression_a_graph_pools_the_program_held_to_the_end_leaked_its_pool(tmp_path):
+    # Found by review of the exit-safe registry references: the release asked Py_IsInitialized(),
+    # which is false through all of finalization, so a GraphPools freed with the program's globals
+    # kept its pool and nanobind reported it.
+    _assert_clean_exit(_run_script(tmp_path, GRAPH_POOLS_HELD_AT_EXIT_SCRIPT))
 
 
 UNRELEASED_GRAPH_AT_EXIT_SCRIPT = r"""

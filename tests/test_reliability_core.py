@@ -51,6 +51,7 @@ def child(code: str, timeout: float = 60, capi: bool = False, **env: str) -> sub
 
 def ok(r: subprocess.CompletedProcess, marker: str = "CHILD-OK") -> None:
     assert r.returncode == 0 and marker in r.stdout, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert "nanobind: leaked" not in r.stderr, r.stderr[-3000:]  # the exit was clean too
 
 
 # ------------------------------------------------------------------ 1: self-referential streams

@@ -67,6 +67,24 @@ class ReleaseGil {
 };
 void install_exit_guard(nb::module_& m);
 
+// The GIL for Python work on a thread that may not hold it (a consumer's DLPack deleter, a
+// capture filter asked by a C ABI call): taken unless the interpreter is exiting on another thread
+// or is gone -- asking then would end this thread by a forced unwind, std::terminate through any
+// nothrow frame -- and then false: the caller leaves Python alone (what it would have released
+// goes with the process, and nanobind's leak report is switched off). Same handshake as ReleaseGil.
+class GilFromAnyThread {
+ public:
+  GilFromAnyThread();
+  ~GilFromAnyThread();
+  GilFromAnyThread(const GilFromAnyThread&) = delete;
+  GilFromAnyThread& operator=(const GilFromAnyThread&) = delete;
+  explicit operator bool() const { return held_; }
+
+ private:
+  bool held_ = false;
+  PyGILState_STATE state_{};
+};
+
 // A pool made in Python, as the C ABI's registries keep it: their last copy may go on any thread
 // (a C ABI free that retires a GraphPools), and dropping it takes the GIL to release the Python
 // object. Once the interpreter is exiting a thread other than the exiting one leaves the object

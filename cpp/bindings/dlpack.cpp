@@ -66,20 +66,17 @@ struct Export {
 std::atomic<long> g_live{0};
 
 void finish(Export* e) {
-  if (Py_IsInitialized()) {
-    PyGILState_STATE gil = PyGILState_Ensure();
-    {
-      KeepPendingError keep;  // a consumer may free while an exception is being raised
-      PyObject* r = PyObject_CallObject(e->on_release, nullptr);
-      if (r) {
-        Py_DECREF(r);
-      } else {
-        PyErr_WriteUnraisable(e->on_release);
-      }
-      Py_DECREF(e->on_release);
+  // A consumer may call the deleter on any thread, also while the interpreter exits.
+  if (GilFromAnyThread gil; gil) {
+    KeepPendingError keep;  // a consumer may free while an exception is being raised (gone before the GIL)
+    PyObject* r = PyObject_CallObject(e->on_release, nullptr);
+    if (r) {
+      Py_DECREF(r);
+    } else {
+      PyErr_WriteUnraisable(e->on_release);
     }
-    PyGILState_Release(gil);
-  }  // else: the interpreter is gone; the reference dies with it
+    Py_DECREF(e->on_release);
+  }  // else: the interpreter is exiting or gone; the reference goes with the process
   delete e;
   g_live.fetch_sub(1, std::memory_order_relaxed);
 }

@@ -29,12 +29,11 @@ struct PyCaptureFilter {
   PyCaptureFilter(const PyCaptureFilter&) = delete;
   PyCaptureFilter& operator=(const PyCaptureFilter&) = delete;
   ~PyCaptureFilter() {
-    if (!Py_IsInitialized()) return;  // the interpreter is gone: the reference went with it
-    nb::gil_scoped_acquire gil;
-    Py_DECREF(fn);
+    if (GilFromAnyThread gil; gil) Py_DECREF(fn);  // else: the interpreter is exiting or gone
   }
   bool operator()(Stream s) const {
-    nb::gil_scoped_acquire gil;
+    GilFromAnyThread gil;
+    if (!gil) return false;  // the interpreter is exiting: the device pool serves (the process is ending)
     try {
       return nb::cast<bool>(nb::handle(fn)(stream_to_py(s)));
     } catch (nb::python_error& e) {
@@ -159,7 +158,7 @@ void bind_graph_pools(nb::module_& m) {
         return graph_registry::drop_at_exit([](const Pool& p) { return nb::find(&p).is_valid(); });
       },
       "The exit hook: retire every GraphPools over a pool made in Python, which that pool's live "
-      "blocks then do not keep. Returns how many stay (a capture scope open or a graph not yet released).");
+      "blocks then do not keep. Returns how many stay (a capture scope open, a graph not yet released, or a C ABI call inside one).");
   m.def("registry_left_at_fork", []() { return registry::left_at_fork() || graph_registry::left_at_fork(); },
         "True in a forked child that left the parent's registry entries or GraphPools behind (never "
         "destroyed: their locks may have been held at the fork).");

@@ -52,6 +52,36 @@ ReleaseGil::~ReleaseGil() {
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
 
+namespace {
+// Under g_restoring: exit has begun and this is not the exiting thread (it must not ask for the GIL).
+bool exit_begun_elsewhere(bool& exiting) {
+  exiting = g_exiting.load(std::memory_order_seq_cst);
+  return exiting && PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed);
+}
+}  // namespace
+
+// Counted in g_restoring until the Python work is done, not only until the GIL is held (as
+// ReleaseGil is): that work may let the GIL go (a Python callback does every few milliseconds),
+// and begin_exit taking it then would leave the work to be ended by finalization half-way (a
+// DLPack deleter's release never ran: nanobind's leak report).
+GilFromAnyThread::GilFromAnyThread() {
+  g_restoring.fetch_add(1, std::memory_order_seq_cst);
+  bool exiting = false;
+  if (!exit_begun_elsewhere(exiting) && Py_IsInitialized()) {
+    state_ = PyGILState_Ensure();
+    held_ = true;
+    return;
+  }
+  nb::set_leak_warnings(false);  // a plain bool nanobind reads at its cleanup
+  g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+GilFromAnyThread::~GilFromAnyThread() {
+  if (!held_) return;
+  PyGILState_Release(state_);
+  g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+}
+
 // The holder is nanobind's own shared_ptr: destroying it takes the GIL and releases the Python
 // reference. The same handshake as ReleaseGil's: either this thread sees g_exiting, or
 // begin_exit sees it in g_restoring and waits until the release is done.
@@ -61,20 +91,20 @@ std::shared_ptr<Pool> exit_safe(std::shared_ptr<Pool> pool) {
   auto* holder = new std::shared_ptr<Pool>(std::move(pool));
   return std::shared_ptr<Pool>(raw, [holder](Pool*) noexcept {
     g_restoring.fetch_add(1, std::memory_order_seq_cst);
-    if (!Py_IsInitialized()) {  // a C++ static let go after the interpreter: nothing to release into
-      g_restoring.fetch_sub(1, std::memory_order_seq_cst);
-      return;
-    }
-    if (g_exiting.load(std::memory_order_seq_cst) &&
-        PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
+    bool exiting = false;
+    const bool elsewhere = exit_begun_elsewhere(exiting);
+    // The exiting thread holds the GIL (or, after finalization, nanobind's deleter skips the
+    // release: its internals are gone), and before exit any thread may wait for the GIL. Not
+    // Py_IsInitialized() alone: it is false through all of finalization, and a GraphPools the
+    // program still held then kept its pool (nanobind's leak report).
+    if (exiting ? !elsewhere : Py_IsInitialized()) {
+      delete holder;
+    } else {
       // Asking for the GIL now would end this thread by a forced unwind through this (nothrow)
-      // deleter: std::terminate. The process is ending; the pool goes with it, unreported (it is
-      // not a leak of the program's).
+      // deleter: std::terminate. The process is ending; the pool goes with it, unreported (it
+      // is not a leak of the program's; the flag is a plain bool nanobind reads at its cleanup).
       nb::set_leak_warnings(false);
-      g_restoring.fetch_sub(1, std::memory_order_seq_cst);
-      return;
     }
-    delete holder;
     g_restoring.fetch_sub(1, std::memory_order_seq_cst);
   });
 }

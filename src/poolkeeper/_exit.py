@@ -1,6 +1,6 @@
 """A clean interpreter exit whatever poolkeeper objects are still alive.
 
-Three things used to spoil the exit, none of them a reference-count error:
+Five things used to spoil the exit, none of them a reference-count error:
 
 - the C ABI's pool registry (what PyTorch's pluggable allocator calls into) is a C++ static; a pool
   made in Python and installed there (``install(pool=...)``, ``install(device=0)``) is held by a
@@ -17,7 +17,7 @@ Three things used to spoil the exit, none of them a reference-count error:
   unwind through a C++ destructor aborts the process ("terminate called without an active
   exception"). The hook tells the core that exit has begun; from then on any other thread leaving
   a native call parks until the process ends instead of asking for the GIL (the core's
-  ``GilRelease``), and the hook yields the GIL once so threads already queued for it get through
+  ``ReleaseGil``), and the hook yields the GIL once so threads already queued for it get through
   before finalization starts. Consequence: an exit handler registered *before* poolkeeper was
   imported (handlers run last-registered-first) must not join a thread that is still calling
   poolkeeper, or it waits for a parked thread.
@@ -36,7 +36,9 @@ Three things used to spoil the exit, none of them a reference-count error:
   reference to a pool made in Python, which takes the GIL; during finalization that ended the
   thread by the same forced unwind, through a destructor: the process aborted. The C ABI's
   registries hold such a pool through a reference that, once exit has begun, a thread other than
-  the exiting one leaves to the process's end instead.
+  the exiting one leaves to the process's end instead. A consumer's DLPack deleter and a Python
+  capture filter, which may run on any thread, take the GIL through the same guard: the exit
+  waits (2 s at most) for Python work they began before it, and they leave Python alone after.
 """
 from __future__ import annotations
 
@@ -62,14 +64,15 @@ def _at_exit() -> None:
         # a scope is open or a graph not yet released, whatever the program's own blocks (a graph
         # still alive keeps its pool, to serve its frees and release). Those over pools the factory
         # made in C++ stay, as those pools do.
-        kept = _core.graph_registry_drop_at_exit()
+        kept = _core.graph_registry_drop_at_exit() + _core.registry_retired()["pools"]
         if kept or _core.registry_left_at_fork() or _forked_beside_threads:
             # Objects that outlive the interpreter on purpose, not leaks to report: a graph not yet
-            # released keeps its pool (its release may still come during shutdown); a forked child
-            # leaves the parent's registry objects behind (their locks may have been held at the
-            # fork); and in a child forked while other Python threads ran, CPython drops those
-            # threads' states without clearing their frames, so whatever those frames reached
-            # (their module's globals) is never freed.
+            # released keeps its pool (its release may still come during shutdown), and so does a
+            # C ABI call still inside a pool the lines above uninstalled (a native thread's); a
+            # forked child leaves the parent's registry objects behind (their locks may have been
+            # held at the fork); and in a child forked while other Python threads ran, CPython
+            # drops those threads' states without clearing their frames, so whatever those frames
+            # reached (their module's globals) is never freed.
             _core._set_leak_warnings(False)
     except Exception:
         pass

@@ -81,7 +81,7 @@ void clear();
 // if at all), while a scope still open or a graph not yet released still does. GraphPools over
 // pools the factory made in C++ stay as they are: PyTorch's frees at shutdown still reach them.
 // python_made is called with the registry's lock held. Returns how many of them stay (a scope
-// open or a graph not yet released).
+// open, a graph not yet released, or a C ABI call inside one).
 std::size_t drop_at_exit(const std::function<bool(const Pool&)>& python_made);
 // True in a forked child whose parent had GraphPools: they were left behind, never destroyed
 // (see fork() above), and hold the pools they sit over.

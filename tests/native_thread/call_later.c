@@ -1,0 +1,61 @@
+/* A thread Python does not know, as PyTorch's or a C library's are. call_later(fn, ptr, device,
+ * stream, delay_ms) starts a detached pthread that sleeps delay_ms and then calls
+ * fn(ptr, device, stream) (a C ABI free); call_later_ptr(fn, ptr, delay_ms) calls fn(ptr) (a
+ * DLPack deleter). Built by the exit tests of test_framework_parity.py. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+typedef int (*free_fn)(void*, int, uint64_t);
+typedef void (*ptr_fn)(void*);
+struct call {
+  free_fn free_call;  /* one of the two */
+  ptr_fn ptr_call;
+  void* ptr;
+  int device;
+  uint64_t stream;
+  int delay_ms;
+};
+
+static void* run(void* arg) {
+  struct call* c = arg;
+  usleep((useconds_t)c->delay_ms * 1000u);
+  if (c->free_call)
+    c->free_call(c->ptr, c->device, c->stream);
+  else
+    c->ptr_call(c->ptr);
+  free(c);
+  return NULL;
+}
+
+static int start(struct call* c) {
+  pthread_t t;
+  int rc = pthread_create(&t, NULL, run, c);
+  if (rc) {
+    free(c);
+    return rc;
+  }
+  pthread_detach(t);
+  return 0;
+}
+
+int call_later(void* fn, void* ptr, int device, uint64_t stream, int delay_ms) {
+  struct call* c = calloc(1, sizeof *c);
+  if (!c) return -1;
+  c->free_call = (free_fn)fn;
+  c->ptr = ptr;
+  c->device = device;
+  c->stream = stream;
+  c->delay_ms = delay_ms;
+  return start(c);
+}
+
+int call_later_ptr(void* fn, void* ptr, int delay_ms) {
+  struct call* c = calloc(1, sizeof *c);
+  if (!c) return -1;
+  c->ptr_call = (ptr_fn)fn;
+  c->ptr = ptr;
+  c->delay_ms = delay_ms;
+  return start(c);
+}
