@@ -626,7 +626,10 @@ def test_interpreter_exit_is_clean_with_a_c_abi_call_inside_a_python_pool(tmp_pa
 DLPACK_DELETER_AT_EXIT_SCRIPT = r"""
 import ctypes, sys, time, types
 import poolkeeper as pk
-pool = pk.ArenaPool(pk.upstream.Host())
+if len(sys.argv) > 4:   # each upstream call takes 0.3 s: the release takes the pool's slow path
+    pool = pk.Direct(pk.upstream.Simulated(latency_us=300000))
+else:
+    pool = pk.ArenaPool(pk.upstream.Host())
 buf = pool.buffer(4096)
 capsule = buf.__dlpack__()
 api = ctypes.pythonapi
@@ -640,6 +643,8 @@ del capsule, buf
 native = ctypes.CDLL(sys.argv[3])
 native.call_later_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 assert native.call_later_ptr(deleter, managed, int(sys.argv[2])) == 0   # the consumer frees on its thread
+if len(sys.argv) > 4:
+    time.sleep(0.1)   # the deleter is inside the pool's 0.3 s upstream free as the exit begins
 class SlowFinalizer:   # finalization work that lets the GIL go
     def __del__(self):
         time.sleep(1)
@@ -657,6 +662,74 @@ def test_regression_a_dlpack_deleter_on_a_native_thread_at_exit_left_its_buffer_
     # GIL ends the thread by a forced unwind): the buffer, its pool and upstream were reported as
     # leaked. The deleter now finishes before finalization begins, or leaves Python alone.
     _assert_clean_exit(_run_script(tmp_path, DLPACK_DELETER_AT_EXIT_SCRIPT, str(delay_ms), call_later))
+
+
+def test_regression_a_dlpack_deleter_whose_release_waited_on_the_pool_was_parked_at_exit(tmp_path, call_later):
+    # Found by review: a deleter on a native thread whose release took the pool's slow path (a
+    # nested ReleaseGil) when the exit began was parked for good while the exit waited for it:
+    # 4 s, then the buffer, its pool and upstream reported as leaked. It takes the GIL back now.
+    _assert_clean_exit(_run_script(tmp_path, DLPACK_DELETER_AT_EXIT_SCRIPT, "0", call_later, "slow pool"))
+
+
+CAPSULE_AT_EXIT_SCRIPT = r"""
+import ctypes, sys
+import poolkeeper as pk
+if "leak" in sys.argv:
+    leaked = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(leaked))   # a real reference leak of the program's
+    del leaked
+pool = pk.ArenaPool(pk.upstream.Host())
+buf = pool.buffer(4096)
+capsule = buf.__dlpack__()      # never consumed: destroyed with the module's globals
+del buf
+print("done")
+"""
+
+
+def test_a_capsule_destroyed_during_finalization_releases_its_buffer_and_hides_no_leak(tmp_path):
+    # Found by review: the capsule's deleter on the exiting thread during finalization left its
+    # buffer unreleased and switched nanobind's leak report off for the whole process, so a real
+    # leak elsewhere went unreported. The exiting thread holds the GIL then and releases it.
+    _assert_clean_exit(_run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT))
+    r = _run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT, "leak")
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+    assert "leaked 2 instances" in r.stderr  # the program's leak (the pool and its upstream), not the buffer's
+
+
+FILTER_ERROR_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, time, types
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = load()
+_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency_us=500000)))   # upstream calls: 0.5 s
+gp = _core.graph_pools(0)
+native = ctypes.CDLL(sys.argv[2])
+native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+malloc = ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value   # (size, device, stream)
+def bad_filter(stream, sleep=time.sleep):
+    native.call_later(malloc, 4096, 0, 5, 0)   # grows graph (2, 0)'s pool under the GraphPools lock, 0.5 s
+    sleep(0.05)
+    raise ValueError("this filter cannot answer")
+gp.begin((1, 0), bad_filter)
+gp.begin((2, 0), 5)
+assert native.call_later(malloc, 4096, 0, 9, 0) == 0    # a native malloc on stream 9 asks bad_filter
+time.sleep(0.02)                                        # the exit begins while bad_filter runs
+class SlowFinalizer:
+    def __del__(self, sleep=time.sleep):
+        sleep(1)
+m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
+print("done")
+"""
+
+
+def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_path, call_later):
+    # Found by review: a Python filter's exception left the filter as itself, and the allocation
+    # destroyed it (which takes the GIL) after the guard had let the thread go, once the
+    # GraphPools lock was free again: during finalization "terminate called without an active
+    # exception", SIGABRT, 3 runs of 3. The filter turns it into a plain C++ error under the guard.
+    _assert_clean_exit(_run_script(tmp_path, FILTER_ERROR_AT_EXIT_SCRIPT, call_later))
 
 
 GRAPH_POOLS_HELD_AT_EXIT_SCRIPT = r"""

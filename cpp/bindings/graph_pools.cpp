@@ -37,7 +37,9 @@ struct PyCaptureFilter {
     try {
       return nb::cast<bool>(nb::handle(fn)(stream_to_py(s)));
     } catch (nb::python_error& e) {
-      if (e.matches(PyExc_Exception)) throw;
+      // Not the python_error itself: destroying it takes the GIL, and it would be destroyed
+      // after this guard let the thread go (at exit, a forced unwind: std::terminate).
+      if (e.matches(PyExc_Exception)) throw InvalidArgument(std::string("capture filter raised: ") + e.what());
       const bool interrupt = e.matches(PyExc_KeyboardInterrupt);
       throw CaptureFilterAbort(std::current_exception(), interrupt ? +[] { PyErr_SetInterrupt(); } : nullptr);
     }

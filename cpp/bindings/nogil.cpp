@@ -17,6 +17,11 @@ namespace {
 std::atomic<bool> g_exiting{false};
 std::atomic<int> g_restoring{0};  // threads past the exit check, not yet holding the GIL
 std::atomic<unsigned long> g_exit_thread{0};
+std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook, then its own atexit entry)
+// GilFromAnyThread guards this thread holds: its Python work is counted in g_restoring, so a
+// ReleaseGil inside it (a release that takes a pool's slow path) must take the GIL back rather
+// than park -- begin_exit is waiting for this thread to finish.
+thread_local int t_guarded = 0;
 
 [[noreturn]] void park_forever() {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
@@ -25,6 +30,7 @@ std::atomic<unsigned long> g_exit_thread{0};
 // Runs as the first atexit callback to matter (registered when _core loads): the interpreter is
 // still whole, only the exiting thread will run Python from here on.
 void begin_exit() {
+  if (g_exit_begun.exchange(true)) return;
   g_exit_thread.store(PyThread_get_thread_ident(), std::memory_order_relaxed);
   g_exiting.store(true, std::memory_order_seq_cst);
   // Let every thread already between its check and the GIL finish taking it, so none is inside
@@ -43,7 +49,7 @@ ReleaseGil::~ReleaseGil() {
   // seq_cst pairs with begin_exit: either this thread sees g_exiting, or begin_exit sees it in
   // g_restoring and waits until it holds the GIL.
   g_restoring.fetch_add(1, std::memory_order_seq_cst);
-  if (g_exiting.load(std::memory_order_seq_cst) &&
+  if (t_guarded == 0 && g_exiting.load(std::memory_order_seq_cst) &&
       PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
     g_restoring.fetch_sub(1, std::memory_order_seq_cst);
     park_forever();
@@ -67,17 +73,24 @@ bool exit_begun_elsewhere(bool& exiting) {
 GilFromAnyThread::GilFromAnyThread() {
   g_restoring.fetch_add(1, std::memory_order_seq_cst);
   bool exiting = false;
-  if (!exit_begun_elsewhere(exiting) && Py_IsInitialized()) {
+  const bool elsewhere = exit_begun_elsewhere(exiting);
+  // The exiting thread runs Python through finalization (as __del__ methods do) when it holds the
+  // GIL; Py_IsInitialized() is false all that time. Any other thread only before exit begins.
+  if (!elsewhere && (exiting ? PyGILState_Check() != 0 : Py_IsInitialized() != 0)) {
     state_ = PyGILState_Ensure();
     held_ = true;
+    ++t_guarded;
     return;
   }
-  nb::set_leak_warnings(false);  // a plain bool nanobind reads at its cleanup
+  // What this thread would have released goes with the process: not a leak to report. Only in
+  // that case: on the exiting thread a refusal would hide the program's real leaks.
+  if (elsewhere) nb::set_leak_warnings(false);  // a plain bool nanobind reads at its cleanup
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 GilFromAnyThread::~GilFromAnyThread() {
   if (!held_) return;
+  --t_guarded;
   PyGILState_Release(state_);
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
