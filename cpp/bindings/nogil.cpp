@@ -15,7 +15,9 @@ namespace poolkeeper::py {
 
 namespace {
 std::atomic<bool> g_exiting{false};
-std::atomic<int> g_restoring{0};  // threads past the exit check, not yet holding the GIL
+// Threads past the exit check and not yet holding the GIL (ReleaseGil), or inside guarded Python
+// work (GilFromAnyThread, exit_safe): begin_exit waits, 2 s at most, until there are none.
+std::atomic<int> g_restoring{0};
 std::atomic<unsigned long> g_exit_thread{0};
 std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook, then its own atexit entry)
 // GilFromAnyThread guards this thread holds: its Python work is counted in g_restoring, so a
