@@ -732,6 +732,30 @@ def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_p
     _assert_clean_exit(_run_script(tmp_path, FILTER_ERROR_AT_EXIT_SCRIPT, call_later))
 
 
+FILTER_KEPT_PAST_EXIT_SCRIPT = r"""
+import sys
+import poolkeeper as pk
+from poolkeeper import _core
+if sys.argv[2] == "python pool":
+    _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+else:   # a pool the factory makes in C++: its GraphPools stays at exit
+    _core.registry_set_factory("arena", {}, "simulated")
+    _core.registry_ensure(0)
+_core.graph_pools(0).begin((1, 0), lambda s: s == 5)   # a Python filter; the scope stays open
+print("done")
+"""
+
+
+@pytest.mark.parametrize("pool", ["python pool", "factory pool"])
+def test_regression_a_python_filter_the_graph_registry_kept_past_the_exit_segfaulted(tmp_path, pool):
+    # Found by review of the exiting thread's guarded work: the graph registry keeps a GraphPools
+    # whose capture scope is open past the exit, and the C++ static destructors run by exit()
+    # destroyed its Python filter; PyGILState_Check() answers yes once the interpreter is gone,
+    # and asking for the GIL then segfaulted, every run. The guard asks nanobind whether the
+    # interpreter is still alive.
+    _assert_clean_exit(_run_script(tmp_path, FILTER_KEPT_PAST_EXIT_SCRIPT, pool))
+
+
 GRAPH_POOLS_HELD_AT_EXIT_SCRIPT = r"""
 import poolkeeper as pk
 from poolkeeper import _core

@@ -77,8 +77,11 @@ GilFromAnyThread::GilFromAnyThread() {
   bool exiting = false;
   const bool elsewhere = exit_begun_elsewhere(exiting);
   // The exiting thread runs Python through finalization (as __del__ methods do) when it holds the
-  // GIL; Py_IsInitialized() is false all that time. Any other thread only before exit begins.
-  if (!elsewhere && (exiting ? PyGILState_Check() != 0 : Py_IsInitialized() != 0)) {
+  // GIL; Py_IsInitialized() is false all that time. Not once the interpreter is gone (nanobind's
+  // is_alive: a C++ static destroyed by exit(), such as a GraphPools the graph registry kept with
+  // a Python filter; PyGILState_Check() says yes then and asking for the GIL segfaulted). Any other
+  // thread only before exit begins.
+  if (!elsewhere && (exiting ? nb::is_alive() && PyGILState_Check() != 0 : Py_IsInitialized() != 0)) {
     state_ = PyGILState_Ensure();
     held_ = true;
     ++t_guarded;
