@@ -100,30 +100,15 @@ GilFromAnyThread::~GilFromAnyThread() {
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-// The holder is nanobind's own shared_ptr: destroying it takes the GIL and releases the Python
-// reference. The same handshake as ReleaseGil's: either this thread sees g_exiting, or
-// begin_exit sees it in g_restoring and waits until the release is done.
+// The holder is nanobind's own shared_ptr: destroying it releases the Python reference, under
+// the guard (a pool made in Python may run Python as it goes): on another thread once exit has
+// begun, or once the interpreter is gone, the pool goes with the process instead.
 std::shared_ptr<Pool> exit_safe(std::shared_ptr<Pool> pool) {
   if (!pool || !nb::find(pool.get()).is_valid()) return pool;
   Pool* raw = pool.get();
   auto* holder = new std::shared_ptr<Pool>(std::move(pool));
   return std::shared_ptr<Pool>(raw, [holder](Pool*) noexcept {
-    g_restoring.fetch_add(1, std::memory_order_seq_cst);
-    bool exiting = false;
-    const bool elsewhere = exit_begun_elsewhere(exiting);
-    // The exiting thread holds the GIL (or, after finalization, nanobind's deleter skips the
-    // release: its internals are gone), and before exit any thread may wait for the GIL. Not
-    // Py_IsInitialized() alone: it is false through all of finalization, and a GraphPools the
-    // program still held then kept its pool (nanobind's leak report).
-    if (exiting ? !elsewhere : Py_IsInitialized()) {
-      delete holder;
-    } else {
-      // Asking for the GIL now would end this thread by a forced unwind through this (nothrow)
-      // deleter: std::terminate. The process is ending; the pool goes with it, unreported (it
-      // is not a leak of the program's; the flag is a plain bool nanobind reads at its cleanup).
-      nb::set_leak_warnings(false);
-    }
-    g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+    if (GilFromAnyThread gil; gil) delete holder;
   });
 }
 
