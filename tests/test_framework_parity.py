@@ -732,6 +732,40 @@ def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_p
     _assert_clean_exit(_run_script(tmp_path, FILTER_ERROR_AT_EXIT_SCRIPT, call_later))
 
 
+FILTER_STOP_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, time, types
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = load()
+_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency_us=500000)))   # upstream calls: 0.5 s
+gp = _core.graph_pools(0)
+native = ctypes.CDLL(sys.argv[2])
+native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+malloc = ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value   # (size, device, stream)
+def stopping_filter(stream):
+    raise SystemExit("stop")
+gp.begin((1, 0), stopping_filter)
+assert native.call_later(malloc, 4096, 0, 9, 0) == 0   # the filter stops it; the device pool then grows (0.5 s)
+time.sleep(0.05)                                       # the exit begins during that growth
+class SlowFinalizer:
+    def __del__(self, sleep=time.sleep):
+        sleep(1)
+m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
+print("done")
+"""
+
+
+def test_regression_a_capture_filters_systemexit_outlived_its_gil_guard_at_exit(tmp_path, call_later):
+    # A filter's KeyboardInterrupt or SystemExit left the filter as the python_error itself, and
+    # the C ABI dropped it (which takes the GIL) after serving the allocation from the device
+    # pool, with no guard: when the exit had begun meanwhile, "terminate called without an active
+    # exception", SIGABRT, 3 runs of 3. The filter now carries the exception object in a holder
+    # whose reference is dropped under GilFromAnyThread.
+    _assert_clean_exit(_run_script(tmp_path, FILTER_STOP_AT_EXIT_SCRIPT, call_later))
+
+
 FILTER_KEPT_PAST_EXIT_SCRIPT = r"""
 import sys
 import poolkeeper as pk

@@ -775,13 +775,15 @@ def test_ctrl_c_in_a_capture_filter_reaches_the_caller_not_filter_errors(exc):
     """KeyboardInterrupt raised in a filter was swallowed as a filter error and the allocation went
     on from the device pool."""
     r = graph_child(f"""
+        import traceback
         def interrupted(s):
-            raise {exc}
+            raise {exc}("from the filter")
         g.begin((1, 0), interrupted)
         try:
             g.allocate(64, 5)
-        except {exc}:
-            pass
+        except {exc} as e:   # the filter's own exception, with the filter's frame in its traceback
+            assert e.args == ("from the filter",), e.args
+            assert "interrupted" in [f.name for f in traceback.extract_tb(e.__traceback__)]
         else:
             raise AssertionError("the allocation went on")
         g.end((1, 0))

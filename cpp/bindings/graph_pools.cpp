@@ -19,6 +19,27 @@ GraphPoolId parse_id(nb::handle h) {
   }
 }
 
+// A filter's KeyboardInterrupt or SystemExit, carried out of the filter inside
+// CaptureFilterAbort. Not the python_error itself: dropping that takes the GIL wherever the last
+// copy goes, and the C ABI drops it on a framework's thread, with no guard, possibly after the
+// exit has begun (std::terminate from CPython's forced unwind). This holds the exception object
+// by a reference that is dropped under GilFromAnyThread (or left to the process's end).
+struct HeldPyException : std::exception {
+  std::shared_ptr<PyObject> value;
+  explicit HeldPyException(const nb::python_error& e)  // under the GIL
+      : value(nb::borrow(e.value()).release().ptr(), [](PyObject* v) noexcept {
+          if (GilFromAnyThread gil; gil) Py_DECREF(v);  // else: the interpreter is exiting or gone
+        }) {}
+  const char* what() const noexcept override { return "a capture filter raised KeyboardInterrupt or SystemExit"; }
+  // Makes it Python's current exception again, traceback included (under the GIL).
+  void restore() const {
+    PyObject* v = value.get();
+    Py_INCREF(Py_TYPE(v));
+    Py_INCREF(v);
+    PyErr_Restore(reinterpret_cast<PyObject*>(Py_TYPE(v)), v, PyException_GetTraceback(v));
+  }
+};
+
 // A Python callable as a capture filter. GraphPools asks and destroys filters with its lock let
 // go, possibly on a thread without the GIL (graph_pools.hpp), so the reference is taken and
 // dropped under the GIL here. KeyboardInterrupt and SystemExit raised in the filter stop the
@@ -41,7 +62,8 @@ struct PyCaptureFilter {
       // after this guard let the thread go (at exit, a forced unwind: std::terminate).
       if (e.matches(PyExc_Exception)) throw InvalidArgument(std::string("capture filter raised: ") + e.what());
       const bool interrupt = e.matches(PyExc_KeyboardInterrupt);
-      throw CaptureFilterAbort(std::current_exception(), interrupt ? +[] { PyErr_SetInterrupt(); } : nullptr);
+      throw CaptureFilterAbort(std::make_exception_ptr(HeldPyException(e)),
+                               interrupt ? +[] { PyErr_SetInterrupt(); } : nullptr);
     }
   }
 };
@@ -64,8 +86,13 @@ auto without_gil(F&& f) {
   try {
     ReleaseGil nogil;
     return f();
-  } catch (const CaptureFilterAbort& a) {
-    std::rethrow_exception(a.original);
+  } catch (const CaptureFilterAbort& a) {  // the GIL is held again here
+    try {
+      std::rethrow_exception(a.original);
+    } catch (const HeldPyException& held) {
+      held.restore();
+      throw nb::python_error();
+    }
   }
 }
 
