@@ -653,7 +653,7 @@ print("done")
 """
 
 
-@pytest.mark.parametrize("delay_ms", [0, 300])
+@pytest.mark.parametrize("delay_ms", [0, 300, 5000])
 def test_regression_a_dlpack_deleter_on_a_native_thread_at_exit_left_its_buffer_reported(tmp_path, call_later,
                                                                                          delay_ms):
     # Found by review: a consumer's DLPack deleter on its own thread took the GIL as the
@@ -661,6 +661,8 @@ def test_regression_a_dlpack_deleter_on_a_native_thread_at_exit_left_its_buffer_
     # finalization when it let the GIL go; at 300 ms: during finalization, where asking for the
     # GIL ends the thread by a forced unwind): the buffer, its pool and upstream were reported as
     # leaked. The deleter now finishes before finalization begins, or leaves Python alone.
+    # At 5000 ms (found by a randomized exit stress) the consumer frees only after the process has
+    # ended: an export its consumer still holds keeps its buffer on purpose, and is not reported.
     _assert_clean_exit(_run_script(tmp_path, DLPACK_DELETER_AT_EXIT_SCRIPT, str(delay_ms), call_later))
 
 
@@ -766,6 +768,75 @@ def test_regression_a_capture_filters_systemexit_outlived_its_gil_guard_at_exit(
     _assert_clean_exit(_run_script(tmp_path, FILTER_STOP_AT_EXIT_SCRIPT, call_later))
 
 
+NATIVE_LOOPS_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, time
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = load()
+native = ctypes.CDLL(sys.argv[2])
+native.loop_forever.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t]
+_core.registry_set_factory("arena", {}, "simulated")      # device 0's pool made in C++, as for PyTorch
+if sys.argv[3] == "capture open":
+    assert lib.poolkeeper_graph_begin(0, 1, 0, 5) == 0    # device 0 routes through a GraphPools
+for stream in (5, 99):                                    # a framework's threads, allocating until the end
+    assert native.loop_forever(ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value,
+                               ctypes.cast(lib.poolkeeper_free, ctypes.c_void_p).value, 0, stream, 1 << 20) == 0
+time.sleep(0.05)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("scope", ["no capture", "capture open"])
+def test_regression_exit_destroyed_the_c_abi_registries_under_native_threads_still_allocating(tmp_path, call_later,
+                                                                                             scope):
+    # Found by a randomized exit stress: the C ABI's registries (pools, GraphPools, retired lists)
+    # were C++ statics, so exit() destroyed them -- and the pools and GraphPools in them -- while
+    # native threads the interpreter never stops were still inside those pools: SIGSEGV, heap
+    # corruption or "pure virtual method called", 48 of 80 runs. They are immortal now.
+    for _ in range(4):
+        _assert_clean_exit(_run_script(tmp_path, NATIVE_LOOPS_AT_EXIT_SCRIPT, call_later, scope))
+
+
+SLOW_FILTER_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, time, types
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = load()
+_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+gp = _core.graph_pools(0)
+def slow_filter(stream, sleep=time.sleep):
+    sleep(3)
+    return False
+gp.begin((1, 0), slow_filter)
+native = ctypes.CDLL(sys.argv[2])
+native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+assert native.call_later(ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value, 4096, 0, 9, 0) == 0
+time.sleep(0.1)                                  # the filter runs as the exit begins
+class SlowFinalizer:                             # and finalization would outlast it
+    def __del__(self, sleep=time.sleep):
+        sleep(2)
+m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
+print("done")
+"""
+
+
+def test_regression_a_filter_still_running_when_the_exits_wait_ended_was_a_fatal_error(tmp_path, call_later):
+    # Found by a randomized exit stress: the exit waited 2 s at most for guarded Python work; a
+    # filter (asked by a native thread's C ABI malloc) that took 3 s was still running Python when
+    # finalization began, CPython ended its thread at the next GIL take, and the unwind released a
+    # thread state that was not current: "Fatal Python error: PyGILState_Release", 3 runs of 3.
+    # The exit waits until such work ends, and says on stderr what it waits for.
+    r = _run_script(tmp_path, SLOW_FILTER_AT_EXIT_SCRIPT, call_later)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "done"
+    assert r.stderr == ("poolkeeper: interpreter exit is waiting for Python work on another thread to end "
+                        "(a capture filter or a DLPack deleter)\n")
+
+
 FILTER_KEPT_PAST_EXIT_SCRIPT = r"""
 import sys
 import poolkeeper as pk
@@ -775,6 +846,7 @@ if sys.argv[2] == "python pool":
 else:   # a pool the factory makes in C++: its GraphPools stays at exit
     _core.registry_set_factory("arena", {}, "simulated")
     _core.registry_ensure(0)
+keep = pk.ArenaPool(pk.upstream.Simulated(latency="none"))   # a nanobind object among __main__'s globals
 _core.graph_pools(0).begin((1, 0), lambda s: s == 5)   # a Python filter; the scope stays open
 print("done")
 """
@@ -787,6 +859,10 @@ def test_regression_a_python_filter_the_graph_registry_kept_past_the_exit_segfau
     # destroyed its Python filter; PyGILState_Check() answers yes once the interpreter is gone,
     # and asking for the GIL then segfaulted, every run. The guard asks nanobind whether the
     # interpreter is still alive.
+    # Then a randomized exit stress: over a factory pool that kept GraphPools (now never
+    # destroyed at all) held the filter, whose lambda held __main__'s globals, which CPython then
+    # never cleared: every nanobind object there was reported as leaked (`keep`). The exit hook
+    # drops every Python filter's callable.
     _assert_clean_exit(_run_script(tmp_path, FILTER_KEPT_PAST_EXIT_SCRIPT, pool))
 
 

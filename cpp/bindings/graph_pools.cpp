@@ -4,6 +4,11 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
 #include "bindings.hpp"
 #include "poolkeeper/pools/graph_registry.hpp"
 
@@ -44,19 +49,37 @@ struct HeldPyException : std::exception {
 // go, possibly on a thread without the GIL (graph_pools.hpp), so the reference is taken and
 // dropped under the GIL here. KeyboardInterrupt and SystemExit raised in the filter stop the
 // allocation (CaptureFilterAbort) instead of being counted as a filter that could not answer.
+//
+// The graph registry's GraphPools outlive the interpreter (a scope open over a pool the factory
+// made in C++), and with them their filters: a callable they kept would keep what it reaches --
+// its module's globals -- from ever being cleared (nanobind's leak report for every object
+// there). So every live filter is listed, and the exit hook drops their callables
+// (forget_python_filters); a filter without one answers "not mine".
+struct PyCaptureFilter;
+std::mutex& g_filters_mu = *new std::mutex;  // immortal: filters may be destroyed during exit()
+std::set<const PyCaptureFilter*>& g_filters = *new std::set<const PyCaptureFilter*>;  // guarded by g_filters_mu
+
 struct PyCaptureFilter {
-  PyObject* fn;
-  explicit PyCaptureFilter(nb::handle h) : fn(h.inc_ref().ptr()) {}
+  mutable PyObject* fn;  // under the GIL; nullptr once the exit hook dropped it
+  explicit PyCaptureFilter(nb::handle h) : fn(h.inc_ref().ptr()) {
+    std::lock_guard<std::mutex> g(g_filters_mu);
+    g_filters.insert(this);
+  }
   PyCaptureFilter(const PyCaptureFilter&) = delete;
   PyCaptureFilter& operator=(const PyCaptureFilter&) = delete;
   ~PyCaptureFilter() {
-    if (GilFromAnyThread gil; gil) Py_DECREF(fn);  // else: the interpreter is exiting or gone
+    {
+      std::lock_guard<std::mutex> g(g_filters_mu);  // never with the GIL asked for under it
+      g_filters.erase(this);
+    }
+    if (GilFromAnyThread gil; gil) Py_XDECREF(fn);  // else: the interpreter is exiting or gone
   }
   bool operator()(Stream s) const {
     GilFromAnyThread gil;
-    if (!gil) return false;  // the interpreter is exiting: the device pool serves (the process is ending)
+    if (!gil || !fn) return false;  // the interpreter is exiting: the device pool serves (the process is ending)
     try {
-      return nb::cast<bool>(nb::handle(fn)(stream_to_py(s)));
+      const nb::object f = nb::borrow(fn);  // ours while it runs, whatever the exit hook drops
+      return nb::cast<bool>(f(stream_to_py(s)));
     } catch (nb::python_error& e) {
       // Not the python_error itself: destroying it takes the GIL, and it would be destroyed
       // after this guard let the thread go (at exit, a forced unwind: std::terminate).
@@ -67,6 +90,18 @@ struct PyCaptureFilter {
     }
   }
 };
+
+// The exit hook (under the GIL): every filter's callable dropped. Returns how many there were.
+std::size_t forget_python_filters() {
+  std::vector<PyObject*> drop;
+  {
+    std::lock_guard<std::mutex> g(g_filters_mu);
+    for (const PyCaptureFilter* f : g_filters)
+      if (f->fn) drop.push_back(std::exchange(f->fn, nullptr));
+  }
+  for (PyObject* o : drop) Py_DECREF(o);  // may run Python (and make or end filters): not under the mutex
+  return drop.size();
+}
 
 // A stream handle (int, stream object) or a callable taking the int handle and returning bool.
 CaptureFilter parse_filter(nb::handle h) {
@@ -188,6 +223,9 @@ void bind_graph_pools(nb::module_& m) {
       },
       "The exit hook: retire every GraphPools over a pool made in Python, which that pool's live "
       "blocks then do not keep. Returns how many stay (a capture scope open, a graph not yet released, or a C ABI call inside one).");
+  m.def("_forget_python_filters", &forget_python_filters,
+        "The exit hook: drop every Python capture filter's callable (a filter without one answers "
+        "'not mine'), so that a GraphPools outliving the interpreter keeps no Python object. Returns how many.");
   m.def("registry_left_at_fork", []() { return registry::left_at_fork() || graph_registry::left_at_fork(); },
         "True in a forked child that left the parent's registry entries or GraphPools behind (never "
         "destroyed: their locks may have been held at the fork).");

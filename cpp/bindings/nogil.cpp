@@ -7,6 +7,7 @@
 // wait forever instead (the process is ending; it holds no pool lock by then), and makes sure no
 // thread is caught between "not exiting yet" and holding the GIL when finalization starts.
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include "bindings.hpp"
@@ -16,7 +17,7 @@ namespace poolkeeper::py {
 namespace {
 std::atomic<bool> g_exiting{false};
 // Threads past the exit check and not yet holding the GIL (ReleaseGil), or inside guarded Python
-// work (GilFromAnyThread, exit_safe): begin_exit waits, 2 s at most, until there are none.
+// work (GilFromAnyThread, exit_safe): begin_exit waits until there are none.
 std::atomic<int> g_restoring{0};
 std::atomic<unsigned long> g_exit_thread{0};
 std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook, then its own atexit entry)
@@ -35,12 +36,24 @@ void begin_exit() {
   if (g_exit_begun.exchange(true)) return;
   g_exit_thread.store(PyThread_get_thread_ident(), std::memory_order_relaxed);
   g_exiting.store(true, std::memory_order_seq_cst);
-  // Let every thread already between its check and the GIL finish taking it, so none is inside
-  // PyEval_RestoreThread when finalization begins. Bounded: exit never hangs on this.
+  // Let every thread already between its check and the GIL finish taking it, and every guarded
+  // piece of Python work (a capture filter, a DLPack deleter) finish, so none is running Python
+  // when finalization begins. Not bounded: such work cut off by finalization ends its thread by
+  // CPython's forced unwind through ~GilFromAnyThread (a fatal error: an earlier 2 s bound let a
+  // filter that took 3 s abort the exit). A wait longer than 2 s says what it waits for, so that
+  // a filter or deleter that never returns is a diagnosable hang.
   PyThreadState* st = PyEval_SaveThread();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (g_restoring.load(std::memory_order_seq_cst) != 0 && std::chrono::steady_clock::now() < deadline)
+  const auto told = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  bool said = false;
+  while (g_restoring.load(std::memory_order_seq_cst) != 0) {
+    if (!said && std::chrono::steady_clock::now() >= told) {
+      said = true;
+      std::fputs("poolkeeper: interpreter exit is waiting for Python work on another thread to end "
+                 "(a capture filter or a DLPack deleter)\n",
+                 stderr);
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   PyEval_RestoreThread(st);
 }
 }  // namespace

@@ -38,7 +38,8 @@ Five things used to spoil the exit, none of them a reference-count error:
   registries hold such a pool through a reference that, once exit has begun, a thread other than
   the exiting one leaves to the process's end instead. A consumer's DLPack deleter and a Python
   capture filter, which may run on any thread, take the GIL through the same guard: the exit
-  waits (2 s at most) for Python work they began before it, and they leave Python alone after.
+  waits for Python work they began before it (saying so on stderr after 2 s), and they leave
+  Python alone after.
 """
 from __future__ import annotations
 
@@ -65,10 +66,17 @@ def _at_exit() -> None:
         # still alive keeps its pool, to serve its frees and release). Those over pools the factory
         # made in C++ stay, as those pools do.
         kept = _core.graph_registry_drop_at_exit() + _core.registry_retired()["pools"]
-        if kept or _core.registry_left_at_fork() or _forked_beside_threads:
+        # GraphPools kept past the exit keep their scopes' filters: a Python one would keep what
+        # it reaches (its module's globals) from ever being cleared. From here on every Python
+        # filter answers "not mine" (the device pool serves).
+        _core._forget_python_filters()
+        held = _core.dlpack_consumer_held_exports()
+        if kept or held or _core.registry_left_at_fork() or _forked_beside_threads:
             # Objects that outlive the interpreter on purpose, not leaks to report: a graph not yet
             # released keeps its pool (its release may still come during shutdown), and so does a
-            # C ABI call still inside a pool the lines above uninstalled (a native thread's); a
+            # C ABI call still inside a pool the lines above uninstalled (a native thread's), and
+            # a DLPack export whose consumer has not called its deleter yet keeps its buffer (the
+            # consumer may free after the interpreter is gone); a
             # forked child leaves the parent's registry objects behind (their locks may have been
             # held at the fork); and in a child forked while other Python threads ran, CPython
             # drops those threads' states without clearing their frames, so whatever those frames

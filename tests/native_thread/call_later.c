@@ -1,7 +1,9 @@
 /* A thread Python does not know, as PyTorch's or a C library's are. call_later(fn, ptr, device,
  * stream, delay_ms) starts a detached pthread that sleeps delay_ms and then calls
  * fn(ptr, device, stream) (a C ABI free); call_later_ptr(fn, ptr, delay_ms) calls fn(ptr) (a
- * DLPack deleter). Built by the exit tests of test_framework_parity.py. */
+ * DLPack deleter); loop_forever(malloc, free, device, stream, size) starts one that does C ABI
+ * malloc/free pairs until the process ends, as a framework's allocator thread would. Built by the
+ * exit tests of test_framework_parity.py. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,4 +60,40 @@ int call_later_ptr(void* fn, void* ptr, int delay_ms) {
   c->ptr = ptr;
   c->delay_ms = delay_ms;
   return start(c);
+}
+
+typedef void* (*malloc_fn)(size_t, int, uint64_t);
+struct loop {
+  malloc_fn m;
+  free_fn f;
+  int device;
+  uint64_t stream;
+  size_t size;
+};
+
+static void* run_loop(void* arg) {
+  struct loop* l = arg;
+  for (unsigned i = 0;; ++i) {
+    void* p = l->m(l->size + (size_t)(i % 7) * 4096u, l->device, l->stream);
+    if (p) l->f(p, l->device, l->stream);
+  }
+  return NULL;
+}
+
+int loop_forever(void* m, void* f, int device, uint64_t stream, size_t size) {
+  struct loop* l = calloc(1, sizeof *l);
+  if (!l) return -1;
+  l->m = (malloc_fn)m;
+  l->f = (free_fn)f;
+  l->device = device;
+  l->stream = stream;
+  l->size = size;
+  pthread_t t;
+  int rc = pthread_create(&t, NULL, run_loop, l);
+  if (rc) {
+    free(l);
+    return rc;
+  }
+  pthread_detach(t);
+  return 0;
 }

@@ -23,11 +23,16 @@ namespace {
 using detail::g_fast;
 using detail::Hazard;
 
-std::mutex g_mu;
-std::array<std::shared_ptr<Pool>, kMaxDevices + 1> g_pools;  // [0] = host (-1), [d+1] = device d
-Factory g_factory;
+// Immortal (made once, never destroyed): threads the interpreter never stops -- a framework's
+// native threads, a Python thread inside a ctypes call -- may still be inside a C ABI call while
+// exit() runs the C++ static destructors; destroying these under them crashed (a pool destroyed
+// while a thread allocated from it). What they hold at the end goes with the process.
+std::mutex& g_mu = *new std::mutex;
+std::array<std::shared_ptr<Pool>, kMaxDevices + 1>& g_pools =
+    *new std::array<std::shared_ptr<Pool>, kMaxDevices + 1>();  // [0] = host (-1), [d+1] = device d
+Factory& g_factory = *new Factory;
 // Pools replaced or cleared while a C ABI call may still be inside them (under g_mu).
-std::vector<std::shared_ptr<Pool>> g_retired;
+std::vector<std::shared_ptr<Pool>>& g_retired = *new std::vector<std::shared_ptr<Pool>>;
 std::atomic<Hazard*> g_hazards{nullptr};
 
 Hazard* claim_hazard() {

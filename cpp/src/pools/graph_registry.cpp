@@ -12,8 +12,11 @@
 namespace poolkeeper::graph_registry {
 
 namespace {
-std::mutex g_mu;
-std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices> g_graphs;  // guarded by g_mu
+// Immortal, as the pool registry's books are (registry.cpp): C ABI calls on threads the
+// interpreter never stops may still be inside a GraphPools while exit() runs.
+std::mutex& g_mu = *new std::mutex;
+std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices>& g_graphs =
+    *new std::array<std::shared_ptr<GraphPools>, registry::kMaxDevices>();  // guarded by g_mu
 std::array<std::atomic<GraphPools*>, registry::kMaxDevices> g_fast{};
 // Replaced or cleared GraphPools that are not idle yet (a scope open, private blocks live) or that
 // a C ABI call may still be inside (a hazard names them), with their device. Guarded by g_mu.
@@ -22,7 +25,7 @@ struct Retired {
   std::shared_ptr<GraphPools> gp;
   bool at_exit = false;  // dropped by the exit hook (drop_at_exit): its device pool's blocks do not keep it
 };
-std::vector<Retired> g_retired;
+std::vector<Retired>& g_retired = *new std::vector<Retired>;
 using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu is let go
 
 // Nothing left for it to serve: no scope open, no private pool (a graph not yet released keeps
