@@ -682,7 +682,11 @@ if "leak" in sys.argv:
     del leaked
 pool = pk.ArenaPool(pk.upstream.Host())
 buf = pool.buffer(4096)
-capsule = buf.__dlpack__()      # never consumed: destroyed with the module's globals
+if "numpy" in sys.argv:
+    import numpy as np
+    held = np.from_dlpack(buf)  # consumed in-process: numpy frees it with the module's globals
+else:
+    capsule = buf.__dlpack__()  # never consumed: destroyed with the module's globals
 del buf
 print("done")
 """
@@ -692,10 +696,14 @@ def test_a_capsule_destroyed_during_finalization_releases_its_buffer_and_hides_n
     # Found by review: the capsule's deleter on the exiting thread during finalization left its
     # buffer unreleased and switched nanobind's leak report off for the whole process, so a real
     # leak elsewhere went unreported. The exiting thread holds the GIL then and releases it.
-    _assert_clean_exit(_run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT))
-    r = _run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT, "leak")
-    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
-    assert "leaked 2 instances" in r.stderr  # the program's leak (the pool and its upstream), not the buffer's
+    # Then, from review of the report's switch for exports a consumer holds: an export numpy
+    # held in the program's globals switched the report off as well ("numpy" below), although
+    # numpy frees it during finalization. The switch is decided after finalization now.
+    for consumer in ("capsule", "numpy"):
+        _assert_clean_exit(_run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT, consumer))
+        r = _run_script(tmp_path, CAPSULE_AT_EXIT_SCRIPT, consumer, "leak")
+        assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
+        assert "leaked 2 instances" in r.stderr  # the program's leak (the pool and its upstream), not the buffer's
 
 
 FILTER_ERROR_AT_EXIT_SCRIPT = r"""
@@ -735,7 +743,7 @@ def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_p
 
 
 FILTER_STOP_AT_EXIT_SCRIPT = r"""
-import ctypes, sys, time, types
+import ctypes, sys, threading, time, types
 import poolkeeper as pk
 from poolkeeper import _core
 sys.path.insert(0, sys.argv[1])
@@ -746,10 +754,13 @@ gp = _core.graph_pools(0)
 native = ctypes.CDLL(sys.argv[2])
 native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
 malloc = ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value   # (size, device, stream)
+asked = threading.Event()
 def stopping_filter(stream):
+    asked.set()
     raise SystemExit("stop")
 gp.begin((1, 0), stopping_filter)
 assert native.call_later(malloc, 4096, 0, 9, 0) == 0   # the filter stops it; the device pool then grows (0.5 s)
+assert asked.wait(30)
 time.sleep(0.05)                                       # the exit begins during that growth
 class SlowFinalizer:
     def __del__(self, sleep=time.sleep):
@@ -800,7 +811,7 @@ def test_regression_exit_destroyed_the_c_abi_registries_under_native_threads_sti
 
 
 SLOW_FILTER_AT_EXIT_SCRIPT = r"""
-import ctypes, sys, time, types
+import ctypes, sys, threading, time, types
 import poolkeeper as pk
 from poolkeeper import _core
 sys.path.insert(0, sys.argv[1])
@@ -808,14 +819,16 @@ from capi_lib import load
 lib = load()
 _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
 gp = _core.graph_pools(0)
+started = threading.Event()
 def slow_filter(stream, sleep=time.sleep):
+    started.set()
     sleep(3)
     return False
 gp.begin((1, 0), slow_filter)
 native = ctypes.CDLL(sys.argv[2])
 native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
 assert native.call_later(ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value, 4096, 0, 9, 0) == 0
-time.sleep(0.1)                                  # the filter runs as the exit begins
+assert started.wait(30)                          # the filter runs as the exit begins
 class SlowFinalizer:                             # and finalization would outlast it
     def __del__(self, sleep=time.sleep):
         sleep(2)
@@ -833,8 +846,108 @@ def test_regression_a_filter_still_running_when_the_exits_wait_ended_was_a_fatal
     r = _run_script(tmp_path, SLOW_FILTER_AT_EXIT_SCRIPT, call_later)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "done"
-    assert r.stderr == ("poolkeeper: interpreter exit is waiting for Python work on another thread to end "
-                        "(a capture filter or a DLPack deleter)\n")
+    assert r.stderr == ("poolkeeper: interpreter exit is waiting for Python work (a capture filter or a DLPack "
+                        "deleter) on another thread to end\n")
+
+
+FORK_BESIDE_A_POOL_CALL_SCRIPT = r"""
+import os, sys, threading, time
+import poolkeeper as pk
+pool = pk.Direct(pk.upstream.Simulated(latency="none"))
+def loop():
+    while True:
+        pool.deallocate(pool.allocate(1 << 20))   # leaves each call through the GIL handshake
+threading.Thread(target=loop, daemon=True).start()
+time.sleep(0.05)
+hung = 0
+for _ in range(20):
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)                               # a normal exit, with the exit hook
+    deadline = time.time() + 10
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.time() > deadline:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+print("hung", hung)
+"""
+
+
+def test_regression_a_child_forked_beside_a_pool_call_hung_at_exit(tmp_path):
+    # Found by review of the unbounded exit wait: a child forked while another thread was between
+    # leaving a pool call and holding the GIL inherited that thread's count, which nothing in the
+    # child brings back to 0, and its normal exit waited forever (3 of 10 children; before the
+    # wait was unbounded, 2 s). A fork handler resets the counts in the child.
+    r = _run_script(tmp_path, FORK_BESIDE_A_POOL_CALL_SCRIPT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "hung 0", (r.stdout, r.stderr[-2000:])
+
+
+PARKED_LOCK_AT_EXIT_SCRIPT = r"""
+import ctypes, sys, threading, time
+import poolkeeper as pk
+from poolkeeper import _core
+sys.path.insert(0, sys.argv[1])
+from capi_lib import load
+lib = load()
+lock = threading.Lock()
+pool = pk.Direct(pk.upstream.Simulated(latency_us=500000))     # each upstream call: 0.5 s
+_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency="none")))
+gp = _core.graph_pools(0)
+asked = threading.Event()
+def filt(stream):
+    asked.set()
+    with lock:                 # the program's lock
+        return False
+gp.begin((1, 0), filt)
+inside = threading.Event()
+def worker():
+    with lock:                 # held across a pool call that ends after the exit began
+        inside.set()
+        pool.allocate(1 << 20)
+threading.Thread(target=worker, daemon=True).start()
+assert inside.wait(30)
+native = ctypes.CDLL(sys.argv[2])
+native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+assert native.call_later(ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value, 4096, 0, 9, 0) == 0
+assert asked.wait(30)          # the filter waits for `lock` as the exit begins
+print("done")
+"""
+
+
+def test_regression_the_exit_waited_forever_for_a_filter_blocked_by_a_parked_thread(tmp_path, call_later):
+    # Found by review of the unbounded exit wait: a thread leaving a pool call once the exit had
+    # begun was parked at once, with a Python lock still held, and a filter the exit waited for
+    # needed that lock: the exit never ended. Threads leaving a pool call take the GIL as usual
+    # until the guarded work is done; only then does the exit park them.
+    _assert_clean_exit(_run_script(tmp_path, PARKED_LOCK_AT_EXIT_SCRIPT, call_later))
+
+
+FILTER_MADE_BY_FORGETTING_SCRIPT = r"""
+import poolkeeper as pk
+from poolkeeper import _core
+_core.registry_set_factory("arena", {}, "simulated")
+_core.registry_ensure(0)
+keep = pk.ArenaPool(pk.upstream.Simulated(latency="none"))   # a nanobind object among __main__'s globals
+class Filter:
+    def __call__(self, s):
+        return s == 5
+    def __del__(self):   # runs when the exit hook drops the filter: opens another scope
+        _core.graph_pools(0).begin((2, 0), lambda s: s == 6)
+_core.graph_pools(0).begin((1, 0), Filter())   # the scope stays open past the exit
+print("done")
+"""
+
+
+def test_regression_a_filter_made_while_the_exit_forgot_filters_kept_its_globals(tmp_path):
+    # Found by review: Python run by the exit hook's drop of the filters (a __del__ here, a later
+    # exit handler, finalization) could open a scope with a new filter, which kept its callable
+    # and through it __main__'s globals (leak report for `keep`). Filters made after the hook keep
+    # no callable.
+    _assert_clean_exit(_run_script(tmp_path, FILTER_MADE_BY_FORGETTING_SCRIPT))
 
 
 FILTER_KEPT_PAST_EXIT_SCRIPT = r"""

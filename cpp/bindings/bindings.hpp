@@ -67,11 +67,16 @@ class ReleaseGil {
 };
 void install_exit_guard(nb::module_& m);
 
+// DLPack exports whose deleter has not run yet (dlpack.cpp): at the very end of the exit, those a
+// consumer still holds (nanobind's leak report then leaves their buffers out, nogil.cpp).
+long dlpack_exports_left();
+
 // The GIL for Python work on a thread that may not hold it (a consumer's DLPack deleter, a
 // capture filter asked by a C ABI call): taken unless the interpreter is exiting on another thread
 // or is gone -- asking then would end this thread by a forced unwind, std::terminate through any
 // nothrow frame -- and then false: the caller leaves Python alone (what it would have released
-// goes with the process, and nanobind's leak report is switched off). Same handshake as ReleaseGil.
+// goes with the process, and nanobind's leak report is switched off at the end). The exit waits
+// for guarded work begun before it (nogil.cpp).
 class GilFromAnyThread {
  public:
   GilFromAnyThread();

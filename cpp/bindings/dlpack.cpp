@@ -9,8 +9,6 @@
 // construction this replaces cost tens of microseconds per capsule.
 #include <atomic>
 #include <cstdint>
-#include <map>
-#include <mutex>
 
 #include "bindings.hpp"
 
@@ -63,26 +61,11 @@ struct Export {
   DLManagedTensorVersioned versioned{};
   int64_t shape[1] = {0};
   PyObject* on_release = nullptr;  // strong reference, dropped by the deleter
-  std::uint64_t id = 0;
-  PyObject* capsule = nullptr;     // borrowed, while the capsule lives (under g_exports_mu)
-  bool consumer_holds = false;     // the capsule went "used_*": only the consumer's deleter ends it (under g_exports_mu)
 };
 
 std::atomic<long> g_live{0};
 
-// The exports whose deleter has not run, by id (a capsule's context), so that the exit can tell
-// the ones a consumer holds: a consumer may free after the interpreter is gone, and what such an
-// export keeps (its buffer, through on_release) outlives the interpreter on purpose, as a graph not
-// yet released does. Immortal: deleters run on any thread, also during exit().
-std::mutex& g_exports_mu = *new std::mutex;
-std::map<std::uint64_t, Export*>& g_exports = *new std::map<std::uint64_t, Export*>;  // guarded by g_exports_mu
-std::uint64_t g_next_id = 0;                                                          // guarded by g_exports_mu
-
 void finish(Export* e) {
-  {
-    std::lock_guard<std::mutex> g(g_exports_mu);
-    g_exports.erase(e->id);
-  }
   // A consumer may call the deleter on any thread, also while the interpreter exits.
   if (GilFromAnyThread gil; gil) {
     KeepPendingError keep;  // a consumer may free while an exception is being raised (gone before the GIL)
@@ -103,15 +86,6 @@ void versioned_deleter(DLManagedTensorVersioned* m) { finish(static_cast<Export*
 
 void capsule_destructor(PyObject* capsule) {
   // Renamed "used_*": the consumer took ownership and calls (or called) the deleter itself.
-  // The context is the export's id, not its address: that export may be gone already.
-  {
-    const auto id = reinterpret_cast<std::uintptr_t>(PyCapsule_GetContext(capsule));
-    std::lock_guard<std::mutex> g(g_exports_mu);
-    if (auto it = g_exports.find(id); it != g_exports.end()) {
-      it->second->capsule = nullptr;
-      it->second->consumer_holds = !PyCapsule_IsValid(capsule, kLegacyName) && !PyCapsule_IsValid(capsule, kVersionedName);
-    }
-  }
   if (PyCapsule_IsValid(capsule, kLegacyName)) {
     auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kLegacyName));
     m->deleter(m);
@@ -157,29 +131,14 @@ nb::object make_capsule(std::uintptr_t address, std::int64_t nbytes, int device_
     delete e;
     throw nb::python_error();
   }
-  {
-    std::lock_guard<std::mutex> g(g_exports_mu);
-    e->id = ++g_next_id;
-    e->capsule = capsule;
-    g_exports.emplace(e->id, e);
-  }
-  PyCapsule_SetContext(capsule, reinterpret_cast<void*>(static_cast<std::uintptr_t>(e->id)));
   e->on_release = on_release.release().ptr();
   g_live.fetch_add(1, std::memory_order_relaxed);
   return nb::steal(capsule);
 }
 
-// Exports a consumer holds (the capsule renamed "used_*") whose deleter has not run. Under the GIL.
-long consumer_held_exports() {
-  std::lock_guard<std::mutex> g(g_exports_mu);
-  long n = 0;
-  for (const auto& [id, e] : g_exports)
-    n += e->consumer_holds ||
-         (e->capsule && !PyCapsule_IsValid(e->capsule, kLegacyName) && !PyCapsule_IsValid(e->capsule, kVersionedName));
-  return n;
-}
-
 }  // namespace
+
+long dlpack_exports_left() { return g_live.load(std::memory_order_seq_cst); }
 
 void bind_dlpack(nb::module_& m) {
   m.def("dlpack_capsule", &make_capsule, "address"_a, "nbytes"_a, "device_type"_a, "device_id"_a, "on_release"_a,
@@ -188,8 +147,6 @@ void bind_dlpack(nb::module_& m) {
         "consumer is done (or an unconsumed capsule is collected).");
   m.def("dlpack_live_exports", [] { return g_live.load(std::memory_order_relaxed); },
         "How many DLPack capsules' deleters have not run yet.");
-  m.def("dlpack_consumer_held_exports", &consumer_held_exports,
-        "How many of those a consumer holds (it renamed the capsule and calls the deleter itself).");
 }
 
 }  // namespace poolkeeper::py

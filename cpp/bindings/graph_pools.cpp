@@ -4,6 +4,9 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -56,25 +59,36 @@ struct HeldPyException : std::exception {
 // there). So every live filter is listed, and the exit hook drops their callables
 // (forget_python_filters); a filter without one answers "not mine".
 struct PyCaptureFilter;
-std::mutex& g_filters_mu = *new std::mutex;  // immortal: filters may be destroyed during exit()
-std::set<const PyCaptureFilter*>& g_filters = *new std::set<const PyCaptureFilter*>;  // guarded by g_filters_mu
+// Immortal (filters may be destroyed during exit()); pointers, so that a forked child whose fork
+// caught the lock held by a thread that did not survive it can start afresh (after_fork_in_child).
+std::mutex* g_filters_mu = new std::mutex;
+std::set<const PyCaptureFilter*>* g_filters = new std::set<const PyCaptureFilter*>;  // guarded by *g_filters_mu
+// Set by the exit hook (under *g_filters_mu): a filter made later keeps no callable, and no filter
+// asks for the GIL any more (after finalization that would touch nanobind's freed internals).
+std::atomic<bool> g_filters_forgotten{false};
 
 struct PyCaptureFilter {
-  mutable PyObject* fn;  // under the GIL; nullptr once the exit hook dropped it
-  explicit PyCaptureFilter(nb::handle h) : fn(h.inc_ref().ptr()) {
-    std::lock_guard<std::mutex> g(g_filters_mu);
-    g_filters.insert(this);
+  mutable PyObject* fn = nullptr;  // written under *g_filters_mu (and the GIL, but for the destructor)
+  explicit PyCaptureFilter(nb::handle h) {  // under the GIL
+    std::lock_guard<std::mutex> g(*g_filters_mu);
+    if (g_filters_forgotten.load(std::memory_order_relaxed)) return;  // answers "not mine"
+    fn = h.inc_ref().ptr();
+    g_filters->insert(this);
   }
   PyCaptureFilter(const PyCaptureFilter&) = delete;
   PyCaptureFilter& operator=(const PyCaptureFilter&) = delete;
   ~PyCaptureFilter() {
+    PyObject* mine;
     {
-      std::lock_guard<std::mutex> g(g_filters_mu);  // never with the GIL asked for under it
-      g_filters.erase(this);
+      std::lock_guard<std::mutex> g(*g_filters_mu);  // never with the GIL asked for under it
+      g_filters->erase(this);
+      mine = std::exchange(fn, nullptr);
     }
-    if (GilFromAnyThread gil; gil) Py_XDECREF(fn);  // else: the interpreter is exiting or gone
+    if (!mine) return;
+    if (GilFromAnyThread gil; gil) Py_DECREF(mine);  // else: the interpreter is exiting or gone
   }
   bool operator()(Stream s) const {
+    if (g_filters_forgotten.load(std::memory_order_acquire)) return false;
     GilFromAnyThread gil;
     if (!gil || !fn) return false;  // the interpreter is exiting: the device pool serves (the process is ending)
     try {
@@ -91,16 +105,31 @@ struct PyCaptureFilter {
   }
 };
 
-// The exit hook (under the GIL): every filter's callable dropped. Returns how many there were.
+// The exit hook (under the GIL): every filter's callable dropped, and filters made from now on
+// keep none. Returns how many were dropped.
 std::size_t forget_python_filters() {
   std::vector<PyObject*> drop;
   {
-    std::lock_guard<std::mutex> g(g_filters_mu);
-    for (const PyCaptureFilter* f : g_filters)
+    std::lock_guard<std::mutex> g(*g_filters_mu);
+    g_filters_forgotten.store(true, std::memory_order_release);
+    for (const PyCaptureFilter* f : *g_filters)
       if (f->fn) drop.push_back(std::exchange(f->fn, nullptr));
+    g_filters->clear();
   }
   for (PyObject* o : drop) Py_DECREF(o);  // may run Python (and make or end filters): not under the mutex
   return drop.size();
+}
+
+void filters_after_fork_in_child() {
+  if (g_filters_mu->try_lock()) {
+    g_filters_mu->unlock();
+    return;
+  }
+  // Held by a thread the fork left behind, maybe half-way through changing the set: both are
+  // left as they are (never touched again) and the child starts afresh; the filters listed there
+  // are not forgotten at the child's exit (at worst a leak report).
+  g_filters_mu = new std::mutex;
+  g_filters = new std::set<const PyCaptureFilter*>;
 }
 
 // A stream handle (int, stream object) or a callable taking the int handle and returning bool.
@@ -223,6 +252,7 @@ void bind_graph_pools(nb::module_& m) {
       },
       "The exit hook: retire every GraphPools over a pool made in Python, which that pool's live "
       "blocks then do not keep. Returns how many stay (a capture scope open, a graph not yet released, or a C ABI call inside one).");
+  pthread_atfork(nullptr, nullptr, filters_after_fork_in_child);
   m.def("_forget_python_filters", &forget_python_filters,
         "The exit hook: drop every Python capture filter's callable (a filter without one answers "
         "'not mine'), so that a GraphPools outliving the interpreter keeps no Python object. Returns how many.");

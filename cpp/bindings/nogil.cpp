@@ -6,6 +6,8 @@
 // whenever a daemon thread was inside allocate/deallocate. The guard below makes such a thread
 // wait forever instead (the process is ending; it holds no pool lock by then), and makes sure no
 // thread is caught between "not exiting yet" and holding the GIL when finalization starts.
+#include <pthread.h>
+
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -15,19 +17,48 @@
 namespace poolkeeper::py {
 
 namespace {
+// Exit happens in two phases (begin_exit). While it *waits* (g_exiting set), guarded Python work
+// another thread began before (GilFromAnyThread: a capture filter, a DLPack deleter) runs to its
+// end, new guarded work on other threads is refused, and threads leaving a pool call take the
+// GIL as usual: such a thread may hold a Python lock that the guarded work waits for, so parking
+// it then hung the exit. Once that work is done it *parks* (g_parking set): from then on a thread
+// leaving a pool call, other than the exiting one, waits forever instead of asking for the GIL.
 std::atomic<bool> g_exiting{false};
-// Threads past the exit check and not yet holding the GIL (ReleaseGil), or inside guarded Python
-// work (GilFromAnyThread, exit_safe): begin_exit waits until there are none.
+std::atomic<bool> g_parking{false};
+// Guarded Python work under way (GilFromAnyThread): begin_exit waits until there is none.
+std::atomic<int> g_guarded{0};
+// Threads past the parking check and not yet holding the GIL (ReleaseGil): begin_exit waits, after
+// setting g_parking, until there are none, so no thread is inside PyEval_RestoreThread when
+// finalization begins.
 std::atomic<int> g_restoring{0};
 std::atomic<unsigned long> g_exit_thread{0};
 std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook, then its own atexit entry)
-// GilFromAnyThread guards this thread holds: its Python work is counted in g_restoring, so a
-// ReleaseGil inside it (a release that takes a pool's slow path) must take the GIL back rather
-// than park -- begin_exit is waiting for this thread to finish.
+// A thread other than the exiting one refused Python work once exit had begun: what it would have
+// released goes with the process. Applied to nanobind's leak report by at_exit_last, not here:
+// after finalization nanobind's internals are freed, and its flag with them.
+std::atomic<bool> g_refused{false};
+// GilFromAnyThread guards this thread holds: begin_exit is waiting for this thread to finish, so
+// a ReleaseGil inside it (a release that takes a pool's slow path) takes the GIL back, never parks.
 thread_local int t_guarded = 0;
 
 [[noreturn]] void park_forever() {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// Sleeps until `count` is 0, the GIL let go. Not bounded: Python work cut off by finalization
+// ends its thread by CPython's forced unwind through ~GilFromAnyThread (a fatal error: an earlier
+// 2 s bound let a filter that took 3 s abort the exit). A wait longer than 2 s says what it waits
+// for, so that a filter or deleter that never returns is a hang one can diagnose.
+void wait_until_none(const std::atomic<int>& count, const char* what) {
+  const auto told = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  bool said = false;
+  while (count.load(std::memory_order_seq_cst) != 0) {
+    if (!said && std::chrono::steady_clock::now() >= told) {
+      said = true;
+      std::fprintf(stderr, "poolkeeper: interpreter exit is waiting for %s on another thread to end\n", what);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 // Runs as the first atexit callback to matter (registered when _core loads): the interpreter is
@@ -36,35 +67,36 @@ void begin_exit() {
   if (g_exit_begun.exchange(true)) return;
   g_exit_thread.store(PyThread_get_thread_ident(), std::memory_order_relaxed);
   g_exiting.store(true, std::memory_order_seq_cst);
-  // Let every thread already between its check and the GIL finish taking it, and every guarded
-  // piece of Python work (a capture filter, a DLPack deleter) finish, so none is running Python
-  // when finalization begins. Not bounded: such work cut off by finalization ends its thread by
-  // CPython's forced unwind through ~GilFromAnyThread (a fatal error: an earlier 2 s bound let a
-  // filter that took 3 s abort the exit). A wait longer than 2 s says what it waits for, so that
-  // a filter or deleter that never returns is a diagnosable hang.
   PyThreadState* st = PyEval_SaveThread();
-  const auto told = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  bool said = false;
-  while (g_restoring.load(std::memory_order_seq_cst) != 0) {
-    if (!said && std::chrono::steady_clock::now() >= told) {
-      said = true;
-      std::fputs("poolkeeper: interpreter exit is waiting for Python work on another thread to end "
-                 "(a capture filter or a DLPack deleter)\n",
-                 stderr);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  wait_until_none(g_guarded, "Python work (a capture filter or a DLPack deleter)");
+  // seq_cst pairs with ~ReleaseGil: either that thread sees g_parking, or this sees it counted.
+  g_parking.store(true, std::memory_order_seq_cst);
+  wait_until_none(g_restoring, "a thread taking the GIL back");
   PyEval_RestoreThread(st);
+}
+
+// In a forked child only the forking thread exists: nothing else is counted any more (a count
+// inherited from a thread that did not survive the fork hung the child's exit forever).
+void after_fork_in_child() {
+  g_guarded.store(t_guarded, std::memory_order_seq_cst);
+  g_restoring.store(0, std::memory_order_seq_cst);
+}
+
+// The last thing before nanobind's own cleanup (Py_AtExit callbacks run last registered first, and
+// nanobind registered its own before this module's body ran): the interpreter is finalized, so an
+// export whose deleter has not run by now is held by a consumer that may free after the process
+// ends -- its buffer outlives the interpreter on purpose -- and a refusal left its object to the
+// process. Neither is a leak to report.
+void at_exit_last() {
+  if (g_refused.load(std::memory_order_seq_cst) || dlpack_exports_left() > 0) nb::set_leak_warnings(false);
 }
 }  // namespace
 
 ReleaseGil::ReleaseGil() : state_(PyEval_SaveThread()) {}
 
 ReleaseGil::~ReleaseGil() {
-  // seq_cst pairs with begin_exit: either this thread sees g_exiting, or begin_exit sees it in
-  // g_restoring and waits until it holds the GIL.
   g_restoring.fetch_add(1, std::memory_order_seq_cst);
-  if (t_guarded == 0 && g_exiting.load(std::memory_order_seq_cst) &&
+  if (t_guarded == 0 && g_parking.load(std::memory_order_seq_cst) &&
       PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
     g_restoring.fetch_sub(1, std::memory_order_seq_cst);
     park_forever();
@@ -73,44 +105,36 @@ ReleaseGil::~ReleaseGil() {
   g_restoring.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-namespace {
-// Under g_restoring: exit has begun and this is not the exiting thread (it must not ask for the GIL).
-bool exit_begun_elsewhere(bool& exiting) {
-  exiting = g_exiting.load(std::memory_order_seq_cst);
-  return exiting && PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed);
-}
-}  // namespace
-
-// Counted in g_restoring until the Python work is done, not only until the GIL is held (as
+// Counted in g_guarded until the Python work is done, not only until the GIL is held (as
 // ReleaseGil is): that work may let the GIL go (a Python callback does every few milliseconds),
 // and begin_exit taking it then would leave the work to be ended by finalization half-way (a
 // DLPack deleter's release never ran: nanobind's leak report).
 GilFromAnyThread::GilFromAnyThread() {
-  g_restoring.fetch_add(1, std::memory_order_seq_cst);
-  bool exiting = false;
-  const bool elsewhere = exit_begun_elsewhere(exiting);
+  g_guarded.fetch_add(1, std::memory_order_seq_cst);
+  // seq_cst pairs with begin_exit: either this thread sees g_exiting, or begin_exit sees it counted.
+  const bool exiting = g_exiting.load(std::memory_order_seq_cst);
+  const bool elsewhere = exiting && PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed);
   // The exiting thread runs Python through finalization (as __del__ methods do) when it holds the
   // GIL; Py_IsInitialized() is false all that time. Not once the interpreter is gone (nanobind's
-  // is_alive: a C++ static destroyed by exit(), such as a GraphPools the graph registry kept with
-  // a Python filter; PyGILState_Check() says yes then and asking for the GIL segfaulted). Any other
-  // thread only before exit begins.
+  // is_alive: a C++ static destroyed by exit(); PyGILState_Check() says yes then and asking for
+  // the GIL segfaulted). Any other thread only before exit begins.
   if (!elsewhere && (exiting ? nb::is_alive() && PyGILState_Check() != 0 : Py_IsInitialized() != 0)) {
     state_ = PyGILState_Ensure();
     held_ = true;
     ++t_guarded;
     return;
   }
-  // What this thread would have released goes with the process: not a leak to report. Only in
-  // that case: on the exiting thread a refusal would hide the program's real leaks.
-  if (elsewhere) nb::set_leak_warnings(false);  // a plain bool nanobind reads at its cleanup
-  g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+  // What this thread would have released goes with the process. Only in that case: on the
+  // exiting thread a refusal would hide the program's real leaks.
+  if (elsewhere) g_refused.store(true, std::memory_order_seq_cst);
+  g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 GilFromAnyThread::~GilFromAnyThread() {
   if (!held_) return;
   --t_guarded;
   PyGILState_Release(state_);
-  g_restoring.fetch_sub(1, std::memory_order_seq_cst);
+  g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 // The holder is nanobind's own shared_ptr: destroying it releases the Python reference, under
@@ -128,6 +152,8 @@ std::shared_ptr<Pool> exit_safe(std::shared_ptr<Pool> pool) {
 void install_exit_guard(nb::module_& m) {
   m.def("_begin_exit", &begin_exit, "Interpreter exit: threads leaving a core call from now on wait instead.");
   nb::module_::import_("atexit").attr("register")(m.attr("_begin_exit"));
+  pthread_atfork(nullptr, nullptr, after_fork_in_child);
+  Py_AtExit(at_exit_last);
 }
 
 }  // namespace poolkeeper::py

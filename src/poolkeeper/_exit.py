@@ -39,7 +39,9 @@ Five things used to spoil the exit, none of them a reference-count error:
   the exiting one leaves to the process's end instead. A consumer's DLPack deleter and a Python
   capture filter, which may run on any thread, take the GIL through the same guard: the exit
   waits for Python work they began before it (saying so on stderr after 2 s), and they leave
-  Python alone after.
+  Python alone after. A DLPack export whose consumer has not called its deleter when the
+  interpreter is gone keeps its buffer on purpose (the consumer may free later): the core's last
+  exit callback turns the report off then.
 """
 from __future__ import annotations
 
@@ -70,13 +72,10 @@ def _at_exit() -> None:
         # it reaches (its module's globals) from ever being cleared. From here on every Python
         # filter answers "not mine" (the device pool serves).
         _core._forget_python_filters()
-        held = _core.dlpack_consumer_held_exports()
-        if kept or held or _core.registry_left_at_fork() or _forked_beside_threads:
+        if kept or _core.registry_left_at_fork() or _forked_beside_threads:
             # Objects that outlive the interpreter on purpose, not leaks to report: a graph not yet
             # released keeps its pool (its release may still come during shutdown), and so does a
-            # C ABI call still inside a pool the lines above uninstalled (a native thread's), and
-            # a DLPack export whose consumer has not called its deleter yet keeps its buffer (the
-            # consumer may free after the interpreter is gone); a
+            # C ABI call still inside a pool the lines above uninstalled (a native thread's); a
             # forked child leaves the parent's registry objects behind (their locks may have been
             # held at the fork); and in a child forked while other Python threads ran, CPython
             # drops those threads' states without clearing their frames, so whatever those frames
