@@ -706,43 +706,9 @@ def test_a_capsule_destroyed_during_finalization_releases_its_buffer_and_hides_n
         assert "leaked 2 instances" in r.stderr  # the program's leak (the pool and its upstream), not the buffer's
 
 
-FILTER_ERROR_AT_EXIT_SCRIPT = r"""
-import ctypes, sys, time, types
-import poolkeeper as pk
-from poolkeeper import _core
-sys.path.insert(0, sys.argv[1])
-from capi_lib import load
-lib = load()
-_core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency_us=500000)))   # upstream calls: 0.5 s
-gp = _core.graph_pools(0)
-native = ctypes.CDLL(sys.argv[2])
-native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
-malloc = ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value   # (size, device, stream)
-def bad_filter(stream, sleep=time.sleep):
-    native.call_later(malloc, 4096, 0, 5, 0)   # grows graph (2, 0)'s pool under the GraphPools lock, 0.5 s
-    sleep(0.05)
-    raise ValueError("this filter cannot answer")
-gp.begin((1, 0), bad_filter)
-gp.begin((2, 0), 5)
-assert native.call_later(malloc, 4096, 0, 9, 0) == 0    # a native malloc on stream 9 asks bad_filter
-time.sleep(0.02)                                        # the exit begins while bad_filter runs
-class SlowFinalizer:
-    def __del__(self, sleep=time.sleep):
-        sleep(1)
-m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
-print("done")
-"""
-
-
-def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_path, call_later):
-    # Found by review: a Python filter's exception left the filter as itself, and the allocation
-    # destroyed it (which takes the GIL) after the guard had let the thread go, once the
-    # GraphPools lock was free again: during finalization "terminate called without an active
-    # exception", SIGABRT, 3 runs of 3. The filter turns it into a plain C++ error under the guard.
-    _assert_clean_exit(_run_script(tmp_path, FILTER_ERROR_AT_EXIT_SCRIPT, call_later))
-
-
-FILTER_STOP_AT_EXIT_SCRIPT = r"""
+# A Python filter asked by a native thread's C ABI malloc (argv[2]: the native helper), over a
+# device pool whose upstream calls take 0.5 s; FILTER_EXIT_END makes finalization last 1 s.
+FILTER_EXIT_PRELUDE = r"""
 import ctypes, sys, threading, time, types
 import poolkeeper as pk
 from poolkeeper import _core
@@ -754,6 +720,36 @@ gp = _core.graph_pools(0)
 native = ctypes.CDLL(sys.argv[2])
 native.call_later.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
 malloc = ctypes.cast(lib.poolkeeper_malloc, ctypes.c_void_p).value   # (size, device, stream)
+"""
+FILTER_EXIT_END = r"""
+class SlowFinalizer:
+    def __del__(self, sleep=time.sleep):
+        sleep(1)
+m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
+print("done")
+"""
+
+FILTER_ERROR_AT_EXIT_SCRIPT = FILTER_EXIT_PRELUDE + r"""
+def bad_filter(stream, sleep=time.sleep):
+    native.call_later(malloc, 4096, 0, 5, 0)   # grows graph (2, 0)'s pool under the GraphPools lock, 0.5 s
+    sleep(0.05)
+    raise ValueError("this filter cannot answer")
+gp.begin((1, 0), bad_filter)
+gp.begin((2, 0), 5)
+assert native.call_later(malloc, 4096, 0, 9, 0) == 0    # a native malloc on stream 9 asks bad_filter
+time.sleep(0.02)                                        # the exit begins while bad_filter runs
+""" + FILTER_EXIT_END
+
+
+def test_regression_a_capture_filters_error_outlived_its_gil_guard_at_exit(tmp_path, call_later):
+    # Found by review: a Python filter's exception left the filter as itself, and the allocation
+    # destroyed it (which takes the GIL) after the guard had let the thread go, once the
+    # GraphPools lock was free again: during finalization "terminate called without an active
+    # exception", SIGABRT, 3 runs of 3. The filter turns it into a plain C++ error under the guard.
+    _assert_clean_exit(_run_script(tmp_path, FILTER_ERROR_AT_EXIT_SCRIPT, call_later))
+
+
+FILTER_STOP_AT_EXIT_SCRIPT = FILTER_EXIT_PRELUDE + r"""
 asked = threading.Event()
 def stopping_filter(stream):
     asked.set()
@@ -762,12 +758,7 @@ gp.begin((1, 0), stopping_filter)
 assert native.call_later(malloc, 4096, 0, 9, 0) == 0   # the filter stops it; the device pool then grows (0.5 s)
 assert asked.wait(30)
 time.sleep(0.05)                                       # the exit begins during that growth
-class SlowFinalizer:
-    def __del__(self, sleep=time.sleep):
-        sleep(1)
-m = types.ModuleType("slow"); m.slow = SlowFinalizer(); sys.modules["slow"] = m; del m
-print("done")
-"""
+""" + FILTER_EXIT_END
 
 
 def test_regression_a_capture_filters_systemexit_outlived_its_gil_guard_at_exit(tmp_path, call_later):
