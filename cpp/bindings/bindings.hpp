@@ -71,6 +71,10 @@ void install_exit_guard(nb::module_& m);
 // consumer still holds (nanobind's leak report then leaves their buffers out, nogil.cpp).
 long dlpack_exports_left();
 
+// In a forked child of a process that was exiting: Python capture filters keep their callables
+// again (graph_pools.cpp).
+void forget_filters_undone_in_child();
+
 // The GIL for Python work on a thread that may not hold it (a consumer's DLPack deleter, a
 // capture filter asked by a C ABI call): taken unless the interpreter is exiting on another thread
 // or is gone -- asking then would end this thread by a forced unwind, std::terminate through any

@@ -113,7 +113,7 @@ void bind_capi_threads(nb::module_& m) {
         double elapsed = 0;
         std::string start_error;  // a thread the OS would not start: the others stop, then it is raised
         {
-          nb::gil_scoped_release nogil;
+          ReleaseGil nogil;  // not nb::gil_scoped_release: see ReleaseGil (bindings.hpp)
           std::vector<std::thread> ts;
           ts.reserve(threads);
           for (std::size_t t = 0; t < threads && start_error.empty(); ++t) {

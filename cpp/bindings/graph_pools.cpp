@@ -120,6 +120,11 @@ std::size_t forget_python_filters() {
   return drop.size();
 }
 
+}  // namespace
+
+void forget_filters_undone_in_child() { g_filters_forgotten.store(false, std::memory_order_seq_cst); }
+
+namespace {
 void filters_after_fork_in_child() {
   if (g_filters_mu->try_lock()) {
     g_filters_mu->unlock();

@@ -15,7 +15,7 @@ void bind_logging(nb::module_& m) {
            },
            "inner"_a, "path"_a, "buffer_bytes"_a.none() = nb::none())
       .def("flush", [](LoggingPool& p) {
-        nb::gil_scoped_release nogil;
+        ReleaseGil nogil;  // not nb::gil_scoped_release: see ReleaseGil (bindings.hpp)
         p.flush();
       })
       .def_prop_ro("inner", [](LoggingPool& p) { return p.inner(); })

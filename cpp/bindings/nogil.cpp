@@ -77,9 +77,22 @@ void begin_exit() {
 
 // In a forked child only the forking thread exists: nothing else is counted any more (a count
 // inherited from a thread that did not survive the fork hung the child's exit forever).
+// Forked by a thread other than the exiting one while the parent exits (a daemon thread's
+// multiprocessing pool refilling its workers), the child is a fresh process whose one thread is
+// not exiting: it starts with no exit state (it parked its first pool call, and refused every
+// filter, before).
 void after_fork_in_child() {
   g_guarded.store(t_guarded, std::memory_order_seq_cst);
   g_restoring.store(0, std::memory_order_seq_cst);
+  if (g_exit_begun.load(std::memory_order_seq_cst) &&
+      PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
+    g_parking.store(false, std::memory_order_seq_cst);
+    g_exiting.store(false, std::memory_order_seq_cst);
+    g_exit_thread.store(0, std::memory_order_relaxed);
+    g_refused.store(false, std::memory_order_seq_cst);
+    g_exit_begun.store(false, std::memory_order_seq_cst);
+    forget_filters_undone_in_child();
+  }
 }
 
 // The last thing before nanobind's own cleanup (Py_AtExit callbacks run last registered first, and
@@ -115,18 +128,21 @@ GilFromAnyThread::GilFromAnyThread() {
   const bool exiting = g_exiting.load(std::memory_order_seq_cst);
   const bool elsewhere = exiting && PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed);
   // The exiting thread runs Python through finalization (as __del__ methods do) when it holds the
-  // GIL; Py_IsInitialized() is false all that time. Not once the interpreter is gone (nanobind's
+  // GIL (and takes it while Py_IsInitialized() holds: an exit handler's call into a C library
+  // that let it go); Py_IsInitialized() is false through finalization. Not once the interpreter is gone (nanobind's
   // is_alive: a C++ static destroyed by exit(); PyGILState_Check() says yes then and asking for
   // the GIL segfaulted). Any other thread only before exit begins.
-  if (!elsewhere && (exiting ? nb::is_alive() && PyGILState_Check() != 0 : Py_IsInitialized() != 0)) {
+  if (!elsewhere && (exiting ? nb::is_alive() && (PyGILState_Check() != 0 || Py_IsInitialized() != 0)
+                             : Py_IsInitialized() != 0)) {
     state_ = PyGILState_Ensure();
     held_ = true;
     ++t_guarded;
     return;
   }
-  // What this thread would have released goes with the process. Only in that case: on the
-  // exiting thread a refusal would hide the program's real leaks.
-  if (elsewhere) g_refused.store(true, std::memory_order_seq_cst);
+  // What this thread would have released goes with the process: not a leak to report. (The
+  // exiting thread is refused only without the GIL during finalization -- a C library's free
+  // that let it go -- or once the interpreter is gone.)
+  if (exiting) g_refused.store(true, std::memory_order_seq_cst);
   g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }
 

@@ -21,9 +21,12 @@ constexpr const char* kHeader = "Thread,Time,Action,Pointer,Size,Stream\n";
 
 // Open adaptors, flushed by the exit handler: a process that never closes its pool (the usual
 // case for a process-wide allocator) still leaves a complete log.
-std::mutex g_open_mu;
+// Immortal: the exit handler is registered before the first set would be built, so a static set
+// was destroyed before the handler ran, which then walked a freed tree (a hang at exit whenever a
+// LoggingPool outlived the interpreter).
+std::mutex& g_open_mu = *new std::mutex;
 std::set<LoggingPool*>& open_pools() {
-  static std::set<LoggingPool*> s;
+  static std::set<LoggingPool*>& s = *new std::set<LoggingPool*>;
   return s;
 }
 std::once_flag g_atexit_once;
