@@ -99,7 +99,8 @@ void after_fork_in_child() {
 // nanobind registered its own before this module's body ran): the interpreter is finalized, so an
 // export whose deleter has not run by now is held by a consumer that may free after the process
 // ends -- its buffer outlives the interpreter on purpose -- and a refusal left its object to the
-// process. Neither is a leak to report.
+// process. Neither is a leak to report. (A capsule the program itself leaked looks the same
+// here and turns the report off too: documented in docs/hardening.md.)
 void at_exit_last() {
   if (g_refused.load(std::memory_order_seq_cst) || dlpack_exports_left() > 0) nb::set_leak_warnings(false);
 }
