@@ -988,6 +988,45 @@ def test_regression_a_child_forked_during_the_parents_exit_inherited_its_exit_st
     assert r.stdout.split() == ["main", "done", "child", "ok", "1", "child", "exited"], (r.stdout, r.stderr[-2000:])
 
 
+WORKER_FORKED_BY_THE_EXITING_THREAD_SCRIPT = r"""
+import atexit, multiprocessing as mp, os, threading
+def work():
+    import poolkeeper as pk
+    from poolkeeper import _core
+    q = pk.Direct(pk.upstream.Simulated(latency="none"))
+    g = _core.GraphPools(q)
+    g.begin((1, 0), lambda s: True)                 # a Python filter
+    res = []
+    def on_a_thread():
+        q.deallocate(q.allocate(1 << 20))           # leaves each call through the GIL handshake
+        res.append(g.owns_private(g.allocate(4096, 5)))
+    th = threading.Thread(target=on_a_thread)
+    th.start()
+    th.join(10)
+    os._exit(0 if res == [True] else 3)
+def late():                                         # registered before the import: runs on the exiting
+    p = mp.get_context("fork").Process(target=work)  # thread, after poolkeeper's exit hook
+    p.start()
+    p.join(20)
+    if p.is_alive():
+        p.kill()
+    print("worker", p.exitcode, flush=True)
+atexit.register(late)
+import poolkeeper as pk
+print("main done", flush=True)
+"""
+
+
+def test_regression_a_worker_forked_by_the_exiting_thread_parked_its_threads(tmp_path):
+    # Found by a third review: an exit handler that starts a multiprocessing worker (fork) runs
+    # on the exiting thread, and the fork handler kept the whole exit state in such a child: a
+    # thread the worker started parked on its first pool call, and its Python filter was refused
+    # (exit code 3 here). The child never inherits the waiting or parking phase now.
+    r = _run_script(tmp_path, WORKER_FORKED_BY_THE_EXITING_THREAD_SCRIPT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["main", "done", "worker", "0"], (r.stdout, r.stderr[-2000:])
+
+
 FREE_WITHOUT_GIL_IN_AN_EXIT_HANDLER_SCRIPT = r"""
 import atexit, ctypes, sys
 api = ctypes.pythonapi

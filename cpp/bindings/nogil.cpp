@@ -77,21 +77,24 @@ void begin_exit() {
 
 // In a forked child only the forking thread exists: nothing else is counted any more (a count
 // inherited from a thread that did not survive the fork hung the child's exit forever).
-// Forked by a thread other than the exiting one while the parent exits (a daemon thread's
-// multiprocessing pool refilling its workers), the child is a fresh process whose one thread is
-// not exiting: it starts with no exit state (it parked its first pool call, and refused every
-// filter, before).
+// A child forked while the parent exits is, nearly always, a fresh process doing work: a worker
+// that a daemon thread's multiprocessing pool refills, or one an exit handler starts on the
+// exiting thread itself. Its threads must neither park nor be refused Python work (they parked
+// their first pool call, and every filter was refused, before). So the child never inherits the
+// waiting or parking phase. Forked by the exiting thread it keeps only "exit has begun" and that
+// thread: should the child go on through the exit (a bare fork inside an exit handler), guarded
+// work it refuses during its finalization is left to the process, not reported as leaked.
 void after_fork_in_child() {
   g_guarded.store(t_guarded, std::memory_order_seq_cst);
   g_restoring.store(0, std::memory_order_seq_cst);
-  if (g_exit_begun.load(std::memory_order_seq_cst) &&
-      PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
-    g_parking.store(false, std::memory_order_seq_cst);
-    g_exiting.store(false, std::memory_order_seq_cst);
+  if (!g_exit_begun.load(std::memory_order_seq_cst)) return;
+  g_parking.store(false, std::memory_order_seq_cst);
+  g_exiting.store(false, std::memory_order_seq_cst);
+  forget_filters_undone_in_child();
+  if (PyThread_get_thread_ident() != g_exit_thread.load(std::memory_order_relaxed)) {
     g_exit_thread.store(0, std::memory_order_relaxed);
     g_refused.store(false, std::memory_order_seq_cst);
     g_exit_begun.store(false, std::memory_order_seq_cst);
-    forget_filters_undone_in_child();
   }
 }
 
@@ -143,7 +146,7 @@ GilFromAnyThread::GilFromAnyThread() {
   // What this thread would have released goes with the process: not a leak to report. (The
   // exiting thread is refused only without the GIL during finalization -- a C library's free
   // that let it go -- or once the interpreter is gone.)
-  if (exiting) g_refused.store(true, std::memory_order_seq_cst);
+  if (exiting || g_exit_begun.load(std::memory_order_seq_cst)) g_refused.store(true, std::memory_order_seq_cst);
   g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }
 
