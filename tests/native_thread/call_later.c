@@ -31,16 +31,19 @@ static void* run(void* arg) {
   return NULL;
 }
 
-static int start(struct call* c) {
+/* A detached thread running body(arg); arg (malloc'd) is freed here if the thread cannot start. */
+static int start_detached(void* (*body)(void*), void* arg) {
   pthread_t t;
-  int rc = pthread_create(&t, NULL, run, c);
+  int rc = pthread_create(&t, NULL, body, arg);
   if (rc) {
-    free(c);
+    free(arg);
     return rc;
   }
   pthread_detach(t);
   return 0;
 }
+
+static int start(struct call* c) { return start_detached(run, c); }
 
 int call_later(void* fn, void* ptr, int device, uint64_t stream, int delay_ms) {
   struct call* c = calloc(1, sizeof *c);
@@ -88,12 +91,5 @@ int loop_forever(void* m, void* f, int device, uint64_t stream, size_t size) {
   l->device = device;
   l->stream = stream;
   l->size = size;
-  pthread_t t;
-  int rc = pthread_create(&t, NULL, run_loop, l);
-  if (rc) {
-    free(l);
-    return rc;
-  }
-  pthread_detach(t);
-  return 0;
+  return start_detached(run_loop, l);
 }
