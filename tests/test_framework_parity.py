@@ -1027,6 +1027,56 @@ def test_regression_a_worker_forked_by_the_exiting_thread_parked_its_threads(tmp
     assert r.stdout.split() == ["main", "done", "worker", "0"], (r.stdout, r.stderr[-2000:])
 
 
+FORKED_CHILD_FREE_SCRIPT = r"""
+import ctypes, os, sys, threading, time
+import poolkeeper as pk
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+native = ctypes.CDLL(sys.argv[3])
+native.fork_then_call_ptr.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+def export(pool):
+    # A consumer took the buffer's DLPack export: its managed tensor and its deleter.
+    cap = pool.buffer(4096).__dlpack__()
+    managed = api.PyCapsule_GetPointer(cap, b"dltensor")
+    assert api.PyCapsule_SetName(cap, b"used_dltensor") == 0
+    return managed, ctypes.c_void_p.from_address(managed + 56).value
+if sys.argv[2] == "native fork":
+    managed, deleter = export(pk.ArenaPool(pk.upstream.Host()))
+    stop = []
+    def spin():                  # a Python thread that holds the GIL whenever the main thread lets it go
+        while not stop:
+            pass
+    threading.Thread(target=spin, daemon=True).start()
+    time.sleep(0.05)
+    status = native.fork_then_call_ptr(deleter, managed)   # the GIL is the spinning thread's at the fork
+    stop.append(1)
+    print(status)
+else:                            # os.fork: the child's Python is whole, and the consumer's free releases
+    pid = os.fork()
+    if pid == 0:
+        pool = pk.ArenaPool(pk.upstream.Host())
+        managed, deleter = export(pool)
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(managed)   # lets the GIL go around the call
+        os._exit(0 if pool.stats()["live_bytes"] == 0 else 3)
+    print(os.waitpid(pid, 0)[1])
+print("done")
+"""
+
+
+@pytest.mark.parametrize("how", ["native fork", "os.fork"])
+def test_regression_a_dlpack_free_in_a_child_forked_by_a_native_thread_hung(tmp_path, call_later, how):
+    # Found by hostile probing: a child forked by a thread Python does not know (a C library's
+    # worker) runs none of CPython's after-fork work, so the GIL may still belong to a Python
+    # thread the fork left behind; a consumer's DLPack free in that child asked for it and waited
+    # forever (the helper's 20 s alarm ended the child: status 14). Python work is refused in such
+    # a child now (the buffer goes with the child). A child os.fork() made keeps its Python: the
+    # free there still releases the buffer.
+    r = _run_script(tmp_path, FORKED_CHILD_FREE_SCRIPT, how, call_later)
+    _assert_clean_exit(r, "0\ndone")
+
+
 FREE_WITHOUT_GIL_IN_AN_EXIT_HANDLER_SCRIPT = r"""
 import atexit, ctypes, sys
 api = ctypes.pythonapi

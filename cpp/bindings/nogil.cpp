@@ -37,6 +37,11 @@ std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook,
 // released goes with the process. Applied to nanobind's leak report by at_exit_last, not here:
 // after finalization nanobind's internals are freed, and its flag with them.
 std::atomic<bool> g_refused{false};
+// A forked child whose fork Python did not make (a native thread's fork, or one made without the
+// GIL): CPython's own after-fork work never runs there, so the GIL may belong to a thread that did
+// not survive the fork, and asking for it waits forever (a consumer's DLPack free in such a child
+// hung while a Python thread had held the GIL at the fork). Python work is refused there for good.
+std::atomic<bool> g_python_unusable{false};
 // GilFromAnyThread guards this thread holds: begin_exit is waiting for this thread to finish, so
 // a ReleaseGil inside it (a release that takes a pool's slow path) takes the GIL back, never parks.
 thread_local int t_guarded = 0;
@@ -85,6 +90,9 @@ void begin_exit() {
 // thread: should the child go on through the exit (a bare fork inside an exit handler), guarded
 // work it refuses during its finalization is left to the process, not reported as leaked.
 void after_fork_in_child() {
+  // os.fork() (and so multiprocessing) forks with the GIL held, and runs CPython's after-fork work
+  // in the child; a fork without it is not followed by that work.
+  if (PyGILState_Check() == 0) g_python_unusable.store(true, std::memory_order_seq_cst);
   g_guarded.store(t_guarded, std::memory_order_seq_cst);
   g_restoring.store(0, std::memory_order_seq_cst);
   if (!g_exit_begun.load(std::memory_order_seq_cst)) return;
@@ -136,8 +144,9 @@ GilFromAnyThread::GilFromAnyThread() {
   // that let it go); Py_IsInitialized() is false through finalization. Not once the interpreter is gone (nanobind's
   // is_alive: a C++ static destroyed by exit(); PyGILState_Check() says yes then and asking for
   // the GIL segfaulted). Any other thread only before exit begins.
-  if (!elsewhere && (exiting ? nb::is_alive() && (PyGILState_Check() != 0 || Py_IsInitialized() != 0)
-                             : Py_IsInitialized() != 0)) {
+  const bool usable = !elsewhere && !g_python_unusable.load(std::memory_order_seq_cst);
+  if (usable && (exiting ? nb::is_alive() && (PyGILState_Check() != 0 || Py_IsInitialized() != 0)
+                         : Py_IsInitialized() != 0)) {
     state_ = PyGILState_Ensure();
     held_ = true;
     ++t_guarded;
@@ -145,7 +154,8 @@ GilFromAnyThread::GilFromAnyThread() {
   }
   // What this thread would have released goes with the process: not a leak to report. (The
   // exiting thread is refused only without the GIL during finalization -- a C library's free
-  // that let it go -- or once the interpreter is gone.)
+  // that let it go -- or once the interpreter is gone; any thread in a child whose fork Python
+  // did not make.)
   if (exiting || g_exit_begun.load(std::memory_order_seq_cst)) g_refused.store(true, std::memory_order_seq_cst);
   g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }

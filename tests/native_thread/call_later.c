@@ -2,11 +2,14 @@
  * stream, delay_ms) starts a detached pthread that sleeps delay_ms and then calls
  * fn(ptr, device, stream) (a C ABI free); call_later_ptr(fn, ptr, delay_ms) calls fn(ptr) (a
  * DLPack deleter); loop_forever(malloc, free, device, stream, size) starts one that does C ABI
- * malloc/free pairs until the process ends, as a framework's allocator thread would. Built by the
- * exit tests of test_framework_parity.py. */
+ * malloc/free pairs until the process ends, as a framework's allocator thread would;
+ * fork_then_call_ptr(fn, ptr) forks from a new thread, calls fn(ptr) in the child (a DLPack
+ * deleter there) and returns the child's wait status. Built by the exit tests of
+ * test_framework_parity.py. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 typedef int (*free_fn)(void*, int, uint64_t);
@@ -92,4 +95,31 @@ int loop_forever(void* m, void* f, int device, uint64_t stream, size_t size) {
   l->stream = stream;
   l->size = size;
   return start_detached(run_loop, l);
+}
+
+struct forked {
+  ptr_fn fn;
+  void* ptr;
+  int status;
+};
+
+static void* fork_and_wait(void* arg) {
+  struct forked* f = arg;
+  pid_t pid = fork();
+  if (pid == 0) {
+    alarm(20); /* a call that hangs in the child ends it by SIGALRM, which the status shows */
+    f->fn(f->ptr);
+    _exit(0);
+  }
+  if (pid < 0) return NULL;
+  if (waitpid(pid, &f->status, 0) < 0) f->status = -1;
+  return NULL;
+}
+
+int fork_then_call_ptr(void* fn, void* ptr) {
+  struct forked f = {(ptr_fn)fn, ptr, -1};
+  pthread_t t;
+  if (pthread_create(&t, NULL, fork_and_wait, &f)) return -1;
+  pthread_join(t, NULL);
+  return f.status;
 }
