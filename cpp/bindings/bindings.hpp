@@ -78,8 +78,8 @@ void forget_filters_undone_in_child();
 // The GIL for Python work on a thread that may not hold it (a consumer's DLPack deleter, a
 // capture filter asked by a C ABI call): taken unless the interpreter is exiting on another thread
 // or is gone -- asking then would end this thread by a forced unwind, std::terminate through any
-// nothrow frame -- or this is a forked child whose fork Python did not make (a native thread's:
-// the GIL may belong to a thread the fork left behind), and then false: the caller leaves Python alone (what it would have released
+// nothrow frame -- or this is a forked child whose fork did not go through os.fork() (a native
+// thread's: the GIL may belong to a thread the fork left behind), and then false: the caller leaves Python alone (what it would have released
 // goes with the process, and nanobind's leak report is switched off at the end). The exit waits
 // for guarded work begun before it (nogil.cpp).
 class GilFromAnyThread {

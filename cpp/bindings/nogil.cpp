@@ -37,11 +37,18 @@ std::atomic<bool> g_exit_begun{false};  // begin_exit runs twice (the exit hook,
 // released goes with the process. Applied to nanobind's leak report by at_exit_last, not here:
 // after finalization nanobind's internals are freed, and its flag with them.
 std::atomic<bool> g_refused{false};
-// A forked child whose fork Python did not make (a native thread's fork, or one made without the
-// GIL): CPython's own after-fork work never runs there, so the GIL may belong to a thread that did
-// not survive the fork, and asking for it waits forever (a consumer's DLPack free in such a child
-// hung while a Python thread had held the GIL at the fork). Python work is refused there for good.
+// A forked child whose fork did not go through os.fork() (a native thread's fork, or a C library's
+// fork called from Python): CPython's own after-fork work never runs there, so the GIL may belong
+// to a thread that did not survive the fork, and asking for it waits forever (a consumer's DLPack
+// free in such a child hung while a Python thread had held the GIL at the fork). Python work is
+// refused there for good.
 std::atomic<bool> g_python_unusable{false};
+// The thread inside os.fork() (or a C extension's PyOS_BeforeFork/PyOS_AfterFork pair) between its
+// before hook and its after hook, 0 otherwise. Those hooks run only around forks CPython follows
+// with its own after-fork work, so a child forked by any other thread is one Python cannot run in.
+// (Not PyGILState_Check(): it is forced to 1 for good once a subinterpreter exists, and says 0
+// for a thread whose state PyThreadState_New made, though os.fork() is whole there.)
+std::atomic<unsigned long> g_python_forking{0};
 // GilFromAnyThread guards this thread holds: begin_exit is waiting for this thread to finish, so
 // a ReleaseGil inside it (a release that takes a pool's slow path) takes the GIL back, never parks.
 thread_local int t_guarded = 0;
@@ -90,9 +97,9 @@ void begin_exit() {
 // thread: should the child go on through the exit (a bare fork inside an exit handler), guarded
 // work it refuses during its finalization is left to the process, not reported as leaked.
 void after_fork_in_child() {
-  // os.fork() (and so multiprocessing) forks with the GIL held, and runs CPython's after-fork work
-  // in the child; a fork without it is not followed by that work.
-  if (PyGILState_Check() == 0) g_python_unusable.store(true, std::memory_order_seq_cst);
+  if (g_python_forking.load(std::memory_order_seq_cst) != PyThread_get_thread_ident())
+    g_python_unusable.store(true, std::memory_order_seq_cst);
+  g_python_forking.store(0, std::memory_order_seq_cst);
   g_guarded.store(t_guarded, std::memory_order_seq_cst);
   g_restoring.store(0, std::memory_order_seq_cst);
   if (!g_exit_begun.load(std::memory_order_seq_cst)) return;
@@ -154,8 +161,8 @@ GilFromAnyThread::GilFromAnyThread() {
   }
   // What this thread would have released goes with the process: not a leak to report. (The
   // exiting thread is refused only without the GIL during finalization -- a C library's free
-  // that let it go -- or once the interpreter is gone; any thread in a child whose fork Python
-  // did not make.)
+  // that let it go -- or once the interpreter is gone; any thread in a child whose fork did not
+  // go through os.fork().)
   if (exiting || g_exit_begun.load(std::memory_order_seq_cst)) g_refused.store(true, std::memory_order_seq_cst);
   g_guarded.fetch_sub(1, std::memory_order_seq_cst);
 }
@@ -183,6 +190,15 @@ void install_exit_guard(nb::module_& m) {
   m.def("_begin_exit", &begin_exit, "Interpreter exit: threads leaving a core call from now on wait instead.");
   nb::module_::import_("atexit").attr("register")(m.attr("_begin_exit"));
   pthread_atfork(nullptr, nullptr, after_fork_in_child);
+  // Python's own at-fork hooks, which os.fork() runs around its fork() (and the GIL serializes):
+  // after_fork_in_child, which runs between them, tells such a fork from any other.
+  m.def("_python_fork_begins", [] { g_python_forking.store(PyThread_get_thread_ident(), std::memory_order_seq_cst); },
+        "os.register_at_fork's before hook: the calling thread is about to fork through os.fork().");
+  m.def("_python_fork_ends", [] { g_python_forking.store(0, std::memory_order_seq_cst); },
+        "os.register_at_fork's after hooks: the fork through os.fork() is over.");
+  nb::module_::import_("os").attr("register_at_fork")("before"_a = m.attr("_python_fork_begins"),
+                                                      "after_in_parent"_a = m.attr("_python_fork_ends"),
+                                                      "after_in_child"_a = m.attr("_python_fork_ends"));
   Py_AtExit(at_exit_last);
 }
 

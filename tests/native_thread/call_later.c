@@ -3,8 +3,9 @@
  * fn(ptr, device, stream) (a C ABI free); call_later_ptr(fn, ptr, delay_ms) calls fn(ptr) (a
  * DLPack deleter); loop_forever(malloc, free, device, stream, size) starts one that does C ABI
  * malloc/free pairs until the process ends, as a framework's allocator thread would;
- * fork_then_call_ptr(fn, ptr) forks from a new thread, calls fn(ptr) in the child (a DLPack
- * deleter there) and returns the child's wait status. Built by the exit tests of
+ * fork_then_call_ptr(fn, ptr, ticks) forks from a new thread, once *ticks (a counter a Python
+ * thread keeps raising) has moved, calls fn(ptr) in the child (a DLPack deleter there) and returns
+ * the child's wait status. Built by the exit tests of
  * test_framework_parity.py. */
 #include <pthread.h>
 #include <stdint.h>
@@ -100,11 +101,19 @@ int loop_forever(void* m, void* f, int device, uint64_t stream, size_t size) {
 struct forked {
   ptr_fn fn;
   void* ptr;
+  volatile long* ticks;
   int status;
 };
 
 static void* fork_and_wait(void* arg) {
   struct forked* f = arg;
+  /* The counting thread holds the GIL from the moment the counter moves: no other thread asks for
+   * it (the caller let it go for this call), so it never lets it go before the fork. */
+  long t0 = *f->ticks;
+  for (int i = 0; *f->ticks == t0; ++i) {
+    if (i == 5000) return NULL; /* 5 s: status stays -1 */
+    usleep(1000);
+  }
   pid_t pid = fork();
   if (pid == 0) {
     alarm(20); /* a call that hangs in the child ends it by SIGALRM, which the status shows */
@@ -116,8 +125,8 @@ static void* fork_and_wait(void* arg) {
   return NULL;
 }
 
-int fork_then_call_ptr(void* fn, void* ptr) {
-  struct forked f = {(ptr_fn)fn, ptr, -1};
+int fork_then_call_ptr(void* fn, void* ptr, volatile long* ticks) {
+  struct forked f = {(ptr_fn)fn, ptr, ticks, -1};
   pthread_t t;
   if (pthread_create(&t, NULL, fork_and_wait, &f)) return -1;
   pthread_join(t, NULL);
