@@ -9,6 +9,9 @@ import copy as pycopy
 import gc
 import pickle
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -461,6 +464,135 @@ def test_pool_collected_without_close_frees_retained(host):
     del pool, b
     gc.collect()
     assert host.counters()["outstanding_bytes"] == 0
+
+
+def _faulty_pool(**kw):
+    # Allocations and frees are watched calls of one sequence; armed later, so set-up succeeds.
+    up = pk.upstream.Faulty(pk.upstream.Host(), fail_frees=True, fail_every=1, error="upstream", armed=False)
+    return up, PinnedStagingPool(up, **kw)
+
+
+def _books_hold(pool, up):
+    pool.validate()
+    s = pool.stats()
+    assert s["pinned_alloc_calls"] == (
+        s["frees"] + s["retained_buffers"] + s["live_buffers"] + s["leaked_unconfirmed"] + s["refused_buffers"]
+    )
+    assert up.inner.counters()["outstanding_bytes"] == s["retained_bytes"] + s["live_bytes"] + s["refused_bytes"]
+    return s
+
+
+def test_regression_refused_trim_free_broke_the_pool_books():
+    # Found by the hostile tester: trim() emptied the retained list first and counted only the
+    # frees done, so a refused free (UpstreamError) dropped that buffer and every one after it from
+    # the books, unfreed: validate() failed "pins != frees + retained + live + leaked". Now trim
+    # goes on past the refusal, counts it and holds the buffer for the next trim.
+    # watched calls 0-2: the three allocations; 3-5: trim's frees, smallest first; 4: the 8 KiB one
+    up = pk.upstream.Faulty(pk.upstream.Host(), fail_frees=True, fail_at={4}, error="upstream")
+    pool = PinnedStagingPool(up)
+    bs = [pool.acquire(4096 * (i + 1)) for i in range(3)]
+    for b in bs:
+        b.retire(copy(bytearray(4096), b, 0))
+    assert pool.trim() == 4096 + 3 * 4096  # the other two are freed
+    s = _books_hold(pool, up)
+    assert (s["frees"], s["upstream_free_failures"], s["retained_buffers"]) == (2, 1, 0)
+    assert (s["refused_buffers"], s["refused_bytes"]) == (1, 2 * 4096)
+    fresh = pool.acquire(2 * 4096)
+    assert pool.stats()["reuses"] == 0  # a held buffer is never handed out
+    up.armed = False
+    pool.trim()  # the retry
+    s = _books_hold(pool, up)
+    assert s["refused_buffers"] == 0 and s["freed_by_trim"] == 3 and s["live_buffers"] == 1
+    fresh.close()
+
+
+@pytest.mark.parametrize("why", ["over_bounds", "after_close"])
+def test_regression_refused_retire_free_broke_the_pool_books(why):
+    # Found by the hostile tester: a retire that has to free (over the bounds, or after close)
+    # booked the buffer gone before its free, and the refused free raised UpstreamError out of a
+    # retire that had already happened (witness consumed, state retired): validate() failed. Now
+    # the retire succeeds and the buffer is counted and held; close() retries it.
+    up, pool = _faulty_pool(max_buffers=0 if why == "over_bounds" else 8)
+    b = pool.acquire(100)
+    if why == "after_close":
+        pool.close()
+    up.armed = True
+    b.retire(copy(bytearray(100), b))
+    assert b.state == "retired"
+    s = _books_hold(pool, up)
+    assert (s["upstream_free_failures"], s["refused_buffers"], s["retires"], s["frees"]) == (1, 1, 1, 0)
+    assert s["freed_over_bounds"] == s["freed_after_close"] == 0  # not freed (yet)
+    pool.close()  # refused again: counted again, still held
+    assert _books_hold(pool, up)["upstream_free_failures"] == 2
+    up.armed = False
+    pool.close()
+    s = _books_hold(pool, up)
+    assert s["refused_buffers"] == 0 and s["frees"] == 1 and up.inner.counters()["outstanding_bytes"] == 0
+
+
+@pytest.mark.parametrize("how", ["closed", "dropped"])
+def test_regression_refused_free_of_an_unretired_buffer_left_it_live(how):
+    # Found with the refused-trim bug: a close or drop whose free was refused recorded only an
+    # "abort", so the ended lease stayed in live_buffers for good (and close() raised after the
+    # buffer was already closed). Now it ends as any close/drop does, and its buffer is held.
+    up, pool = _faulty_pool()
+    b = pool.acquire(100)
+    up.armed = True
+    if how == "closed":
+        b.close()
+    else:
+        del b
+        gc.collect()
+    s = _books_hold(pool, up)
+    assert (s["live_buffers"], s[f"{how}_without_retire"], s["upstream_free_failures"]) == (0, 1, 1)
+    assert s["refused_buffers"] == 1
+    up.armed = False
+    pool.close()
+    assert _books_hold(pool, up)["refused_buffers"] == 0 and up.inner.counters()["outstanding_bytes"] == 0
+
+
+def test_regression_refused_free_during_oom_recovery_broke_the_books():
+    # Found with the refused-trim bug: OOM recovery trims, and a refused free there raised
+    # UpstreamError in place of the OutOfMemoryError, with the books broken as in trim().
+    up = pk.upstream.Faulty(pk.upstream.Host(), fail_frees=True, fail_every=1, armed=False)  # error="oom"
+    pool = PinnedStagingPool(up)
+    b = pool.acquire(4096)
+    b.retire(copy(bytearray(4096), b))
+    up.armed = True  # the allocation, its recovery's free and the retry all refused
+    with pytest.raises(pk.OutOfMemoryError):
+        pool.acquire(8192)
+    s = _books_hold(pool, up)
+    assert (s["failed_allocs"], s["upstream_free_failures"], s["refused_buffers"]) == (1, 1, 1)
+
+
+def test_regression_pool_finalizer_stopped_at_a_refused_free():
+    # Found by the hostile tester: the finalizer of a pool collected (or alive at exit) without
+    # close() stopped at the first refused free, leaving the rest unfreed, and printed "Exception
+    # ignored" at exit. It now frees what it can and stays silent.
+    script = textwrap.dedent(
+        """
+        import gc, sys
+        import poolkeeper as pk
+        from poolkeeper.staging import PinnedStagingPool, copy
+        # calls 0-5: the allocations; 6-8: the collected pool's frees, 9-11: the other's at exit
+        # (the finalizer pops from the largest): 7 and 10 are the 8 KiB frees
+        up = pk.upstream.Faulty(pk.upstream.Host(), fail_frees=True, fail_at={7, 10}, error="upstream")
+        pools = [PinnedStagingPool(up) for _ in range(2)]
+        for pool in pools:
+            for n in (4096, 8192, 12288):
+                b = pool.acquire(n)
+                b.retire(copy(bytearray(1), b, 0))
+        del pool, b
+        pools.pop()  # this one is collected now; the other at exit
+        gc.collect()
+        print(up.inner.counters()["outstanding_bytes"], flush=True)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(6 * 4096 + 2 * 4096)], r.stdout  # the live pool's + the refused one
+
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # -- threads ---------------------------------------------------------------------------------------

@@ -18,6 +18,12 @@ Rules:
   nothing is in transit (new upstream calls wait while a ``stats()`` is waiting, so it is never
   starved), which makes every ``stats()`` one consistent observation of the pool *and* its
   upstream's counters, under any traffic.
+- An upstream free that fails (the upstream refuses it) never raises out of the pool and never
+  leaves its books: it is counted in ``upstream_free_failures`` and the buffer is *held*
+  (``refused_buffers``), still the pool's, never handed out again, and retried by the next
+  ``trim()`` / ``close()`` and by the pool's finalizer (the way the device pools re-adopt a refused
+  free). So ``pinned_alloc_calls == frees + retained + live + leaked_unconfirmed + refused`` holds
+  after every refusal.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ _COUNTERS = (
     "dropped_without_retire",  # garbage-collected while live: freed, not recycled
     "closed_without_retire",  # buf.close() while live: freed, not recycled
     "leaked_unconfirmed",  # ended while a device copy's completion could not be tracked: not freed
+    "upstream_free_failures",  # upstream.deallocate calls that raised (the buffer is held, see _hold)
 )
 
 
@@ -60,11 +67,18 @@ def _default_upstream() -> Any:
     return Host()
 
 
-def _free_all(upstream: Any, blocks: list) -> None:
-    # Finalizer of a pool collected without close(): its retained buffers go back to the upstream.
-    while blocks:
-        cap, ptr = blocks.pop()
-        upstream.deallocate(ptr, cap)
+def _free_all(upstream: Any, *lists: list) -> None:
+    # Finalizer of a pool collected without close(): its retained and held buffers go back to the
+    # upstream. Nobody is left to report a refusal to and no later trim will come, so a refused
+    # buffer stays with the upstream (its outstanding bytes show it) and the rest are still freed;
+    # raising would stop at the first refusal and print "Exception ignored" at exit.
+    for blocks in lists:
+        while blocks:
+            cap, ptr = blocks.pop()
+            try:
+                upstream.deallocate(ptr, cap)
+            except Exception:
+                pass
 
 
 class PinnedStagingPool:
@@ -111,6 +125,10 @@ class PinnedStagingPool:
         self._fin_open = 0  # finalizer frees begun and not finished (see _free_unretired)
         self._retained: list[tuple[int, int]] = []  # (capacity, ptr), sorted: smallest fit by bisect
         self._retained_bytes = 0
+        # Buffers whose upstream free was refused: still the pool's, never handed out, retried by
+        # the next trim (see _hold). Kept apart from _retained so the bounds keep holding.
+        self._refused: list[tuple[int, int]] = []
+        self._refused_bytes = 0
         self._peak_retained_bytes = 0
         self._live_buffers = 0
         self._live_bytes = 0
@@ -123,7 +141,7 @@ class PinnedStagingPool:
         # thread holds self._lock; they free at once (the upstream is thread-safe) and leave their
         # bookkeeping here (deque appends are atomic), folded in under the lock by _drain().
         self._events: collections.deque = collections.deque()
-        self._finalizer = weakref.finalize(self, _free_all, upstream, self._retained)
+        self._finalizer = weakref.finalize(self, _free_all, upstream, self._retained, self._refused)
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -182,7 +200,8 @@ class PinnedStagingPool:
         """Counters and current state: one consistent observation, also while other threads use
         the pool. ``upstream_allocations``, ``upstream_deallocations`` and
         ``upstream_outstanding_bytes`` are the upstream's counters at the same moment (when the
-        upstream has ``counters()``)."""
+        upstream has ``counters()``). ``refused_buffers`` / ``refused_bytes``: buffers whose
+        upstream free was refused, held for the next ``trim()``."""
         counters = getattr(self._upstream, "counters", None)
         with self._lock:
             while True:
@@ -193,6 +212,8 @@ class PinnedStagingPool:
                     retained_bytes=self._retained_bytes,
                     retained_capacities=[c for c, _ in self._retained],
                     peak_retained_bytes=self._peak_retained_bytes,
+                    refused_buffers=len(self._refused),
+                    refused_bytes=self._refused_bytes,
                     live_buffers=self._live_buffers,
                     live_bytes=self._live_bytes,
                     max_buffers=self._max_buffers,
@@ -219,8 +240,8 @@ class PinnedStagingPool:
 
         Invariants: the retained list is sorted, within both bounds, and its byte total is
         ``retained_bytes``; every acquire was a pin or a reuse; every acquire is live, retired or
-        ended without retire (dropped, closed, leaked); every pin is freed, retained, live or
-        leaked; at most ``live_buffers`` leases are not yet ended (a lease ends before the pool
+        ended without retire (dropped, closed, leaked); every pin is freed, retained, live, leaked
+        or held after a refused free; at most ``live_buffers`` leases are not yet ended (a lease ends before the pool
         books it); each lease passes ``Lease.validate``.
         """
         with self._lock:
@@ -228,14 +249,16 @@ class PinnedStagingPool:
             c, ret = self._c, self._retained
             assert ret == sorted(ret), "retained buffers out of order"
             assert self._retained_bytes == sum(cap for cap, _ in ret), "retained_bytes is not the retained total"
+            assert self._refused_bytes == sum(cap for cap, _ in self._refused), "refused_bytes is not the held total"
             assert len(ret) <= self._max_buffers and self._retained_bytes <= self._max_bytes, "retained beyond bounds"
             assert self._live_buffers >= 0 and self._live_bytes >= 0, "negative live count"
             assert (self._live_buffers == 0) == (self._live_bytes == 0), "live buffers and live bytes disagree"
             assert c["acquires"] == c["pinned_alloc_calls"] + c["reuses"], "an acquire neither pinned nor reused"
             ended = c["retires"] + c["dropped_without_retire"] + c["closed_without_retire"] + c["leaked_unconfirmed"]
             assert c["acquires"] == ended + self._live_buffers, "acquires != ended leases + live buffers"
-            assert c["pinned_alloc_calls"] == c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"], (
-                "pins != frees + retained + live + leaked"
+            held = len(self._refused)
+            assert c["pinned_alloc_calls"] == c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"] + held, (
+                "pins != frees + retained + live + leaked + refused"
             )
             leases = [lease for lease in list(self._leases) if lease.pool is self]
             open_leases = sum(1 for lease in leases if lease.state not in TERMINAL)
@@ -244,7 +267,13 @@ class PinnedStagingPool:
             lease.validate()
 
     def trim(self) -> int:
-        """Free every retained buffer; returns the bytes freed."""
+        """Free every retained buffer, and retry every buffer whose earlier free was refused;
+        returns the bytes freed.
+
+        A free the upstream refuses does not raise and does not stop the trim (each free is its
+        own call; one refusal says nothing about the next): it is counted in
+        ``upstream_free_failures`` and the buffer is held (``refused_buffers``) for the next trim.
+        """
         return self._trim(nested=False)
 
     def _trim(self, nested: bool) -> int:
@@ -253,22 +282,31 @@ class PinnedStagingPool:
         with self._lock:
             self._wait_readers(nested)
             self._drain()
-            blocks, self._retained[:] = list(self._retained), []
-            self._retained_bytes = 0
+            blocks = self._retained + self._refused
+            self._retained[:], self._refused[:] = [], []
+            self._retained_bytes = self._refused_bytes = 0
             if not blocks:
                 return 0
             self._begin_transit()
-        done = 0
+        freed: list[int] = []
+        refused: list[tuple[int, int]] = []
         try:
             for cap, ptr in blocks:
-                self._upstream.deallocate(ptr, cap)
-                done += 1
+                try:
+                    self._upstream.deallocate(ptr, cap)
+                except Exception:
+                    refused.append((cap, ptr))
+                    continue
+                freed.append(cap)
         finally:
             with self._lock:
-                self._c["frees"] += done
-                self._c["freed_by_trim"] += done
+                self._c["frees"] += len(freed)
+                self._c["freed_by_trim"] += len(freed)
+                self._c["upstream_free_failures"] += len(refused)
+                # Buffers a BaseException (Ctrl-C) kept the loop from reaching are still the pool's.
+                self._hold(refused + blocks[len(freed) + len(refused):])
                 self._end_transit()
-        return sum(cap for cap, _ in blocks)
+        return sum(freed)
 
     def close(self) -> None:
         """Free retained buffers and refuse new acquires. Live buffers stay valid; retiring them
@@ -335,34 +373,55 @@ class PinnedStagingPool:
                 self._retained_bytes += cap
                 self._peak_retained_bytes = max(self._peak_retained_bytes, self._retained_bytes)
                 return
-            self._c[reason] += 1
             self._begin_transit()
-        ok = False
+        outcome = "cut"  # a BaseException (Ctrl-C) before the free returned
         try:
             self._upstream.deallocate(ptr, cap)
-            ok = True
+            outcome = "freed"
+        except Exception:
+            # The lease is already retired (witness consumed): raising would report an error the
+            # caller can do nothing about, and retire promises that nothing changed when it raises.
+            outcome = "refused"
         finally:
             with self._lock:
-                self._c["frees"] += ok
+                if outcome == "freed":
+                    self._c["frees"] += 1
+                    self._c[reason] += 1
+                else:
+                    self._c["upstream_free_failures"] += outcome == "refused"
+                    self._hold([(cap, ptr)])
                 self._end_transit()
 
     def _free_unretired(self, ptr: int, cap: int, how: str) -> None:
         """A lease ended without retire (``how``: "dropped" or "closed"). May run in a finalizer:
-        takes no lock. The "begin" event lets stats() wait for the free to be booked."""
-        ok = False
+        takes no lock. The "begin" event lets stats() wait for the free to be booked. A refused
+        free ends the lease all the same and holds the buffer (see _hold); it does not raise: the
+        lease is already closed, and a finalizer has nobody to raise to."""
+        end = ("abort", 0, 0)
         try:
             # Inside the try: a Ctrl-C raised right after the "begin" is recorded still records
             # its end ("abort"), or stats() would wait for it forever.
-            self._events.append(("begin", 0))
-            self._upstream.deallocate(ptr, cap)
-            ok = True
+            self._events.append(("begin", 0, 0))
+            try:
+                self._upstream.deallocate(ptr, cap)
+                end = (how, cap, 0)
+            except Exception:
+                end = ("refused " + how, cap, ptr)
         finally:
-            self._events.append((how, cap) if ok else ("abort", 0))
+            self._events.append(end)
+
+    def _hold(self, blocks: list) -> None:
+        # Under self._lock: buffers whose free did not happen stay on the books, apart from the
+        # retained ones (bounds and reuse are about buffers the pool chose to keep), for the next
+        # trim() or the finalizer to free.
+        for cap, ptr in blocks:
+            bisect.insort(self._refused, (cap, ptr))
+            self._refused_bytes += cap
 
     def _leak_unconfirmed(self, cap: int) -> None:
         """A lease ended while a copy's completion could not be confirmed: never free under a
         possible DMA; count it instead."""
-        self._events.append(("leaked", cap))
+        self._events.append(("leaked", cap, 0))
 
     def _wait_readers(self, nested: bool = False) -> None:
         # Under self._lock, before any change that an upstream call made outside the lock will
@@ -400,7 +459,7 @@ class PinnedStagingPool:
         # Under self._lock: fold in what finalizers recorded.
         ev = self._events
         while ev:
-            how, cap = ev.popleft()
+            how, cap, ptr = ev.popleft()
             if how in ("begin", "abort"):
                 self._fin_open += 1 if how == "begin" else -1
                 continue
@@ -410,7 +469,12 @@ class PinnedStagingPool:
                 self._c["leaked_unconfirmed"] += 1
                 continue
             self._fin_open -= 1
-            self._c["frees"] += 1
+            if how.startswith("refused "):
+                how = how[len("refused "):]
+                self._c["upstream_free_failures"] += 1
+                self._hold([(cap, ptr)])
+            else:
+                self._c["frees"] += 1
             self._c["dropped_without_retire" if how == "dropped" else "closed_without_retire"] += 1
 
 
