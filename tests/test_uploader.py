@@ -151,6 +151,45 @@ def test_unseekable_file_object_needs_nbytes(uploader):
     assert dst == data
 
 
+def test_regression_file_object_length_was_unchecked(uploader):
+    # Found by the hostile tester: FileObjectSource measured a file object as
+    # seek(0, SEEK_END) - tell() and never checked the result, so an ordinary BytesIO positioned
+    # past its end gave a negative length (nanobind's bare TypeError out of upload()), and a tell()
+    # returning a str a bare TypeError. The past-the-end file is now an empty source (a read there
+    # gives nothing), and positions that are not non-negative ints, or a tell/seek that raises
+    # something odd, are InvalidArgumentError.
+    f = io.BytesIO(b"x" * 100)
+    f.seek(1000)
+    dst = bytearray(b"\xee" * 10)
+    assert uploader.upload(f, dst).nbytes == 0 and dst == b"\xee" * 10 and f.tell() == 1000
+
+    def junk(tell=0, end=0, raises=None):
+        class Junk(io.RawIOBase):
+            def readable(self):
+                return True
+
+            def readinto(self, mv):
+                return 0
+
+            def tell(self):
+                if raises is not None:
+                    raise raises
+                return tell
+
+            def seek(self, pos, whence=0):
+                return end if whence == 2 else pos
+
+        return Junk()
+
+    for bad, match in ((junk(tell="0"), r"tell\(\) returned '0'"), (junk(tell=-1), r"tell\(\) returned -1"),
+                       (junk(end=None), r"seek\(0, SEEK_END\) returned None"), (junk(end=True), "returned True"),
+                       (junk(end=2.5), "returned 2.5"), (junk(raises=RuntimeError("boom")), "RuntimeError: boom")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            uploader.upload(bad, bytearray(10))
+    assert uploader.pool.stats()["live_buffers"] == 0
+    uploader.pool.validate()
+
+
 def test_partial_source(uploader):
     data = payload(4 * CHUNK, seed=8)
     dst = bytearray(len(data))

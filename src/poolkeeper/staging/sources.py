@@ -81,18 +81,34 @@ class PathSource(Source):
 
 
 class FileObjectSource(Source):
+    """A binary file object read from its current position. Without ``nbytes`` its length is
+    measured by seeking to the end and back; a position at or past the end is an empty source (a
+    read there returns nothing, as for any file)."""
+
     parallel = False
 
     def __init__(self, f: Any, nbytes: Optional[int]) -> None:
         self._f = f
         if nbytes is None:
+            name = type(f).__name__
             try:
                 here = f.tell()
                 end = f.seek(0, os.SEEK_END)
                 f.seek(here)
-                nbytes = end - here
             except (OSError, AttributeError, ValueError):
                 raise InvalidArgumentError("nbytes is required for a file object that cannot seek") from None
+            except Exception as e:  # a broken tell/seek: its own error type would escape untyped
+                raise InvalidArgumentError(
+                    f"measuring the {name} source failed ({type(e).__name__}: {e}); pass nbytes"
+                ) from None
+            # A position is a non-negative int; anything else would reach the engine as a length
+            # (a bare TypeError from nanobind, or a negative count).
+            for what, v in (("tell()", here), ("seek(0, SEEK_END)", end)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise InvalidArgumentError(
+                        f"{name}.{what} returned {v!r}; expected a non-negative int position (or pass nbytes)"
+                    )
+            nbytes = max(0, end - here)
         self.nbytes = nbytes
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
