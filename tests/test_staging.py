@@ -384,6 +384,25 @@ def test_view_and_fill_ranges(pool):
 
 
 # -- copy argument checking ------------------------------------------------------------------------
+def test_regression_view_offset_past_the_end_named_a_wrong_nbytes_and_numpy_dtype_leaked_numpy_errors(pool):
+    # Found by the hostile tester: view(2**64) derived nbytes = size - offset and reported that
+    # ("nbytes must be non-negative; got -1844...") for an argument the caller never passed; and
+    # numpy(dtype=...) let numpy's TypeError/ValueError out for a dtype that cannot view the bytes.
+    b = pool.acquire(10)
+    for off in (11, 2**64):
+        with pytest.raises(InvalidArgumentError, match=f"offset {off} is past the end") as e:
+            b.view(off)
+        assert "nbytes must" not in str(e.value)
+    assert len(b.view(10)) == 0
+    for dtype in ("foo", object, np.float64, "S0", "i4,"):
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            b.numpy(dtype)
+    shape = b.numpy(np.int16).shape
+    assert shape == (5,) and b._exports == 0  # no view left behind by the refusals
+    b.close()
+    pool.validate()
+
+
 def test_copy_to_pointer_and_partial_copy(pool):
     b = pool.acquire(64)
     b.fill(bytes(range(64)))

@@ -139,6 +139,12 @@ class Lease:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise InvalidArgumentError(f"offset must be a non-negative int; got {offset!r}")
         if nbytes is None:
+            if offset > self.nbytes:  # else the derived nbytes would be reported as the caller's
+                raise InvalidArgumentError(
+                    f"offset {offset} is past the end of this staging buffer of {self.nbytes} bytes",
+                    requested=offset,
+                    nbytes=self.nbytes,
+                )
             nbytes = self.nbytes - offset
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgumentError(f"nbytes must be a non-negative int; got {nbytes!r}")

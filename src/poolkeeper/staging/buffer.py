@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from poolkeeper import _core
+from poolkeeper.errors import InvalidArgumentError
 from poolkeeper.staging import witness as _witness
 from poolkeeper.staging._hostmem import BorrowedBuffer
 from poolkeeper.staging._lease import Lease
@@ -119,10 +120,24 @@ class StagingBuffer(_core.HostBufferExporter):
         return memoryview(self)[offset : offset + nbytes]
 
     def numpy(self, dtype: Any = None) -> Any:
-        """A writable numpy array over the buffer's ``nbytes`` bytes (``uint8`` unless ``dtype``)."""
+        """A writable numpy array over the buffer's ``nbytes`` bytes (``uint8`` unless ``dtype``).
+
+        Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a ``dtype`` that is not a numpy
+        dtype, holds Python objects, or whose item size does not divide ``nbytes``.
+        """
         import numpy as np
 
-        return np.frombuffer(self.view(), dtype=dtype if dtype is not None else np.uint8)
+        # Checked before any view exists; numpy's own TypeError/ValueError would escape untyped.
+        try:
+            dt = np.dtype(dtype if dtype is not None else np.uint8)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"dtype {dtype!r} is not a numpy dtype ({e})") from None
+        if dt.hasobject or not dt.itemsize or self.nbytes % dt.itemsize:
+            raise InvalidArgumentError(
+                f"dtype {dt} cannot view this staging buffer's {self.nbytes} bytes: it needs a "
+                "non-zero item size that divides them, and no Python objects"
+            )
+        return np.frombuffer(self.view(), dtype=dt)
 
     def _export_buffer_(self, writable: bool, token: int) -> tuple:
         # Called by the native buffer slot (poolkeeper._core.HostBufferExporter) for every export
