@@ -44,7 +44,7 @@ def consistent(pool) -> dict:
     """Validate the pool (and its leases) and check the upstream agrees; return the stats."""
     pool.validate()
     s = pool.stats()
-    assert pool.upstream.counters()["outstanding_bytes"] == s["retained_bytes"] + s["live_bytes"]
+    assert pool.upstream.counters()["outstanding_bytes"] == s["retained_bytes"] + s["live_bytes"] + s["refused_bytes"]
     return s
 
 

@@ -20,9 +20,10 @@ def _identities(s: dict) -> list:
         bad.append(("allocations", s["upstream_allocations"], s["pinned_alloc_calls"]))
     if s["upstream_deallocations"] != s["frees"]:
         bad.append(("deallocations", s["upstream_deallocations"], s["frees"]))
-    if s["upstream_outstanding_bytes"] != s["retained_bytes"] + s["live_bytes"]:
+    if s["upstream_outstanding_bytes"] != s["retained_bytes"] + s["live_bytes"] + s["refused_bytes"]:
         bad.append(("outstanding", s["upstream_outstanding_bytes"], s["retained_bytes"], s["live_bytes"]))
-    if s["pinned_alloc_calls"] != s["frees"] + s["retained_buffers"] + s["live_buffers"] + s["leaked_unconfirmed"]:
+    held = s["refused_buffers"]  # buffers whose free was refused (0 here: Host never refuses)
+    if s["pinned_alloc_calls"] != s["frees"] + s["retained_buffers"] + s["live_buffers"] + s["leaked_unconfirmed"] + held:
         bad.append(("buffers", s))
     return bad
 

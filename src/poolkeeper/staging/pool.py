@@ -241,8 +241,8 @@ class PinnedStagingPool:
         Invariants: the retained list is sorted, within both bounds, and its byte total is
         ``retained_bytes``; every acquire was a pin or a reuse; every acquire is live, retired or
         ended without retire (dropped, closed, leaked); every pin is freed, retained, live, leaked
-        or held after a refused free; at most ``live_buffers`` leases are not yet ended (a lease ends before the pool
-        books it); each lease passes ``Lease.validate``.
+        or held after a refused free; at most ``live_buffers`` leases are not yet ended (a lease
+        ends before the pool books it); each lease passes ``Lease.validate``.
         """
         with self._lock:
             self._quiesce()
@@ -257,9 +257,8 @@ class PinnedStagingPool:
             ended = c["retires"] + c["dropped_without_retire"] + c["closed_without_retire"] + c["leaked_unconfirmed"]
             assert c["acquires"] == ended + self._live_buffers, "acquires != ended leases + live buffers"
             held = len(self._refused)
-            assert c["pinned_alloc_calls"] == c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"] + held, (
-                "pins != frees + retained + live + leaked + refused"
-            )
+            accounted = c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"] + held
+            assert c["pinned_alloc_calls"] == accounted, "pins != frees + retained + live + leaked + refused"
             leases = [lease for lease in list(self._leases) if lease.pool is self]
             open_leases = sum(1 for lease in leases if lease.state not in TERMINAL)
             assert open_leases <= self._live_buffers, f"{open_leases} open leases, {self._live_buffers} live buffers"
