@@ -240,6 +240,67 @@ def test_device_dlpack_capsule_and_argument_checks(dev_pool):
     gc.collect()
 
 
+# Hostile probing: __dlpack__ ran int(max_version[0]), tuple(dl_device) and `if copy:` on whatever
+# it was given, so a malformed request leaked the builtin each raised (IndexError for (),
+# ValueError for ("x", 0) or a numpy array as copy, TypeError for 5 or (None, 0)); a stream on host
+# memory was ignored whatever it was, though the array API standard accepts only None there.
+MALFORMED_DLPACK = [
+    ({"max_version": ()}, pk.InvalidArgumentError),
+    ({"max_version": ("x", 0)}, pk.InvalidArgumentError),
+    ({"max_version": 5}, pk.InvalidArgumentError),
+    ({"max_version": (None, 0)}, pk.InvalidArgumentError),
+    ({"dl_device": 5}, pk.InvalidArgumentError),
+    ({"dl_device": (1,)}, pk.InvalidArgumentError),
+    ({"copy": np.zeros(3)}, pk.InvalidArgumentError),
+    ({"stream": np.zeros(3)}, BufferExportError),
+    ({"stream": "s"}, BufferExportError),
+    ({"stream": 2**64}, BufferExportError),
+]
+
+
+@pytest.mark.parametrize("upstream", ["Host", "Simulated"])
+@pytest.mark.parametrize("kw, error", MALFORMED_DLPACK, ids=[f"{next(iter(k))}={next(iter(k.values()))!r:.20}" for k, _ in MALFORMED_DLPACK])
+def test_regression_malformed_dlpack_request_leaked_a_bare_builtin(upstream, kw, error):
+    pool = pk.ArenaPool(getattr(pk.upstream, upstream)())
+    b = pool.buffer(64)
+    with pytest.raises(error):
+        b.__dlpack__(**kw)
+    # Still exportable as asked properly, and nothing claimed by the refusal. A consumer of another
+    # major version gets what the standard says: 0.x the legacy capsule, 2.x our 1.x one.
+    for ok, name in (({"max_version": (1, 0)}, b"dltensor_versioned"), ({"max_version": (0, 8)}, b"dltensor"),
+                     ({"max_version": (2, 0)}, b"dltensor_versioned"),
+                     ({"dl_device": b.__dlpack_device__(), "copy": False}, b"dltensor")):
+        cap = b.__dlpack__(**ok)
+        assert capsule_name_is(cap, name)
+        del cap
+    gc.collect()
+    b.release()
+    assert live(pool) == 0
+    pool.validate()
+
+
+def test_regression_host_dlpack_accepted_any_stream(host_pool):
+    b = host_pool.buffer(64)
+    for s in (-1, 1, 5):  # kDLCPU: only None (array API standard, __dlpack__'s stream)
+        with pytest.raises(BufferExportError):
+            b.__dlpack__(stream=s)
+    cap = b.__dlpack__(stream=None)
+    del cap
+    b.release()
+    gc.collect()
+    assert live(host_pool) == 0
+
+
+def test_regression_array_copy_false_with_a_dtype_raised_a_bare_value_error(host_pool):
+    # numpy's protocol asks for a ValueError when a copy cannot be avoided: a typed one now.
+    b = host_pool.buffer(16)
+    with pytest.raises(pk.InvalidArgumentError):
+        b.__array__(dtype=np.float32, copy=False)
+    with pytest.raises(pk.InvalidArgumentError):
+        b.__array__(copy=np.zeros(2))
+    assert b.__array__(dtype=np.float32).dtype == np.float32
+
+
 def test_release_is_stream_ordered_on_the_buffer_stream(dev_pool, sim):
     s = sim.stream()
     b = dev_pool.buffer(4096, stream=s)

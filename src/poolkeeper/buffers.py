@@ -33,12 +33,13 @@ producer waits for the buffer's stream first, and the consumer's stream is recor
 from __future__ import annotations
 
 import ctypes
+import operator
 import sys
 import weakref
 from typing import Any, Optional, Tuple
 
 from poolkeeper import _core, _dlpack
-from poolkeeper.errors import PoolkeeperError
+from poolkeeper.errors import InvalidArgumentError, PoolkeeperError
 
 # DLPack / CUDA-array-interface stream numbers (the CUDA driver's CU_STREAM_LEGACY and
 # CU_STREAM_PER_THREAD have the same values). poolkeeper, like PyTorch, names the legacy default
@@ -64,15 +65,41 @@ def _is_real_cuda(upstream: Any) -> bool:
 
 def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
     """A DLPack/CAI stream number -> a poolkeeper stream handle (None: do not synchronize)."""
+    if s is None:
+        return 0
+    # Type first: `s == -1` on a numpy array is an array, whose truth value raises.
+    if not isinstance(s, int) or isinstance(s, bool) or not -1 <= s < 1 << 64:
+        # Not {s!r}: str() of an int over 4,300 digits raises, and so may a hostile __repr__.
+        got = type(s).__name__ if not isinstance(s, int) else s if s.bit_length() <= 64 else f"an int of {s.bit_length()} bits"
+        raise BufferExportError(f"stream must be None, -1 or a stream handle; got {got}")
     if s == _NO_SYNC:
         return None
-    if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 0):
-        raise BufferExportError(f"stream must be None, -1 or a stream handle; got {s!r}")
-    if s is None or s == _LEGACY or s == 0:
+    if s == _LEGACY or s == 0:
         # DLPack disallows 0 as ambiguous; a consumer that sends it anyway means the null stream,
         # which is the legacy default stream unless it was built for per-thread default streams.
         return 0
     return s
+
+
+def _int_pair(value: Any, name: str) -> Optional[Tuple[int, int]]:
+    """DLPack's ``max_version`` / ``dl_device``: None, or a tuple of two integers (as numpy's
+    producer requires); anything else is a malformed request, not an export that cannot be made."""
+    if value is None:
+        return None
+    if isinstance(value, tuple) and len(value) == 2:
+        try:
+            return (operator.index(value[0]), operator.index(value[1]))
+        except Exception:  # an __index__ that raises; KeyboardInterrupt and the like propagate
+            pass
+    what = f"a tuple of length {len(value)}" if isinstance(value, tuple) else type(value).__name__
+    raise InvalidArgumentError(f"{name} must be None or a tuple of two integers; got {what}")
+
+
+def _optional_bool(value: Any, name: str) -> Optional[bool]:
+    # `if copy:` on a numpy array raised numpy's own ValueError ("truth value ... ambiguous").
+    if value is None or isinstance(value, bool):
+        return value
+    raise InvalidArgumentError(f"{name} must be None, True or False; got {type(value).__name__}")
 
 
 class PoolBuffer(_core.BufferCore):
@@ -144,13 +171,19 @@ class PoolBuffer(_core.BufferCore):
         return memoryview(self)
 
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None):
-        """``np.asarray(buf)``: a uint8 array over the memory, without a copy (host/pinned)."""
+        """``np.asarray(buf)``: a uint8 array over the memory, without a copy (host/pinned).
+
+        ``copy=False`` with another ``dtype`` raises
+        :class:`~poolkeeper.errors.InvalidArgumentError` (a ``ValueError``, as numpy's protocol
+        asks when a copy cannot be avoided); so does a ``copy`` that is not None or a bool.
+        """
         import numpy as np
 
+        copy = _optional_bool(copy, "copy")
         arr = np.frombuffer(memoryview(self), dtype=np.uint8)
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
-                raise ValueError("a dtype conversion needs a copy")
+                raise InvalidArgumentError(f"a conversion to {np.dtype(dtype)} needs a copy, and copy=False was asked")
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 
@@ -170,21 +203,34 @@ class PoolBuffer(_core.BufferCore):
         dl_device: Optional[Tuple[int, int]] = None,
         copy: Optional[bool] = None,
     ):
-        """A DLPack capsule (versioned when the consumer's ``max_version`` allows DLPack 1.x).
+        """A DLPack capsule (versioned when the consumer's ``max_version`` allows DLPack 1.x; a
+        consumer of DLPack 0.x gets the legacy capsule).
 
         ``stream`` (device memory): the consumer's stream (None or 1: legacy default, 2:
         per-thread default, -1: no synchronization, else a handle). Work on the buffer's own
         stream is waited for first, and the consumer's stream is recorded on the block so its
-        release also waits for the consumer's work.
+        release also waits for the consumer's work. Host memory (``kDLCPU``) has no streams:
+        there only None is accepted, as the array API standard says.
+
+        Raises :class:`BufferExportError` for a request that cannot be served (``copy=True``,
+        another device, a stream DLPack disallows) and
+        :class:`~poolkeeper.errors.InvalidArgumentError` for a malformed one (``max_version`` or
+        ``dl_device`` not None or a tuple of two integers, ``copy`` not None or a bool).
         """
         self._check_live()
-        if copy:
+        version = _int_pair(max_version, "max_version")
+        device = _int_pair(dl_device, "dl_device")
+        if _optional_bool(copy, "copy"):
             raise BufferExportError("poolkeeper buffers export without copying (copy=True asked)")
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferExportError(f"memory is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        if device is not None and device != self.__dlpack_device__():
+            raise BufferExportError(f"memory is on {self.__dlpack_device__()}, not {device}")
         if self.kind == "device":
             self._order_for_consumer(_stream_from_protocol(stream))
-        versioned = max_version is not None and int(max_version[0]) >= 1
+        elif self.kind == "host" and stream is not None:
+            raise BufferExportError(f"host memory (kDLCPU) has no streams: stream must be None; got {type(stream).__name__}")
+        else:
+            _stream_from_protocol(stream)  # pinned memory: checked, not ordered on (as before)
+        versioned = version is not None and version[0] >= 1
         self._claim()
         try:
             return _dlpack.make_capsule(self.ptr, self.nbytes, self.__dlpack_device__(), self._unclaim, versioned)
