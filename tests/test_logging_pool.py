@@ -142,6 +142,28 @@ def test_bad_input_is_typed_and_unlogged(tmp_path):
         pk.LoggingPool("not a pool", tmp_path / "x.csv")
 
 
+# Hostile probing: buffer_bytes=2**62 passed the absurd-size check and the constructor's reserve
+# of the whole buffer raised a bare MemoryError (std::bad_alloc), after the file was created; a
+# path with a NUL byte reached fopen(), which stopped at the NUL and created or truncated "a".
+@pytest.mark.parametrize("how", ["buffer_bytes", "nul_path", "nul_make_pool_log"])
+def test_regression_logging_pool_constructor_bad_alloc_and_nul_path(tmp_path, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").write_text("keep me")
+    inner = pk.ArenaPool(sim())
+    with pytest.raises(InvalidArgumentError):
+        if how == "buffer_bytes":
+            pk.LoggingPool(inner, tmp_path / "l.csv", buffer_bytes=2**62)
+        elif how == "nul_path":
+            pk.LoggingPool(inner, "a\0b.csv")
+        else:
+            pk.make_pool("arena", sim(), log="a\0y")
+    assert sorted(os.listdir(tmp_path)) == ["a"] and (tmp_path / "a").read_text() == "keep me"
+    inner.validate()
+    lp = pk.LoggingPool(inner, tmp_path / "l.csv", buffer_bytes=1 << 20)
+    lp.deallocate(lp.allocate(100))
+    lp.close()
+
+
 def test_close_refuses_live_blocks_and_keeps_logging(tmp_path):
     path = tmp_path / "live.csv"
     lp = pk.LoggingPool(pk.ArenaPool(sim()), path)

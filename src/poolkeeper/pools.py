@@ -229,13 +229,15 @@ class LoggingPool(_PoolAPI, _core.LoggingPool):
             adaptor, not through ``inner``, or those blocks go unlogged).
         path: the CSV file, created or truncated now.
         buffer_bytes: lines are buffered in memory and written in chunks of this size (default
-            1 MiB); also on :meth:`flush`, :meth:`close`, when the adaptor is destroyed, and at
-            process exit.
+            1 MiB, at most 1 GiB: the buffer is reserved whole now); also on :meth:`flush`,
+            :meth:`close`, when the adaptor is destroyed, and at process exit.
 
     ``stats()`` is the inner pool's, plus ``log_events``, ``log_bytes_written`` and
     ``log_write_errors``. ``close()`` closes the inner pool, then the file.
 
-    Raises :class:`~poolkeeper.errors.InvalidArgumentError` when the file cannot be created.
+    Raises :class:`~poolkeeper.errors.InvalidArgumentError` when the file cannot be created, when
+    ``path`` has a NUL byte (the C library would cut the name there) or ``buffer_bytes`` is above
+    1 GiB; no file is created then.
     """
 
     def __init__(self, inner: _core.Pool, path: "str | os.PathLike[str]", *, buffer_bytes: Optional[int] = None) -> None:

@@ -103,15 +103,23 @@ LoggingPool::LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, s
   if (!inner_) throw InvalidArgument("LoggingPool needs an inner pool");
   if (inner_->closed()) throw PoolClosed(inner_->name() + " #" + std::to_string(inner_->id()) + " is closed");
   if (path_.empty()) throw InvalidArgument("LoggingPool: the log path is empty");
+  // fopen() reads the path up to its first NUL: "a\0b.csv" created or truncated a file "a".
+  if (const std::size_t nul = path_.find('\0'); nul != std::string::npos)
+    throw InvalidArgument("LoggingPool: the log path is not a valid path: it has a NUL byte at offset " +
+                          std::to_string(nul));
+  // The whole buffer is reserved now: 2^62 passed the absurd-size check and ended as
+  // std::bad_alloc (after the file had been created, and its FILE* was lost).
+  if (cap_ > kMaxLogBuffer)
+    throw InvalidArgument("LoggingPool: buffer_bytes must be at most 1 GiB; got " + std::to_string(cap_));
   if (cap_ < 4096) cap_ = 4096;
+  buf_.reserve(cap_ + 256);
+  buf_.append(kHeader);
+  sizes_.reserve(1024);
   file_ = std::fopen(path_.c_str(), "w");
   if (!file_)
     throw InvalidArgument("LoggingPool: cannot create the log file '" + path_ + "': " + std::strerror(errno));
   // Our own buffer does the batching; stdio's would only copy it once more.
   std::setvbuf(file_, nullptr, _IONBF, 0);
-  buf_.reserve(cap_ + 256);
-  buf_.append(kHeader);
-  sizes_.reserve(1024);
   std::call_once(g_atexit_once, [] { std::atexit(&LoggingPool::flush_all_at_exit); });
   std::lock_guard<std::mutex> g(g_open_mu);
   open_pools().insert(this);

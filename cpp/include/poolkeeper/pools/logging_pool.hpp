@@ -23,7 +23,8 @@
 //   adaptor forwards to the inner pool unlogged.
 // - Thread safety: as Pool. One mutex orders the log and the pointer->size table; the file is
 //   written outside it (a second mutex keeps buffers in order).
-// - Errors: the constructor throws InvalidArgument when the file cannot be created. A failed
+// - Errors: the constructor throws InvalidArgument when the file cannot be created, the path has
+//   a NUL byte, or buffer_bytes is above kMaxLogBuffer; nothing is created then. A failed
 //   write is counted (stats extra `log_write_errors`) and flush()/close() then throw Error.
 #pragma once
 #include <cstdio>
@@ -35,6 +36,9 @@
 #include "poolkeeper/core/pool.hpp"
 
 namespace poolkeeper {
+
+// The largest buffer_bytes: the buffer is reserved whole at construction.
+inline constexpr std::size_t kMaxLogBuffer = std::size_t{1} << 30;
 
 class LoggingPool final : public Pool {
  public:
