@@ -164,6 +164,17 @@ def test_regression_logging_pool_constructor_bad_alloc_and_nul_path(tmp_path, mo
     lp.close()
 
 
+# Found beside the above: a path that is not a str (5, bytes) or not UTF-8 raised a bare TypeError
+# (os.fspath's, or nanobind's "incompatible function arguments").
+def test_regression_logging_pool_path_of_another_type_raised_a_bare_type_error(tmp_path):
+    for bad in (5, None, str(tmp_path / "x\udcff.csv")):
+        with pytest.raises(InvalidArgumentError):
+            pk.LoggingPool(pk.ArenaPool(sim()), bad)
+    lp = pk.LoggingPool(pk.ArenaPool(sim()), os.fsencode(tmp_path / "b.csv"))  # bytes naming a UTF-8 path
+    assert lp.path == str(tmp_path / "b.csv")
+    lp.close()
+
+
 def test_close_refuses_live_blocks_and_keeps_logging(tmp_path):
     path = tmp_path / "live.csv"
     lp = pk.LoggingPool(pk.ArenaPool(sim()), path)

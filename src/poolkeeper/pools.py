@@ -241,11 +241,17 @@ class LoggingPool(_PoolAPI, _core.LoggingPool):
     """
 
     def __init__(self, inner: _core.Pool, path: "str | os.PathLike[str]", *, buffer_bytes: Optional[int] = None) -> None:
-        if not isinstance(inner, _core.Pool):
-            from poolkeeper.errors import InvalidArgumentError
+        from poolkeeper.errors import InvalidArgumentError
 
+        if not isinstance(inner, _core.Pool):
             raise InvalidArgumentError(f"inner must be a poolkeeper pool; got {type(inner).__name__}")
-        super().__init__(inner, os.fspath(path), buffer_bytes)
+        try:
+            # The native side takes a UTF-8 str: bytes, an int or an undecodable name raised
+            # nanobind's or os.fspath's bare TypeError.
+            name = os.fsencode(path).decode()
+        except (TypeError, UnicodeDecodeError):
+            raise InvalidArgumentError(f"path must be a str or os.PathLike naming a UTF-8 path; got {type(path).__name__}") from None
+        super().__init__(inner, name, buffer_bytes)
 
 
 Pool = _core.Pool
