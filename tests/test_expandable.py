@@ -323,6 +323,26 @@ def test_limit_counts_mapped_bytes():
     pool.close()
 
 
+# Hostile probing: with a limit below what a growth maps (one granule, 2 MiB on Simulated) every
+# allocation failed as cause="upstream", "upstream Simulated exhausted", though the upstream refused
+# nothing: the range's growth threw LimitHit for the granule, and the arena then asked the limit
+# again for the rounded request alone, which fit. Accepted at construction, as the separate
+# backings accept a limit below initial_backing; the OOM now names the limit and the granule.
+@pytest.mark.parametrize("limit, request_bytes, growth", [(4096, 100, G), (3 * MiB, 5 * MiB // 2, 2 * G)])
+def test_regression_expandable_limit_below_the_growth_blamed_the_upstream(limit, request_bytes, growth):
+    up = sim()
+    pool = pk.ArenaPool(up, expandable=True, limit=limit)
+    with pytest.raises(OutOfMemoryError) as e:
+        pool.allocate(request_bytes)
+    assert e.value.cause == "limit" and e.value.limit == limit
+    assert up.counters()["failed_allocations"] == 0
+    assert f"is below the {growth // MiB}.00 MiB this request needs mapped" in str(e.value)
+    assert f"whole granules of {G // MiB}.00 MiB" in str(e.value)
+    pool.validate()
+    assert pool.stats()["reserved_bytes"] == 0
+    pool.close()
+
+
 def test_close_with_a_refused_unmap_gives_back_every_other_piece_and_stays_consistent():
     """One refused unmap at close() used to stop the walk: every later piece stayed mapped, the
     range reserved, and the closed pool's books claimed mapped bytes with nothing reserved, so

@@ -214,6 +214,9 @@ void Pool::throw_oom(OomFigures f, std::size_t need, bool limit_hit, FreeFit fit
       // pool had reported "limit of 32.00 MiB reached (2.00 MiB reserved, 0 B live ...)").
       if (need > f.limit)
         d << "the request alone is larger than the limit of " << format_bytes(f.limit) << " (";
+      else if (f.refused_growth > f.limit)
+        d << "the limit of " << format_bytes(f.limit) << " is below the " << format_bytes(f.refused_growth)
+          << " this request needs mapped: the upstream maps whole granules of " << format_bytes(f.growth_unit) << " (";
       else
         d << "limit of " << format_bytes(f.limit) << " reached (";
       d << format_bytes(f.reserved) << " reserved, " << format_bytes(f.live) << " live, " << format_bytes(f.free)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <thread>
 
 #include "thread_cache_lookup.hpp"
@@ -682,6 +683,10 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   // Grow; on failure recover what can be recovered (every thread's cache, completed releases,
   // wholly free backings) and try once more before explaining the failure.
   std::string upstream_error;
+  // The last attempt's refusal by the limit. Checking the limit again afterwards for the rounded
+  // request alone missed an expandable range's: it maps whole granules, so limit=4096 refused
+  // every growth while a 256-byte request fit under it, and the OOM blamed the upstream.
+  std::optional<LimitHit> limit_refusal;
   for (int attempt = 0; attempt < 2; ++attempt) {
     try {
       ArenaChunk* grown = source_->grow(rounded, g, s);
@@ -694,8 +699,10 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
       if (ArenaChunk* p = take_stream_run_locked(backing, s, rounded)) return carve_pending_locked(p, rounded, nbytes, s);
       throw InvariantViolation("ArenaPool #" + std::to_string(id_) + ": a growth of " + format_bytes(grown->size) +
                                " for a request of " + format_bytes(rounded) + " joined no run that holds it");
-    } catch (const LimitHit&) {
+    } catch (const LimitHit& h) {
+      limit_refusal = h;
     } catch (const UpstreamOutOfMemory& e) {
+      limit_refusal.reset();
       upstream_error = e.what();
     }
     if (attempt == 1) break;
@@ -719,7 +726,11 @@ void* ArenaPool::do_allocate(std::size_t nbytes, Stream s) {
   }
   OomFigures f = figures_locked(nbytes);
   f.upstream_error = upstream_error;
-  const bool limit_hit = !budget_.grant(rounded, rounded, opt_.alignment);
+  if (limit_refusal && limit_refusal->need > rounded) {
+    f.refused_growth = limit_refusal->need;
+    f.growth_unit = limit_refusal->unit;
+  }
+  const bool limit_hit = limit_refusal || !budget_.grant(rounded, rounded, opt_.alignment);
   g.unlock();
   throw_oom(std::move(f), rounded, limit_hit, FreeFit::AnyPiece);
 }

@@ -134,7 +134,7 @@ class VirtualRange final : public BackingSource {
       const std::size_t frac = align_up(static_cast<std::size_t>(double(mapped_) * opt.step_fraction), granule_);
       step = std::max(need, std::min(std::max(frac, granule_), std::max(align_up(opt.max_step, granule_), granule_)));
     }
-    if (!(step = a_.budget_.grant(need, step, granule_))) throw LimitHit{};
+    if (!(step = a_.budget_.grant(need, step, granule_))) throw LimitHit{need, granule_};
     step = std::min(step, hole);
     std::size_t target = step, done = 0;
     bool shrunk = false;

@@ -96,6 +96,9 @@ struct OomFigures {
   std::string pool, upstream;
   OomCause cause = OomCause::Upstream;
   std::string upstream_error;         // the upstream's own error text when it refused
+  // The growth the limit refused, when the pool grows in units larger than the request (an
+  // expandable arena maps whole granules of growth_unit bytes); 0 otherwise. For the message.
+  std::size_t refused_growth = 0, growth_unit = 0;
 };
 
 class OutOfMemory : public Error {

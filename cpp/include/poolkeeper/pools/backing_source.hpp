@@ -15,9 +15,10 @@
 // arena it was made for. No member may unmap or free while a capture scope is open
 // (upstream->captures_underway() > 0): the arena does not call release_free / release_for_oom then,
 // and a source must not release from grow().
-// Errors: grow() throws LimitHit when the pool's limit forbids the growth, the upstream's typed
-// error (UpstreamOutOfMemory, UpstreamFailure) when it refuses; in every case the books still
-// satisfy validate() (memory mapped before a later refusal stays, filed as free).
+// Errors: grow() throws LimitHit when the pool's limit forbids the growth (with the growth it
+// needed, when the source grows in units larger than the request), the upstream's typed error
+// (UpstreamOutOfMemory, UpstreamFailure) when it refuses; in every case the books still satisfy
+// validate() (memory mapped before a later refusal stays, filed as free).
 #pragma once
 #include <algorithm>
 #include <cstddef>
@@ -44,7 +45,12 @@ namespace detail {
 class SeparateBackings;
 class VirtualRange;
 
-struct LimitHit {};  // growth would pass the pool's limit
+// Growth would pass the pool's limit. need: the least growth that could serve the request, in
+// multiples of unit (VirtualRange: whole granules, which may be more than the request and more
+// than the limit itself); 0 when that is the request's own rounded size (SeparateBackings).
+struct LimitHit {
+  std::size_t need = 0, unit = 0;
+};
 
 using Detached = std::vector<std::pair<void*, std::size_t>>;
 
