@@ -104,6 +104,21 @@ def test_staging_pool_oom_with_nothing_to_free_raises_out_of_memory_error():
     assert pool.stats()["failed_allocs"] == 1
 
 
+def test_regression_staging_failed_allocs_missed_an_upstream_error_that_is_not_oom():
+    # Hostile probing: only a MemoryError from the first upstream.allocate was counted, though
+    # failed_allocs means every upstream allocation that raised (docs/staging.md).
+    up = pk.upstream.Faulty(pk.upstream.Host(), fail_at={0}, error="upstream")
+    pool = PinnedStagingPool(up, max_buffers=2)
+    with pytest.raises(UpstreamError) as ei:
+        pool.acquire(4096)
+    assert not isinstance(ei.value, MemoryError)
+    s = pool.stats()
+    assert s["failed_allocs"] == 1 and s["live_buffers"] == 0 and s["freed_by_trim"] == 0
+    b = pool.acquire(4096)  # the next allocation is not refused
+    b.retire(copy(0, b, 0))
+    pool.close()
+
+
 # -- 8: Ctrl-C during an upload strands no staging buffer ---------------------------------------------
 
 

@@ -340,11 +340,12 @@ class PinnedStagingPool:
     def _allocate(self, cap: int) -> int:
         try:
             return self._upstream.allocate(cap)
-        except MemoryError:
-            # Retained buffers are pinned memory too: give them back and try once more.
+        except Exception as e:
+            # Every refusal counts (failed_allocs: "upstream allocations that raised"); only a
+            # lack of memory is worth a retry: retained buffers are pinned memory too, given back.
             with self._lock:
                 self._c["failed_allocs"] += 1
-            if not self._trim(nested=True):
+            if not isinstance(e, MemoryError) or not self._trim(nested=True):
                 raise
         try:
             return self._upstream.allocate(cap)
