@@ -127,3 +127,74 @@ def test_regression_a_lone_surrogate_in_a_snapshot_left_an_empty_report_and_a_tr
     out = tmp_path / "map.html"
     assert main(["report", "-o", str(out), str(snap)]) == 0
     assert out.stat().st_size > 0 and "\\ud800" in out.read_text(encoding="utf-8")
+
+
+def _special_file(path, kind):
+    """A FIFO, or a character device (1, 7: what /dev/full is) where we may make one; never in /dev."""
+    import os
+    import stat
+
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+        except OSError:
+            pytest.skip("cannot make a device node here (not root)")
+    return os.stat(path).st_mode
+
+
+@pytest.mark.parametrize("kind", ["fifo", "chardev"])
+@pytest.mark.parametrize("command", ["bench", "compare", "replay", "report", "lab"])
+def test_regression_an_output_path_naming_a_device_or_fifo_was_replaced_or_hung(command, kind, tmp_path):
+    # Found by hostile probing: `bench --json PATH` wrote PATH.tmp and os.replace()d it onto PATH,
+    # so a device node (run as root, `--json /dev/null` destroyed /dev/null) or a FIFO became a
+    # regular file, and the command said "rows written". The other writers opened PATH directly:
+    # on a FIFO they blocked forever. Every output path now goes through one check that refuses an
+    # existing non-regular file before anything runs. Subprocess: the old code could hang.
+    import os
+    import subprocess
+    import sys
+
+    import poolkeeper as pk
+
+    target = str(tmp_path / "special")
+    before = _special_file(target, kind)
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    pool.allocate(100)
+    snap = tmp_path / "snap.json"
+    pool.snapshot().to_json(str(snap))
+    rows = tmp_path / "rows.json"
+    assert main(["bench", *FAST, "--arms", "direct", "--workloads", "kv_cache", "--json", str(rows)]) == 0
+    log = tmp_path / "log.csv"
+    log.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.0,allocate,0x10,1024,0x0\n"
+                   "1,00:00:00.0,free,0x10,1024,0x0\n")
+    argv = {
+        "bench": ["bench", *FAST, "--arms", "direct", "--workloads", "kv_cache", "--json", target],
+        "compare": ["compare", str(rows), "--json", target],
+        "replay": ["replay", str(log), "--no-progress", "--sim-latency-us", "0", "--json", target],
+        "report": ["report", "-o", target, str(snap)],
+        "lab": ["lab", "--write", target],
+    }[command]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "poolkeeper.cli", *argv], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert os.stat(target).st_mode == before  # still the device / FIFO it was
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "regular file" in r.stderr, r.stderr
+    assert "rows written" not in r.stdout
+
+
+def test_regression_bench_json_through_a_symlink_replaced_the_link(tmp_path):
+    # Found with the device-node finding: os.replace() onto a symlink replaced the link itself with
+    # a regular file, leaving its target stale. A symlink is now written through, as open() does:
+    # the link stays, its target gets the rows.
+    import os
+
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert main(["bench", *FAST, "--arms", "direct", "--workloads", "kv_cache", "--json", str(link)]) == 0
+    assert os.path.islink(link) and json.loads(target.read_text())["rows"]
+    assert not list(tmp_path.glob("*.tmp"))

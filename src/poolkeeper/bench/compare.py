@@ -29,16 +29,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from poolkeeper._paths import output_path
     from poolkeeper.bench import results
     from poolkeeper.bench.console import make_console
     from poolkeeper.bench.pivot import pivot
 
+    for flag, out in (("--json", args.json), ("--plot", args.plot)):
+        if out:
+            output_path(out, flag)
     rows = results.load(args.results)
     piv = pivot(rows, args.scale)
     console = make_console()
     render(piv, console, raw=args.raw)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with open(output_path(args.json, "--json"), "w", encoding="utf-8") as f:
             json.dump(jsonable(piv), f, indent=1)
             f.write("\n")
         console.print(f"[dim]pivot written to {args.json}[/]", highlight=False)

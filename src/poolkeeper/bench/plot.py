@@ -108,7 +108,9 @@ def plot(piv: Dict[str, Any], path: str) -> None:
         bar.set_label("arena advantage (>1: arena better)", fontsize=8)
     fig.suptitle(f"poolkeeper compare — arena advantage per workload (scale {piv['scale']}, "
                  f"backend {', '.join(backends) or '-'})", fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    from poolkeeper._paths import output_path
+
+    fig.savefig(output_path(path, "plot path"), dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

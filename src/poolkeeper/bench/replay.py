@@ -97,6 +97,7 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
 
 
 def run(args: argparse.Namespace) -> int:
+    from poolkeeper._paths import output_path
     from poolkeeper.bench.options import parse_options, split_for
 
     from poolkeeper.bench import backends
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     pools = _pools(args.pool, backends.resolve(args.backend))
     options = split_for(pools, parse_options(args.option))
     to_stdout = args.json == "-"
+    if args.json is not None and not to_stdout:
+        output_path(args.json, "--json")  # now, not after the whole log was replayed
     from poolkeeper.bench.console import make_console
 
     console = make_console(stderr=to_stdout)
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if to_stdout:
             sys.stdout.write(text + "\n")
             return 0
-        with open(args.json, "w", encoding="utf-8") as f:
+        with open(output_path(args.json, "--json"), "w", encoding="utf-8") as f:
             f.write(text + "\n")
     render(doc, console)
     return 0

@@ -33,29 +33,42 @@ def document(rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]] = 
     }
 
 
+def _target(path: str) -> str:
+    """The file :func:`write` replaces: ``path`` through any symlinks. Renaming over the link itself
+    would turn it into a regular file and leave what it pointed at stale; ``open(path, "w")``, as
+    every other output of poolkeeper is written, writes through the link too."""
+    from poolkeeper._paths import output_path
+
+    return os.path.realpath(output_path(path, "results path"))
+
+
 def check_writable(path: str) -> None:
     """Raise :class:`ResultsError` now if ``path`` cannot be written (before minutes of
-    benchmarking, not after): creates missing parent directories and probes ``PATH.tmp``."""
+    benchmarking, not after): refuses a directory, device, FIFO or socket (see
+    :func:`poolkeeper._paths.output_path`), creates missing parent directories and probes
+    ``PATH.tmp``."""
     if not isinstance(path, str) or not path:
         raise ResultsError(f"--json needs a file path; got {path!r}")
     try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory")
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
+        target = _target(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = target + ".tmp"
         with open(tmp, "a", encoding="utf-8"):
             pass
         os.remove(tmp)
-    except (OSError, ValueError) as e:  # ValueError: an embedded NUL byte
+    except (OSError, ValueError) as e:  # ValueError: a refused path (InvalidArgumentError)
         raise ResultsError(f"cannot write results to {path!r}: {e}") from None
 
 
 def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]] = None, **meta: Any) -> None:
     """Write rows as a results file (parent directories are created). Atomic: the file is
     written as ``PATH.tmp`` and renamed; on failure ``PATH.tmp`` is removed and the error
-    propagates (``PATH`` keeps what it had)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    propagates (``PATH`` keeps what it had). ``path`` is checked again here, since it may have
+    changed during the run: a directory, device, FIFO or socket raises
+    :class:`~poolkeeper.errors.InvalidArgumentError`; a symlink is written through (its target
+    is replaced, the link stays)."""
+    path = _target(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

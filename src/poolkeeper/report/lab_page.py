@@ -96,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
+        from poolkeeper._paths import output_path
+
+        with open(output_path(args.write, "--write"), "w", encoding="utf-8") as f:
             f.write(render_html())
         print(f"wrote {args.write}")
         return 0

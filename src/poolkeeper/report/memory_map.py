@@ -158,7 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.output or (os.path.splitext(args.snapshot)[0] + ".html")
+    from poolkeeper._paths import output_path
+
+    out = output_path(args.output or (os.path.splitext(args.snapshot)[0] + ".html"), "output")
     try:
         with open(args.snapshot, encoding="utf-8") as f:
             raw = json.load(f)
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     # A lone surrogate in a snapshot's text (valid JSON, "\ud800") cannot be written as UTF-8: it is
     # written escaped, and encoded before the file is opened so that no failure leaves it empty.
     data = page.encode("utf-8", errors="backslashreplace")
-    with open(out, "wb") as f:
+    with open(output_path(out, "output"), "wb") as f:
         f.write(data)
     print(f"wrote {out}")
     return 0
