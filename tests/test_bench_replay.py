@@ -261,3 +261,21 @@ def test_rmm_unknown_frees_become_pre_trace_blocks(capsys):
     assert doc["pre_trace_blocks"] == 1 and doc["pre_trace_bytes"] == 4096
     assert r["counts"]["unknown_frees"] == 0 and r["counts"]["frees"] == exp["frees"] + 1
     assert r["peak_live_bytes"] == exp["peak_live_bytes"]  # the early block is freed by the first event
+
+
+@pytest.mark.parametrize("value", ["9" * 400 + "GiB", "9" * 5000 + "k", "9" * 5000, "0x1" + "0" * 16, "1e999"])
+def test_regression_a_size_option_with_many_digits_was_an_overflow_traceback(value, tmp_path, capsys):
+    # Found by hostile probing: a size with a suffix was parsed as int(float(digits) * unit); float()
+    # of 400 digits is inf and int(inf) raised OverflowError, a traceback out of `replay -o` and
+    # `bench -o`. Sizes are parsed exactly now and anything beyond 64 bits (or not finite) is a
+    # one-line InvalidArgumentError.
+    from poolkeeper.bench.options import parse_value
+
+    with pytest.raises(pk.errors.InvalidArgumentError):
+        parse_value(value)
+    assert parse_value("1.5GiB") == 3 << 29 and parse_value("1.3k") == 1331 and parse_value(str(2**64 - 1)) == 2**64 - 1
+    assert main(["replay", fixture("rmm_small.csv"), "--no-progress", "-o", "max_backing=" + value]) == 1
+    assert main(["bench", "--quick", "--backend", "simulated", "--no-progress", "--arms", "direct",
+                 "-o", "direct.max_backing=" + value]) == 1
+    err = capsys.readouterr().err
+    assert err.count("InvalidArgumentError") == 2 and len(err.strip().splitlines()) == 2, err
