@@ -145,3 +145,17 @@ def test_rate_pattern_is_portable_to_javascript():
     # The page compiles RATE_PATTERN with `new RegExp`; keep it to syntax both engines read alike.
     # No lookbehind, named groups, \d (Unicode digits in Python) or inline flags.
     assert re.fullmatch(r"[\^$\[\]0-9+\-.\\?:()|*eE]+", RATE_PATTERN)
+
+
+@pytest.mark.parametrize("set_rate", [
+    lambda v: check_rate(v),
+    lambda v: QueueLab(arrival_rate=v),
+    lambda v: setattr(QueueLab(), "service_rate", v),
+], ids=["check_rate", "constructor", "setter"])
+@pytest.mark.parametrize("value", [10**400, -10**400, Fraction(10**400, 3)])
+def test_regression_a_huge_int_rate_raised_overflow_error(set_rate, value):
+    # Found by hostile probing: check_rate called float() unguarded, so an int beyond float range
+    # raised OverflowError, not the ValueError the docstring promises (a caller's
+    # `except ValueError` missed it).
+    with pytest.raises(ValueError, match="finite"):
+        set_rate(value)

@@ -39,7 +39,10 @@ def check_rate(value: Any, name: str = "rate") -> float:
     """
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"{name} must be a number, not {type(value).__name__} {value!r}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int (or Fraction) beyond float range: no more finite than inf
+        raise ValueError(f"{name} must be a finite number, not a value beyond float range ({type(value).__name__})") from None
     if math.isnan(x) or math.isinf(x):
         raise ValueError(f"{name} must be a finite number, not {x!r}")
     if x < 0:
