@@ -143,3 +143,40 @@ def test_snapshot_with_an_alignment_no_pool_has_is_refused(alignment):
     d["alignment"] = alignment
     with pytest.raises(InvariantError, match="alignment"):
         Snapshot.from_dict(d)
+
+
+def test_regression_an_int_path_closed_a_file_descriptor_the_program_owns(tmp_path):
+    # Found by hostile probing: from_json / to_json / to_html passed any non-"{" source to open(),
+    # and open(int) adopts the descriptor and closes it when done: from_json(3) closed the
+    # program's own log file (from_json(0) would read and close stdin), to_json(fd) wrote into it
+    # and closed it. Only str / os.PathLike paths are taken now; the rest is InvalidArgumentError
+    # before anything is opened.
+    import os
+
+    from poolkeeper.errors import InvalidArgumentError
+
+    snap = busy_pool("arena")[0].snapshot()
+    with open(tmp_path / "mine.log", "w") as mine:
+        fd = mine.fileno()
+        for call in (lambda: Snapshot.from_json(fd), lambda: snap.to_json(fd), lambda: snap.to_html(fd),
+                     lambda: Snapshot.from_json(b"/tmp/x"), lambda: snap.to_json(1.5), lambda: snap.to_html("")):
+            with pytest.raises(InvalidArgumentError):
+                call()
+            os.fstat(fd)  # still open
+        mine.write("still mine\n")
+    assert (tmp_path / "mine.log").read_text() == "still mine\n"
+
+
+def test_regression_a_directory_path_was_a_bare_is_a_directory_error(tmp_path):
+    # Found by hostile probing: to_json / to_html / from_json on a directory raised the bare
+    # IsADirectoryError of open(); a wrong argument gets a typed error.
+    from poolkeeper.errors import InvalidArgumentError
+
+    snap = busy_pool("arena")[0].snapshot()
+    for call in (lambda: Snapshot.from_json(tmp_path), lambda: snap.to_json(str(tmp_path)), lambda: snap.to_html(tmp_path)):
+        with pytest.raises(InvalidArgumentError, match="directory"):
+            call()
+    assert snap.to_html(tmp_path / "m.html") == str(tmp_path / "m.html")
+    snap.to_json(tmp_path / "s.json")
+    assert Snapshot.from_json(tmp_path / "s.json") == snap
+

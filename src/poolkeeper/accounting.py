@@ -140,19 +140,39 @@ class Snapshot:
         return asdict(self)
 
     def to_json(self, path: Union[str, os.PathLike, None] = None, indent: Optional[int] = None) -> str:
-        """Serialize; also write to ``path`` when given. Returns the JSON text."""
+        """Serialize; also write to ``path`` when given. Returns the JSON text.
+
+        Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a ``path`` that is not a
+        ``str`` / ``os.PathLike`` (an int is never taken as a file descriptor) or that names a
+        directory, device, FIFO or socket (see :func:`poolkeeper._paths.output_path`)."""
+        from poolkeeper._paths import output_path
+
+        out = None if path is None else output_path(path, "path")
         text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
+        if out is not None:
+            with open(out, "w", encoding="utf-8") as f:
                 f.write(text)
         return text
 
     @classmethod
     def from_json(cls, source: Union[str, os.PathLike]) -> "Snapshot":
-        """Parse JSON text, or read it from a file path."""
-        text = str(source)
-        if not text.lstrip().startswith("{"):
-            with open(source, encoding="utf-8") as f:
+        """Parse JSON text (a ``str`` starting with ``{``), or read it from a file path (any other
+        ``str``, or an ``os.PathLike``).
+
+        Raises :class:`~poolkeeper.errors.InvalidArgumentError` for any other ``source`` (an int
+        is never taken as a file descriptor: ``open(fd)`` would close the caller's descriptor)
+        and for a path that is a directory; :class:`~poolkeeper.errors.InvariantError` for text
+        that is not a snapshot."""
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            text = source
+        else:
+            from poolkeeper._paths import path_arg
+            from poolkeeper.errors import InvalidArgumentError
+
+            path = path_arg(source, "source")
+            if os.path.isdir(path):
+                raise InvalidArgumentError(f"source {path!r} is a directory, not a snapshot file")
+            with open(path, encoding="utf-8") as f:
                 text = f.read()
         try:
             d = json.loads(text)
@@ -163,13 +183,16 @@ class Snapshot:
         return cls.from_dict(d)
 
     def to_html(self, path: Union[str, os.PathLike]) -> str:
-        """Write a self-contained HTML memory map (see ``poolkeeper report``)."""
+        """Write a self-contained HTML memory map (see ``poolkeeper report``); returns the path.
+        ``path`` is checked as for :meth:`to_json`."""
+        from poolkeeper._paths import output_path
         from poolkeeper.report.memory_map import render_html
 
+        out = output_path(path, "path")
         html = render_html(self)
-        with open(path, "w", encoding="utf-8") as f:
+        with open(out, "w", encoding="utf-8") as f:
             f.write(html)
-        return str(path)
+        return out
 
     # -- figures derived from the chunks alone --
     def to_torch(self, path: Union[str, os.PathLike], device: int = 0) -> str:
