@@ -1357,3 +1357,37 @@ def test_pool_buffer_is_native_owning_with_no_python_finalizer():
         _pool("arena", limit=MiB).buffer(4 * MiB)  # a failed buffer leaves nothing to free
     pool.synchronize()
     pool.validate()
+
+
+@pytest.mark.parametrize("device", [64, -2, "x", None, 1.0, True])
+def test_regression_to_torch_took_any_device_index(device, tmp_path):
+    # Found by hostile probing: torch_snapshot_dict built one device_traces list per index up to
+    # `device` unchecked (see the 2**40 case below); "x" was a bare ValueError, None a TypeError.
+    # A device must be an int in [-1, 64), the C ABI's bound (kMaxDevices).
+    from poolkeeper.integrations.torch_memory import MAX_DEVICES
+
+    snap = pk.ArenaPool(pk.upstream.Simulated(latency="none")).snapshot()
+    with pytest.raises(InvalidArgumentError, match="device"):
+        snap.to_torch(tmp_path / "s.pickle", device=device)
+    assert not (tmp_path / "s.pickle").exists()
+    for ok in (-1, 0, MAX_DEVICES - 1):
+        with open(snap.to_torch(tmp_path / "s.pickle", device=ok), "rb") as f:
+            assert len(pickle.load(f)["device_traces"]) == max(ok, 0) + 1
+
+
+def test_regression_to_torch_with_a_huge_device_exhausted_memory(tmp_path):
+    # Found by hostile probing: to_torch(path, device=2**40) allocated empty lists until memory ran
+    # out. Subprocess with its address space capped and a timeout: the old code eats the machine.
+    code = f"""
+import resource
+import poolkeeper as pk
+from poolkeeper.errors import InvalidArgumentError
+snap = pk.ArenaPool(pk.upstream.Simulated(latency="none")).snapshot()
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+try:
+    snap.to_torch({str(tmp_path / 's.pickle')!r}, device=2**40)
+except InvalidArgumentError:
+    print("refused")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "refused", r.stderr[-500:]

@@ -199,7 +199,9 @@ class Snapshot:
         """Write this snapshot as PyTorch's memory-snapshot pickle (``torch.cuda.memory._dump_snapshot``'s
         format) for ``device``: one segment per backing, blocks ``active_allocated`` /
         ``active_pending_free`` / ``inactive``. ``torch.cuda._memory_viz`` and ``poolkeeper replay``
-        read it. Returns the path."""
+        read it. Returns the path. ``device`` must be an int in [-1, 64) (the C ABI's device
+        bound; -1, a simulated or host pool's, is written as device 0) and ``path`` is checked as
+        for :meth:`to_json`: :class:`~poolkeeper.errors.InvalidArgumentError` otherwise."""
         from poolkeeper.integrations.torch_memory import write_torch_snapshot
 
         return write_torch_snapshot({device: self}, path)

@@ -172,13 +172,30 @@ def torch_segments(snap: Snapshot, device: int) -> List[Dict[str, Any]]:
     return segments
 
 
+#: Device indices a pool can have: -1 (host/simulated) and [0, 64), the C ABI's registry bound
+#: (``kMaxDevices`` in cpp/include/poolkeeper/core/registry.hpp; docs/conformance.md).
+MAX_DEVICES = 64
+
+
+def _device(device: Any) -> int:
+    from poolkeeper.errors import InvalidArgumentError
+
+    # device_traces holds a list per index up to the largest: an unchecked 2**40 allocated lists
+    # until memory ran out.
+    if isinstance(device, bool) or not isinstance(device, int) or not -1 <= device < MAX_DEVICES:
+        raise InvalidArgumentError(f"device must be an int in [-1, {MAX_DEVICES}); got {device!r:.60}")
+    return int(device)
+
+
 def torch_snapshot_dict(snapshots: Mapping[int, Snapshot]) -> Dict[str, Any]:
     """PyTorch's snapshot dict for ``{device: Snapshot}`` (a device below 0, e.g. a simulated
-    pool's, is written as device 0: PyTorch's tools index devices from 0)."""
+    pool's, is written as device 0: PyTorch's tools index devices from 0). A device that is not an
+    int in [-1, :data:`MAX_DEVICES`) raises :class:`~poolkeeper.errors.InvalidArgumentError`."""
     segments: List[Dict[str, Any]] = []
     top = 0
-    for device, snap in sorted(snapshots.items()):
-        d = max(int(device), 0)
+    checked = {_device(device): snap for device, snap in snapshots.items()}
+    for device, snap in sorted(checked.items()):
+        d = max(device, 0)
         top = max(top, d)
         segments += torch_segments(snap, d)
     return {"segments": segments, "device_traces": [[] for _ in range(top + 1)], "allocator_settings": {}}
@@ -186,9 +203,12 @@ def torch_snapshot_dict(snapshots: Mapping[int, Snapshot]) -> Dict[str, Any]:
 
 def write_torch_snapshot(snapshots: Mapping[int, Snapshot], path: Union[str, os.PathLike]) -> str:
     """Write :func:`torch_snapshot_dict` as a pickle (what ``torch.cuda.memory._dump_snapshot``
-    writes); returns the path."""
+    writes); returns the path. ``path`` is checked as for
+    :meth:`~poolkeeper.accounting.Snapshot.to_json`."""
+    from poolkeeper._paths import output_path
+
+    path = output_path(path, "path")
     data = torch_snapshot_dict(snapshots)
-    path = os.fspath(path)
     with open(path, "wb") as f:
         pickle.dump(data, f, protocol=4)
     return path
