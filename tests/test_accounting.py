@@ -180,3 +180,47 @@ def test_regression_a_directory_path_was_a_bare_is_a_directory_error(tmp_path):
     snap.to_json(tmp_path / "s.json")
     assert Snapshot.from_json(tmp_path / "s.json") == snap
 
+
+def test_regression_phase_tracker_verdict_took_time_quartic_in_the_window():
+    # Found by hostile probing: mann_kendall_p built the exact null distribution with a quadruple
+    # loop, so verdict() over window=300 took minutes and window=1000 hours, though any window
+    # >= 5 is allowed. The exact distribution is now an O(n^3) sliding-sum recurrence used up to
+    # MK_EXACT_MAX values, and the normal approximation above. Subprocess: the old code hangs.
+    import subprocess
+    import sys
+
+    code = """
+import random
+from poolkeeper.accounting import PhaseTracker
+r = random.Random(1)
+for leak in (0, 300_000):
+    t = PhaseTracker(window=1000, warmup=0)
+    for i in range(1000):
+        t.record({"reserved_bytes": 10**8 + leak * i + r.randrange(10**6), "live_bytes": 10**7 + r.randrange(10**5),
+                  "free_bytes": 0, "pending_bytes": 0})
+    v = t.verdict()
+    print(v.growing, t.trend("live")["p"] > 0.01)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[] True", "['reserved'] True"]
+
+
+def test_mann_kendall_normal_approximation_agrees_with_the_exact_p_at_the_threshold():
+    # Where mann_kendall_p switches to the normal approximation, it must agree with the exact
+    # p-value: within 10% of it wherever the exact p lies in [0.001, 0.1] (any usable alpha), and
+    # within 0.001 everywhere. Below the threshold the exact values are the Mahonian tail sums.
+    from poolkeeper import accounting
+
+    n = accounting.MK_EXACT_MAX
+    pairs = n * (n - 1) // 2
+    for s in range(-pairs, pairs + 1, 2):
+        exact, approx = accounting._mk_p_exact(s, n), accounting._mk_p_normal(s, n)
+        assert abs(approx - exact) <= 1e-3
+        if 1e-3 <= exact <= 0.1:
+            assert abs(approx - exact) <= 0.1 * exact, (s, exact, approx)
+    assert accounting.mann_kendall_p(list(range(5))) == 1 / 120  # one permutation of 5! has S = 10
+    import math
+
+    assert accounting.mann_kendall_p(list(range(n))) == 1 / math.factorial(n)  # exact up to the threshold
+    assert accounting.mann_kendall_p(list(range(n + 1))) == accounting._mk_p_normal(pairs + n, n + 1)
