@@ -130,7 +130,7 @@ def test_regression_a_lone_surrogate_in_a_snapshot_left_an_empty_report_and_a_tr
 
 
 def _special_file(path, kind):
-    """A FIFO, or a character device (1, 7: what /dev/full is) where we may make one; never in /dev."""
+    """A FIFO, or a character device (1, 3: what /dev/null is) where we may make one; never in /dev."""
     import os
     import stat
 
@@ -138,7 +138,7 @@ def _special_file(path, kind):
         os.mkfifo(path)
     else:
         try:
-            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
         except OSError:
             pytest.skip("cannot make a device node here (not root)")
     return os.stat(path).st_mode
@@ -146,20 +146,25 @@ def _special_file(path, kind):
 
 @pytest.mark.parametrize("kind", ["fifo", "chardev"])
 @pytest.mark.parametrize("command", ["bench", "compare", "replay", "report", "lab"])
-def test_regression_an_output_path_naming_a_device_or_fifo_was_replaced_or_hung(command, kind, tmp_path):
+def test_regression_an_output_path_naming_a_device_or_fifo_was_replaced(command, kind, tmp_path):
     # Found by hostile probing: `bench --json PATH` wrote PATH.tmp and os.replace()d it onto PATH,
     # so a device node (run as root, `--json /dev/null` destroyed /dev/null) or a FIFO became a
-    # regular file, and the command said "rows written". The other writers opened PATH directly:
-    # on a FIFO they blocked forever. Every output path now goes through one check that refuses an
-    # existing non-regular file before anything runs. Subprocess: the old code could hang.
+    # regular file. A character device or FIFO is written straight now, as a shell redirection
+    # writes it (`--json /dev/stdout`, a pipe): it stays what it was, and a reader gets the output.
+    # Every writer goes through one check. Subprocess: a writer that never opens the FIFO hangs.
     import os
     import subprocess
     import sys
+    import threading
 
     import poolkeeper as pk
 
     target = str(tmp_path / "special")
     before = _special_file(target, kind)
+    got = []
+    if kind == "fifo":   # the reader a pipe has: the writer's open() waits for it
+        reader = threading.Thread(target=lambda: got.append(open(target, "rb").read()), daemon=True)
+        reader.start()
     pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
     pool.allocate(100)
     snap = tmp_path / "snap.json"
@@ -180,9 +185,27 @@ def test_regression_an_output_path_naming_a_device_or_fifo_was_replaced_or_hung(
     r = subprocess.run([sys.executable, "-m", "poolkeeper.cli", *argv], capture_output=True, text=True, env=env,
                        timeout=60)
     assert os.stat(target).st_mode == before  # still the device / FIFO it was
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "regular file" in r.stderr, r.stderr
-    assert "rows written" not in r.stdout
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert not list(tmp_path.glob("special*.tmp"))
+    if kind == "fifo":
+        reader.join(10)
+        assert got and len(got[0]) > 100, got   # the whole output went through the pipe
+
+
+@pytest.mark.parametrize("kind", ["directory", "socket"])
+def test_an_output_path_naming_a_directory_or_socket_is_one_line(kind, tmp_path, capsys):
+    import os
+    import socket
+
+    target = str(tmp_path / "special")
+    if kind == "directory":
+        os.mkdir(target)
+    else:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(target)
+    assert main(["lab", "--write", target]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and kind in err, err
 
 
 def test_regression_bench_json_through_a_symlink_replaced_the_link(tmp_path):

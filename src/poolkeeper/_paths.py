@@ -8,8 +8,7 @@ from typing import Any
 
 from poolkeeper.errors import InvalidArgumentError
 
-_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"))
+_REFUSED = ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def path_arg(path: Any, what: str = "path") -> str:
@@ -27,19 +26,20 @@ def path_arg(path: Any, what: str = "path") -> str:
 
 
 def output_path(path: Any, what: str = "output path") -> str:
-    """``path`` as a ``str`` if poolkeeper may write a file there, else :class:`InvalidArgumentError`.
+    """``path`` as a ``str`` if poolkeeper may write there, else :class:`InvalidArgumentError`.
 
-    Accepted: a ``str`` or ``os.PathLike`` naming a regular file or nothing yet. A symlink is
-    followed: a link to a regular file is written through (the link stays, its target gets the
-    data, as ``open(path, "w")`` does), a link to anything else is judged by what it points to.
+    Accepted: a ``str`` or ``os.PathLike`` naming a regular file or nothing yet, and an existing
+    character device or FIFO (``--json /dev/stdout``, ``/dev/null``, a pipe a reader waits on),
+    which is written straight, as a shell redirection writes it -- never replaced (see
+    :func:`is_special`). A symlink is followed: a link to a regular file is written through (the
+    link stays, its target gets the data, as ``open(path, "w")`` does), a link to anything else is
+    judged by what it points to.
 
     Refused before anything is opened:
 
     - what :func:`path_arg` refuses: an int (``open(3, "w")`` would adopt, write into and then
       close a descriptor the program owns), any other non-path, an empty path or one holding a NUL;
-    - an existing directory, device, FIFO or socket: an atomic write renames a temporary file
-      over the path, which replaces a device node (``--json /dev/null`` run as root would destroy
-      ``/dev/null`` for the whole machine), and a FIFO blocks until someone reads it.
+    - an existing directory, block device (a disk: a mistyped path must not overwrite it) or socket.
 
     A path that cannot be examined (permission, a component that is not a directory) passes, so
     that the write itself reports the ``OSError``.
@@ -51,10 +51,21 @@ def output_path(path: Any, what: str = "output path") -> str:
         return p
     if stat.S_ISDIR(mode):
         raise InvalidArgumentError(f"{what} {p!r} is a directory")
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-        raise InvalidArgumentError(f"{what} {p!r} is {kind}; poolkeeper writes only regular files")
+    for test, name in _REFUSED:
+        if test(mode):
+            raise InvalidArgumentError(f"{what} {p!r} is {name}; poolkeeper writes regular files, character devices and FIFOs")
     return p
 
 
-__all__ = ["path_arg", "output_path"]
+def is_special(path: str) -> bool:
+    """True if ``path`` exists and is not a regular file (a character device or a FIFO, once
+    :func:`output_path` accepted it). An atomic write (a temporary file renamed over the path)
+    must not be used there: the rename replaced the device node itself (``bench --json
+    /dev/null`` run as root destroyed ``/dev/null`` for the whole machine)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+__all__ = ["path_arg", "output_path", "is_special"]

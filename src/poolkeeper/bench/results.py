@@ -9,6 +9,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from poolkeeper._paths import is_special, output_path
 from poolkeeper.bench.errors import ResultsError
 from poolkeeper.bench.machine import machine_info
 
@@ -37,20 +38,20 @@ def _target(path: str) -> str:
     """The file :func:`write` replaces: ``path`` through any symlinks. Renaming over the link itself
     would turn it into a regular file and leave what it pointed at stale; ``open(path, "w")``, as
     every other output of poolkeeper is written, writes through the link too."""
-    from poolkeeper._paths import output_path
-
     return os.path.realpath(output_path(path, "results path"))
 
 
 def check_writable(path: str) -> None:
     """Raise :class:`ResultsError` now if ``path`` cannot be written (before minutes of
-    benchmarking, not after): refuses a directory, device, FIFO or socket (see
+    benchmarking, not after): refuses a directory, block device or socket (see
     :func:`poolkeeper._paths.output_path`), creates missing parent directories and probes
-    ``PATH.tmp``."""
+    ``PATH.tmp`` (not for a character device or FIFO, which is written straight)."""
     if not isinstance(path, str) or not path:
         raise ResultsError(f"--json needs a file path; got {path!r}")
     try:
         target = _target(path)
+        if is_special(target):
+            return
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = target + ".tmp"
         with open(tmp, "a", encoding="utf-8"):
@@ -64,10 +65,16 @@ def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[
     """Write rows as a results file (parent directories are created). Atomic: the file is
     written as ``PATH.tmp`` and renamed; on failure ``PATH.tmp`` is removed and the error
     propagates (``PATH`` keeps what it had). ``path`` is checked again here, since it may have
-    changed during the run: a directory, device, FIFO or socket raises
-    :class:`~poolkeeper.errors.InvalidArgumentError`; a symlink is written through (its target
-    is replaced, the link stays)."""
+    changed during the run: a directory, block device or socket raises
+    :class:`~poolkeeper.errors.InvalidArgumentError`; a character device or FIFO
+    (``/dev/stdout``, a pipe) is written straight, never renamed over; a symlink is written
+    through (its target is replaced, the link stays)."""
     path = _target(path)
+    if is_special(path):
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
+            f.write("\n")
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     try:
