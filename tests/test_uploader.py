@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
+import math
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -415,3 +420,74 @@ def test_default_chunks_are_each_engines_measured_best_and_share_the_buffers(hos
     assert [(r.engine, r.chunk_bytes) for r in reports] == [("native", 4 * MiB), ("python", 8 * MiB)] * 2
     assert sum(r.pinned_alloc_calls for r in reports) == 4  # the warm-up's 4 buffers, once
     assert pool.stats()["retained_bytes"] >= 4 * 8 * MiB
+
+
+# -- regressions --------------------------------------------------------------------------------------
+
+
+def run_child(code: str, timeout: float = 60) -> dict:
+    """Run ``code`` in a fresh interpreter (a hang fails by timeout); its last line is JSON."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-1500:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_regression_wait_with_bad_timeout_marked_a_running_upload_done(host):
+    # Found: UploadHandle.wait(nan) raised a bare ValueError, and the handle then said done() while
+    # the upload still wrote the destination (wait() then failed an assert). wait() passed the
+    # timeout to Thread.join, whose failed lock wait marks the still-running thread stopped.
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(done, total):
+        entered.set()
+        release.wait(60)
+
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, engine="python")
+    data = payload(16 * CHUNK, seed=21)
+    dst = bytearray(len(data))
+    try:
+        handle = up.start(data, dst, progress=hold)
+        assert entered.wait(60)
+        for bad in (float("nan"), -1, -0.5, float("-inf"), True, "1", None.__class__, [1]):
+            with pytest.raises(InvalidArgumentError):
+                handle.wait(bad)
+            assert not handle.done()
+        with pytest.raises(TimeoutError):
+            handle.wait(0)
+        assert not handle.done()
+    finally:
+        release.set()
+    report = handle.wait(math.inf)  # no limit, as None
+    assert handle.done() and dst == data and report.nbytes == len(data)
+    assert handle.wait(10**400) is report and handle.wait(0) is report
+    up.close()
+
+
+def test_regression_ctrl_c_in_wait_marked_a_running_upload_done():
+    # Found with the NaN timeout above: the same Thread.join path marks the upload's thread stopped
+    # when a KeyboardInterrupt lands in the wait; done() then said True mid-upload.
+    out = run_child("""
+        import json, os, signal, threading
+        import poolkeeper as pk
+        from poolkeeper.staging import PinnedStagingPool, Uploader
+        up = Uploader(PinnedStagingPool(pk.upstream.Host()), chunk_bytes=65536, workers=2, engine="python")
+        entered, release = threading.Event(), threading.Event()
+        def hold(done, total):
+            entered.set()
+            release.wait(60)
+        data = bytes(range(256)) * 4096
+        dst = bytearray(len(data))
+        handle = up.start(data, dst, progress=hold)
+        entered.wait(60)
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        interrupted = False
+        try:
+            handle.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+        done_mid_upload = handle.done()
+        release.set()
+        handle.wait(60)
+        print(json.dumps({"interrupted": interrupted, "done_mid_upload": done_mid_upload, "ok": dst == data}))
+    """)
+    assert out == {"interrupted": True, "done_mid_upload": False, "ok": True}

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import math
+import numbers
 import os
 import threading
 import time
@@ -79,12 +81,38 @@ class UploadReport:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+def _check_timeout(timeout: Any) -> Optional[float]:
+    """``timeout`` as a float for a wait, or None for no limit.
+
+    None, ``math.inf`` and anything above ``threading.TIMEOUT_MAX`` (about 292 years) mean no
+    limit: no such deadline can pass, and Python's own waits raise ``OverflowError`` for them.
+    NaN, negative numbers (``queue.Queue.get`` refuses them too; ``Lock.acquire`` takes only -1),
+    booleans and non-numbers raise :class:`~poolkeeper.errors.InvalidArgumentError`. Checked
+    before any wait: a lock or thread join that raises on its argument can leave the waited-on
+    state changed (``Thread.join(nan)`` marks the running thread stopped)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {timeout!r}")
+    try:
+        t = float(timeout)
+    except OverflowError:  # an int beyond float range
+        t = math.inf if timeout > 0 else -math.inf
+    if math.isnan(t) or t < 0:
+        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {timeout!r}")
+    return None if t > threading.TIMEOUT_MAX else t
+
+
 class UploadHandle:
     """An upload running on a background thread."""
 
     def __init__(self, run: Callable[[], UploadReport]) -> None:
         self._result: Optional[UploadReport] = None
         self._error: Optional[BaseException] = None
+        # done()/wait() read this event, not the thread: Thread.join() marks a still-running
+        # thread stopped when its wait raises (a bad timeout, or Ctrl-C, bpo-45274), and the
+        # handle would then report an upload finished while it still writes the destination.
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(run,), name="poolkeeper-upload", daemon=True)
         self._thread.start()
 
@@ -93,16 +121,21 @@ class UploadHandle:
             self._result = run()
         except BaseException as e:  # re-raised by wait()
             self._error = e
+        finally:
+            self._finished.set()
 
     def done(self) -> bool:
         """Whether the upload has finished (data at the destination, or failed)."""
-        return not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> UploadReport:
         """Block until the data is at the destination; raise the upload's error if it failed.
-        Raises ``TimeoutError`` if ``timeout`` seconds pass first."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+
+        ``timeout``: seconds to wait at most; None (default) or ``math.inf`` waits as long as it
+        takes, 0 only looks. Raises ``TimeoutError`` if ``timeout`` seconds pass first, and
+        :class:`~poolkeeper.errors.InvalidArgumentError` for a NaN, negative or non-number
+        timeout (before waiting: the handle is unaffected)."""
+        if not self._finished.wait(_check_timeout(timeout)):
             raise TimeoutError("upload still running")
         if self._error is not None:
             raise self._error
