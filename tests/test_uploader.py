@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import poolkeeper as pk
-from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.errors import InvalidArgumentError, ReentrancyError
 from poolkeeper.staging import PinnedStagingPool, Uploader, _engine
 from poolkeeper.staging.sources import MemorySource, Source
 
@@ -430,6 +430,50 @@ def run_child(code: str, timeout: float = 60) -> dict:
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-1500:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_regression_close_from_own_progress_callback_hung(engine):
+    # Found: close() from the uploader's own progress callback hung. The native engine runs the
+    # callback under _native_lock, which close() takes again; the Python engine runs it under the
+    # run's lock while close() joined the helper threads blocked on that lock (or the calling
+    # helper itself: "cannot join current thread"). ReentrancyError covered only upload()/start().
+    out = run_child(f"""
+        import json
+        import poolkeeper as pk
+        from poolkeeper.errors import ReentrancyError
+        from poolkeeper.staging import PinnedStagingPool, Uploader
+        up = Uploader(PinnedStagingPool(pk.upstream.Host()), chunk_bytes=65536, workers=2, depth=2, engine="{engine}")
+        data = bytes(range(256)) * 4096
+        seen = []
+        def caught(done, total):
+            if not seen:
+                for call in (up.close, lambda: up.__exit__(None, None, None)):
+                    try:
+                        call()
+                        seen.append("no error")
+                    except ReentrancyError as e:
+                        seen.append(type(e).__name__)
+        dst = bytearray(len(data))
+        up.upload(data, dst, progress=caught)  # a refused close() changes nothing: the upload completes
+        errors = []
+        try:
+            up.upload(data, bytearray(len(data)), progress=lambda done, total: up.close())
+        except Exception as e:
+            errors.append(type(e).__name__)
+        try:
+            up.start(data, bytearray(len(data)), progress=lambda done, total: up.close()).wait(30)
+        except Exception as e:
+            errors.append(type(e).__name__)
+        up.pool.validate()
+        dst2 = bytearray(len(data))
+        up.upload(data, dst2)  # still usable
+        live = up.pool.stats()["live_buffers"]
+        up.close()  # and closes from outside
+        print(json.dumps({{"seen": seen, "errors": errors, "ok": dst == data and dst2 == data, "live": live}}))
+    """)
+    assert out == {"seen": ["ReentrancyError", "ReentrancyError"], "errors": ["ReentrancyError", "ReentrancyError"],
+                   "ok": True, "live": 0}
 
 
 def test_regression_wait_with_bad_timeout_marked_a_running_upload_done(host):

@@ -145,7 +145,8 @@ class UploadHandle:
 
 # The uploaders whose progress callback the current thread is running. upload()/start() from
 # inside one would wait for the very upload that waits for the callback (the native engine's lock,
-# the Python engine's busy helper threads): refused at once with ReentrancyError instead.
+# the Python engine's busy helper threads), and close() would take that lock or join those threads
+# (the calling one among them): refused at once with ReentrancyError instead.
 _in_callback = threading.local()
 
 
@@ -160,12 +161,13 @@ def _call_progress(owner: "Uploader", progress: Progress, done: int, total: int)
         active.pop()
 
 
-def _check_not_in_callback(owner: "Uploader") -> None:
+def _check_not_in_callback(owner: "Uploader", call: str) -> None:
     if any(u is owner for u in getattr(_in_callback, "uploaders", ())):
         raise ReentrancyError(
-            "upload()/start() called from a progress callback of an upload running on the same Uploader: "
-            "it would wait for the upload that is waiting for this callback; use another Uploader, or "
-            "start the next upload after this one returns"
+            f"{call} called from a progress callback of an upload running on the same Uploader: "
+            "it would wait for the upload that is waiting for this callback; "
+            + ("close the uploader after this upload returns" if call == "close()" else
+               "use another Uploader, or start the next upload after this one returns")
         )
 
 
@@ -406,15 +408,15 @@ class Uploader:
         binary file object (read from its current position). ``dst``: a device pointer (pinned
         pool), or a host address / writable buffer (Host pool). ``nbytes``: how much of the source
         (default all of it). ``progress(bytes_done, total)`` is called as chunks land (from worker
-        threads, one call at a time). A callback that calls ``upload()`` or ``start()`` on this
-        same uploader gets :class:`~poolkeeper.errors.ReentrancyError` (the nested upload would
-        wait for the one waiting on the callback).
+        threads, one call at a time). A callback that calls ``upload()``, ``start()`` or ``close()``
+        on this same uploader gets :class:`~poolkeeper.errors.ReentrancyError` (each would wait for
+        the upload waiting on the callback).
 
         Every exit path (an error, an exception raised by ``progress`` or by the source,
         ``KeyboardInterrupt``) waits for the copies already issued and gives every staging buffer
         back to the pool (retired, or freed if its copy failed) before it propagates.
         """
-        _check_not_in_callback(self)
+        _check_not_in_callback(self, "upload()")
         source = open_source(src, nbytes)
         try:
             return self._run(source, dst, progress)
@@ -426,7 +428,7 @@ class Uploader:
         """Like :meth:`upload`, on a background thread; ``handle.wait()`` returns the report.
         The source is opened (and validated) before this returns. Refused with
         :class:`~poolkeeper.errors.ReentrancyError` from this uploader's own progress callback."""
-        _check_not_in_callback(self)
+        _check_not_in_callback(self, "start()")
         source = open_source(src, nbytes)
 
         def run() -> UploadReport:
@@ -439,7 +441,11 @@ class Uploader:
         return UploadHandle(run)
 
     def close(self) -> None:
-        """Stop the worker threads (Python and native); close the pool if the uploader created it."""
+        """Stop the worker threads (Python and native); close the pool if the uploader created it.
+
+        From this uploader's own progress callback it raises :class:`~poolkeeper.errors.ReentrancyError`
+        and changes nothing: it would wait for the upload that is waiting for the callback."""
+        _check_not_in_callback(self, "close()")
         with self._lock:
             ex, self._executor = self._executor, None
         if ex is not None:
