@@ -535,3 +535,15 @@ def test_regression_ctrl_c_in_wait_marked_a_running_upload_done():
         print(json.dumps({"interrupted": interrupted, "done_mid_upload": done_mid_upload, "ok": dst == data}))
     """)
     assert out == {"interrupted": True, "done_mid_upload": False, "ok": True}
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_regression_non_callable_progress_failed_mid_upload(host, engine):
+    # Found: upload(progress=5) ran until the first chunk landed and then raised a bare TypeError
+    # from the call; it is now refused before anything is staged.
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2, engine=engine)
+    for call in (up.upload, up.start):
+        with pytest.raises(InvalidArgumentError, match="progress"):
+            call(b"x" * CHUNK, bytearray(CHUNK), progress=5)
+    assert up.pool.stats()["acquires"] == 0
+    up.close()

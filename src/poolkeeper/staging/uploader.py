@@ -171,6 +171,12 @@ def _check_not_in_callback(owner: "Uploader", call: str) -> None:
         )
 
 
+def _check_progress(progress: Any) -> None:
+    # Up front: a non-callable would otherwise fail at the first landed chunk, mid-upload.
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"progress must be None or a callable (bytes_done, total); got {progress!r}")
+
+
 RAMP_MIN = _core.UPLOAD_RAMP_MIN  # the ramp's smallest chunk (the schedule is _core.upload_ramp)
 NATIVE_CHUNK = 4 * MiB  # H200: best at 2 GiB (51.8 GB/s), within 5% of the best at 256 MiB
 PYTHON_CHUNK = 8 * MiB  # H200: the Python engine's best (44-46 GB/s at 2 GiB; 4 MiB gave 24)
@@ -408,15 +414,18 @@ class Uploader:
         binary file object (read from its current position). ``dst``: a device pointer (pinned
         pool), or a host address / writable buffer (Host pool). ``nbytes``: how much of the source
         (default all of it). ``progress(bytes_done, total)`` is called as chunks land (from worker
-        threads, one call at a time). A callback that calls ``upload()``, ``start()`` or ``close()``
-        on this same uploader gets :class:`~poolkeeper.errors.ReentrancyError` (each would wait for
-        the upload waiting on the callback).
+        threads, one call at a time); a non-callable ``progress`` raises
+        :class:`~poolkeeper.errors.InvalidArgumentError` before anything is read. A callback that
+        calls ``upload()``, ``start()`` or ``close()`` on this same uploader gets
+        :class:`~poolkeeper.errors.ReentrancyError` (each would wait for the upload waiting on the
+        callback).
 
         Every exit path (an error, an exception raised by ``progress`` or by the source,
         ``KeyboardInterrupt``) waits for the copies already issued and gives every staging buffer
         back to the pool (retired, or freed if its copy failed) before it propagates.
         """
         _check_not_in_callback(self, "upload()")
+        _check_progress(progress)
         source = open_source(src, nbytes)
         try:
             return self._run(source, dst, progress)
@@ -429,6 +438,7 @@ class Uploader:
         The source is opened (and validated) before this returns. Refused with
         :class:`~poolkeeper.errors.ReentrancyError` from this uploader's own progress callback."""
         _check_not_in_callback(self, "start()")
+        _check_progress(progress)
         source = open_source(src, nbytes)
 
         def run() -> UploadReport:
