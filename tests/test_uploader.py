@@ -547,3 +547,17 @@ def test_regression_non_callable_progress_failed_mid_upload(host, engine):
             call(b"x" * CHUNK, bytearray(CHUNK), progress=5)
     assert up.pool.stats()["acquires"] == 0
     up.close()
+
+
+def test_regression_directory_source_failed_mid_upload(host, tmp_path):
+    # Found: a directory given as the source path opened fine (Linux opens directories read-only)
+    # and failed with IsADirectoryError only at the first read, mid-upload. It is now refused when
+    # the source is opened, as a missing path is (FileNotFoundError): start() raises, not wait().
+    up = Uploader(PinnedStagingPool(host), chunk_bytes=CHUNK, workers=2)
+    for call in (up.upload, up.start):
+        with pytest.raises(IsADirectoryError):
+            call(tmp_path, bytearray(CHUNK))
+        with pytest.raises(FileNotFoundError):  # the case it now matches
+            call(tmp_path / "missing", bytearray(CHUNK))
+    assert up.pool.stats()["acquires"] == 0
+    up.close()

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 from typing import Any, Optional
 
 from poolkeeper.errors import InvalidArgumentError
@@ -58,7 +60,14 @@ class PathSource(Source):
             self._fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except ValueError as e:  # an embedded NUL: not a path at all (OSError stays OSError)
             raise InvalidArgumentError(f"source path {path!r} is not a valid path: {e}") from None
-        self.nbytes = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        if stat.S_ISDIR(st.st_mode):
+            # Linux opens a directory read-only; only the first read fails. Refuse it here, as an
+            # OSError like a missing or unreadable path, before the upload has begun.
+            os.close(self._fd)
+            self._fd = -1
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        self.nbytes = st.st_size
 
     def fill(self, buf: StagingBuffer, offset: int, n: int) -> None:
         with buf.view(0, n) as mv:
