@@ -22,8 +22,10 @@ Rules:
   leaves its books: it is counted in ``upstream_free_failures`` and the buffer is *held*
   (``refused_buffers``), still the pool's, never handed out again, and retried by the next
   ``trim()`` / ``close()`` and by the pool's finalizer (the way the device pools re-adopt a refused
-  free). So ``pinned_alloc_calls == frees + retained + live + leaked_unconfirmed + refused`` holds
-  after every refusal.
+  free). A free cut short by Ctrl-C is not retried: it most likely happened, and a second free
+  could free memory handed out since; it is counted in ``frees_interrupted`` and leaves the books.
+  So ``pinned_alloc_calls == frees + retained + live + leaked_unconfirmed + refused +
+  frees_interrupted`` holds after every refusal and every interruption.
 """
 from __future__ import annotations
 
@@ -52,6 +54,11 @@ _COUNTERS = (
     "closed_without_retire",  # buf.close() while live: freed, not recycled
     "leaked_unconfirmed",  # ended while a device copy's completion could not be tracked: not freed
     "upstream_free_failures",  # upstream.deallocate calls that raised (the buffer is held, see _hold)
+    # upstream.deallocate calls cut short by a BaseException (Ctrl-C): CPython raises a pending
+    # KeyboardInterrupt as the call returns, so the free most likely happened; whether it did is
+    # unknown, so the buffer leaves the books and is never freed again (a second free could free
+    # memory the upstream has handed out since).
+    "frees_interrupted",
 )
 
 
@@ -241,7 +248,7 @@ class PinnedStagingPool:
         Invariants: the retained list is sorted, within both bounds, and its byte total is
         ``retained_bytes``; every acquire was a pin or a reuse; every acquire is live, retired or
         ended without retire (dropped, closed, leaked); every pin is freed, retained, live, leaked
-        or held after a refused free; at most ``live_buffers`` leases are not yet ended (a lease
+        held after a refused free, or its free interrupted; at most ``live_buffers`` leases are not yet ended (a lease
         ends before the pool books it); each lease passes ``Lease.validate``.
         """
         with self._lock:
@@ -257,8 +264,8 @@ class PinnedStagingPool:
             ended = c["retires"] + c["dropped_without_retire"] + c["closed_without_retire"] + c["leaked_unconfirmed"]
             assert c["acquires"] == ended + self._live_buffers, "acquires != ended leases + live buffers"
             held = len(self._refused)
-            accounted = c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"] + held
-            assert c["pinned_alloc_calls"] == accounted, "pins != frees + retained + live + leaked + refused"
+            accounted = c["frees"] + len(ret) + self._live_buffers + c["leaked_unconfirmed"] + held + c["frees_interrupted"]
+            assert c["pinned_alloc_calls"] == accounted, "pins != frees + retained + live + leaked + refused + interrupted"
             leases = [lease for lease in list(self._leases) if lease.pool is self]
             open_leases = sum(1 for lease in leases if lease.state not in TERMINAL)
             assert open_leases <= self._live_buffers, f"{open_leases} open leases, {self._live_buffers} live buffers"
@@ -287,23 +294,26 @@ class PinnedStagingPool:
             if not blocks:
                 return 0
             self._begin_transit()
-        freed: list[int] = []
-        refused: list[tuple[int, int]] = []
+        # Per block: "" not tried, then "inflight" until the call returned "freed" or raised
+        # "refused". One store each, so a Ctrl-C leaves every block in a state that is true.
+        state = [""] * len(blocks)
         try:
-            for cap, ptr in blocks:
+            for k, (cap, ptr) in enumerate(blocks):
+                state[k] = "inflight"
                 try:
                     self._upstream.deallocate(ptr, cap)
+                    state[k] = "freed"
                 except Exception:
-                    refused.append((cap, ptr))
-                    continue
-                freed.append(cap)
+                    state[k] = "refused"
         finally:
             with self._lock:
+                freed = [cap for (cap, _), st in zip(blocks, state) if st == "freed"]
                 self._c["frees"] += len(freed)
                 self._c["freed_by_trim"] += len(freed)
-                self._c["upstream_free_failures"] += len(refused)
-                # Buffers a BaseException (Ctrl-C) kept the loop from reaching are still the pool's.
-                self._hold(refused + blocks[len(freed) + len(refused):])
+                self._c["upstream_free_failures"] += state.count("refused")
+                self._c["frees_interrupted"] += state.count("inflight")
+                # Refused, or never tried (a Ctrl-C ended the loop first): still the pool's.
+                self._hold([b for b, st in zip(blocks, state) if st in ("refused", "")])
                 self._end_transit()
         return sum(freed)
 
@@ -374,8 +384,9 @@ class PinnedStagingPool:
                 self._peak_retained_bytes = max(self._peak_retained_bytes, self._retained_bytes)
                 return
             self._begin_transit()
-        outcome = "cut"  # a BaseException (Ctrl-C) before the free returned
+        outcome = "unfreed"  # a Ctrl-C before the call: not freed, held
         try:
+            outcome = "inflight"  # a Ctrl-C from here on: unknown (see frees_interrupted)
             self._upstream.deallocate(ptr, cap)
             outcome = "freed"
         except Exception:
@@ -387,6 +398,8 @@ class PinnedStagingPool:
                 if outcome == "freed":
                     self._c["frees"] += 1
                     self._c[reason] += 1
+                elif outcome == "inflight":
+                    self._c["frees_interrupted"] += 1
                 else:
                     self._c["upstream_free_failures"] += outcome == "refused"
                     self._hold([(cap, ptr)])
@@ -397,12 +410,14 @@ class PinnedStagingPool:
         takes no lock. The "begin" event lets stats() wait for the free to be booked. A refused
         free ends the lease all the same and holds the buffer (see _hold); it does not raise: the
         lease is already closed, and a finalizer has nobody to raise to."""
-        end = ("abort", 0, 0)
+        # Until the call: a Ctrl-C leaves the buffer unfreed (held); during it, unknown
+        # (frees_interrupted). The end is recorded whatever happens, or stats() would wait for it
+        # forever, and the lease would stay live.
+        end = ("unfreed " + how, cap, ptr)
         try:
-            # Inside the try: a Ctrl-C raised right after the "begin" is recorded still records
-            # its end ("abort"), or stats() would wait for it forever.
             self._events.append(("begin", 0, 0))
             try:
+                end = ("interrupted " + how, cap, 0)
                 self._upstream.deallocate(ptr, cap)
                 end = (how, cap, 0)
             except Exception:
@@ -460,8 +475,8 @@ class PinnedStagingPool:
         ev = self._events
         while ev:
             how, cap, ptr = ev.popleft()
-            if how in ("begin", "abort"):
-                self._fin_open += 1 if how == "begin" else -1
+            if how == "begin":
+                self._fin_open += 1
                 continue
             self._live_buffers -= 1
             self._live_bytes -= cap
@@ -469,10 +484,12 @@ class PinnedStagingPool:
                 self._c["leaked_unconfirmed"] += 1
                 continue
             self._fin_open -= 1
-            if how.startswith("refused "):
-                how = how[len("refused "):]
-                self._c["upstream_free_failures"] += 1
+            outcome, _, how = how.rpartition(" ")
+            if outcome in ("refused", "unfreed"):
+                self._c["upstream_free_failures"] += outcome == "refused"
                 self._hold([(cap, ptr)])
+            elif outcome == "interrupted":
+                self._c["frees_interrupted"] += 1
             else:
                 self._c["frees"] += 1
             self._c["dropped_without_retire" if how == "dropped" else "closed_without_retire"] += 1
