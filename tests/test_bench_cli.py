@@ -221,3 +221,36 @@ def test_regression_bench_json_through_a_symlink_replaced_the_link(tmp_path):
     assert main(["bench", *FAST, "--arms", "direct", "--workloads", "kv_cache", "--json", str(link)]) == 0
     assert os.path.islink(link) and json.loads(target.read_text())["rows"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("stdout", ["pipe", "file"])
+def test_regression_bench_json_to_dev_stdout_failed_on_a_pipe_and_cut_a_files_output(stdout, tmp_path):
+    # Found by review of the device-node fix: `--json /dev/stdout` resolved through
+    # /proc/self/fd/1 to "pipe:[N]", which has no name, so the atomic write failed ("No such file
+    # or directory: .../pipe:[N].tmp"); with stdout redirected to a file it renamed a new file over
+    # it, and everything the program had printed (the table) went to the unlinked old one. A path
+    # that reaches the process's own output is written through that stream now.
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/stdout"):
+        pytest.skip("no /dev/stdout here")
+    argv = [sys.executable, "-m", "poolkeeper.cli", "bench", *FAST, "--arms", "direct", "--workloads", "kv_cache",
+            "--json", "/dev/stdout"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if stdout == "pipe":
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        out = r.stdout
+    else:
+        log = tmp_path / "log.txt"
+        log.write_text("PRE-EXISTING LINE\n")
+        with open(log, "a") as f:
+            r = subprocess.run(argv, stdout=f, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        out = log.read_text()
+        assert out.startswith("PRE-EXISTING LINE\n")
+    assert r.returncode == 0, r.stderr
+    assert "direct" in out.split('"format"')[0]  # the table printed before the rows
+    start = out.index('{\n "format"')
+    doc = json.JSONDecoder().raw_decode(out[start:])[0]
+    assert doc["rows"]

@@ -58,14 +58,40 @@ def output_path(path: Any, what: str = "output path") -> str:
 
 
 def is_special(path: str) -> bool:
-    """True if ``path`` exists and is not a regular file (a character device or a FIFO, once
-    :func:`output_path` accepted it). An atomic write (a temporary file renamed over the path)
-    must not be used there: the rename replaced the device node itself (``bench --json
-    /dev/null`` run as root destroyed ``/dev/null`` for the whole machine)."""
+    """True if ``path`` must be written straight rather than atomically (a temporary file renamed
+    over it): it exists and is not a regular file (a character device or a FIFO, once
+    :func:`output_path` accepted it: the rename replaced the device node itself, and ``bench
+    --json /dev/null`` run as root destroyed ``/dev/null`` for the whole machine), or it reaches a
+    descriptor of this process (``/dev/stdout``, ``/dev/fd/N``, ``/proc/self/fd/N``: on a pipe
+    the resolved name ``pipe:[N]`` does not exist, and on a file the rename cut the program's own
+    output off)."""
     try:
-        return not stat.S_ISREG(os.stat(path).st_mode)
+        st = os.stat(path)
     except (OSError, ValueError):
         return False
+    if not stat.S_ISREG(st.st_mode) or own_stream(path) is not None:
+        return True
+    return os.path.realpath(path).startswith("/proc/")
 
 
-__all__ = ["path_arg", "output_path", "is_special"]
+def own_stream(path: str) -> Any:
+    """``sys.stdout`` or ``sys.stderr`` if ``path`` is the same file as this process's standard
+    output or error (``/dev/stdout`` with the output redirected to a file), else None: writing
+    there through the open stream keeps what the program printed before, where reopening the path
+    would truncate it."""
+    import sys
+
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        try:
+            if os.path.samestat(st, os.fstat(fd)):
+                return stream
+        except OSError:
+            continue
+    return None
+
+
+__all__ = ["path_arg", "output_path", "is_special", "own_stream"]

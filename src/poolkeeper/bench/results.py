@@ -9,7 +9,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from poolkeeper._paths import is_special, output_path
+from poolkeeper._paths import is_special, output_path, own_stream
 from poolkeeper.bench.errors import ResultsError
 from poolkeeper.bench.machine import machine_info
 
@@ -49,9 +49,9 @@ def check_writable(path: str) -> None:
     if not isinstance(path, str) or not path:
         raise ResultsError(f"--json needs a file path; got {path!r}")
     try:
-        target = _target(path)
-        if is_special(target):
+        if is_special(output_path(path, "results path")):
             return
+        target = _target(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = target + ".tmp"
         with open(tmp, "a", encoding="utf-8"):
@@ -69,18 +69,22 @@ def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[
     :class:`~poolkeeper.errors.InvalidArgumentError`; a character device or FIFO
     (``/dev/stdout``, a pipe) is written straight, never renamed over; a symlink is written
     through (its target is replaced, the link stays)."""
-    path = _target(path)
-    if is_special(path):
+    if is_special(output_path(path, "results path")):  # on the path as given: a pipe's target has no name
+        stream = own_stream(path)
+        if stream is not None:
+            stream.flush()
+            _dump(rows, command, meta, stream)
+            stream.flush()
+            return
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
-            f.write("\n")
+            _dump(rows, command, meta, f)
         return
+    path = _target(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
-            f.write("\n")
+            _dump(rows, command, meta, f)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -88,6 +92,11 @@ def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[
         except OSError:
             pass
         raise
+
+
+def _dump(rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]], meta: Dict[str, Any], f: Any) -> None:
+    json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
+    f.write("\n")
 
 
 def write_or_rescue(path: str, rows: Sequence[Dict[str, Any]], **meta: Any) -> str:
