@@ -1370,9 +1370,11 @@ def test_regression_to_torch_took_any_device_index(device, tmp_path):
     with pytest.raises(InvalidArgumentError, match="device"):
         snap.to_torch(tmp_path / "s.pickle", device=device)
     assert not (tmp_path / "s.pickle").exists()
-    for ok in (-1, 0, MAX_DEVICES - 1):
+    import numpy as np
+
+    for ok in (-1, 0, MAX_DEVICES - 1, np.int64(2)):   # any integer type (review: np.int64 had worked)
         with open(snap.to_torch(tmp_path / "s.pickle", device=ok), "rb") as f:
-            assert len(pickle.load(f)["device_traces"]) == max(ok, 0) + 1
+            assert len(pickle.load(f)["device_traces"]) == max(int(ok), 0) + 1
 
 
 def test_regression_to_torch_with_a_huge_device_exhausted_memory(tmp_path):

@@ -213,7 +213,8 @@ class PoolBuffer(_core.BufferCore):
         there only None is accepted, as the array API standard says.
 
         Raises :class:`BufferExportError` for a request that cannot be served (``copy=True``,
-        another device, a stream DLPack disallows) and
+        another device, a stream not None, -1 or an int in [0, 2**64): 0, which DLPack disallows,
+        is taken as CUDA's handle of the legacy default stream) and
         :class:`~poolkeeper.errors.InvalidArgumentError` for a malformed one (``max_version`` or
         ``dl_device`` not None or a tuple of two integers, ``copy`` not None or a bool).
         """

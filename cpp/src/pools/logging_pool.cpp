@@ -120,9 +120,15 @@ LoggingPool::LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, s
     throw InvalidArgument("LoggingPool: cannot create the log file '" + path_ + "': " + std::strerror(errno));
   // Our own buffer does the batching; stdio's would only copy it once more.
   std::setvbuf(file_, nullptr, _IONBF, 0);
-  std::call_once(g_atexit_once, [] { std::atexit(&LoggingPool::flush_all_at_exit); });
-  std::lock_guard<std::mutex> g(g_open_mu);
-  open_pools().insert(this);
+  try {
+    std::call_once(g_atexit_once, [] { std::atexit(&LoggingPool::flush_all_at_exit); });
+    std::lock_guard<std::mutex> g(g_open_mu);
+    open_pools().insert(this);
+  } catch (...) {  // (std::bad_alloc, std::system_error) no destructor runs for a throwing constructor
+    std::fclose(file_);
+    file_ = nullptr;
+    throw;
+  }
 }
 
 LoggingPool::~LoggingPool() {

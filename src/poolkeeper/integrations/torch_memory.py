@@ -41,6 +41,7 @@ holds one empty list per device: a pool keeps no allocation history.
 """
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 from collections import OrderedDict
@@ -181,10 +182,14 @@ def _device(device: Any) -> int:
     from poolkeeper.errors import InvalidArgumentError
 
     # device_traces holds a list per index up to the largest: an unchecked 2**40 allocated lists
-    # until memory ran out.
-    if isinstance(device, bool) or not isinstance(device, int) or not -1 <= device < MAX_DEVICES:
+    # until memory ran out. Any integer type passes (numpy's np.int64 did before the check).
+    try:
+        index = None if isinstance(device, bool) else operator.index(device)
+    except TypeError:
+        index = None
+    if index is None or not -1 <= index < MAX_DEVICES:
         raise InvalidArgumentError(f"device must be an int in [-1, {MAX_DEVICES}); got {device!r:.60}")
-    return int(device)
+    return index
 
 
 def torch_snapshot_dict(snapshots: Mapping[int, Snapshot]) -> Dict[str, Any]:
