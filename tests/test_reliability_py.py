@@ -708,3 +708,32 @@ def test_pools_and_as_handle_read_streams_the_same_way():
             call()
     assert pool.stats()["live_blocks"] == 0
     pool.validate()
+
+
+def test_regression_an_int_too_long_to_print_escaped_the_new_checks_as_a_bare_value_error(tmp_path):
+    # Found rereading the hostile-probing fixes: their error messages printed the bad value with
+    # repr(), and an int of more than 4,300 digits cannot be printed, so the check meant to
+    # report it raised Python's own ValueError instead. Messages describe values with
+    # errors.brief() now ("an int of N bits", as the core's messages say).
+    import poolkeeper as pk
+    from poolkeeper.buffers import BufferExportError
+    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.staging import PinnedStagingPool
+    from poolkeeper.staging.uploader import _check_timeout
+
+    big = 10**5000
+    snap = pk.ArenaPool(pk.upstream.Simulated(latency="none")).snapshot()
+    staging = PinnedStagingPool(pk.upstream.Host()).acquire(64)
+    buf = pk.ArenaPool(pk.upstream.Simulated(latency="none")).buffer(64)
+    cases = [
+        (lambda: snap.to_json(big), InvalidArgumentError),
+        (lambda: snap.to_torch(tmp_path / "s.pickle", device=big), InvalidArgumentError),
+        (lambda: _check_timeout(-big), InvalidArgumentError),
+        (lambda: staging.view(big), InvalidArgumentError),
+        (lambda: staging.view(-big), InvalidArgumentError),
+        (lambda: buf.__dlpack__(stream=big), BufferExportError),
+    ]
+    for call, error in cases:
+        with pytest.raises(error, match="an int of 16610 bits"):
+            call()
+    staging.close()

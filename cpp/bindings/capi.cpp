@@ -10,6 +10,8 @@
 namespace poolkeeper::py {
 
 void bind_capi(nb::module_& m) {
+  // The registry's device bound, for the Python code that checks device indices against it.
+  m.attr("MAX_DEVICES") = registry::kMaxDevices;
   m.def("registry_set", [](int device, std::shared_ptr<Pool> pool) { registry::set(device, exit_safe(std::move(pool))); },
         "device"_a, "pool"_a.none(), "Install pool for device (-1: host) behind the C ABI; None removes it.");
   m.def("registry_get", [](int device) -> nb::object {

@@ -6,7 +6,7 @@ import os
 import stat
 from typing import Any
 
-from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.errors import InvalidArgumentError, brief
 
 _REFUSED = ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -16,12 +16,12 @@ def path_arg(path: Any, what: str = "path") -> str:
     :class:`InvalidArgumentError`: an int is refused because ``open(3)`` would adopt a
     descriptor the program owns and close it when done (stdin for 0)."""
     if isinstance(path, (bool, int)) or not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"{what} must be a file path (str or os.PathLike), not {type(path).__name__} {path!r:.60}")
+        raise InvalidArgumentError(f"{what} must be a file path (str or os.PathLike), not {brief(path)}")
     p = os.fspath(path)
     if not isinstance(p, str):
         raise InvalidArgumentError(f"{what} must be a text path, not {type(p).__name__}")
     if not p or "\0" in p:
-        raise InvalidArgumentError(f"{what} must be a non-empty path without NUL characters; got {p!r:.60}")
+        raise InvalidArgumentError(f"{what} must be a non-empty path without NUL characters; got {brief(p)}")
     return p
 
 
@@ -69,7 +69,7 @@ def is_special(path: str) -> bool:
         st = os.stat(path)
     except (OSError, ValueError):
         return False
-    if not stat.S_ISREG(st.st_mode) or own_stream(path) is not None:
+    if not stat.S_ISREG(st.st_mode) or _own_stream(st) is not None:
         return True
     return os.path.realpath(path).startswith("/proc/")
 
@@ -79,12 +79,15 @@ def own_stream(path: str) -> Any:
     output or error (``/dev/stdout`` with the output redirected to a file), else None: writing
     there through the open stream keeps what the program printed before, where reopening the path
     would truncate it."""
-    import sys
-
     try:
-        st = os.stat(path)
+        return _own_stream(os.stat(path))
     except (OSError, ValueError):
         return None
+
+
+def _own_stream(st: os.stat_result) -> Any:
+    import sys
+
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
         try:
             if os.path.samestat(st, os.fstat(fd)):

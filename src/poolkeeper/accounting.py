@@ -25,7 +25,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Union
 
-from poolkeeper.errors import InvariantError
+from poolkeeper.errors import InvariantError, brief
 
 STATES = ("live", "free", "pending", "thread_cached")
 
@@ -48,7 +48,7 @@ def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {_brief(v)}")
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must be an integer, got {brief(v)}")
     if not -(1 << 63) <= v < 1 << 64:  # addresses, sizes and handles are 64-bit
         raise InvariantError(f"not a poolkeeper snapshot: {what} must fit in 64 bits, got {v.bit_length()} bits")
     return v
@@ -61,22 +61,15 @@ def _alignment(v: Any) -> int:
     return a
 
 
-def _brief(v: Any) -> str:
-    # Bounded: a hostile value may be nested thousands deep or be megabytes long.
-    if isinstance(v, (dict, list, tuple)):
-        return f"a {type(v).__name__} of {len(v)} items"
-    return repr(v)[:80]
-
-
 def _chunk(c: dict) -> "Chunk":
     if not isinstance(c, dict):
-        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {_brief(c)}")
+        raise InvariantError(f"not a poolkeeper snapshot: a chunk must be an object, got {brief(c)}")
     state = c.get("state")
     if not isinstance(state, str):
-        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {_brief(state)}")
+        raise InvariantError(f"not a poolkeeper snapshot: chunk state must be a string, got {brief(state)}")
     waits = c.get("waits_on") or []
     if not isinstance(waits, list):
-        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {_brief(waits)}")
+        raise InvariantError(f"not a poolkeeper snapshot: waits_on must be a list, got {brief(waits)}")
     return Chunk(
         offset=_int(c.get("offset"), "chunk offset"),
         size=_int(c.get("size"), "chunk size"),
@@ -147,7 +140,7 @@ class Snapshot:
 
         Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a ``path`` that is not a
         ``str`` / ``os.PathLike`` (an int is never taken as a file descriptor) or that names a
-        directory, device, FIFO or socket (see :func:`poolkeeper._paths.output_path`)."""
+        directory, block device or socket (see :func:`poolkeeper._paths.output_path`)."""
         from poolkeeper._paths import output_path
 
         out = None if path is None else output_path(path, "path")

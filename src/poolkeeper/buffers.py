@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Optional, Tuple
 
 from poolkeeper import _core, _dlpack
-from poolkeeper.errors import InvalidArgumentError, PoolkeeperError
+from poolkeeper.errors import InvalidArgumentError, PoolkeeperError, brief
 
 # DLPack / CUDA-array-interface stream numbers (the CUDA driver's CU_STREAM_LEGACY and
 # CU_STREAM_PER_THREAD have the same values). poolkeeper, like PyTorch, names the legacy default
@@ -69,9 +69,7 @@ def _stream_from_protocol(s: Optional[int]) -> Optional[int]:
         return 0
     # Type first: `s == -1` on a numpy array is an array, whose truth value raises.
     if not isinstance(s, int) or isinstance(s, bool) or not -1 <= s < 1 << 64:
-        # Not {s!r}: str() of an int over 4,300 digits raises, and so may a hostile __repr__.
-        got = type(s).__name__ if not isinstance(s, int) else s if s.bit_length() <= 64 else f"an int of {s.bit_length()} bits"
-        raise BufferExportError(f"stream must be None, -1 or a stream handle; got {got}")
+        raise BufferExportError(f"stream must be None, -1 or a stream handle; got {brief(s)}")
     if s == _NO_SYNC:
         return None
     if s == _LEGACY or s == 0:

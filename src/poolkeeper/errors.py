@@ -27,6 +27,23 @@ def _rebuild(cls, message, figures):
     return cls(message, **figures)
 
 
+def brief(v: Any) -> str:
+    """A bounded description of a value for an error message. Not ``repr(v)`` as such: an int of
+    more than 4,300 digits cannot be printed (``ValueError``, which escaped untyped from the very
+    checks meant to report it), and a value nested thousands deep, or with a hostile
+    ``__repr__``, raises or takes seconds."""
+    if isinstance(v, (dict, list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    if isinstance(v, int) and not isinstance(v, bool):  # above 256 bits as the core's messages say
+        return f"an int of {v.bit_length()} bits" if v.bit_length() > 256 else str(v)
+    if isinstance(v, (str, bytes)):
+        return repr(v[:40]) + ("..." if len(v) > 40 else "")
+    try:
+        return f"{type(v).__name__} {v!r}"[:80]
+    except Exception:
+        return f"a {type(v).__name__}"
+
+
 class InvalidArgumentError(PoolkeeperError, ValueError):
     """A bad size, alignment or option (zero/negative/absurd sizes, non power-of-two alignment)."""
 

@@ -47,6 +47,7 @@ import pickle
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Union
 
+from poolkeeper import _core
 from poolkeeper.accounting import Snapshot
 
 TORCH_BLOCK_STATE = {
@@ -173,13 +174,13 @@ def torch_segments(snap: Snapshot, device: int) -> List[Dict[str, Any]]:
     return segments
 
 
-#: Device indices a pool can have: -1 (host/simulated) and [0, 64), the C ABI's registry bound
-#: (``kMaxDevices`` in cpp/include/poolkeeper/core/registry.hpp; docs/conformance.md).
-MAX_DEVICES = 64
+#: Device indices a pool can have: -1 (host/simulated) and [0, MAX_DEVICES), the C ABI's
+#: registry bound (64; docs/conformance.md).
+MAX_DEVICES: int = _core.MAX_DEVICES
 
 
 def _device(device: Any) -> int:
-    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.errors import InvalidArgumentError, brief
 
     # device_traces holds a list per index up to the largest: an unchecked 2**40 allocated lists
     # until memory ran out. Any integer type passes (numpy's np.int64 did before the check).
@@ -188,7 +189,7 @@ def _device(device: Any) -> int:
     except TypeError:
         index = None
     if index is None or not -1 <= index < MAX_DEVICES:
-        raise InvalidArgumentError(f"device must be an int in [-1, {MAX_DEVICES}); got {device!r:.60}")
+        raise InvalidArgumentError(f"device must be an int in [-1, {MAX_DEVICES}); got {brief(device)}")
     return index
 
 

@@ -54,7 +54,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from poolkeeper.errors import InvalidArgumentError, WitnessError
+from poolkeeper.errors import InvalidArgumentError, WitnessError, brief
 from poolkeeper.staging import witness as _witness
 from poolkeeper.staging._errors import BufferInUseError, BufferStateError
 
@@ -137,17 +137,17 @@ class Lease:
     def check_range(self, offset: int, nbytes: Optional[int]) -> tuple[int, int]:
         """``(offset, nbytes)`` of a range inside the lease's ``nbytes``; InvalidArgumentError if not."""
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise InvalidArgumentError(f"offset must be a non-negative int; got {offset!r}")
+            raise InvalidArgumentError(f"offset must be a non-negative int; got {brief(offset)}")
         if nbytes is None:
             if offset > self.nbytes:  # else the derived nbytes would be reported as the caller's
                 raise InvalidArgumentError(
-                    f"offset {offset} is past the end of this staging buffer of {self.nbytes} bytes",
+                    f"offset {brief(offset)} is past the end of this staging buffer of {self.nbytes} bytes",
                     requested=offset,
                     nbytes=self.nbytes,
                 )
             nbytes = self.nbytes - offset
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidArgumentError(f"nbytes must be a non-negative int; got {nbytes!r}")
+            raise InvalidArgumentError(f"nbytes must be a non-negative int; got {brief(nbytes)}")
         if offset + nbytes > self.nbytes:
             raise InvalidArgumentError(
                 f"range [{offset}, {offset + nbytes}) is outside this staging buffer of {self.nbytes} bytes",

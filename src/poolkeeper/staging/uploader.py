@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from poolkeeper import _core
-from poolkeeper.errors import InvalidArgumentError, ReentrancyError
+from poolkeeper.errors import InvalidArgumentError, ReentrancyError, brief
 from poolkeeper.staging import _engine
 from poolkeeper.staging._engine import _device_dst, _host_dst, copy, copy_async
 from poolkeeper.staging.pool import MiB, PinnedStagingPool
@@ -93,13 +93,13 @@ def _check_timeout(timeout: Any) -> Optional[float]:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {brief(timeout)}")
     try:
         t = float(timeout)
     except OverflowError:  # an int beyond float range
         t = math.inf if timeout > 0 else -math.inf
     if math.isnan(t) or t < 0:
-        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be None or a number of seconds >= 0; got {brief(timeout)}")
     return None if t > threading.TIMEOUT_MAX else t
 
 
@@ -174,7 +174,7 @@ def _check_not_in_callback(owner: "Uploader", call: str) -> None:
 def _check_progress(progress: Any) -> None:
     # Up front: a non-callable would otherwise fail at the first landed chunk, mid-upload.
     if progress is not None and not callable(progress):
-        raise InvalidArgumentError(f"progress must be None or a callable (bytes_done, total); got {progress!r}")
+        raise InvalidArgumentError(f"progress must be None or a callable (bytes_done, total); got {brief(progress)}")
 
 
 RAMP_MIN = _core.UPLOAD_RAMP_MIN  # the ramp's smallest chunk (the schedule is _core.upload_ramp)

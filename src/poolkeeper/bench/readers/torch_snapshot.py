@@ -22,6 +22,7 @@ import pickle
 from typing import Any, BinaryIO, Dict, List, Optional
 
 from poolkeeper.bench.errors import ReplayError
+from poolkeeper.errors import brief
 from poolkeeper.bench.readers.trace import ALLOC, FREE, Event, Trace
 
 REPLAYED = {"alloc": ALLOC, "free_completed": FREE}
@@ -53,26 +54,14 @@ def _load(f: BinaryIO, path: str) -> Any:
         raise ReplayError(f"corrupt pickle ({type(e).__name__}: {str(e)[:200]})", path=path, where="pickle") from None
 
 
-def _brief(v: Any) -> str:
-    # A bounded description of a value that may be huge or nested thousands deep (str() of such
-    # a value can itself raise RecursionError or take seconds).
-    if isinstance(v, (dict, list, tuple)):
-        return f"a {type(v).__name__} of {len(v)} items"
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-        return f"an integer of {v.bit_length()} bits"
-    if isinstance(v, (str, bytes)):
-        return repr(v[:40]) + ("..." if len(v) > 40 else "")
-    return f"{type(v).__name__} {v!r}"[:80]
-
-
 def _int(entry: Dict[str, Any], key: str, path: str, where: str) -> int:
     v = entry.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ReplayError(f"field {key!r} is {_brief(v)}, expected an integer", path=path, where=where)
+        raise ReplayError(f"field {key!r} is {brief(v)}, expected an integer", path=path, where=where)
     if v < 0:
-        raise ReplayError(f"field {key!r} is negative ({_brief(v)})", path=path, where=where)
+        raise ReplayError(f"field {key!r} is negative ({brief(v)})", path=path, where=where)
     if v >= 1 << 64:
-        raise ReplayError(f"field {key!r} is {_brief(v)}, more than 64 bits", path=path, where=where)
+        raise ReplayError(f"field {key!r} is {brief(v)}, more than 64 bits", path=path, where=where)
     return v
 
 
@@ -106,7 +95,7 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
     for i, e in enumerate(traces[device]):
         where = f"device_traces[{device}][{i}]"
         if not isinstance(e, dict) or not isinstance(e.get("action"), str):
-            raise ReplayError(f"trace entry is not a dict with a string 'action': {_brief(e)}", path=path, where=where)
+            raise ReplayError(f"trace entry is not a dict with a string 'action': {brief(e)}", path=path, where=where)
         action = e["action"]
         kind = REPLAYED.get(action)
         if kind is not None:
