@@ -318,3 +318,33 @@ def test_map_of_an_empty_pool(page, tmp_path):
     open_map(page, pk.SizeClassPool(pk.upstream.Simulated(latency_us=0)).snapshot(), tmp_path, "empty.html")
     assert figure(page, "reserved") == 0 and figure(page, "chunks") == 0
     assert "adds up" in page.text_content("#equation")
+
+
+def test_map_runs_no_script_from_the_snapshots_strings(page, tmp_path):
+    # Every string of a snapshot that reaches the page -- pool, upstream, a stats key, a
+    # pending_by_stream key -- carrying the ways out of a JSON block and into markup. The page must
+    # show them as text: no handler runs, no element is added, the title stays text.
+    from poolkeeper.accounting import Backing, Chunk, Snapshot
+
+    evil = ('</script><script>window.__pwned="script"</script><img src=x onerror="window.__pwned=\'img\'">'
+            '<!--<script>window.__pwned="comment"</script>{{JS}}\u2028\u2029')
+    chunks = [Chunk(0, 4096, "live", requested=4000, alloc_stream=1, last_stream=1),
+              Chunk(4096, 4096, "pending", alloc_stream=1, last_stream=2, event=7, waits_on=[2])]
+    snap = Snapshot(evil, evil, 256, {evil: 5, "pending_by_stream": {evil: 4096}},
+                    [Backing(1 << 40, 8192, chunks=chunks)])
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    open_map(page, snap, tmp_path, "evil.html")
+    for i in range(2):  # the tooltip and the pinned details of each chunk
+        pos = page.evaluate(f"window.poolkeeperMap.locate(0, {i})")
+        settle(page)
+        page.mouse.move(pos["x"], pos["y"])
+        page.mouse.click(pos["x"], pos["y"])
+    page.click("#stats-box summary")
+    assert page.evaluate("window.__pwned") is None
+    assert not dialogs
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("document.querySelectorAll('script').length") == 2  # the data block and the page's own
+    assert evil.split("{{")[0] in page.title()
+    assert evil in page.text_content("#stats")
+    assert f"stream {evil}" in page.text_content("#sum-pending_by_stream")

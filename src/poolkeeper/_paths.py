@@ -1,10 +1,13 @@
 """The one check every file poolkeeper writes goes through (``bench``/``compare``/``replay --json``,
-``report -o``, ``lab --write``, ``Snapshot.to_json`` / ``to_html`` / ``to_torch``)."""
+``report -o``, ``lab --write``, ``Snapshot.to_json`` / ``to_html`` / ``to_torch``), and the one
+way they are written (:func:`write_output`: whole or not at all)."""
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import stat
-from typing import Any
+from typing import Any, Iterable, Union
 
 from poolkeeper.errors import InvalidArgumentError, brief
 
@@ -97,4 +100,106 @@ def _own_stream(st: os.stat_result) -> Any:
     return None
 
 
-__all__ = ["path_arg", "output_path", "is_special", "own_stream"]
+def check_not_input(out: str, inputs: Iterable[Any], what: str = "output path") -> None:
+    """:class:`InvalidArgumentError` if ``out`` names an existing regular file that is also one of
+    ``inputs`` (the same file by device and inode: through a symlink, a hard link or another
+    spelling of the path). ``report snap.html`` (the default output of ``X.html`` is ``X.html``)
+    and ``replay LOG --json LOG`` replaced the file they had read. A character device or FIFO is
+    written straight, never replaced, so reading and writing ``/dev/tty`` stays allowed."""
+    try:
+        st = os.stat(out)
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    for src in inputs:
+        try:
+            same = os.path.samestat(st, os.stat(src))
+        except (OSError, ValueError, TypeError):
+            continue
+        if same:
+            raise InvalidArgumentError(
+                f"{what} {out!r} is the input file {os.fspath(src)!r}: writing there would replace what is being read; "
+                "choose another output path")
+
+
+def _fill(fd: int, data: bytes) -> None:
+    """Write ``data`` to the new file ``fd`` and close it. (Not ``fsync``ed: the rename makes the
+    write all-or-nothing for every reader and for a Ctrl-C or an error, which is the promise; a
+    power cut is another matter, and an ``fsync`` per snapshot can cost seconds on a network disk.)"""
+    with open(fd, "wb") as f:
+        f.write(data)
+
+
+def write_output(path: Any, data: Union[bytes, str], what: str = "output path", inputs: Iterable[Any] = ()) -> str:
+    """Write ``data`` to ``path`` whole or not at all; return the path as given (a ``str``).
+
+    ``path`` is checked by :func:`output_path` and :func:`check_not_input`. A regular file (or
+    nothing yet) is replaced atomically: the data goes to a new file beside it (``.NAME.XXXX.tmp``),
+    which is renamed over the target only once written and closed, so a full disk, a refused
+    write or a Ctrl-C leaves the old file (or none) and no temporary file, never a half-written
+    one. A symlink is written through (the link stays, its target is replaced); a new file gets
+    the permissions ``open()`` would give it, a replaced one keeps its mode. A character device
+    or FIFO (``/dev/stdout``, ``/dev/null``, a pipe) is written straight, never renamed over (see
+    :func:`is_special`). ``str`` data is encoded as UTF-8, a lone surrogate written escaped
+    (``\\ud800``), before anything is opened."""
+    p = output_path(path, what)
+    check_not_input(p, inputs, what)
+    if isinstance(data, str):
+        data = data.encode("utf-8", errors="backslashreplace")
+    if is_special(p):
+        stream = own_stream(p)
+        if stream is not None:  # our own stdout/stderr: keep what was printed before
+            stream.flush()
+            buf = getattr(stream, "buffer", None)
+            if buf is not None:
+                buf.write(data)
+                buf.flush()
+            else:
+                stream.write(data.decode("utf-8", errors="replace"))
+            stream.flush()
+            return p
+        with open(p, "wb") as f:
+            f.write(data)
+        return p
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a loop of links: open() refuses it; renaming would replace a link
+            raise OSError(e.errno, e.strerror, p) from None
+    except ValueError:
+        pass
+    target = os.path.realpath(p)
+    folder, name = os.path.split(target)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except (OSError, ValueError):
+        mode = None
+    if len(os.fsencode(name)) > 200:  # room for the temporary's prefix and suffix within NAME_MAX
+        name = "poolkeeper-output"
+    while True:
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+        except OSError as e:  # no such folder, no permission: said of the path asked for, not of the temporary
+            raise OSError(e.errno, e.strerror, p) from None
+    try:
+        _fill(fd, data)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, p) from None
+        raise
+    return p
+
+
+__all__ = ["path_arg", "output_path", "is_special", "own_stream", "check_not_input", "write_output"]

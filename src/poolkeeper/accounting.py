@@ -54,11 +54,24 @@ def _int(v: Any, what: str, optional: bool = False) -> Optional[int]:
     return v
 
 
+def _version(v: Any) -> int:
+    n = _int(v, "version")
+    if not 0 <= n < 1 << 31:
+        raise InvariantError(f"not a poolkeeper snapshot: version must be a small non-negative integer, got {n}")
+    return n
+
+
 def _alignment(v: Any) -> int:
     a = _int(v, "alignment")
     if a <= 0 or a & (a - 1):  # every pool's alignment is a power of two
         raise InvariantError(f"not a poolkeeper snapshot: alignment must be a power of two, got {a}")
     return a
+
+
+def _flag(v: Any, what: str) -> bool:
+    if not isinstance(v, bool):  # bool("no") is True: a string or number here is not a flag
+        raise InvariantError(f"not a poolkeeper snapshot: {what} must be true or false, got {brief(v)}")
+    return v
 
 
 def _chunk(c: dict) -> "Chunk":
@@ -111,8 +124,8 @@ class Snapshot:
                 Backing(
                     address=_int(b["address"], "backing address"),
                     size=_int(b["size"], "backing size"),
-                    resident=bool(b.get("resident", False)),
-                    oversize=bool(b.get("oversize", False)),
+                    resident=_flag(b.get("resident", False), "backing resident"),
+                    oversize=_flag(b.get("oversize", False), "backing oversize"),
                     chunks=[_chunk(c) for c in b["chunks"]],
                 )
                 for b in d["backings"]
@@ -127,7 +140,7 @@ class Snapshot:
                 alignment=_alignment(d["alignment"]),
                 stats=stats,
                 backings=backings,
-                version=int(d.get("version", 1)),
+                version=_version(d.get("version", 1)),
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
             raise InvariantError(f"not a poolkeeper snapshot: {type(e).__name__}: {str(e)[:200]}") from e
@@ -136,18 +149,22 @@ class Snapshot:
         return asdict(self)
 
     def to_json(self, path: Union[str, os.PathLike, None] = None, indent: Optional[int] = None) -> str:
-        """Serialize; also write to ``path`` when given. Returns the JSON text.
+        """Serialize; also write to ``path`` when given, whole or not at all (a new file beside it,
+        renamed over it: see :func:`poolkeeper._paths.write_output`). Returns the JSON text.
 
-        Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a ``path`` that is not a
+        Raises :class:`~poolkeeper.errors.InvariantError` if a value cannot be written as JSON (one
+        set by hand). Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a ``path`` that is not a
         ``str`` / ``os.PathLike`` (an int is never taken as a file descriptor) or that names a
         directory, block device or socket (see :func:`poolkeeper._paths.output_path`)."""
-        from poolkeeper._paths import output_path
+        from poolkeeper._paths import output_path, write_output
 
         out = None if path is None else output_path(path, "path")
-        text = json.dumps(self.to_dict(), indent=indent)
+        try:
+            text = json.dumps(self.to_dict(), indent=indent)
+        except (TypeError, ValueError, RecursionError) as e:  # a value set by hand that JSON cannot hold
+            raise InvariantError(f"the snapshot cannot be written as JSON: {type(e).__name__}: {str(e)[:200]}") from None
         if out is not None:
-            with open(out, "w", encoding="utf-8") as f:
-                f.write(text)
+            write_output(out, text, "path")  # whole or not at all
         return text
 
     @classmethod
@@ -168,11 +185,19 @@ class Snapshot:
             path = path_arg(source, "source")
             if os.path.isdir(path):
                 raise InvalidArgumentError(f"source {path!r} is a directory, not a snapshot file")
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            from poolkeeper._json import TooLargeError, read_text
+
+            try:
+                text = read_text(path)
+            except UnicodeDecodeError as e:
+                raise InvariantError(f"not a poolkeeper snapshot: {path!r} is not UTF-8 text (byte {e.start})") from None
+            except TooLargeError as e:
+                raise InvariantError(f"not a poolkeeper snapshot: {e}") from None
+        from poolkeeper._json import unique_keys
+
         try:
-            d = json.loads(text)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit, deep nesting
+            d = json.loads(text, object_pairs_hook=unique_keys)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, a key twice, int digit limit, deep nesting
             raise InvariantError(f"not a poolkeeper snapshot: not readable JSON ({type(e).__name__}: {str(e)[:200]})") from e
         if not isinstance(d, dict):
             raise InvariantError(f"not a poolkeeper snapshot: expected a JSON object, found {type(d).__name__}")
@@ -181,14 +206,13 @@ class Snapshot:
     def to_html(self, path: Union[str, os.PathLike]) -> str:
         """Write a self-contained HTML memory map (see ``poolkeeper report``); returns the path.
         ``path`` is checked as for :meth:`to_json`."""
-        from poolkeeper._paths import output_path
+        from poolkeeper._paths import output_path, write_output
         from poolkeeper.report.memory_map import render_html
 
         out = output_path(path, "path")
-        html = render_html(self)
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(html)
-        return out
+        # Encoded with a lone surrogate escaped, before the file is opened, and replaced whole: a
+        # pool name holding "\ud800" raised UnicodeEncodeError and left an empty file.
+        return write_output(out, render_html(self), "path")
 
     # -- figures derived from the chunks alone --
     def to_torch(self, path: Union[str, os.PathLike], device: int = 0) -> str:

@@ -41,7 +41,21 @@ def _version() -> str:
     return __version__
 
 
+def _tolerant_output() -> None:
+    """Print what cannot be encoded escaped instead of failing: a file name that is not UTF-8
+    reaches Python as lone surrogates (``"\\udcff"``), and in a UTF-8 locale printing it ("wrote
+    ...", the replay's heading) raised ``UnicodeEncodeError`` after the work was done."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", None) == "strict":
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a closed or exotic stream: leave it as it is
+                pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _tolerant_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
@@ -62,6 +76,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # message says which, and a traceback would say nothing more.
         print(f"poolkeeper {args.command}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: every output is written whole or not at all (poolkeeper._paths.write_output), so
+        # there is nothing to clean up and a traceback would only hide that. 130 = 128 + SIGINT.
+        print(f"poolkeeper {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

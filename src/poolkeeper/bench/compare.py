@@ -29,28 +29,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poolkeeper._paths import output_path
+    from rich.markup import escape
+
+    from poolkeeper._paths import check_not_input, output_path, write_output
     from poolkeeper.bench import results
     from poolkeeper.bench.console import make_console
     from poolkeeper.bench.pivot import pivot
 
     for flag, out in (("--json", args.json), ("--plot", args.plot)):
         if out:
-            output_path(out, flag)
+            check_not_input(output_path(out, flag), args.results, flag)
     rows = results.load(args.results)
     piv = pivot(rows, args.scale)
     console = make_console()
     render(piv, console, raw=args.raw)
     if args.json:
-        with open(output_path(args.json, "--json"), "w", encoding="utf-8") as f:
-            json.dump(jsonable(piv), f, indent=1)
-            f.write("\n")
-        console.print(f"[dim]pivot written to {args.json}[/]", highlight=False)
+        write_output(args.json, json.dumps(jsonable(piv), indent=1) + "\n", "--json", args.results)
+        console.print(f"[dim]pivot written to {escape(args.json)}[/]", highlight=False)
     if args.plot:
         from poolkeeper.bench.plot import plot
 
-        plot(piv, args.plot)
-        console.print(f"[dim]plot written to {args.plot}[/]", highlight=False)
+        plot(piv, args.plot, inputs=args.results)
+        console.print(f"[dim]plot written to {escape(args.plot)}[/]", highlight=False)
     return 0
 
 
@@ -79,6 +79,10 @@ def _cell(m: Dict[str, Any], fmt: Any, raw: bool) -> str:
 
 
 def render(piv: Dict[str, Any], console: Any, raw: bool = False) -> None:
+    """Print the pivot's tables. Every string from the results files (workload, params, backend,
+    arm names) is escaped: rich reads ``[...]`` as markup, so a workload named ``[/]`` raised
+    ``MarkupError`` and ``[link=...]`` made a terminal hyperlink."""
+    from rich.markup import escape
     from rich.table import Table
 
     from poolkeeper.bench.arms import STREAM_ORDERED_NOTE
@@ -98,8 +102,9 @@ def render(piv: Dict[str, Any], console: Any, raw: bool = False) -> None:
         for c in ("workload", "params", "backend", "p50", "p99", "ops/s", "upstream calls", "peak reserved"):
             t.add_column(c, justify="left" if c in ("workload", "params", "backend") else "right")
         for e in entries:
-            t.add_row(e["workload"], short_params(e["params"]) + (f" {e['params']['upstream']}" if "upstream" in e["params"] else ""),
-                      e["backend"], _cell(e["p50"], fmt_ns, raw), _cell(e["p99"], fmt_ns, raw),
+            t.add_row(escape(e["workload"]),
+                      escape(short_params(e["params"]) + (f" {e['params']['upstream']}" if "upstream" in e["params"] else "")),
+                      escape(e["backend"]), _cell(e["p50"], fmt_ns, raw), _cell(e["p99"], fmt_ns, raw),
                       _cell(e["ops_per_s"], fmt_rate, raw),
                       _cell(e["upstream_calls"], count, True), _cell(e["peak_reserved"], fmt_bytes, True))
         console.print(t)
@@ -109,7 +114,8 @@ def render(piv: Dict[str, Any], console: Any, raw: bool = False) -> None:
         console.print("[yellow]nothing to compare: no identity has the arena and another arm[/]")
     if piv["unpaired"]:
         console.print("[dim]unpaired (no arena row): "
-                      + "; ".join(f"{u['workload']} {short_params(u['params'])} ({', '.join(u['arms'])})" for u in piv["unpaired"])
+                      + "; ".join(escape(f"{u['workload']} {short_params(u['params'])} ({', '.join(u['arms'])})")
+                                  for u in piv["unpaired"])
                       + "[/]", highlight=False)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 METRIC_LABELS = {"p50": "p50", "p99": "p99", "ops_per_s": "ops/s", "upstream_calls": "upstream\ncalls",
                  "peak_reserved": "peak\nreserved"}
@@ -34,19 +34,40 @@ def _key(e: Dict[str, Any]) -> Tuple[str, str, str]:
     return (e["workload"], json.dumps(e["params"], sort_keys=True), e["backend"])
 
 
+#: Longest row label drawn: a 100,000-character workload name took matplotlib minutes to lay out.
+MAX_LABEL = 60
+
+
 def _label(e: Dict[str, Any], backends: int) -> str:
     from poolkeeper.bench.runner import short_params
 
     extra = short_params(e["params"])
     if "upstream" in e["params"]:
-        extra = (extra + " " + e["params"]["upstream"]).strip()
+        extra = f"{extra} {e['params']['upstream']}".strip()  # any scalar, not only a str
     if backends > 1:
         extra = (extra + f" [{e['backend']}]").strip()
-    return e["workload"] + (f" {extra}" if extra else "")
+    label = e["workload"] + (f" {extra}" if extra else "")
+    return label if len(label) <= MAX_LABEL else label[: MAX_LABEL - 1] + "…"
 
 
-def plot(piv: Dict[str, Any], path: str) -> None:
-    """Write the pivot's comparisons to ``path`` (PNG)."""
+def _format(path: str, fig: Any) -> str:
+    """The file format matplotlib would infer from ``path``'s extension (PNG without one)."""
+    import os
+
+    from poolkeeper.errors import InvalidArgumentError
+
+    ext = os.path.splitext(os.fspath(path))[1][1:].lower()
+    if not ext:
+        return "png"
+    supported = fig.canvas.get_supported_filetypes()
+    if ext not in supported:
+        raise InvalidArgumentError(f"--plot {os.fspath(path)[-60:]!r}: matplotlib cannot write .{ext[:20]} files "
+                                   f"(it writes {', '.join(sorted(supported))})")
+    return ext
+
+
+def plot(piv: Dict[str, Any], path: str, inputs: Sequence[str] = ()) -> None:
+    """Write the pivot's comparisons to ``path`` (PNG; never one of ``inputs``)."""
     try:
         import matplotlib
     except ImportError:
@@ -91,7 +112,9 @@ def plot(piv: Dict[str, Any], path: str) -> None:
         ax.set_xticklabels([METRIC_LABELS[m] for m in metrics], fontsize=7)
         ax.xaxis.tick_top()
         ax.set_yticks(range(len(keys)))
-        ax.set_yticklabels([rows[key] for key in keys] if k == 0 else [], fontsize=7)
+        # Labels come from the results files: drawn as plain text (parse_math=False), since a "$"
+        # starts matplotlib's mathtext and a malformed formula raised ValueError.
+        ax.set_yticklabels([rows[key] for key in keys] if k == 0 else [], fontsize=7, parse_math=False)
         other = name.split("_vs_")[0]
         title = f"{other} vs arena"
         if other == "cuda_async":
@@ -106,12 +129,22 @@ def plot(piv: Dict[str, Any], path: str) -> None:
         bar.set_ticks([-3, -2, -1, 0, 1, 2, 3])
         bar.set_ticklabels(["1/1000", "1/100", "1/10", "1", "10", "100", "1000"], fontsize=7)
         bar.set_label("arena advantage (>1: arena better)", fontsize=8)
-    fig.suptitle(f"poolkeeper compare — arena advantage per workload (scale {piv['scale']}, "
-                 f"backend {', '.join(backends) or '-'})", fontsize=10)
-    from poolkeeper._paths import output_path
+    shown = ", ".join(backends) or "-"
+    if len(shown) > MAX_LABEL:
+        shown = shown[: MAX_LABEL - 1] + "…"
+    fig.suptitle(f"poolkeeper compare — arena advantage per workload (scale {piv['scale']}, backend {shown})",
+                 fontsize=10, parse_math=False)
+    import io
 
-    fig.savefig(output_path(path, "plot path"), dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    from poolkeeper._paths import output_path, write_output
+
+    output_path(path, "plot path")
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=_format(path, fig), dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    write_output(path, buf.getvalue(), "plot path", inputs)  # whole or not at all
 
 
 __all__ = ["plot"]

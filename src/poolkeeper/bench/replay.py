@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
+from poolkeeper.bench.readers import MAX_LOG_BYTES
 from poolkeeper.pools import KINDS
 
 POOLS = tuple(KINDS)  # every pool kind replays
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "matches the logged allocator's")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH (or stdout when no PATH is given)")
+    p.add_argument("--max-log-bytes", default=None, metavar="SIZE",
+                   help="refuse a log larger than SIZE once decompressed, e.g. 8GiB or none (default: 1GiB; "
+                        "the replay holds every event in memory, a few times the log's size)")
     p.add_argument("--sim-latency-us", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -53,11 +57,30 @@ def _pools(arg: Optional[str], backend: str = "simulated") -> List[str]:
     return names
 
 
+def _max_bytes(text: Optional[str]) -> Optional[int]:
+    """``--max-log-bytes``: a size (``8GiB``, ``123456``) or ``none``; the reader's default if not given."""
+    from poolkeeper.bench.options import parse_value
+    from poolkeeper.errors import InvalidArgumentError
+
+    if text is None:
+        return MAX_LOG_BYTES
+    v = parse_value(text)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise InvalidArgumentError(f"--max-log-bytes takes a positive size (e.g. 8GiB) or none, not {text[:40]!r}")
+    return v
+
+
 def replay_log(log: str, pools: List[str], backend: str = "simulated", log_format: str = "auto",
                device: Optional[int] = None, options: Optional[Dict[str, Dict[str, Any]]] = None,
                latency_us: Optional[float] = None, progress: Any = None,
-               include_pre_trace: bool = False) -> Dict[str, Any]:
-    """Parse ``log`` once and replay it on each pool kind; return the report document."""
+               include_pre_trace: bool = False, max_bytes: Optional[int] = MAX_LOG_BYTES) -> Dict[str, Any]:
+    """Parse ``log`` once and replay it on each pool kind; return the report document.
+
+    ``max_bytes``: the most bytes the log may hold once decompressed (``None``: no bound; the
+    default is :data:`poolkeeper.bench.readers.MAX_LOG_BYTES`); a larger log is a
+    :class:`~poolkeeper.bench.errors.ReplayError` (see :func:`~poolkeeper.bench.readers.read_log`)."""
     import poolkeeper as pk
     from poolkeeper.bench import backends
     from poolkeeper.bench.arms import make_arm_pool, virtual_upstream
@@ -65,7 +88,7 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
     from poolkeeper.bench.readers import read_log
     from poolkeeper.bench.replay_engine import replay
 
-    trace = read_log(log, log_format, device)
+    trace = read_log(log, log_format, device, max_bytes)
     factory = backends.upstream_factory(backends.resolve(backend), latency_us)
     results: Dict[str, Any] = {}
     for kind in pools:
@@ -97,16 +120,18 @@ def replay_log(log: str, pools: List[str], backend: str = "simulated", log_forma
 
 
 def run(args: argparse.Namespace) -> int:
-    from poolkeeper._paths import output_path
+    from poolkeeper._paths import check_not_input, output_path, write_output
     from poolkeeper.bench.options import parse_options, split_for
 
     from poolkeeper.bench import backends
 
     pools = _pools(args.pool, backends.resolve(args.backend))
     options = split_for(pools, parse_options(args.option))
+    limit = _max_bytes(args.max_log_bytes)
     to_stdout = args.json == "-"
     if args.json is not None and not to_stdout:
-        output_path(args.json, "--json")  # now, not after the whole log was replayed
+        # Now, not after the whole log was replayed; and never the log itself.
+        check_not_input(output_path(args.json, "--json"), [args.log], "--json")
     from poolkeeper.bench.console import make_console
 
     console = make_console(stderr=to_stdout)
@@ -126,29 +151,32 @@ def run(args: argparse.Namespace) -> int:
 
         with bar:
             doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options,
-                             args.sim_latency_us, per_pool, args.include_pre_trace)
+                             args.sim_latency_us, per_pool, args.include_pre_trace, limit)
     else:
         doc = replay_log(args.log, pools, args.backend, args.log_format, args.device, options, args.sim_latency_us,
-                         include_pre_trace=args.include_pre_trace)
+                         include_pre_trace=args.include_pre_trace, max_bytes=limit)
     if args.json is not None:
         text = json.dumps(doc, indent=1)
         if to_stdout:
             sys.stdout.write(text + "\n")
             return 0
-        with open(output_path(args.json, "--json"), "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        write_output(args.json, text + "\n", "--json", [args.log])  # whole or not at all
     render(doc, console)
     return 0
 
 
 def render(doc: Dict[str, Any], console: Any) -> None:
+    """Print the report. The log's path and the action names read from it are escaped: rich reads
+    ``[...]`` as markup (a log named ``x[/]y.csv``, or a snapshot action ``"[/]"``, raised
+    ``MarkupError`` after the whole replay had run)."""
+    from rich.markup import escape
     from rich.table import Table
 
     from poolkeeper.bench.format import fmt_bytes, fmt_ns, fmt_rate, fmt_ratio
 
     first = next(iter(doc["pools"].values()), None)
     c = first["counts"] if first else {}
-    head = (f"[bold]{doc['log']}[/] ({doc['log_format']}"
+    head = (f"[bold]{escape(str(doc['log']))}[/] ({doc['log_format']}"
             + (f", device {doc['log_info']['device']}" if "device" in doc["log_info"] else "")
             + f"): {doc['events']} events replayed on the {doc['backend']} backend")
     console.print(head, soft_wrap=True)
@@ -157,7 +185,8 @@ def render(doc: Dict[str, Any], console: Any) -> None:
                       f"{c['unknown_frees']}, failed in log {c['failed_in_log']}, zero-size {c['zero_size']}, "
                       f"still live at end {first['live_at_end_blocks']} ({fmt_bytes(first['live_at_end_bytes'])})")
     if doc["ignored_actions"]:
-        console.print("  not replayed: " + ", ".join(f"{k} {v}" for k, v in sorted(doc["ignored_actions"].items())))
+        console.print("  not replayed: " + escape(", ".join(f"{k} {v}" for k, v in sorted(doc["ignored_actions"].items()))),
+                      highlight=False)
     pools = list(doc["pools"].items())
     src = doc.get("source_peak_reserved_bytes")
     t = Table(title="replay: one column per pool")

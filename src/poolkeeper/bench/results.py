@@ -4,12 +4,15 @@ rows from several files can be pooled by ``poolkeeper compare``."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import tempfile
 from datetime import datetime, timezone
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from poolkeeper._paths import is_special, output_path, own_stream
+from poolkeeper._json import load as load_json
+from poolkeeper._paths import check_not_input, is_special, output_path, write_output
 from poolkeeper.bench.errors import ResultsError
 from poolkeeper.bench.machine import machine_info
 
@@ -41,62 +44,40 @@ def _target(path: str) -> str:
     return os.path.realpath(output_path(path, "results path"))
 
 
-def check_writable(path: str) -> None:
+def check_writable(path: str, inputs: Sequence[str] = ()) -> None:
     """Raise :class:`ResultsError` now if ``path`` cannot be written (before minutes of
     benchmarking, not after): refuses a directory, block device or socket (see
-    :func:`poolkeeper._paths.output_path`), creates missing parent directories and probes
-    ``PATH.tmp`` (not for a character device or FIFO, which is written straight)."""
+    :func:`poolkeeper._paths.output_path`) and one of ``inputs``, creates missing parent
+    directories and probes the folder with a new empty file of a name of its own (not for a
+    character device or FIFO, which is written straight)."""
     if not isinstance(path, str) or not path:
         raise ResultsError(f"--json needs a file path; got {path!r}")
     try:
         if is_special(output_path(path, "results path")):
             return
+        check_not_input(path, inputs, "results path")
         target = _target(path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = target + ".tmp"
-        with open(tmp, "a", encoding="utf-8"):
-            pass
-        os.remove(tmp)
+        fd, probe = tempfile.mkstemp(prefix="." + os.path.basename(target) + ".", suffix=".tmp",
+                                     dir=os.path.dirname(target))
+        os.close(fd)
+        os.remove(probe)
     except (OSError, ValueError) as e:  # ValueError: a refused path (InvalidArgumentError)
         raise ResultsError(f"cannot write results to {path!r}: {e}") from None
 
 
 def write(path: str, rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]] = None, **meta: Any) -> None:
-    """Write rows as a results file (parent directories are created). Atomic: the file is
-    written as ``PATH.tmp`` and renamed; on failure ``PATH.tmp`` is removed and the error
-    propagates (``PATH`` keeps what it had). ``path`` is checked again here, since it may have
-    changed during the run: a directory, block device or socket raises
+    """Write rows as a results file (parent directories are created), whole or not at all
+    (:func:`poolkeeper._paths.write_output`: a file beside it renamed over it once written; on
+    failure ``PATH`` keeps what it had and no temporary file is left). ``path`` is checked again
+    here, since it may have changed during the run: a directory, block device or socket raises
     :class:`~poolkeeper.errors.InvalidArgumentError`; a character device or FIFO
     (``/dev/stdout``, a pipe) is written straight, never renamed over; a symlink is written
     through (its target is replaced, the link stays)."""
-    if is_special(output_path(path, "results path")):  # on the path as given: a pipe's target has no name
-        stream = own_stream(path)
-        if stream is not None:
-            stream.flush()
-            _dump(rows, command, meta, stream)
-            stream.flush()
-            return
-        with open(path, "w", encoding="utf-8") as f:
-            _dump(rows, command, meta, f)
-        return
-    path = _target(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            _dump(rows, command, meta, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _dump(rows: Sequence[Dict[str, Any]], command: Optional[Sequence[str]], meta: Dict[str, Any], f: Any) -> None:
-    json.dump(document(rows, command, **meta), f, indent=1, sort_keys=False, default=_jsonable)
-    f.write("\n")
+    text = json.dumps(document(rows, command, **meta), indent=1, sort_keys=False, default=_jsonable) + "\n"
+    if not is_special(output_path(path, "results path")):  # on the path as given: a pipe's target has no name
+        os.makedirs(os.path.dirname(_target(path)), exist_ok=True)
+    write_output(path, text, "results path")
 
 
 def write_or_rescue(path: str, rows: Sequence[Dict[str, Any]], **meta: Any) -> str:
@@ -107,8 +88,6 @@ def write_or_rescue(path: str, rows: Sequence[Dict[str, Any]], **meta: Any) -> s
         write(path, rows, **meta)
         return path
     except (OSError, TypeError, ValueError) as e:
-        import tempfile
-
         fd, rescue = tempfile.mkstemp(prefix="poolkeeper-bench-", suffix=".json")
         os.close(fd)
         write(rescue, rows, **meta)
@@ -131,7 +110,9 @@ def _number(v: Any) -> bool:
 
 
 def _scalar_params(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v.values())
+    # Scalars; a float must be finite (NaN never equals itself, and JSON has no NaN to write back).
+    return isinstance(v, dict) and all(
+        (isinstance(x, (str, int, bool)) or x is None or (isinstance(x, float) and math.isfinite(x))) for x in v.values())
 
 
 _FIELD_TYPES = {
@@ -156,8 +137,7 @@ def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
     for path in paths:
         try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
+            doc = load_json(path)  # bounded, strict about duplicate keys
         except json.JSONDecodeError as e:
             raise ResultsError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
         except (ValueError, RecursionError) as e:  # undecodable bytes, an int over the digit limit, deep nesting

@@ -211,13 +211,11 @@ def write_torch_snapshot(snapshots: Mapping[int, Snapshot], path: Union[str, os.
     """Write :func:`torch_snapshot_dict` as a pickle (what ``torch.cuda.memory._dump_snapshot``
     writes); returns the path. ``path`` is checked as for
     :meth:`~poolkeeper.accounting.Snapshot.to_json`."""
-    from poolkeeper._paths import output_path
+    from poolkeeper._paths import output_path, write_output
 
     path = output_path(path, "path")
     data = torch_snapshot_dict(snapshots)
-    with open(path, "wb") as f:
-        pickle.dump(data, f, protocol=4)
-    return path
+    return write_output(path, pickle.dumps(data, protocol=4), "path")  # whole or not at all
 
 
 __all__ = ["memory_stats_from", "summary_text", "torch_segments", "torch_snapshot_dict", "write_torch_snapshot", "TORCH_BLOCK_STATE"]

@@ -96,10 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.write:
-        from poolkeeper._paths import output_path
+        from poolkeeper._paths import write_output
 
-        with open(output_path(args.write, "--write"), "w", encoding="utf-8") as f:
-            f.write(render_html())
+        write_output(args.write, render_html(), "--write")  # whole or not at all
         print(f"wrote {args.write}")
         return 0
     if not 0 <= args.port <= 65535:

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import os
 import sys
 from typing import Any, Union
 
-from poolkeeper.accounting import STATES, Snapshot, check
-from poolkeeper.errors import InvariantError, PoolkeeperError
+from poolkeeper.accounting import STATES, Backing, Chunk, Snapshot, check
+from poolkeeper.errors import InvalidArgumentError, InvariantError, PoolkeeperError, brief
+from poolkeeper._json import load as load_json
 from poolkeeper.report._inline import asset, fill, inline_code, script_json
 
 _STATE_CODE = {s: i for i, s in enumerate(STATES)}
@@ -37,26 +37,41 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_types(snapshot: Snapshot) -> None:
-    """Refuse fields of the wrong type before ``check`` does arithmetic on them."""
+    """Refuse fields of the wrong type before ``check`` does arithmetic on them. A snapshot read by
+    ``Snapshot.from_dict`` has the right types already; one built or changed by hand may not (a
+    ``float("nan")`` alignment, a backing that is not a :class:`Backing`), and got a bare
+    ``AttributeError`` or ``ValueError`` from deep inside the rendering."""
+    for name in ("alignment", "version"):
+        v = getattr(snapshot, name)
+        if not _is_int(v) or not 0 <= v <= _JS_SAFE:
+            raise InvariantError(f"snapshot {name} must be a non-negative integer, not {brief(v)}")
+    if not isinstance(snapshot.stats, dict):
+        raise InvariantError(f"snapshot stats must be a dict, not {brief(snapshot.stats)}")
     if not isinstance(snapshot.backings, list):
         raise InvariantError("snapshot backings must be a list")
     for i, b in enumerate(snapshot.backings):
+        if not isinstance(b, Backing):
+            raise InvariantError(f"backing #{i} must be a Backing, not {brief(b)}")
+        if not (isinstance(b.resident, bool) and isinstance(b.oversize, bool)):
+            raise InvariantError(f"backing #{i}: resident and oversize must be booleans")
         if not (_is_int(b.address) and _is_int(b.size)):
             raise InvariantError(f"backing #{i}: address and size must be integers")
         if not 0 <= b.address <= _JS_SAFE or b.size > _JS_SAFE:
-            raise InvariantError(f"backing #{i}: address {b.address!r} or size {b.size!r} out of range")
+            raise InvariantError(f"backing #{i}: address {brief(b.address)} or size {brief(b.size)} out of range")
         if not isinstance(b.chunks, list):
             raise InvariantError(f"backing {b.address:#x}: chunks must be a list")
-        for c in b.chunks:
-            where = f"backing {b.address:#x}, chunk at offset {c.offset!r}"
+        for j, c in enumerate(b.chunks):
+            if not isinstance(c, Chunk):
+                raise InvariantError(f"backing {b.address:#x}: chunk #{j} must be a Chunk, not {brief(c)}")
+            where = f"backing {b.address:#x}, chunk at offset {brief(c.offset)}"
             if not (_is_int(c.offset) and _is_int(c.size)):
                 raise InvariantError(f"{where}: offset and size must be integers")
             if c.state not in _STATE_CODE:
-                raise InvariantError(f"{where}: unknown state {c.state!r} (expected one of {', '.join(STATES)})")
+                raise InvariantError(f"{where}: unknown state {brief(c.state)} (expected one of {', '.join(STATES)})")
             for name in ("requested", "alloc_stream", "last_stream", "event"):
                 v = getattr(c, name)
                 if v is not None and not _is_int(v):
-                    raise InvariantError(f"{where}: {name} must be an integer or null, not {v!r}")
+                    raise InvariantError(f"{where}: {name} must be an integer or null, not {brief(v)}")
             if not isinstance(c.waits_on, list) or not all(_is_int(s) or s is None for s in c.waits_on):
                 raise InvariantError(f"{where}: waits_on must be a list of stream handles")
 
@@ -139,6 +154,8 @@ def render_html(snapshot: Union[Snapshot, dict]) -> str:
     """
     if isinstance(snapshot, dict):
         snapshot = Snapshot.from_dict(snapshot)
+    if not isinstance(snapshot, Snapshot):
+        raise InvalidArgumentError(f"render_html takes a Snapshot or its dict, not {brief(snapshot)}")
     data = page_data(snapshot)
     title = f"poolkeeper memory map: {snapshot.pool} on {snapshot.upstream}"
     return fill(
@@ -158,12 +175,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poolkeeper._paths import output_path
+    from poolkeeper._paths import check_not_input, output_path, write_output
 
-    out = output_path(args.output or (os.path.splitext(args.snapshot)[0] + ".html"), "output")
+    default = os.path.splitext(args.snapshot)[0] + ".html"
+    out = output_path(args.output or default, "output")
+    if not args.output and os.path.normcase(os.path.abspath(default)) == os.path.normcase(os.path.abspath(args.snapshot)):
+        # SNAPSHOT.html's default output is itself: writing it would replace the snapshot with its map.
+        print(f"poolkeeper report: {args.snapshot} would be its own output (the map goes to SNAPSHOT.html); "
+              "choose one with -o MAP.html", file=sys.stderr)
+        return 1
+    check_not_input(out, [args.snapshot], "output")
     try:
-        with open(args.snapshot, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = load_json(args.snapshot)  # bounded, strict about duplicate keys
         if not isinstance(raw, dict):
             raise InvariantError(f"expected a JSON object, found {type(raw).__name__}")
         page = render_html(Snapshot.from_dict(raw))
@@ -179,9 +202,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     # A lone surrogate in a snapshot's text (valid JSON, "\ud800") cannot be written as UTF-8: it is
-    # written escaped, and encoded before the file is opened so that no failure leaves it empty.
-    data = page.encode("utf-8", errors="backslashreplace")
-    with open(output_path(out, "output"), "wb") as f:
-        f.write(data)
+    # written escaped, and encoded before the file is opened; the file is replaced whole or not at
+    # all (a full disk or a Ctrl-C leaves no half-written map).
+    write_output(out, page, "output", [args.snapshot])
     print(f"wrote {out}")
     return 0

@@ -25,6 +25,9 @@ def looks_like(first_bytes: bytes) -> bool:
     return head.startswith(b"Thread,") or head.startswith(b"Thread ,")
 
 
+#: Longest line read (characters, its end included). A real line is under 100 characters; without a
+#: bound one line with no newline (a gzip bomb of commas) was read whole into memory.
+MAX_LINE = 1 << 16
 MAX_SIZE_DIGITS = 20  # 2**64 has 20 decimal digits: anything longer is not a size
 _HEX = frozenset("0123456789abcdef")
 
@@ -47,8 +50,14 @@ def read(f: TextIO, path: str = "") -> Trace:
     lineno = 0
     cols: Dict[str, int] = {}
     width = 0
-    for raw in f:
+    while True:
+        raw = f.readline(MAX_LINE + 1)
+        if not raw:
+            break
         lineno += 1
+        if len(raw) > MAX_LINE and not raw.endswith(("\n", "\r")):
+            raise ReplayError(f"line longer than {MAX_LINE:,} characters ({raw[:40]!r}...): not an RMM log line",
+                              path=path, line=lineno)
         line = raw.strip()
         if lineno == 1:
             line = line.lstrip("\ufeff")

@@ -17,7 +17,6 @@ file could run code).
 """
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, BinaryIO, Dict, List, Optional
 
@@ -42,16 +41,46 @@ class _DataOnly(pickle.Unpickler):
 
 
 def _load(f: BinaryIO, path: str) -> Any:
-    data = f.read()
+    # Unpickled from the stream itself: reading it whole first held the file twice over (its bytes,
+    # then the objects), and ``read_log``'s stream bounds how much of it can be read at all.
+    counted = _Counting(f)
     try:
-        return _DataOnly(io.BytesIO(data)).load()
+        return _DataOnly(counted).load()
+    except ReplayError:  # the stream's bound (read_log's max_bytes)
+        raise
     except EOFError:
-        raise ReplayError(f"the pickle ends early after {len(data)} bytes (truncated snapshot)", path=path,
-                          where=f"byte {len(data)}") from None
+        raise ReplayError(f"the pickle ends early after {counted.count} bytes (truncated snapshot)", path=path,
+                          where=f"byte {counted.count}") from None
     except pickle.UnpicklingError as e:
         raise ReplayError(f"not a loadable memory snapshot: {e}", path=path, where="pickle") from None
     except (ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError, RecursionError, OverflowError) as e:
         raise ReplayError(f"corrupt pickle ({type(e).__name__}: {str(e)[:200]})", path=path, where="pickle") from None
+
+
+class _Counting:
+    """The file-like interface the unpickler uses, counting the bytes it was given."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        b = self._f.read(n)
+        self.count += len(b)
+        return b
+
+    def readinto(self, b: Any) -> int:
+        n = self._f.readinto(b) or 0
+        self.count += n
+        return n
+
+    def readline(self, limit: int = -1) -> bytes:
+        b = self._f.readline(limit)
+        self.count += len(b)
+        return b
+
+    def peek(self, n: int = 0) -> bytes:  # lets the unpickler read ahead in large pieces
+        return self._f.peek(n)
 
 
 def _int(entry: Dict[str, Any], key: str, path: str, where: str) -> int:

@@ -1,0 +1,6 @@
+"""``python -m poolkeeper``: the ``poolkeeper`` command (see :mod:`poolkeeper.cli`)."""
+import sys
+
+from poolkeeper.cli import main
+
+sys.exit(main())
