@@ -254,3 +254,24 @@ def test_regression_bench_json_to_dev_stdout_failed_on_a_pipe_and_cut_a_files_ou
     start = out.index('{\n "format"')
     doc = json.JSONDecoder().raw_decode(out[start:])[0]
     assert doc["rows"]
+
+
+def test_regression_bench_json_overwrote_and_deleted_the_users_path_tmp(tmp_path):
+    # The atomic write used the fixed name PATH.tmp: the writability probe opened and deleted a file
+    # of the user's by that name, and the final write overwrote it and renamed it away. The
+    # temporary file is a new one under a random name now (O_EXCL), and it is created with the mode
+    # open() would give the results file (mkstemp's 0600 would make every results file private).
+    import os
+
+    out = tmp_path / "rows.json"
+    mine = tmp_path / "rows.json.tmp"
+    mine.write_text("the user's own file")
+    umask = os.umask(0o022)
+    try:
+        assert main(["bench", *FAST, "--arms", "direct", "--workloads", "kv_cache", "--json", str(out)]) == 0
+    finally:
+        os.umask(umask)
+    assert mine.read_text() == "the user's own file"
+    assert json.loads(out.read_text())["rows"]
+    assert os.stat(out).st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json", "rows.json.tmp"]

@@ -581,3 +581,23 @@ def test_both_engines_follow_the_one_ramp_schedule(n, chunk, monkeypatch):
     assert uploader.RAMP_MIN == _core.UPLOAD_RAMP_MIN == RAMP_MIN
     monkeypatch.setattr(uploader._core, "upload_ramp", lambda c, t: [1000, 3000])
     assert cut(True)[:3] == [1000, 3000, min(chunk, n - 4000)]
+
+
+def test_regression_engine_wait_passed_nan_into_a_timed_wait(host):
+    # NaN is neither negative nor larger than the 1e6 s cap, so it reached the timed wait, where a
+    # NaN duration converted to the clock's integer ticks is undefined behaviour (on x86 a deadline
+    # far in the past: the wait returned at once). The public UploadHandle.wait checks its timeout
+    # first; the engine refuses NaN itself now.
+    eng = _core.UploadEngine(2)
+    try:
+        with pytest.raises(InvalidArgumentError, match="NaN"):
+            eng.wait(float("nan"))
+        src = np.frombuffer(payload(8 * CHUNK), np.uint8)
+        dst = np.zeros_like(src)
+        bufs = [np.zeros(CHUNK, np.uint8) for _ in range(2)]
+        eng.start(src.ctypes.data, src.nbytes, dst.ctypes.data, [(b.ctypes.data, b.nbytes) for b in bufs], CHUNK)
+        with pytest.raises(InvalidArgumentError, match="NaN"):
+            eng.wait(float("nan"))
+        assert eng.wait(-1) == src.nbytes and bytes(dst) == bytes(src)
+    finally:
+        eng.close()

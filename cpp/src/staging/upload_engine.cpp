@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -304,6 +305,8 @@ void UploadEngine::cancel() {
 }
 
 std::uint64_t UploadEngine::wait(double timeout_s) {
+  // NaN passes both tests below, and a NaN duration cast to the clock's integer ticks is undefined.
+  if (std::isnan(timeout_s)) throw InvalidArgument("wait: timeout_s must be a number of seconds, not NaN");
   std::unique_lock<std::mutex> lk(mu_);
   auto done = [&] { return !job_ || job_->finished; };
   if (timeout_s < 0)

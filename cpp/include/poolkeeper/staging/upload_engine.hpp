@@ -125,7 +125,8 @@ class UploadEngine {
   // Validates and starts an upload; returns at once. Throws InvalidArgument (bad request, busy,
   // closed) or a driver error when the Cuda backend cannot be set up (nothing started then).
   void start(UploadRequest req);
-  // Waits up to timeout_s for the upload to finish; returns the bytes observed landed so far.
+  // Waits up to timeout_s for the upload to finish (negative: until it does; at most 1e6 s per
+  // call); returns the bytes observed landed so far. NaN is InvalidArgument. Thread safe.
   std::uint64_t wait(double timeout_s);
   bool finished() const;
   bool running() const;
