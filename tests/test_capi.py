@@ -210,6 +210,31 @@ def test_empty_cache_trims_the_installed_pools(lib, installed):
 # ---------------------------------------------------------------------------------- registry
 
 
+def test_regression_the_torch_empty_cache_hook_stopped_at_a_closed_pool(lib):
+    # Found by hostile probing: PyTorch's empty_cache hook trimmed the installed pools in one try
+    # block, and a closed pool's trim() refused: every pool after it kept its free memory.
+    # poolkeeper_empty_cache already skipped closed pools; the hook does the same now.
+    hook = ctypes.CDLL(_core.__file__).poolkeeper_torch_empty_cache_hook
+    closed = pk.ArenaPool(pk.upstream.Host())
+    closed.close()
+    rest = [pk.ArenaPool(pk.upstream.Host(), thread_cache_bytes=0) for _ in range(2)]
+    try:
+        for device, pool in enumerate([closed] + rest):
+            _core.registry_set(device, pool)
+        for device in (1, 2):
+            ptrs = [lib.poolkeeper_malloc(3 * MiB, device, NO_STREAM) for _ in range(4)]
+            for p in ptrs:
+                assert lib.poolkeeper_free(p, device, NO_STREAM) == OK
+        before = [p.stats()["reserved_bytes"] for p in rest]
+        hook()
+        after = [p.stats()["reserved_bytes"] for p in rest]
+        assert all(a < b for a, b in zip(after, before)), (before, after)
+        for p in rest:
+            p.validate()
+    finally:
+        _core.registry_clear()
+
+
 def test_no_pool_installed(lib):
     _core.registry_set(HOST, None)
     assert lib.poolkeeper_malloc(1000, HOST, NO_STREAM) is None

@@ -711,6 +711,46 @@ def test_fake_driver_capture_growth_in_relaxed_mode_deferred_events_and_release(
     assert out["closed"] and out["live"] == 0
 
 
+def test_regression_a_graphs_last_free_reported_a_failed_close_and_its_pool_never_closed(fakes):
+    # Found by hostile probing: a graph released before its last block was freed closes its pool at
+    # that free. When the driver refused a step of the close (here the close's cuEventRecord),
+    # poolkeeper_free returned 4 (upstream) although the block was freed: a retry was refused as
+    # "points inside the live block" (2), and nothing tried the close again, so the device pool
+    # kept the graph's memory live for good (its close() raised LiveBlocksError). The free now
+    # succeeds, and the next empty_cache (or the end of a capture scope) closes the pool.
+    out = run(fakes["full"], CAPTURE_PRE + """
+        from capi_lib import load
+        lib = load()
+        pool = pk.ArenaPool(pk.upstream.CudaDevice(0))
+        _core.registry_set(0, pool)
+        s, o = driver.Stream(), driver.Stream()
+        x = lib.poolkeeper_malloc(1 << 20, 0, o.handle)
+        assert lib.poolkeeper_graph_begin(0, 1, 0, s.handle) == 0
+        fake.fake_cuda_begin_capture(s.handle, 0)
+        a = lib.poolkeeper_malloc(3 << 20, 0, s.handle)
+        b = lib.poolkeeper_malloc(1 << 20, 0, s.handle)
+        codes = [lib.poolkeeper_torch_record_stream(a, 0, o.handle), lib.poolkeeper_free(b, 0, s.handle),
+                 lib.poolkeeper_free(x, 0, s.handle)]
+        valid = fake.fake_cuda_end_capture(s.handle)
+        codes += [lib.poolkeeper_graph_end(0, 1, 0), lib.poolkeeper_graph_release(0, 1, 0)]
+        codes.append(lib.poolkeeper_free(a, 0, o.handle))  # the last block: its pool closes now
+        failed_close_left = len(_core.graph_pools(0).info())
+        lib.poolkeeper_empty_cache()
+        left = _core.graph_pools(0).info()
+        _core.graph_pools(0).validate()
+        pool.validate()
+        live = pool.stats()["live_blocks"]
+        _core.registry_clear()
+        pool.close()
+        print(json.dumps({"codes": codes, "valid": valid, "failed_close_left": failed_close_left,
+                          "left": left, "live": live}))
+    """, FAKE_CUDA_FAIL_EVENT_RECORD_AT=3, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                                       os.environ.get("PYTHONPATH", "")]))
+    assert out["valid"] == 1 and out["codes"] == [0] * 6, out
+    assert out["failed_close_left"] == 1  # the driver refused the close (the fault is injected)
+    assert out["left"] == [] and out["live"] == 0
+
+
 def test_fake_driver_capture_is_invalidated_by_a_plain_alloc_outside_relaxed_mode(fakes):
     # The fake driver's rule itself (so the test above can fail): a cuMemAlloc from a thread in
     # global mode during a global capture is refused and invalidates the capture.

@@ -256,6 +256,58 @@ def test_release_while_another_capture_is_under_way_waits_for_it_to_end():
     check(sim, pool, gp)
 
 
+@pytest.mark.parametrize("layout", ["one pool", "one upstream"])
+def test_regression_a_graph_released_during_another_graph_pools_capture_invalidated_it(layout):
+    # Found by hostile probing: a release waited only for its own GraphPools's capture scopes, so
+    # a graph of one GraphPools released (its block freed) while another GraphPools over the same
+    # pool or upstream was capturing (two callers' GraphPools over one pool; a pool swap behind
+    # the C ABI, below) synchronized the device inside that capture: on a GPU the capture fails.
+    sim = pk.upstream.Simulated(latency="none")
+    pool_a = pk.ArenaPool(sim)
+    pool_b = pool_a if layout == "one pool" else pk.ArenaPool(sim)
+    a, b = _core.GraphPools(pool_a), _core.GraphPools(pool_b)
+    s1, s2 = sim.stream(), sim.stream()
+    g1 = capture(sim, b, G1, s2, lambda: b.allocate(MiB, s2))
+    a.begin(G2, s1)
+    sim.begin_capture(s1)
+    a.allocate(4096, s1)
+    b.deallocate(g1, s2)
+    b.release(G1)  # closing now would synchronize the device inside a's capture
+    assert [i["id"] for i in b.info()] == [G1]
+    assert sim.end_capture(s1), sim.last_capture_violation
+    a.end(G2)  # the last scope on the upstream ends: b's G1 closes now
+    assert b.info() == [] and b.counters()["pools_closed"] == 1
+    check(sim, pool_a, a)
+    check(sim, pool_b, b)
+
+
+def test_regression_a_graph_released_during_a_capture_after_a_pool_swap_invalidated_it(c_abi):
+    # The same through the C ABI: a graph captured before the device pool was replaced (by a pool
+    # over the same upstream) is released while a new capture is under way.
+    lib = c_abi
+    sim = pk.upstream.Simulated(latency="none")
+    old, new = pk.ArenaPool(sim), pk.ArenaPool(sim)
+    _core.registry_set(0, old)
+    s1, s2 = sim.stream(), sim.stream()
+    assert lib.poolkeeper_graph_begin(0, 1, 0, s1) == 0
+    p = lib.poolkeeper_malloc(100_000, 0, s1)
+    assert p and lib.poolkeeper_graph_end(0, 1, 0) == 0
+    _core.registry_set(0, new)
+    assert lib.poolkeeper_graph_begin(0, 2, 0, s2) == 0
+    sim.begin_capture(s2)
+    q = lib.poolkeeper_malloc(100_000, 0, s2)
+    assert lib.poolkeeper_free(p, 0, s1) == 0 and lib.poolkeeper_graph_release(0, 1, 0) == 0
+    assert sim.end_capture(s2), sim.last_capture_violation
+    assert lib.poolkeeper_graph_end(0, 2, 0) == 0
+    assert _core.registry_retired()["graph_pools"] == 0  # the old graph's pool closed at that end
+    assert old.stats()["live_blocks"] == 0
+    assert lib.poolkeeper_free(q, 0, s2) == 0 and lib.poolkeeper_graph_release(0, 2, 0) == 0
+    assert sim.capture_violations == 0
+    _core.graph_pools(0).validate()
+    old.validate()
+    new.validate()
+
+
 def test_allocations_on_other_streams_during_a_capture_go_to_the_device_pool():
     sim, pool, gp = make()
     s, other = sim.stream(), sim.stream()

@@ -632,6 +632,98 @@ def test_regression_a_child_forked_while_a_thread_held_a_graph_lock_hung(registr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("kind", ["arena", "size_class"])
+@pytest.mark.parametrize("call", ["info()", "allocate(100, None)"])
+def test_regression_a_graph_pools_in_a_forked_child_hung(kind, call):
+    # Found by hostile probing: a capture's growth holds the GraphPools's lock across its upstream
+    # call; in a child forked meanwhile, any call of that GraphPools (a Python object the child
+    # still holds: the CuPy allocator's, say) waited forever for it. A GraphPools over an
+    # inherited pool now refuses naming the fork, before touching a lock.
+    r = child("""
+        import signal
+        up = pk.upstream.Faulty(sim, fail_at={1}, refuse_after_us=2_000_000)
+        pool = pk.ArenaPool(up) if %(kind)r == "arena" else pk.make_pool(%(kind)r, up)
+        gp = _core.GraphPools(pool)
+        s = sim.stream()
+        x = pool.allocate(4096)  # upstream call 0; call 1 sleeps, then fails
+        gp.begin((1, 0), s)
+        def grow():
+            try:
+                gp.allocate(64 << 20, s)
+            except pk.errors.OutOfMemoryError:
+                pass
+        t = threading.Thread(target=grow)
+        t.start()
+        while up.calls < 2:  # the growth is inside its upstream call, the GraphPools's lock held
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a hang ends the child (SIGALRM), and the test fails
+            code = 0
+            try:
+                gp.%(call)s
+                code = 5
+            except pk.errors.PoolClosedError as e:
+                code = 0 if "fork" in str(e) else 3
+            except BaseException:
+                code = 4
+            os._exit(code)
+        _, st = os.waitpid(pid, 0)
+        t.join()
+        assert os.waitstatus_to_exitcode(st) == 0, os.waitstatus_to_exitcode(st)
+        gp.end((1, 0))
+        pool.deallocate(x)
+        gp.validate()
+        pool.validate()
+        print("CHILD-OK")
+    """ % {"kind": kind, "call": call}, capi=True)
+    ok(r)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("hook", ["poolkeeper_torch_record_stream_hook(0x1234, 5)",
+                                  "poolkeeper_torch_empty_cache_hook()"], ids=["record_stream", "empty_cache"])
+def test_regression_a_torch_hook_in_a_forked_child_hung_on_an_inherited_pool(hook):
+    # Found by hostile probing: PyTorch's record_stream hook asked every installed pool whether it
+    # owned the pointer, and its empty_cache hook synchronized every one, inherited pools in a
+    # forked child included: a pool whose lock another thread held at the fork (here: native
+    # loops allocating) made the child's hook wait forever (8 and 16 forks of 30). The hooks now
+    # skip inherited pools, as every other call refuses them before touching a lock.
+    r = child("""
+        import ctypes, signal
+        pool = pk.ArenaPool(pk.upstream.Host())
+        _core.registry_set(-1, pool)
+        hooks = ctypes.CDLL(_core.__file__)
+        hooks.poolkeeper_torch_record_stream_hook.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        stop = False
+        def churn(n):
+            while not stop:
+                _core.capi_bench_pair(-1, n, 2000)
+        ts = [threading.Thread(target=churn, args=(n,)) for n in (3000, 3 << 20)]
+        for t in ts:
+            t.start()
+        hung = 0
+        for i in range(30):
+            time.sleep(0.002)
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(3)  # a hang ends the child (SIGALRM)
+                hooks.%(hook)s
+                os._exit(0)
+            _, st = os.waitpid(pid, 0)
+            hung += os.waitstatus_to_exitcode(st) != 0
+        stop = True
+        for t in ts:
+            t.join()
+        _core.registry_clear()
+        assert hung == 0, f"{hung} of 30 children hung"
+        pool.validate()
+        print("CHILD-OK")
+    """ % {"hook": hook}, capi=True, timeout=200)
+    ok(r)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_regression_a_forked_child_that_exits_normally_reports_no_leak():
     # Found by review: the graph registry starts empty in a forked child and leaves the parent's
     # GraphPools behind, never destroyed (their locks may have been held at the fork); they hold

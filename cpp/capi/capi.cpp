@@ -191,6 +191,9 @@ PK_EXPORT int64_t poolkeeper_empty_cache(void) {
   // Each pool on its own: a closed (or failing) pool must not keep the others from trimming. The
   // last failure stays readable through poolkeeper_last_error().
   std::vector<std::pair<int, std::shared_ptr<poolkeeper::Pool>>> pools;
+  // First the graphs' pools released earlier that could not close then: their memory goes back
+  // to the device pools, which the trims below can return.
+  guarded([&] { poolkeeper::graph_registry::close_deferred(); });
   guarded([&] { pools = poolkeeper::registry::all(); });
   for (auto& [d, p] : pools) {
     if (p->closed()) continue;  // (a forked pool is closed too)

@@ -6,7 +6,10 @@
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "poolkeeper_capi.h"
 #include "poolkeeper/pools/graph_registry.hpp"
@@ -38,6 +41,9 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
         g_record_served.fetch_add(1, std::memory_order_relaxed);
         return;
       }
+      // An inherited pool in a forked child: asking it takes its lock, which a thread the fork
+      // left behind may hold (the hook waited forever). It owns nothing usable there anyway.
+      if (pool->forked()) continue;
       if (pool->owns_live(reinterpret_cast<std::uintptr_t>(ptr))) {
         pool->record_stream(ptr, s);
         g_record_served.fetch_add(1, std::memory_order_relaxed);
@@ -56,14 +62,30 @@ PK_EXPORT void poolkeeper_torch_record_stream_hook(void* ptr, void* stream) {
 
 PK_EXPORT void poolkeeper_torch_empty_cache_hook(void) {
   g_empty_cache.fetch_add(1, std::memory_order_relaxed);
+  std::vector<std::pair<int, std::shared_ptr<poolkeeper::Pool>>> pools;
   try {
-    for (auto& [device, pool] : poolkeeper::registry::all()) {
+    poolkeeper::graph_registry::close_deferred();  // as poolkeeper_empty_cache does
+  } catch (...) {
+  }
+  try {
+    pools = poolkeeper::registry::all();
+  } catch (...) {
+    return;
+  }
+  for (auto& [device, pool] : pools) {
+    // A closed pool is skipped, not asked: its trim() refused and ended the loop, so one closed
+    // device kept every later one from trimming; an inherited pool in a forked child (closed too)
+    // is never touched, its lock may be held by a thread the fork left behind.
+    if (pool->closed()) continue;
+    try {
       // Like PyTorch's own empty_cache, wait for outstanding events first so blocks released on
       // streams count as free, then return every wholly free backing.
       pool->synchronize();
       pool->trim();
+    } catch (...) {
+      // Each pool on its own, as poolkeeper_empty_cache does: one failing pool does not keep the
+      // others from trimming.
     }
-  } catch (...) {
   }
 }
 

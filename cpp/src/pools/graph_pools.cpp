@@ -2,6 +2,10 @@
 #include "poolkeeper/pools/graph_pools.hpp"
 
 #include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include <pthread.h>
 
 #include "poolkeeper/pools/arena_pool.hpp"
 #include "poolkeeper/core/capture.hpp"
@@ -44,23 +48,71 @@ std::string id_text(GraphPoolId id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
 
+// Every GraphPools, so that the end of the last capture scope on an upstream can close the private
+// pools that other GraphPools over it had to leave open (maybe_close_locked): two GraphPools share
+// an upstream after the C ABI's device pool was replaced, or when two callers (the CuPy allocator,
+// the C ABI) each made one over the same pool. Immortal (a GraphPools may be destroyed during
+// exit()); pointers, so that a forked child can start afresh. Lock order: this, then a
+// GraphPools's mu_ (nothing takes this under a mu_).
+std::mutex* g_all_mu = new std::mutex;
+std::vector<GraphPools*>* g_all = new std::vector<GraphPools*>;  // guarded by *g_all_mu
+// In the child the parent's GraphPools are left alone (any of their locks may have been held at
+// the fork, and they sit over inherited pools, which refuse): the list starts empty, and so does
+// its lock (held, maybe, by a thread that did not survive the fork). The old ones leak.
+void all_after_fork_in_child() {
+  g_all_mu = new std::mutex;
+  g_all = new std::vector<GraphPools*>;
+}
+[[maybe_unused]] const int g_all_atfork = pthread_atfork(nullptr, nullptr, all_after_fork_in_child);
+
 }  // namespace
+
+void GraphPools::close_deferred_everywhere() {
+  std::lock_guard<std::mutex> d(*g_all_mu);
+  for (GraphPools* g : *g_all) {
+    if (!g->deferred_.load(std::memory_order_acquire)) continue;
+    std::lock_guard<std::mutex> l(g->mu_);
+    if (g->main_->upstream()->captures_underway() > 0) continue;  // the last scope has not ended yet
+    g->deferred_.store(false, std::memory_order_release);
+    g->close_released_locked();  // sets deferred_ again for a pool that still cannot close
+  }
+}
 
 GraphPools::GraphPools(std::shared_ptr<Pool> main) : main_(std::move(main)) {
   if (!main_) throw InvalidArgument("GraphPools needs a device pool");
+  std::lock_guard<std::mutex> d(*g_all_mu);
+  g_all->push_back(this);
 }
 
 GraphPools::~GraphPools() {
+  {
+    std::lock_guard<std::mutex> d(*g_all_mu);  // first: no sweep may reach us any more
+    if (auto it = std::find(g_all->begin(), g_all->end(), this); it != g_all->end()) g_all->erase(it);
+  }
+  // Inherited through fork(): its lock, or its pools', may have been held by a thread the fork
+  // left behind. Nothing of it is touched (the private pools, forked too, free nothing).
+  if (main_->forked()) return;
   std::vector<Scope> dead;  // filters are destroyed after mu_ is let go (see the header)
-  std::lock_guard<std::mutex> g(mu_);
-  for (std::size_t i = 0; i < scopes_.size(); ++i) main_->upstream()->capture_scope_end();
-  dead.swap(scopes_);
-  for (auto& [id, pp] : pools_) {
-    if (pp.live_blocks) continue;  // still referenced by live blocks: its backings stay live in main
+  bool ended_scopes = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = 0; i < scopes_.size(); ++i) main_->upstream()->capture_scope_end();
+    ended_scopes = !scopes_.empty();
+    dead.swap(scopes_);
+    for (auto& [id, pp] : pools_) {
+      if (pp.live_blocks) continue;  // still referenced by live blocks: its backings stay live in main
+      try {
+        pp.pool->close();
+      } catch (...) {
+        // A destructor cannot report; whatever the pool could not return stays counted in main.
+      }
+    }
+  }
+  // Its scopes were the last ones on the upstream: other GraphPools may close what they released.
+  if (ended_scopes) {
     try {
-      pp.pool->close();
+      close_deferred_everywhere();
     } catch (...) {
-      // A destructor cannot report; whatever the pool could not return stays counted in main.
     }
   }
 }
@@ -92,6 +144,7 @@ GraphPools::Private& GraphPools::create_or_use_locked(GraphPoolId id) {
 }
 
 void GraphPools::begin(GraphPoolId id, CaptureFilter filter) {
+  main_->check_not_forked();  // (see the class comment: fork)
   if (!filter) throw InvalidArgument("GraphPools.begin: a filter is required");
   auto shared = std::make_shared<const CaptureFilter>(std::move(filter));
   std::lock_guard<std::mutex> g(mu_);
@@ -103,23 +156,29 @@ void GraphPools::begin(GraphPoolId id, CaptureFilter filter) {
 }
 
 void GraphPools::end(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::shared_ptr<const CaptureFilter> dead;  // destroyed after mu_ is let go (see the header)
-  std::lock_guard<std::mutex> g(mu_);
-  auto s = std::find_if(scopes_.rbegin(), scopes_.rend(), [&](const Scope& x) { return x.id == id; });
-  if (s == scopes_.rend()) throw InvalidArgument("GraphPools.end: no open scope for pool " + id_text(id));
-  dead = std::move(s->filter);
-  scopes_.erase(std::next(s).base());
-  main_->upstream()->capture_scope_end();
-  open_.fetch_sub(1, std::memory_order_acq_rel);
-  auto it = pools_.find(id);
-  if (it != pools_.end()) --it->second.open_scopes;
-  // A pool released while a capture was under way could not close then (that would synchronize
-  // the device during the capture); the last scope ending is the moment.
-  if (scopes_.empty())
-    for (auto p = pools_.begin(); p != pools_.end();) maybe_close_locked(p++);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto s = std::find_if(scopes_.rbegin(), scopes_.rend(), [&](const Scope& x) { return x.id == id; });
+    if (s == scopes_.rend()) throw InvalidArgument("GraphPools.end: no open scope for pool " + id_text(id));
+    dead = std::move(s->filter);
+    scopes_.erase(std::next(s).base());
+    main_->upstream()->capture_scope_end();
+    open_.fetch_sub(1, std::memory_order_acq_rel);
+    auto it = pools_.find(id);
+    if (it != pools_.end()) --it->second.open_scopes;
+    // A pool released while a capture was under way could not close then (that would synchronize
+    // the device during the capture); the last scope ending is the moment.
+    if (scopes_.empty()) close_released_locked();
+  }
+  // The same for pools other GraphPools over this upstream released during this capture (with
+  // mu_ let go: the sweep takes each one's lock).
+  if (main_->upstream()->captures_underway() == 0) close_deferred_everywhere();
 }
 
 void GraphPools::release(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   auto it = pools_.find(id);
   if (it == pools_.end()) return;  // PyTorch releases ids that never allocated here: nothing to do
@@ -131,14 +190,39 @@ void GraphPools::release(GraphPoolId id) {
 void GraphPools::maybe_close_locked(std::map<GraphPoolId, Private>::iterator it) {
   Private& pp = it->second;
   if (!pp.released || pp.live_blocks || pp.open_scopes || !scopes_.empty()) return;
-  {
-    // A replay of the graph may still be running: its memory is reusable only once it is done.
-    RelaxedCapture relaxed(*main_->upstream());
-    main_->upstream()->synchronize();
+  if (main_->upstream()->captures_underway() > 0) {
+    // A capture scope of another GraphPools over the same upstream is open (after a device pool
+    // swap, or two callers' GraphPools over one pool): the synchronize below would invalidate
+    // that capture. The end of the last scope closes this pool (close_deferred_everywhere).
+    deferred_.store(true, std::memory_order_release);
+    return;
   }
-  pp.pool->close();  // backings back to the device pool, stream-free (the device is idle)
+  try {
+    {
+      // A replay of the graph may still be running: its memory is reusable only once it is done.
+      RelaxedCapture relaxed(*main_->upstream());
+      main_->upstream()->synchronize();
+    }
+    pp.pool->close();  // backings back to the device pool, stream-free (the device is idle)
+  } catch (...) {
+    // The driver refused (the pool stays open, as it was): tried again by the next sweep, at the
+    // end of a capture scope or at empty_cache (close_deferred_everywhere), and by release().
+    deferred_.store(true, std::memory_order_release);
+    throw;
+  }
   pools_.erase(it);
   ++counters_.pools_closed;
+}
+
+void GraphPools::close_released_locked() noexcept {
+  for (auto p = pools_.begin(); p != pools_.end();) {
+    try {
+      maybe_close_locked(p++);
+    } catch (...) {
+      // (deferred_ is set) The caller's own step -- a scope ended, a block freed -- is done; the
+      // pool that could not close yet is not its failure to report.
+    }
+  }
 }
 
 std::optional<GraphPoolId> GraphPools::route(Stream s) {
@@ -163,6 +247,7 @@ std::optional<GraphPoolId> GraphPools::route(Stream s) {
 }
 
 void* GraphPools::allocate(std::size_t nbytes, Stream s) {
+  main_->check_not_forked();  // (see the class comment: fork)
   if (routing()) {
     if (const auto id = route(s)) {
       std::lock_guard<std::mutex> g(mu_);
@@ -184,6 +269,7 @@ void* GraphPools::allocate(std::size_t nbytes, Stream s) {
 }
 
 bool GraphPools::deallocate_private(void* p, Stream s) {
+  main_->check_not_forked();  // (see the class comment: fork)
   if (!holds_private_blocks()) return false;
   std::lock_guard<std::mutex> g(mu_);
   auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
@@ -194,7 +280,13 @@ bool GraphPools::deallocate_private(void* p, Stream s) {
   --it->second.live_blocks;
   ++counters_.private_deallocations;
   private_blocks_.fetch_sub(1, std::memory_order_acq_rel);
-  maybe_close_locked(it);
+  // The block is freed whatever happens next: a failed close of its released pool is not this
+  // free's failure (reported so, a retry was refused as a free inside a live block, and the pool
+  // stayed open for good).
+  try {
+    maybe_close_locked(it);
+  } catch (...) {
+  }
   return true;
 }
 
@@ -204,6 +296,7 @@ void GraphPools::deallocate(void* p, Stream s) {
 }
 
 bool GraphPools::record_stream_private(void* p, Stream s) {
+  main_->check_not_forked();  // (see the class comment: fork)
   if (!holds_private_blocks()) return false;
   std::lock_guard<std::mutex> g(mu_);
   auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
@@ -217,22 +310,26 @@ void GraphPools::record_stream(void* p, Stream s) {
 }
 
 bool GraphPools::has_open_scope(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   return std::any_of(scopes_.begin(), scopes_.end(), [&](const Scope& sc) { return sc.id == id; });
 }
 
 bool GraphPools::has_private_pools() {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   return !pools_.empty();
 }
 
 bool GraphPools::owns_private(std::uintptr_t p) {
+  main_->check_not_forked();  // (see the class comment: fork)
   if (!holds_private_blocks()) return false;
   std::lock_guard<std::mutex> g(mu_);
   return owner_.count(p) != 0;
 }
 
 std::vector<GraphPoolInfo> GraphPools::info() {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   std::vector<GraphPoolInfo> out;
   for (auto& [id, pp] : pools_) {
@@ -249,12 +346,14 @@ std::vector<GraphPoolInfo> GraphPools::info() {
 }
 
 std::shared_ptr<Pool> GraphPools::private_pool(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   auto it = pools_.find(id);
   return it == pools_.end() ? nullptr : it->second.pool;
 }
 
 std::vector<std::uintptr_t> GraphPools::live_blocks(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   std::vector<std::uintptr_t> out;
   for (auto& [p, owner] : owner_)
@@ -263,11 +362,13 @@ std::vector<std::uintptr_t> GraphPools::live_blocks(GraphPoolId id) {
 }
 
 GraphPools::Counters GraphPools::counters() {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   return counters_;
 }
 
 void GraphPools::validate() {
+  main_->check_not_forked();  // (see the class comment: fork)
   std::lock_guard<std::mutex> g(mu_);
   std::size_t owned = 0;
   for (auto& [id, pp] : pools_) {

@@ -35,6 +35,9 @@ using Dead = std::vector<std::shared_ptr<GraphPools>>;  // destroyed after g_mu 
 // own, and keeping that pool alive past the exit is what the hook is for.
 bool idle(const Retired& r) {
   GraphPools& gp = *r.gp;
+  // Over a pool inherited through fork() (made in a child over one): it serves nothing there, and
+  // asking it would throw (GraphPools refuses every call then); its destructor touches nothing.
+  if (gp.main()->forked()) return true;
   return !gp.routing() && !gp.holds_private_blocks() && !gp.has_private_pools() &&
          (r.at_exit || gp.main()->stats().live_blocks == 0);
 }
@@ -73,12 +76,14 @@ void collect() {
 }
 
 // The GraphPools of the device (current first, then retired) for which pick() is true.
+// Never one over a pool inherited through fork(), which refuses every question.
 template <class F>
 std::shared_ptr<GraphPools> find_locked(int device, F&& pick) {
+  const auto ask = [&](GraphPools& x) { return !x.main()->forked() && pick(x); };
   for (int d = 0; d < registry::kMaxDevices; ++d)
-    if (on(device, d) && g_graphs[d] && pick(*g_graphs[d])) return g_graphs[d];
+    if (on(device, d) && g_graphs[d] && ask(*g_graphs[d])) return g_graphs[d];
   for (auto& r : g_retired)
-    if (on(device, r.device) && pick(*r.gp)) return r.gp;
+    if (on(device, r.device) && ask(*r.gp)) return r.gp;
   return nullptr;
 }
 
@@ -207,6 +212,11 @@ bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_
   if (is_private) return gp->record_stream_private(p, s);
   gp->main()->record_stream(p, s);
   return true;
+}
+
+void close_deferred() {
+  GraphPools::close_deferred_everywhere();
+  collect();  // a retired GraphPools whose last pool closed may go now
 }
 
 std::size_t retired_count() {

@@ -23,7 +23,10 @@
 //   another). At zero uses, once the pool has no live blocks and no capture scope is open on the
 //   device, the device is synchronized (a replay may still be in flight) and the private pool is
 //   closed: its backings go back to the device pool. With live blocks left (a graph's static
-//   output the caller still holds), that happens when the last of them is freed.
+//   output the caller still holds), that happens when the last of them is freed. "No capture
+//   scope" counts every GraphPools over the same upstream (a pool swap behind the C ABI, or two
+//   callers' GraphPools over one pool): the synchronize would invalidate a capture under way
+//   there, so the end of the last such scope closes the pool.
 //
 // Invariants (validate()): each private pool validates; what each private pool reserves equals
 // the bytes its backing upstream has outstanding (each backing holds one alignment unit more in
@@ -38,6 +41,9 @@
 // to allocate from the chosen pool, or from `main` when that scope ended in between.
 // Errors: allocate/deallocate/record_stream throw what the pools throw (OutOfMemory,
 // InvalidPointer, ...); begin/end/release of an unknown id throw InvalidArgument.
+// fork(): in a child, a GraphPools over an inherited pool (Pool::forked) refuses every call with
+// PoolClosed before touching a lock (a thread the fork left behind may have held mu_, or the
+// device pool's lock, during a capture's growth), and its destructor touches nothing.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -121,6 +127,12 @@ class GraphPools {
   };
   Counters counters();
 
+  // Closes, in every GraphPools whose upstream has no capture scope open any more, the released
+  // pools that could not close when they were released: another GraphPools's capture was under
+  // way on the upstream, or the driver refused the synchronize or the close. Runs at the end of
+  // every capture scope and at empty_cache (the C ABI's and PyTorch's hooks). Never with a mu_ held.
+  static void close_deferred_everywhere();
+
  private:
   struct Private {
     std::shared_ptr<Upstream> up;  // a view of main_ as an upstream
@@ -134,7 +146,11 @@ class GraphPools {
     std::shared_ptr<const CaptureFilter> filter;  // shared: allocate() copies the list to ask outside mu_
   };
   Private& create_or_use_locked(GraphPoolId id);
+  // Closes pool `it` when it is released, unused and nothing stops it (see the rules above);
+  // throws what the synchronize or the close throws, leaving the pool open and deferred_ set.
   void maybe_close_locked(std::map<GraphPoolId, Private>::iterator it);
+  // maybe_close_locked for every pool; a failure leaves that pool for a later sweep.
+  void close_released_locked() noexcept;
   // The pool the newest scope whose filter takes s names; asks the filters with mu_ not held.
   std::optional<GraphPoolId> route(Stream s);
 
@@ -146,6 +162,7 @@ class GraphPools {
   Counters counters_;                                           // guarded by mu_
   std::atomic<int> open_{0};
   std::atomic<std::size_t> private_blocks_{0};
+  std::atomic<bool> deferred_{false};  // a pool waits for another GraphPools's capture to end
 };
 
 }  // namespace poolkeeper

@@ -70,6 +70,9 @@ void release(int device, GraphPoolId id);
 // when none knows it. Throws what that pool throws.
 bool deallocate_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
 bool record_stream_elsewhere(int device, void* p, Stream s, const Pool* refused_by);
+// empty_cache's step: close the released graph pools that could not close earlier
+// (GraphPools::close_deferred_everywhere), then let go of the retired GraphPools that are idle now.
+void close_deferred();
 // Retired GraphPools still kept (diagnostics): not idle yet, or named by a hazard.
 std::size_t retired_count();
 // Forget every GraphPools (tests, and registry clearing); those that are not idle are retired,
