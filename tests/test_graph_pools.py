@@ -366,6 +366,43 @@ def test_bad_ids_are_typed_errors():
     check(sim, pool, gp)
 
 
+BAD_GRAPH_POOLS_CALLS = {
+    "GraphPools(None)": lambda gp, p: _core.GraphPools(None),
+    "GraphPools(upstream)": lambda gp, p: _core.GraphPools(pk.upstream.Host()),
+    "begin(None id)": lambda gp, p: gp.begin(None, 5),
+    "end(None)": lambda gp, p: gp.end(None),
+    "release(None)": lambda gp, p: gp.release(None),
+    "private_pool(None)": lambda gp, p: gp.private_pool(None),
+    "live_blocks(None)": lambda gp, p: gp.live_blocks(None),
+    "allocate(None)": lambda gp, p: gp.allocate(None),
+    "deallocate(None)": lambda gp, p: gp.deallocate(None),
+    "owns_private(None)": lambda gp, p: gp.owns_private(None),
+    "record_stream(None ptr)": lambda gp, p: gp.record_stream(None, 5),
+    "record_stream(p, None)": lambda gp, p: gp.record_stream(p, None),
+    "graph_pools(None)": lambda gp, p: _core.graph_pools(None),
+    "graph_pools(2**40)": lambda gp, p: _core.graph_pools(2**40),
+    "graph_pools_find('0')": lambda gp, p: _core.graph_pools_find("0"),
+    "graph_pools_find(2**70)": lambda gp, p: _core.graph_pools_find(2**70),
+    "registry_set(2**40)": lambda gp, p: _core.registry_set(2**40, None),
+    "registry_set(0, 'pool')": lambda gp, p: _core.registry_set(0, "pool"),
+    "registry_get(None)": lambda gp, p: _core.registry_get(None),
+    "registry_ensure(-2**70)": lambda gp, p: _core.registry_ensure(-2**70),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_GRAPH_POOLS_CALLS), ids=list(BAD_GRAPH_POOLS_CALLS))
+def test_regression_graph_pools_and_registry_calls_raised_bare_type_errors(c_abi, call):
+    # Found by hostile probing: GraphPools (documented for Python callers, docs/integrations.md)
+    # and the registry calls beside it took their arguments through nanobind's typed signatures,
+    # so None, a non-pool or an int outside C's int was nanobind's TypeError, not a poolkeeper error.
+    sim, pool, gp = make()
+    p = gp.allocate(4096)
+    with pytest.raises(pk.errors.PoolkeeperError):
+        BAD_GRAPH_POOLS_CALLS[call](gp, p)
+    gp.deallocate(p)
+    check(sim, pool, gp)
+
+
 @pytest.mark.parametrize("kind", ["arena", "size_class", "arena_expandable"])
 def test_capture_on_every_device_pool_kind(kind):
     sim = pk.upstream.Simulated(latency="none")

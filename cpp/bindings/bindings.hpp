@@ -26,6 +26,8 @@ std::uintptr_t parse_ptr(nb::handle h);
 std::string shown(nb::handle h);
 // An integer in [0, 2^64) (an event id, a capture mode): InvalidArgument naming `what` otherwise.
 std::uint64_t parse_u64(nb::handle h, const char* what);
+// A device index of the C ABI's registry, -1 (the host) to MAX_DEVICES - 1: InvalidArgument otherwise.
+int parse_device(nb::handle h);
 // A duration in microseconds: an int or float, finite and >= 0 (InvalidArgument otherwise).
 double parse_duration_us(nb::handle h, const char* what);
 // None -> kNoStream; int; objects with __cuda_stream__ (CUDA stream protocol), .cuda_stream

@@ -12,14 +12,22 @@ namespace poolkeeper::py {
 void bind_capi(nb::module_& m) {
   // The registry's device bound, for the Python code that checks device indices against it.
   m.attr("MAX_DEVICES") = registry::kMaxDevices;
-  m.def("registry_set", [](int device, std::shared_ptr<Pool> pool) { registry::set(device, exit_safe(std::move(pool))); },
-        "device"_a, "pool"_a.none(), "Install pool for device (-1: host) behind the C ABI; None removes it.");
-  m.def("registry_get", [](int device) -> nb::object {
-        Pool* p = registry::get_fast(device);
+  m.def("registry_set",
+        [](nb::handle device, nb::handle pool) {
+          const int d = parse_device(device);
+          std::shared_ptr<Pool> p;
+          if (!pool.is_none() && !nb::try_cast<std::shared_ptr<Pool>>(pool, p))
+            throw InvalidArgument("registry_set: pool must be a poolkeeper pool or None; got " + shown(pool));
+          registry::set(d, exit_safe(std::move(p)));
+        },
+        "device"_a.none(), "pool"_a.none(), "Install pool for device (-1: host) behind the C ABI; None removes it.");
+  m.def("registry_get", [](nb::handle device) -> nb::object {
+        const int d = parse_device(device);
+        Pool* p = registry::get_fast(d);
         if (!p) return nb::none();
-        return nb::cast(registry::get_shared(device));
-      }, "device"_a);
-  m.def("registry_ensure", [](int device) { registry::get_shared(device); }, "device"_a,
+        return nb::cast(registry::get_shared(d));
+      }, "device"_a.none());
+  m.def("registry_ensure", [](nb::handle device) { registry::get_shared(parse_device(device)); }, "device"_a.none(),
         "Make device's pool now through the factory (in C++, so no Python object holds it: the "
         "interpreter-exit hook has nothing to release). Raises when there is no factory.");
   m.def("registry_clear", []() {

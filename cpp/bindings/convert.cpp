@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "bindings.hpp"
+#include "poolkeeper/core/registry.hpp"
 
 namespace poolkeeper::py {
 
@@ -120,6 +121,14 @@ std::uint64_t parse_u64(nb::handle h, const char* what) {
   if (of < 0 || (of == 0 && v < 0) || (of > 0 && v == 0))  // below 0, or at 2^64 and above
     throw InvalidArgument(std::string(what) + " " + shown(h) + " is not in [0, 2^64)");
   return static_cast<std::uint64_t>(v);
+}
+
+int parse_device(nb::handle h) {
+  int of;
+  const long long v = to_ll(h, "device", of);
+  if (of || v < -1 || v >= registry::kMaxDevices)
+    throw InvalidArgument("device index " + shown(h) + " out of range [-1, " + std::to_string(registry::kMaxDevices) + ")");
+  return static_cast<int>(v);
 }
 
 std::uintptr_t parse_ptr(nb::handle h) {

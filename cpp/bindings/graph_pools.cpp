@@ -174,15 +174,21 @@ nb::dict info_to_dict(const GraphPoolInfo& i) {
 void bind_graph_pools(nb::module_& m) {
   nb::class_<GraphPools>(m, "GraphPools",
                          "CUDA-graph private pools over one device pool (docs/integrations.md, 'CUDA graphs').")
-      .def("__init__", [](GraphPools* self, std::shared_ptr<Pool> pool) { new (self) GraphPools(exit_safe(std::move(pool))); },
-           "pool"_a)
+      .def("__init__",
+           [](GraphPools* self, nb::handle pool) {
+             std::shared_ptr<Pool> p;
+             if (!nb::try_cast<std::shared_ptr<Pool>>(pool, p) || !p)
+               throw InvalidArgument("GraphPools: pool must be a poolkeeper pool; got " + shown(pool));
+             new (self) GraphPools(exit_safe(std::move(p)));
+           },
+           "pool"_a.none())
       .def("begin",
            [](GraphPools& g, nb::handle id, nb::handle filter) {
              const GraphPoolId gid = parse_id(id);
              CaptureFilter f = parse_filter(filter);
              without_gil([&] { g.begin(gid, std::move(f)); });
            },
-           "id"_a, "filter"_a.none(),
+           "id"_a.none(), "filter"_a.none(),
            "Open an allocate-to-private-pool scope: allocations whose stream is `filter` (a stream) or "
            "for which filter(stream) is true come from private pool `id` until end(id).")
       .def("end",
@@ -190,46 +196,47 @@ void bind_graph_pools(nb::module_& m) {
              const GraphPoolId gid = parse_id(id);
              without_gil([&] { g.end(gid); });
            },
-           "id"_a)
+           "id"_a.none())
       .def("release",
            [](GraphPools& g, nb::handle id) {
              const GraphPoolId gid = parse_id(id);
              without_gil([&] { g.release(gid); });
            },
-           "id"_a)
+           "id"_a.none())
       .def("allocate",
            [](GraphPools& g, nb::handle n, nb::handle stream) {
              const std::size_t nbytes = parse_size(n);
              const Stream s = parse_stream(stream);
              return reinterpret_cast<std::uintptr_t>(without_gil([&] { return g.allocate(nbytes, s); }));
            },
-           "nbytes"_a, "stream"_a = nb::none())
+           "nbytes"_a.none(), "stream"_a.none() = nb::none())
       .def("deallocate",
            [](GraphPools& g, nb::handle p, nb::handle stream) {
              void* ptr = reinterpret_cast<void*>(parse_ptr(p));
              const Stream s = parse_stream(stream);
              without_gil([&] { g.deallocate(ptr, s); });
            },
-           "ptr"_a, "stream"_a = nb::none())
+           "ptr"_a.none(), "stream"_a.none() = nb::none())
       .def("record_stream",
            [](GraphPools& g, nb::handle p, nb::handle stream) {
              void* ptr = reinterpret_cast<void*>(parse_ptr(p));
              const Stream s = parse_stream(stream);
+             if (s == kNoStream) throw InvalidArgument("record_stream needs a stream, not None", true);
              without_gil([&] { g.record_stream(ptr, s); });
            },
-           "ptr"_a, "stream"_a)
-      .def("owns_private", [](GraphPools& g, nb::handle p) { return g.owns_private(parse_ptr(p)); }, "ptr"_a)
+           "ptr"_a.none(), "stream"_a.none())
+      .def("owns_private", [](GraphPools& g, nb::handle p) { return g.owns_private(parse_ptr(p)); }, "ptr"_a.none())
       .def_prop_ro("routing", &GraphPools::routing)
       .def_prop_ro("holds_private_blocks", &GraphPools::holds_private_blocks)
       .def_prop_ro("pool", [](GraphPools& g) { return g.main(); })
-      .def("private_pool", [](GraphPools& g, nb::handle id) { return g.private_pool(parse_id(id)); }, "id"_a)
+      .def("private_pool", [](GraphPools& g, nb::handle id) { return g.private_pool(parse_id(id)); }, "id"_a.none())
       .def("live_blocks",
            [](GraphPools& g, nb::handle id) {
              nb::list l;
              for (auto p : g.live_blocks(parse_id(id))) l.append(p);
              return l;
            },
-           "id"_a, "Addresses of the live blocks of private pool id.")
+           "id"_a.none(), "Addresses of the live blocks of private pool id.")
       .def("info",
            [](GraphPools& g) {
              nb::list l;
@@ -244,12 +251,12 @@ void bind_graph_pools(nb::module_& m) {
                             "filter_errors", c.filter_errors);
            })
       .def("validate", &GraphPools::validate);
-  m.def("graph_pools", [](int device) { return graph_registry::get(device); }, "device"_a,
+  m.def("graph_pools", [](nb::handle device) { return graph_registry::get(parse_device(device)); }, "device"_a.none(),
         "The GraphPools of device's registry pool (made on first use).");
-  m.def("graph_pools_find", [](int device) -> nb::object {
-        std::shared_ptr<GraphPools> gp = graph_registry::current(device);
+  m.def("graph_pools_find", [](nb::handle device) -> nb::object {
+        std::shared_ptr<GraphPools> gp = graph_registry::current(parse_device(device));
         return gp ? nb::cast(gp) : nb::none();
-      }, "device"_a);
+      }, "device"_a.none());
   m.def("graph_registry_clear", &graph_registry::clear);
   m.def("graph_registry_drop_at_exit", []() {
         // With the GIL held (the exit hook): a pool with a Python object was made in Python.
