@@ -224,3 +224,49 @@ def test_c_abi_allocations_are_logged_when_the_registry_holds_the_logging_pool(t
     rows = path.read_text().splitlines()[1:]
     assert len(rows) == 2 * 201  # one warm-up pair, then 200
     assert {r.split(",")[2] for r in rows} == {"allocate", "free"}
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired as e:  # a hang is the failure, not a CI stall
+        pytest.fail(f"hung:\n{e.stdout}\n{e.stderr}")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_regression_logging_pool_inherited_through_fork_was_open_in_the_child_and_wrote_its_log_twice(tmp_path):
+    # Found by hostile probing: the adaptor never joined the pool directory, so fork() did not
+    # mark it. In the child, stats()/validate()/flush() went on to the inner pool's lock and the
+    # adaptor's own (a hang whenever a parent thread held one at the fork: 4 of 30 forks), and a
+    # child that exited normally wrote the parent's buffered lines to the shared file again.
+    log = tmp_path / "fork.csv"
+    r = _run(f"""
+import os, sys
+import poolkeeper as pk
+from poolkeeper.errors import PoolClosedError
+pool = pk.LoggingPool(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)), {str(log)!r})
+for _ in range(3):
+    pool.deallocate(pool.allocate(100))
+pid = os.fork()
+if pid == 0:
+    refused = []
+    for name, call in (("stats", pool.stats), ("validate", pool.validate), ("flush", pool.flush),
+                       ("snapshot", pool.snapshot), ("events", lambda: pool.events),
+                       ("allocate", lambda: pool.allocate(5))):
+        try:
+            call()
+        except PoolClosedError as e:
+            refused.append(name if "fork" in str(e) else name + ": " + str(e))
+    print("child refused", refused, flush=True)
+    sys.exit(0)  # a normal exit: exit handlers and finalizers run
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0
+pool.close()
+print("PARENT-OK")
+""")
+    assert r.returncode == 0 and "PARENT-OK" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "child refused ['stats', 'validate', 'flush', 'snapshot', 'events', 'allocate']" in r.stdout, r.stdout
+    lines = log.read_text().splitlines()
+    assert lines.count("Thread,Time,Action,Pointer,Size,Stream") == 1, lines
+    assert len(lines) == 1 + 6 and len(set(lines)) == len(lines), lines

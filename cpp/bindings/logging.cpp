@@ -15,12 +15,14 @@ void bind_logging(nb::module_& m) {
            },
            "inner"_a, "path"_a, "buffer_bytes"_a.none() = nb::none())
       .def("flush", [](LoggingPool& p) {
-        ReleaseGil nogil;  // not nb::gil_scoped_release: see ReleaseGil (bindings.hpp)
-        p.flush();
+        pool_call_nogil(p, [](LoggingPool& q) { q.flush(); });  // not nb::gil_scoped_release: see ReleaseGil
       })
       .def_prop_ro("inner", [](LoggingPool& p) { return p.inner(); })
       .def_prop_ro("path", &LoggingPool::path)
-      .def_prop_ro("events", &LoggingPool::events);
+      .def_prop_ro("events", [](LoggingPool& p) {
+        p.check_not_forked();  // its lock may have been held at the fork
+        return p.events();
+      });
 }
 
 }  // namespace poolkeeper::py

@@ -1,5 +1,7 @@
 #include "poolkeeper/pools/logging_pool.hpp"
 
+#include <pthread.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +32,16 @@ std::set<LoggingPool*>& open_pools() {
   return s;
 }
 std::once_flag g_atexit_once;
+
+// fork(): an inherited adaptor belongs to the parent, which writes its buffered lines. The child
+// must neither write them again at its exit (the file offset is shared: every line appeared twice)
+// nor wait on g_open_mu held by a parent thread that did not come through the fork.
+void open_fork_prepare() { g_open_mu.lock(); }
+void open_fork_parent() { g_open_mu.unlock(); }
+void open_fork_child() {
+  open_pools().clear();
+  g_open_mu.unlock();
+}
 
 std::uint64_t thread_id() {
   thread_local std::uint64_t tid = [] {
@@ -121,7 +133,10 @@ LoggingPool::LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, s
   // Our own buffer does the batching; stdio's would only copy it once more.
   std::setvbuf(file_, nullptr, _IONBF, 0);
   try {
-    std::call_once(g_atexit_once, [] { std::atexit(&LoggingPool::flush_all_at_exit); });
+    std::call_once(g_atexit_once, [] {
+      std::atexit(&LoggingPool::flush_all_at_exit);
+      pthread_atfork(open_fork_prepare, open_fork_parent, open_fork_child);
+    });
     std::lock_guard<std::mutex> g(g_open_mu);
     open_pools().insert(this);
   } catch (...) {  // (std::bad_alloc, std::system_error) no destructor runs for a throwing constructor
@@ -129,13 +144,21 @@ LoggingPool::LoggingPool(std::shared_ptr<Pool> inner, const std::string& path, s
     file_ = nullptr;
     throw;
   }
+  // Last, as every pool: in the directory a fork marks it (closed in the child, its methods a
+  // typed error); outside it, a child's stats()/validate() reached the inner pool's lock, which a
+  // parent thread may have held at the fork (a hang), and its exit wrote the parent's lines again.
+  join_directory();
 }
 
 LoggingPool::~LoggingPool() {
+  unregister();
   {
     std::lock_guard<std::mutex> g(g_open_mu);
     open_pools().erase(this);
   }
+  // Inherited through fork(): the buffered lines are the parent's to write, and mu_ / file_mu_
+  // may have been held at the fork.
+  if (forked()) return;
   try {
     finish_file();
   } catch (...) {
