@@ -583,3 +583,65 @@ def test_cupy_graph_capture_allocates_from_a_private_pool_released_with_the_grap
     gp.validate()
     pool.validate()
     assert pool.stats()["live_bytes"] == 0
+
+
+def test_regression_cupy_allocations_from_several_threads_on_many_streams_raised_dictionary_changed_size(fake_cupy):
+    # Found by hostile probing: the allocator keeps every stream it ordered a block on, and prunes
+    # that table once it holds 32; the prune walked the table while other threads' allocations
+    # added to it, and CuPy's allocation failed with a bare RuntimeError ("dictionary changed size
+    # during iteration"; 1 run in 6 of 8 threads on 40 streams each). Here the thread switch is
+    # made to happen during the walk: a stream handle whose comparison lets another thread
+    # allocate on a new stream.
+    import threading
+
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim)
+    current = threading.local()
+    fake_cupy.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=getattr(current, "stream", 0))
+    alloc = pk_cupy.install(pool, pinned=False).cupy_allocator
+    switched = []
+
+    def allocate_on_a_new_stream():
+        current.stream = sim.stream()
+        switched.append(alloc(256))
+
+    class Handle(int):
+        __hash__ = int.__hash__
+
+        def __ne__(self, other):
+            if not switched:
+                t = threading.Thread(target=allocate_on_a_new_stream)
+                t.start()
+                t.join()
+            return int.__ne__(self, other)
+
+    kept = []
+    for _ in range(40):
+        current.stream = Handle(sim.stream())
+        kept.append(alloc(4096))
+    assert len(kept) == 40
+    errors = []
+
+    def many_streams():
+        streams = [sim.stream() for _ in range(40)]
+        held = []
+        try:
+            for i in range(400):
+                current.stream = streams[i % 40]
+                held.append(alloc(256))
+                if len(held) > 8:
+                    held.pop(0)
+        except BaseException as e:  # noqa: BLE001 - any error is the failure
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=many_streams) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert alloc.calls == 40 + len(switched) + 4 * 400
+    del kept, switched
+    gc.collect()
+    pool.synchronize()
+    pool.validate()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import os
 import threading
 import weakref
@@ -170,6 +171,7 @@ class _DeviceAllocator:
         # driver a destroyed stream's handle is undefined -- on the H200 it answered
         # CONTEXT_IS_DESTROYED, then INVALID_CONTEXT, and then crashed the process.
         self._streams: Dict[int, Any] = {}
+        self._lock = threading.Lock()
         self._prune_at = 32
         # _core.CupyAllocator when CuPy calls poolkeeper through CFunctionAllocator (install()).
         self.native: Any = None
@@ -216,7 +218,8 @@ class _DeviceAllocator:
                 owner = _Owner(pool, size, stream)
         except OutOfMemoryError as e:
             self.raise_oom(e, size)
-        self.calls += 1
+        with self._lock:  # threads allocate at once; `+=` alone can lose a count
+            self.calls += 1
         if stream:
             self._keep_stream(stream, stream_obj, pool)
             # The stream outlives the block's free: a tuple drops its items last to first.
@@ -232,15 +235,23 @@ class _DeviceAllocator:
         raise err from e
 
     def _keep_stream(self, handle: int, stream_obj: Any, pool: Any) -> None:
-        if handle in self._streams:
-            return
-        self._streams[handle] = stream_obj
-        if len(self._streams) >= self._prune_at:
-            # Drop streams with nothing pending in the pool (live blocks hold their own stream).
-            try:
-                pending = set(pool.stats().get("pending_by_stream", {}))
-            except Exception:
+        # Several threads allocate through CuPy at once: a walk over the table while another
+        # thread added a stream raised "dictionary changed size during iteration" out of CuPy's
+        # allocation. Keys are plain ints (no user code runs while the lock is held), and the
+        # pool is asked outside the lock.
+        handle = operator.index(handle)
+        with self._lock:
+            if handle in self._streams:
                 return
+            self._streams[handle] = stream_obj
+            if len(self._streams) < self._prune_at:
+                return
+        # Drop streams with nothing pending in the pool (live blocks hold their own stream).
+        try:
+            pending = {operator.index(h) for h in pool.stats().get("pending_by_stream", {})}
+        except Exception:
+            return
+        with self._lock:
             for h in [h for h in self._streams if h not in pending and h != handle]:
                 del self._streams[h]
             self._prune_at = max(32, 2 * len(self._streams))
