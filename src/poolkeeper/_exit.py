@@ -53,6 +53,51 @@ import time
 
 
 def _at_exit() -> None:
+    # A Ctrl-C while the program stops (a second press, or a timer's interrupt_main) raised
+    # KeyboardInterrupt in the middle of this hook: the steps after it never ran, so pools made in
+    # Python stayed in the C ABI's registry and nanobind reported them leaked. The exit is under
+    # way already: a SIGINT during the hook is taken and dropped. (Its waits are native, without
+    # the GIL, and were never interruptible by Ctrl-C.)
+    held = _hold_sigint()
+    try:
+        _exit_steps()
+    finally:
+        _release_sigint(held)
+
+
+def _hold_sigint():
+    """SIGINT's previous Python handler after putting one that ignores it there, or None where
+    that cannot be done (not the main thread, a handler installed from C)."""
+    try:
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None:  # set outside Python: it cannot be put back
+            return None
+        signal.signal(signal.SIGINT, _ignore_signal)
+        return previous
+    except Exception:
+        return None
+
+
+def _ignore_signal(signum, frame) -> None:
+    pass
+
+
+def _release_sigint(previous) -> None:
+    if previous is None:
+        return
+    try:
+        import signal
+
+        signal.signal(signal.SIGINT, previous)
+    except Exception:
+        pass
+
+
+def _exit_steps() -> None:
     try:
         from poolkeeper import _core
     except Exception:  # pragma: no cover - the extension itself failed to load
