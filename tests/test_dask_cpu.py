@@ -207,3 +207,12 @@ def test_local_gpu_cluster_gives_each_worker_its_own_device_first(monkeypatch):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         with pytest.raises(IntegrationError, match="no GPU"):
             pkd.local_gpu_cluster()
+
+
+@pytest.mark.parametrize("text", ["", " ", "1e400", "1e400 GB"])
+def test_regression_a_size_string_without_a_number_was_one_byte_and_one_past_float_range_an_overflow_error(text):
+    # Found by hostile probing: Dask reads a size without a number as one unit, so limit="" (an
+    # unset environment variable passed on) was a 1-byte limit that refused every allocation;
+    # "1e400" is a float infinity, and int() of it raised a bare OverflowError.
+    with pytest.raises(InvalidArgumentError, match="cannot read"):
+        pkd.PoolkeeperSetup("arena", upstream="host", limit=text)

@@ -96,12 +96,16 @@ def _bytes(name: str, v: Any) -> Any:
         return v
     from dask.utils import parse_bytes
 
+    from poolkeeper.errors import InvalidArgumentError, brief
+
+    # Dask reads a size without a number as one unit: "" (an unset environment variable passed
+    # on) was a limit of 1 byte, which refused every allocation.
+    if not any(c.isdigit() for c in v):
+        raise InvalidArgumentError(f"{name}: cannot read {brief(v)} as a size (no number in it)")
     try:
         return int(parse_bytes(v))
-    except (ValueError, TypeError) as e:
-        from poolkeeper.errors import InvalidArgumentError
-
-        raise InvalidArgumentError(f"{name}: cannot read {v!r} as a size ({e})") from None
+    except (ValueError, TypeError, OverflowError) as e:  # OverflowError: "1e400" is a float infinity
+        raise InvalidArgumentError(f"{name}: cannot read {brief(v)} as a size ({e})") from None
 
 
 def _metric(addr: str):
