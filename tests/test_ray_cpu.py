@@ -149,3 +149,35 @@ def test_ray_tasks_and_actors_get_their_worker_pool(ray_cluster):
     r = replay_log(stats["log_path"], ["arena"], "host")["pools"]["arena"]
     assert r["counts"]["allocations"] == r["counts"]["frees"] == stats["log_events"] // 2
     assert r["peak_live_bytes"] == 3 * MiB
+
+
+@pytest.mark.parametrize("text", ["{", "[1]", "null", "3", '"arena"'])
+def test_regression_a_malformed_worker_settings_variable_raised_bare_json_or_type_errors(fresh, monkeypatch, text):
+    # Found by hostile probing: the hook parsed the variable with json.loads(...) and ** without a
+    # check, so text that is not a JSON object raised json's ValueError or a bare TypeError in
+    # every worker.
+    monkeypatch.setenv(pkr.ENV_VAR, text)
+    with pytest.raises(IntegrationError, match=pkr.ENV_VAR):
+        pkr.setup_worker()
+    with pytest.raises(IntegrationError, match=pkr.ENV_VAR):
+        pkr.worker_pool()
+
+
+@pytest.mark.parametrize("kw", [dict(base=[("pip", "x")]), dict(base="x"), dict(base={"env_vars": [("A", "1")]}),
+                                dict(log_directory=3)])
+def test_regression_runtime_env_with_a_bad_base_or_log_directory_raised_bare_type_or_value_errors(kw):
+    # Found by hostile probing: dict(base) and os.fspath(log_directory) ran before any check.
+    with pytest.raises(InvalidArgumentError):
+        pkr.runtime_env("arena", upstream="simulated", **kw)
+
+
+def test_regression_a_log_directory_that_cannot_be_made_raised_a_bare_os_error(tmp_path):
+    # Found by hostile probing: os.makedirs' FileExistsError (a file in the way) escaped from the
+    # worker's setup; it is the IntegrationError naming the worker that build() documents.
+    from poolkeeper.integrations._worker import WorkerPoolSpec
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    spec = WorkerPoolSpec("arena", "simulated", log_directory=str(blocker))
+    with pytest.raises(IntegrationError, match="worker w1 cannot write its log"):
+        spec.build("w1")

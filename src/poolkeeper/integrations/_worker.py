@@ -243,7 +243,10 @@ class WorkerPoolSpec:
             ) from e
         log_path = None
         if self.log_directory is not None:
-            os.makedirs(self.log_directory, exist_ok=True)
+            try:
+                os.makedirs(self.log_directory, exist_ok=True)
+            except OSError as e:  # a file in the way, no permission: was a bare OSError from setup
+                raise IntegrationError(f"{where} cannot write its log under {self.log_directory!r}: {e}") from e
             log_path = os.path.join(self.log_directory, f"poolkeeper_{_safe(worker_name)}_{os.getpid()}.csv")
         pool = make_pool(self.kind, upstream, log=log_path, **self.pool_options())
         state = WorkerPoolState(pool=pool, upstream=self.upstream, device=dev, log_path=log_path)

@@ -38,9 +38,10 @@ import atexit
 import json
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
-from poolkeeper.errors import InvalidArgumentError
+from poolkeeper.errors import InvalidArgumentError, brief
 from poolkeeper.integrations._common import IntegrationError
 from poolkeeper.integrations._worker import CUDA_UPSTREAMS, WorkerPoolSpec, WorkerPoolState
 
@@ -66,10 +67,15 @@ def runtime_env(
     Raises :class:`~poolkeeper.errors.InvalidArgumentError` for a bad kind, upstream, size or
     pool option, and :class:`IntegrationError` when ``base`` has a setup hook already.
     """
-    if settings.get("log_directory") is not None:
+    if isinstance(settings.get("log_directory"), os.PathLike):  # anything else: the spec's own check
         settings["log_directory"] = os.fspath(settings["log_directory"])
     args = dict(pool=pool, upstream=upstream, **settings)
     WorkerPoolSpec(**args)  # the pools' own checks, now, in the driver
+    # A list or a string as base (or as its env_vars) raised dict()'s bare TypeError/ValueError.
+    if base is not None and not isinstance(base, Mapping):
+        raise InvalidArgumentError(f"base must be a runtime_env dict or None; got {brief(base)}")
+    if base is not None and base.get("env_vars") is not None and not isinstance(base["env_vars"], Mapping):
+        raise InvalidArgumentError(f"base['env_vars'] must be a dict of variables; got {brief(base['env_vars'])}")
     env = dict(base or {})
     if env.get("worker_process_setup_hook") not in (None, HOOK):
         raise IntegrationError(
@@ -92,13 +98,25 @@ def setup_worker() -> Optional[WorkerPoolState]:
     text = os.environ.get(ENV_VAR)
     if not text:
         raise IntegrationError(f"{HOOK} needs {ENV_VAR} (use poolkeeper.integrations.ray.runtime_env())")
-    spec = WorkerPoolSpec(**json.loads(text))
+    spec = _spec_from_env(text)
     with _LOCK:
         _SPEC = spec
     _register_exit()
     if spec.upstream in CUDA_UPSTREAMS:
         return None
     return _build()
+
+
+def _spec_from_env(text: str) -> WorkerPoolSpec:
+    # The variable is runtime_env()'s JSON, but anyone can set it: text that is not a JSON object
+    # of settings raised json's ValueError or a bare TypeError in every worker.
+    try:
+        args = json.loads(text)
+    except ValueError as e:
+        raise IntegrationError(f"{ENV_VAR} does not hold runtime_env()'s settings: not JSON ({e})") from None
+    if not isinstance(args, dict):
+        raise IntegrationError(f"{ENV_VAR} does not hold runtime_env()'s settings: a JSON object is needed, got {brief(args)}")
+    return WorkerPoolSpec(**args)
 
 
 def _register_exit() -> None:
@@ -117,7 +135,7 @@ def _build() -> WorkerPoolState:
         spec = _SPEC
         if spec is None:
             if os.environ.get(ENV_VAR):
-                spec = WorkerPoolSpec(**json.loads(os.environ[ENV_VAR]))
+                spec = _spec_from_env(os.environ[ENV_VAR])
             else:
                 raise IntegrationError(
                     "this process has no poolkeeper worker pool: start the workers with "
