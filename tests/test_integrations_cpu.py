@@ -645,3 +645,34 @@ def test_regression_cupy_allocations_from_several_threads_on_many_streams_raised
     gc.collect()
     pool.synchronize()
     pool.validate()
+
+
+def test_regression_torch_graph_pools_before_any_device_pool_raised_min_of_an_empty_sequence(fake_torch):
+    # Found by hostile probing: graph_pools() picks the current device among the pools made so
+    # far, and with none it raised min()'s bare ValueError; a device that is not an int (or does
+    # not fit 64 bits) was nanobind's TypeError.
+    from poolkeeper.errors import InvalidArgumentError
+
+    assert pk_torch.graph_pools() == []
+    for bad in ("0", 10**30, [0]):
+        with pytest.raises(InvalidArgumentError, match="device"):
+            pk_torch.graph_pools(bad)
+        with pytest.raises(InvalidArgumentError, match="device"):
+            pk_torch.check_pool_live_allocations(bad, (1, 0), [])
+    _core.registry_set(0, pk.ArenaPool(pk.upstream.Simulated(latency_us=0)))
+    with pytest.raises(InvalidArgumentError, match="device"):
+        pk_torch.stats([0])
+    assert pk_torch.graph_pools() == [] and pk_torch.stats(0)["live_bytes"] == 0
+
+
+@pytest.mark.parametrize("upstream", [[], {}, ["device"]])
+def test_regression_an_upstream_name_that_is_a_list_raised_unhashable_type_error(upstream):
+    # Found by hostile probing (WorkerPoolSpec, PoolkeeperSetup, runtime_env, install paths all
+    # resolve the name here).
+    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.pools import resolve_cuda_upstream, resolve_upstream
+
+    with pytest.raises(InvalidArgumentError, match="unknown upstream"):
+        resolve_upstream("arena", upstream)
+    with pytest.raises(InvalidArgumentError, match="unknown upstream"):
+        resolve_cuda_upstream("arena", upstream)

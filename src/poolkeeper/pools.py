@@ -338,14 +338,14 @@ def resolve_upstream(kind: str, upstream: Optional[str]) -> str:
     None. Raises :class:`~poolkeeper.errors.InvalidArgumentError` for an unknown name or a pair
     that cannot work (a kind that needs virtual memory over ``"device"``, ``"async"`` or
     ``"host"``; ``"simulated"`` has every interface)."""
-    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.errors import InvalidArgumentError, brief
     from poolkeeper.upstream import UPSTREAMS
 
     k = pool_kind(kind)
     if upstream is None:
         return k.cuda_upstream
-    if upstream not in UPSTREAMS:
-        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(UPSTREAMS)})")
+    if not isinstance(upstream, str) or upstream not in UPSTREAMS:  # a list was unhashable: TypeError
+        raise InvalidArgumentError(f"unknown upstream {brief(upstream)} (valid: {', '.join(UPSTREAMS)})")
     if upstream != "simulated" and k.needs_virtual and upstream != "virtual":
         raise InvalidArgumentError(
             f"pool kind {kind!r} cannot run over upstream {upstream!r}: it maps memory into a reserved range "
@@ -360,8 +360,10 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
     from poolkeeper.errors import InvalidArgumentError
     from poolkeeper.upstream import CUDA_UPSTREAMS
 
-    if upstream is not None and upstream != "simulated" and upstream not in CUDA_UPSTREAMS:
-        raise InvalidArgumentError(f"unknown upstream {upstream!r} (valid: {', '.join(CUDA_UPSTREAMS)})")
+    if upstream is not None and upstream != "simulated" and (not isinstance(upstream, str) or upstream not in CUDA_UPSTREAMS):
+        from poolkeeper.errors import brief
+
+        raise InvalidArgumentError(f"unknown upstream {brief(upstream)} (valid: {', '.join(CUDA_UPSTREAMS)})")
     return resolve_upstream(kind, upstream)
 
 

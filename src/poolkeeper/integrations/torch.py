@@ -338,12 +338,28 @@ def install(
         return _INSTALLED
 
 
+def _device_index(device: Any) -> int:
+    """``device`` as the core's graph registry takes it, or InvalidArgumentError: a str, or an int
+    outside 64 bits, was nanobind's bare TypeError."""
+    import operator
+
+    from poolkeeper.errors import InvalidArgumentError, brief
+
+    try:
+        d = operator.index(device)
+    except TypeError:
+        raise InvalidArgumentError(f"device must be an int; got {brief(device)}") from None
+    if not -(1 << 31) <= d < 1 << 31:
+        raise InvalidArgumentError(f"device {brief(d)} is not a device index")
+    return d
+
+
 def check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> bool:
     """What ``torch._C._cuda_checkPoolLiveAllocations`` answers for PyTorch's own allocator, for
     poolkeeper's graph pools: are the live blocks of graph pool ``pool_id`` on ``device`` exactly
     the data pointers in ``expected``? torch.compile's CUDA-graph trees ask this to check that
     nothing but the tensors they track is alive in a graph's pool."""
-    gp = _core.graph_pools_find(int(device))
+    gp = _core.graph_pools_find(_device_index(device))
     live = set() if gp is None else set(gp.live_blocks((int(pool_id[0]), int(pool_id[1]))))
     return live == {int(p) for p in expected}
 
@@ -360,7 +376,7 @@ class GraphPoolCheckpoint:
 def get_checkpoint_state(device: int, pool_id: Any) -> GraphPoolCheckpoint:
     """``torch._C._cuda_getCheckpointState`` for poolkeeper's graph pools: the live blocks of graph
     pool ``pool_id`` now. torch.compile's CUDA-graph trees take one after each recording."""
-    gp = _core.graph_pools_find(int(device))
+    gp = _core.graph_pools_find(_device_index(device))
     pid = (int(pool_id[0]), int(pool_id[1]))
     live = frozenset() if gp is None else frozenset(gp.live_blocks(pid))
     return GraphPoolCheckpoint(int(device), pid, live)
@@ -452,6 +468,7 @@ def _pool_for(device: Optional[int]):
         if not ps:
             raise IntegrationError("no poolkeeper device pool yet: nothing has been allocated through it")
         device = _current_device(ps)
+    device = _device_index(device)
     if device not in ps:
         raise IntegrationError(f"no poolkeeper pool for device {device} yet (devices with pools: {sorted(ps)})")
     return ps[device]
@@ -555,8 +572,12 @@ def graph_pools(device: Optional[int] = None) -> List[Dict[str, Any]]:
     """The CUDA-graph private pools of ``device`` (default: the current device): one entry per
     graph or shared pool handle, with its id, uses, open capture scopes, whether it was released,
     its live blocks and its pool stats. Memory in them is live in the device pool's own stats."""
-    d = _current_device(pools()) if device is None else device
-    gp = _core.graph_pools_find(d)
+    if device is None:
+        ps = pools()
+        if not ps:  # nothing allocated through the C ABI yet (min() of no devices was a ValueError)
+            return []
+        device = _current_device(ps)
+    gp = _core.graph_pools_find(_device_index(device))
     return [] if gp is None else gp.info()
 
 
