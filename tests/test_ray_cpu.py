@@ -181,3 +181,16 @@ def test_regression_a_log_directory_that_cannot_be_made_raised_a_bare_os_error(t
     spec = WorkerPoolSpec("arena", "simulated", log_directory=str(blocker))
     with pytest.raises(IntegrationError, match="worker w1 cannot write its log"):
         spec.build("w1")
+
+
+def test_regression_initial_beyond_the_device_was_silently_a_pool_of_256_bytes():
+    # Found by hostile probing: the arena asks again for just the request when the device refuses
+    # a ramp backing, so initial= (rmm_pool_size) larger than the device reserved 256 bytes and
+    # the worker started as if its pool were there. The simulated device holds 140 GiB.
+    from poolkeeper.integrations._worker import WorkerPoolSpec
+
+    with pytest.raises(IntegrationError, match="cannot reserve initial=1099511627776"):
+        WorkerPoolSpec("arena", "simulated", initial=1 << 40).build("w1")
+    state = WorkerPoolSpec("arena", "simulated", initial=64 * MiB).build("w2")
+    assert state.pool.stats()["reserved_bytes"] == 64 * MiB
+    assert state.close()["closed"]

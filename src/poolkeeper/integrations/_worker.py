@@ -254,6 +254,15 @@ class WorkerPoolSpec:
             if self.initial is not None:
                 # Reserve the resident backing now, as RMM's initial pool size does.
                 pool.deallocate(pool.allocate(pool.alignment))
+                # A device that cannot give that much refuses the ramp backing and the arena asks
+                # again for just the request: `initial` beyond the device was a pool of 256 bytes,
+                # silently (RMM refuses such a pool size).
+                reserved = pool.stats()["reserved_bytes"]
+                if reserved < self.initial:
+                    raise IntegrationError(
+                        f"{where} cannot reserve initial={self.initial} bytes on the {self.upstream!r} upstream "
+                        f"(it gave {reserved}): lower initial= (rmm_pool_size)"
+                    )
             if self.cupy:
                 from poolkeeper.integrations import cupy as pkc
 
