@@ -676,3 +676,47 @@ def test_regression_an_upstream_name_that_is_a_list_raised_unhashable_type_error
         resolve_upstream("arena", upstream)
     with pytest.raises(InvalidArgumentError, match="unknown upstream"):
         resolve_cuda_upstream("arena", upstream)
+
+
+def test_regression_cupy_install_took_any_pool_or_pinned_value_and_left_bad_options_to_the_first_allocation(fake_cupy):
+    # Found by hostile probing: install(3) raised a bare AttributeError; pinned=3 and a misspelt
+    # pool option were accepted, and every CuPy allocation after them failed.
+    from poolkeeper.errors import InvalidArgumentError
+
+    for bad in (3, None, []):
+        with pytest.raises(InvalidArgumentError, match="pool must be"):
+            pk_cupy.install(bad, pinned=False)
+    with pytest.raises(InvalidArgumentError, match="pinned must be"):
+        pk_cupy.install(pk.ArenaPool(pk.upstream.Simulated(latency_us=0)), pinned=3)
+    with pytest.raises(InvalidArgumentError, match="unknown option 'max_bakcing'"):
+        pk_cupy.install("arena", upstream="simulated", pinned=False, max_bakcing=1 << 20)
+    assert pk_cupy.installation() is None and fake_cupy.state["allocator"] == "cupy-default"
+
+
+def test_regression_cupy_graph_capture_with_a_bad_pool_id_raised_again_at_collection(fake_cupy, monkeypatch):
+    # Found by hostile probing: the captured graph, whose finalizer releases its pool id, was made
+    # before the id was checked, so a refused id was released again when the graph was collected
+    # ("Exception ignored in: <finalize object>"); pool=3 was tuple()'s bare TypeError.
+    from poolkeeper.errors import InvalidArgumentError
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim)
+    inst = pk_cupy.install(pool, pinned=False)
+    fake_cupy.cuda.Stream = lambda non_blocking=True: fake_capture_stream(fake_cupy, sim, sim.stream())
+    for bad in (3, (-1, 0), (1, 2, 3), ("a", "b"), (10**30, 0)):
+        with pytest.raises(InvalidArgumentError):
+            with pk_cupy.graph_capture(pool=bad):
+                pass
+        gc.collect()
+    assert unraisable == []
+    gp = inst.allocator.graph_pools(0)
+    assert not gp.routing and gp.info() == []
+    with pk_cupy.graph_capture(pool=(7, 0)) as g:
+        fake_cupy.state["allocator"](4096)
+    assert g.graph == "graph"
+    g.release()
+    gc.collect()
+    pool.synchronize()
+    pool.validate()

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional
 
 from poolkeeper._core import BufferCore as _Owner  # owner of one device block (native: no finalizer)
-from poolkeeper.errors import OutOfMemoryError
+from poolkeeper.errors import InvalidArgumentError, OutOfMemoryError, brief
 from poolkeeper.integrations._common import IntegrationError, import_optional
 
 MiB = 1 << 20
@@ -109,11 +109,19 @@ class _DevicePools:
 
             upstream = resolve_cuda_upstream(pool, upstream)  # validates the kind and the pair
             self._kind, self._upstream, self._options = pool, upstream, dict(options)
+            # The pools' own option checks, now: a misspelt option passed install() and failed
+            # every CuPy allocation after it. A pool over a simulated device costs nothing.
+            from poolkeeper.pools import make_pool
+            from poolkeeper.upstream import make_upstream
+
+            make_pool(pool, make_upstream("simulated", latency_us=0), **self._options).close()
         else:
+            d = getattr(getattr(pool, "upstream", None), "device", None)
+            if not isinstance(d, int):  # 3 or None raised a bare AttributeError
+                raise InvalidArgumentError(f"pool must be a pool kind name or a poolkeeper pool; got {brief(pool)}")
             if options:
                 raise IntegrationError("options apply to a pool kind, not to an existing pool")
             self._kind = None
-            d = pool.upstream.device
             if d < 0:
                 self._any = pool
             else:
@@ -371,6 +379,9 @@ def install(
         given, why = _native_allocator(cupy, alloc)
         notes["path"] = why
         pinned_alloc = None
+        if not (isinstance(pinned, bool) or pinned is None or callable(getattr(pinned, "allocate", None))):
+            # pinned=3 was accepted, and CuPy's first pinned allocation raised AttributeError
+            raise InvalidArgumentError(f"pinned must be True, False or a poolkeeper pool; got {brief(pinned)}")
         if pinned is not False and pinned is not None:
             ppool = default_pinned_pool(_first_device(cupy)) if pinned is True else pinned
             pinned_alloc = _PinnedAllocator(cupy, ppool)
@@ -514,16 +525,22 @@ def graph_capture(stream: Any = None, *, pool: Optional[tuple] = None) -> Any:
         raise IntegrationError("graph_capture() needs poolkeeper installed as CuPy's allocator (install() first)")
     device = _first_device(cupy)
     gp = inst.allocator.graph_pools(device)
-    pid = tuple(pool) if pool is not None else (next(_GRAPH_IDS), 0)
+    try:
+        pid = tuple(pool) if pool is not None else (next(_GRAPH_IDS), 0)
+    except TypeError:  # pool=3 was tuple()'s bare TypeError
+        raise InvalidArgumentError(f"pool must be a pair of ints such as (1, 0); got {brief(pool)}") from None
     s = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-    captured = CapturedGraph(gp, pid, s)
-    # The capture stream stays alive while the graph's pool exists (its lane names the handle).
-    live_ids = {tuple(i["id"]) for i in gp.info()}
-    for k in [k for k in _GRAPH_STREAMS if k not in live_ids]:
-        del _GRAPH_STREAMS[k]
-    _GRAPH_STREAMS[pid] = s
+    # begin() checks the id. The graph (whose finalizer releases the id) is made only once the
+    # scope is open: made first, a refused id was released again at collection, which raised
+    # there ("Exception ignored in: <finalize object>").
     gp.begin(pid, s.ptr)
     try:
+        captured = CapturedGraph(gp, pid, s)
+        # The capture stream stays alive while the graph's pool exists (its lane names the handle).
+        live_ids = {tuple(i["id"]) for i in gp.info()}
+        for k in [k for k in _GRAPH_STREAMS if k not in live_ids]:
+            del _GRAPH_STREAMS[k]
+        _GRAPH_STREAMS[pid] = s
         with s:
             s.begin_capture()
             try:
