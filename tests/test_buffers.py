@@ -408,3 +408,31 @@ def test_pool_buffer_runs_no_python_and_keeps_its_contract(kind):
         pool.buffer(16, stream="not a stream")
     assert pool.stats()["live_blocks"] == 0
     pool.validate()
+
+
+def test_regression_a_release_during_a_dlpack_export_put_the_consumers_stream_on_the_next_owners_block():
+    # Found by hostile probing: __dlpack__ recorded the consumer's stream on the block before it
+    # claimed the buffer, so a release in between (another thread; here the max_version's
+    # __index__) freed the block first, and the stream went onto whichever allocation got the
+    # address next, delaying its reuse for work that was never its own.
+    sim = pk.upstream.Simulated(latency_us=0)
+    pool = pk.ArenaPool(sim)
+    own, consumer = sim.stream(), sim.stream()
+    buf = pool.buffer(4096, stream=own)
+    taken = []
+
+    class ReleasingIndex:
+        def __index__(self):
+            buf.release()
+            taken.append(pool.allocate(4096, stream=own))
+            return 1
+
+    with pytest.raises(BufferReleasedError):
+        buf.__dlpack__(stream=consumer, max_version=(ReleasingIndex(), 0))
+    assert taken == [buf.ptr]  # the next owner has the address
+    sim.enqueue(consumer, 10**6)
+    pool.deallocate(taken[0], stream=own)
+    waits = [c.waits_on for b in pool.snapshot().backings for c in b.chunks if c.state == "pending"]
+    assert waits == [[own]]
+    pool.synchronize()
+    pool.validate()

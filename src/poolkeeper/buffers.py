@@ -223,15 +223,18 @@ class PoolBuffer(_core.BufferCore):
             raise BufferExportError("poolkeeper buffers export without copying (copy=True asked)")
         if device is not None and device != self.__dlpack_device__():
             raise BufferExportError(f"memory is on {self.__dlpack_device__()}, not {device}")
-        if self.kind == "device":
-            self._order_for_consumer(_stream_from_protocol(stream))
-        elif self.kind == "host" and stream is not None:
-            raise BufferExportError(f"host memory (kDLCPU) has no streams: stream must be None; got {type(stream).__name__}")
-        else:
-            _stream_from_protocol(stream)  # pinned memory: checked, not ordered on (as before)
         versioned = version is not None and version[0] >= 1
+        # Claimed before the consumer's stream is recorded on the block: a release on another
+        # thread (or from an __index__ above) between the check and the recording had freed the
+        # block, and the consumer's stream went onto whichever allocation got the address next.
         self._claim()
         try:
+            if self.kind == "device":
+                self._order_for_consumer(_stream_from_protocol(stream))
+            elif self.kind == "host" and stream is not None:
+                raise BufferExportError(f"host memory (kDLCPU) has no streams: stream must be None; got {type(stream).__name__}")
+            else:
+                _stream_from_protocol(stream)  # pinned memory: checked, not ordered on (as before)
             return _dlpack.make_capsule(self.ptr, self.nbytes, self.__dlpack_device__(), self._unclaim, versioned)
         except BaseException:
             self._unclaim()
