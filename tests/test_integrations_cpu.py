@@ -720,3 +720,34 @@ def test_regression_cupy_graph_capture_with_a_bad_pool_id_raised_again_at_collec
     gc.collect()
     pool.synchronize()
     pool.validate()
+
+
+def test_regression_cupy_uninstall_on_another_thread_during_an_allocation_raised_attribute_error(fake_cupy, monkeypatch):
+    # Found by hostile probing: the slow path checked `self.native is not None` and then called
+    # `self.native.set_pool(...)`; an uninstall() on another thread in between (it sets the
+    # attribute to None) made CuPy's allocation fail with a bare AttributeError. Here the
+    # attribute changes between its reads, as it does when that thread runs in between.
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency_us=0))
+    alloc = pk_cupy.install(pool, pinned=False).cupy_allocator
+    seen = []
+
+    class Native:
+        def set_pool(self, device, p):
+            seen.append(device)
+
+        def set_graph_pools(self, device, gp):
+            seen.append(("graphs", device))
+
+    reads = iter([Native()])
+
+    def read_native(self):
+        return next(reads, None)  # the first read sees the native state, later ones the uninstall
+
+    monkeypatch.setattr(pk_cupy._DeviceAllocator, "native", property(read_native, lambda self, v: None), raising=False)
+    mem = alloc(4096)
+    assert seen == [0] and mem.ptr
+    reads = iter([Native()])
+    alloc.graph_pools(0)
+    del mem
+    gc.collect()
+    pool.validate()

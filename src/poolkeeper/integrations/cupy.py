@@ -191,8 +191,9 @@ class _DeviceAllocator:
             from poolkeeper import _core
 
             gp = self.graphs.setdefault(device, _core.GraphPools(self.pools.get(device)))
-            if self.native is not None:
-                self.native.set_graph_pools(device, gp)  # a capture scope sends `device` to the slow path
+            native = self.native  # read once: uninstall() on another thread sets it to None
+            if native is not None:
+                native.set_graph_pools(device, gp)  # a capture scope sends `device` to the slow path
         return gp
 
     def __call__(self, size: int):
@@ -209,8 +210,11 @@ class _DeviceAllocator:
         where dropping ``owner`` returns the block (ordered on that stream, which it keeps alive).
         Called by CuPy through :meth:`__call__`, or from C for what the fast path does not serve."""
         pool = self.pools.get(device)
-        if self.native is not None:
-            self.native.set_pool(device, pool)  # the next default-stream request takes the fast path
+        # Read once: uninstall() on another thread sets it to None, and between a check and a use
+        # of the attribute that was a bare AttributeError out of CuPy's allocation.
+        native = self.native
+        if native is not None:
+            native.set_pool(device, pool)  # the next default-stream request takes the fast path
         gp = self.graphs.get(device)
         stream_obj = self._current_stream()
         stream = stream_obj.ptr
