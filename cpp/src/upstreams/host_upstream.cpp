@@ -16,7 +16,7 @@ void* HostUpstream::do_allocate(std::size_t nbytes) {
   void* p = std::aligned_alloc(alignment_, align_up(nbytes, alignment_));
   if (!p) throw UpstreamOutOfMemory("host heap refused " + format_bytes(nbytes), "Host", "ENOMEM", 12);
   try {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::ForkSafeMutex> g(mu_);
     live_.emplace(reinterpret_cast<std::uintptr_t>(p), nbytes);
   } catch (...) {
     std::free(p);
@@ -28,7 +28,7 @@ void* HostUpstream::do_allocate(std::size_t nbytes) {
 void HostUpstream::do_deallocate(void* p, std::size_t nbytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::ForkSafeMutex> g(mu_);
     auto it = live_.find(a);
     if (it == live_.end() || it->second != nbytes) {
       const std::string why = it == live_.end()

@@ -41,11 +41,11 @@ void* SimulatedUpstream::do_allocate(std::size_t nbytes) {
   // Refuse what can never fit before paying its latency: the modelled cost of a 2^62-byte request
   // is days of busy-waiting. (Racing allocations are checked again below, under the lock.)
   if (nbytes == 0 || nbytes > kMaxRequest || align_up(nbytes, alignment_) > capacity_) {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::ForkSafeMutex> g(mu_);
     throw_oom_locked(nbytes);
   }
   busy_wait_us(model_.alloc_us(nbytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("allocate (cuMemAlloc)", false);
   const std::size_t n = align_up(nbytes, alignment_);
   if (used_ + n > capacity_) throw_oom_locked(nbytes);
@@ -92,7 +92,7 @@ std::uintptr_t SimulatedUpstream::place_locked(std::size_t span, std::size_t ali
 }
 
 std::size_t SimulatedUpstream::mapped_bytes() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   std::size_t n = 0;
   for (auto& [a, r] : ranges_)
     for (auto& [pa, pn] : r.pieces) n += pn;
@@ -105,7 +105,7 @@ static void vm_fail(const std::string& what) {
 
 std::uintptr_t SimulatedUpstream::do_reserve(std::size_t bytes) {
   if (bytes == 0 || bytes % kGranule) vm_fail("reserve of " + format_bytes(bytes) + " is not a positive multiple of 2 MiB");
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   const std::uintptr_t a = place_locked(bytes, kGranule);
   live_.emplace(a, bytes);
   ranges_[a].size = bytes;
@@ -122,11 +122,11 @@ SimulatedUpstream::Range* SimulatedUpstream::range_of_locked(std::uintptr_t addr
 
 void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
   if (bytes > capacity_) {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<detail::ForkSafeMutex> g(mu_);
     throw_oom_locked(bytes);
   }
   busy_wait_us(model_.alloc_us(bytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("map (cuMemMap)", false);
   if (bytes == 0 || bytes % kGranule || addr % kGranule)
     vm_fail("map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " is not 2 MiB-aligned");
@@ -144,7 +144,7 @@ void SimulatedUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
 
 void SimulatedUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
   busy_wait_us(model_.free_us(bytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("unmap (cuMemUnmap)", true);
   Range* r = range_of_locked(addr, bytes);
   auto it = r ? r->pieces.find(addr) : decltype(r->pieces.end()){};
@@ -157,7 +157,7 @@ void SimulatedUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
 }
 
 void SimulatedUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   auto it = ranges_.find(addr);
   if (it == ranges_.end() || it->second.size != bytes)
     vm_fail("unreserve of " + format_ptr(addr) + " (" + format_bytes(bytes) + ") is not a reserved range");
@@ -188,7 +188,7 @@ bool SimulatedUpstream::occupied_locked(const Range& r, std::uintptr_t addr, std
 
 void SimulatedUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
   busy_wait_us(model_.alloc_us(bytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("alias (cuMemMap)", false);
   if (bytes == 0 || bytes % kGranule || dst % kGranule)
     vm_fail("alias of " + format_bytes(bytes) + " at " + format_ptr(dst) + " is not 2 MiB-aligned");
@@ -205,7 +205,7 @@ void SimulatedUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::si
 
 void SimulatedUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
   busy_wait_us(model_.free_us(bytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("unalias (cuMemUnmap)", true);
   Range* r = range_of_locked(dst, bytes);
   auto it = r ? r->aliases.find(dst) : decltype(r->aliases.end()){};
@@ -217,7 +217,7 @@ void SimulatedUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
 }
 
 std::size_t SimulatedUpstream::aliased_bytes() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   std::size_t n = 0;
   for (auto& [a, r] : ranges_)
     for (auto& [pa, src] : r.aliases) n += src.second;
@@ -226,7 +226,7 @@ std::size_t SimulatedUpstream::aliased_bytes() const {
 
 void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {
   busy_wait_us(model_.free_us(nbytes));
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("deallocate (cuMemFree)", true);
   auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == live_.end() || it->second != nbytes || ranges_.count(it->first))
@@ -238,7 +238,7 @@ void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {
 }
 
 Stream SimulatedUpstream::new_stream() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   const Stream s = next_stream_++;
   busy_[s] = now_;
   return s;
@@ -246,13 +246,13 @@ Stream SimulatedUpstream::new_stream() {
 
 void SimulatedUpstream::destroy_stream(Stream s) {
   if (s == kNoStream || s == 0) throw InvalidArgument("destroy_stream: the default stream cannot be destroyed");
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (!destroyed_.insert(s).second) throw InvalidArgument("destroy_stream: stream " + format_stream(s) + " is already destroyed");
   if (s >= next_stream_) next_stream_ = s + 1;  // new_stream() never hands a dead id out again
 }
 
 std::uint64_t SimulatedUpstream::events_recorded() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return events_recorded_;
 }
 
@@ -269,7 +269,7 @@ double SimulatedUpstream::busy_locked(Stream s) const {
 
 void SimulatedUpstream::enqueue(Stream s, double work_us) {
   if (!std::isfinite(work_us) || work_us < 0) throw InvalidArgument("enqueue: work_us must be finite and >= 0");
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (destroyed_.count(s)) dead_stream(s, "enqueue");
   busy_[s] = std::max(busy_locked(s), now_) + work_us;
 }
@@ -277,27 +277,27 @@ void SimulatedUpstream::enqueue(Stream s, double work_us) {
 void SimulatedUpstream::advance(double us) {
   if (!std::isfinite(us) || us < 0)
     throw InvalidArgument("advance: the virtual clock only moves forward, by a finite step");
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   now_ += us;
 }
 
 double SimulatedUpstream::now() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return now_;
 }
 
 double SimulatedUpstream::stream_busy_until(Stream s) const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return std::max(busy_locked(s), now_);
 }
 
 std::size_t SimulatedUpstream::live_events() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return event_time_.size() - free_events_.size();
 }
 
 EventId SimulatedUpstream::record_event(Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (destroyed_.count(s)) dead_stream(s, "event record");
   if (auto it = captures_.find(s); it != captures_.end()) {
     ++capture_violations_;
@@ -318,7 +318,7 @@ EventId SimulatedUpstream::record_event(Stream s) {
 
 bool SimulatedUpstream::query_event(EventId e) {
   if (e == kNullEvent) return true;
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (e > event_time_.size() || event_time_[e - 1] < 0) throw InvalidArgument("query of an unknown simulated event");
   check_capture_locked("query_event (cuEventQuery)", false);
   return now_ >= event_time_[e - 1];
@@ -326,7 +326,7 @@ bool SimulatedUpstream::query_event(EventId e) {
 
 void SimulatedUpstream::wait_event(EventId e) {
   if (e == kNullEvent) return;
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (e > event_time_.size() || event_time_[e - 1] < 0) throw InvalidArgument("wait on an unknown simulated event");
   check_capture_locked("wait_event (cuEventSynchronize)", false);
   now_ = std::max(now_, event_time_[e - 1]);
@@ -334,14 +334,14 @@ void SimulatedUpstream::wait_event(EventId e) {
 
 void SimulatedUpstream::release_event(EventId e) {
   if (e == kNullEvent) return;
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (e > event_time_.size() || event_time_[e - 1] < 0) return;
   event_time_[e - 1] = -1;
   free_events_.push_back(e);
 }
 
 void SimulatedUpstream::synchronize() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   check_capture_locked("synchronize (cuCtxSynchronize)", true);
   for (auto& [s, t] : busy_) now_ = std::max(now_, t);
 }
@@ -361,13 +361,13 @@ int SimulatedUpstream::exchange_capture_mode(int mode) {
 void SimulatedUpstream::begin_capture(Stream s, int mode) {
   if (s == kNoStream) throw InvalidArgument("begin_capture: the legacy stream cannot be captured");
   if (mode < 0 || mode > 2) throw InvalidArgument("begin_capture: mode must be 0 (global), 1 (thread-local) or 2 (relaxed)");
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   if (captures_.count(s)) throw InvalidArgument("begin_capture: stream " + format_stream(s) + " is already capturing");
   captures_[s] = Capture{mode, true};
 }
 
 bool SimulatedUpstream::end_capture(Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   auto it = captures_.find(s);
   if (it == captures_.end()) throw InvalidArgument("end_capture: stream " + format_stream(s) + " is not capturing");
   const bool valid = it->second.valid;
@@ -376,17 +376,17 @@ bool SimulatedUpstream::end_capture(Stream s) {
 }
 
 bool SimulatedUpstream::stream_capturing(Stream s) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return captures_.count(s) != 0;
 }
 
 std::uint64_t SimulatedUpstream::capture_violations() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return capture_violations_;
 }
 
 std::string SimulatedUpstream::last_capture_violation() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
   return last_violation_;
 }
 

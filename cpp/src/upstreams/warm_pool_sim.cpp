@@ -29,7 +29,7 @@ void SimulatedPoolControl::maybe_fail(const std::string& op, int device) {
 }
 
 std::string SimulatedPoolControl::unsupported_reason(int device) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.push_back("support " + std::to_string(device));
   if (device < 0 || device >= devices_) return "simulated device " + std::to_string(device) + " does not exist";
   auto it = unsupported_.find(device);
@@ -37,7 +37,7 @@ std::string SimulatedPoolControl::unsupported_reason(int device) {
 }
 
 std::uint64_t SimulatedPoolControl::release_threshold(int device) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.push_back("get " + std::to_string(device));
   check_device(device);
   maybe_fail("get", device);
@@ -45,7 +45,7 @@ std::uint64_t SimulatedPoolControl::release_threshold(int device) {
 }
 
 void SimulatedPoolControl::set_release_threshold(int device, std::uint64_t value) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.push_back("set " + std::to_string(device) + " " + fmt(value));
   check_device(device);
   maybe_fail("set", device);
@@ -53,27 +53,27 @@ void SimulatedPoolControl::set_release_threshold(int device, std::uint64_t value
 }
 
 void SimulatedPoolControl::synchronize(int device) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.push_back("sync " + std::to_string(device));
   check_device(device);
   maybe_fail("sync", device);
 }
 
 void SimulatedPoolControl::trim_to(int device, std::uint64_t keep_bytes) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.push_back("trim " + std::to_string(device) + " " + fmt(keep_bytes));
   check_device(device);
   maybe_fail("trim", device);
 }
 
 void SimulatedPoolControl::set_external(int device, std::uint64_t value) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   check_device(device);
   threshold_[static_cast<std::size_t>(device)] = value;
 }
 
 std::uint64_t SimulatedPoolControl::threshold(int device) const {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   check_device(device);
   return threshold_[static_cast<std::size_t>(device)];
 }
@@ -81,23 +81,23 @@ std::uint64_t SimulatedPoolControl::threshold(int device) const {
 void SimulatedPoolControl::fail_next(const std::string& op, const std::string& error_name, int times) {
   if (op != "get" && op != "set" && op != "sync" && op != "trim")
     throw InvalidArgument("fail_next: op must be get, set, sync or trim; got '" + op + "'");
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   failures_[op] = {error_name, times};
 }
 
 void SimulatedPoolControl::set_unsupported(int device, const std::string& reason) {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   if (reason.empty()) unsupported_.erase(device);
   else unsupported_[device] = reason;
 }
 
 std::vector<std::string> SimulatedPoolControl::calls() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   return calls_;
 }
 
 void SimulatedPoolControl::clear_calls() {
-  std::lock_guard<std::mutex> lk(mu_);
+  std::lock_guard<detail::ForkSafeMutex> lk(mu_);
   calls_.clear();
 }
 

@@ -7,6 +7,8 @@
 // wrapping the outstanding-bytes counter.
 #pragma once
 #include <mutex>
+
+#include "poolkeeper/detail/fork_safe_mutex.hpp"
 #include <unordered_map>
 
 #include "poolkeeper/core/upstream.hpp"
@@ -26,7 +28,7 @@ class HostUpstream final : public Upstream {
 
  private:
   std::size_t alignment_;
-  std::mutex mu_;
+  detail::ForkSafeMutex mu_;  // free in a forked child (see fork_safe_mutex.hpp)
   std::unordered_map<std::uintptr_t, std::size_t> live_;  // address -> requested bytes
 };
 

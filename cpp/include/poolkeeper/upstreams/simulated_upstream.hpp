@@ -45,6 +45,8 @@
 #include <map>
 #include <string>
 #include <mutex>
+
+#include "poolkeeper/detail/fork_safe_mutex.hpp"
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -124,7 +126,7 @@ class SimulatedUpstream final : public Upstream {
   std::map<std::uintptr_t, Range> ranges_;  // reserved; their addresses sit in live_ too
   LatencyModel model_;
   std::size_t capacity_, alignment_;
-  mutable std::mutex mu_;
+  mutable detail::ForkSafeMutex mu_;  // free in a forked child (see fork_safe_mutex.hpp)
   std::uintptr_t base_, next_addr_;
   std::size_t used_ = 0;
   std::map<std::uintptr_t, std::size_t> live_;  // validates every free the pools make

@@ -8,6 +8,8 @@
 #pragma once
 #include <map>
 #include <mutex>
+
+#include "poolkeeper/detail/fork_safe_mutex.hpp"
 #include <string>
 #include <vector>
 
@@ -39,7 +41,7 @@ class SimulatedPoolControl final : public PoolControl {
   void check_device(int device) const;
   void maybe_fail(const std::string& op, int device);
   int devices_;
-  mutable std::mutex mu_;
+  mutable detail::ForkSafeMutex mu_;  // free in a forked child (see fork_safe_mutex.hpp)
   std::vector<std::uint64_t> threshold_;
   std::map<int, std::string> unsupported_;
   std::map<std::string, std::pair<std::string, int>> failures_;
