@@ -27,14 +27,22 @@ struct ForkSafeMutexes {
     for (ForkSafeMutex* m : all()) m->mu_.unlock();
     set_mu().unlock();
   }
-  static void install() {
-    static const int once = pthread_atfork(prepare, release, release);
-    (void)once;
-  }
 };
 
+// Registered before any other fork handler of the library (priority 101 runs ahead of every static
+// initializer and of the handlers pools register when the first one is made). pthread_atfork runs
+// prepare handlers in reverse order of registration, so these leaf locks are taken last, after the
+// pool directory's and the registries' locks: the order a thread takes them in (a thread exiting
+// folds its cache into a pool under the directory lock, and that pool may call its upstream).
+// Taken first, a fork could wait for an upstream lock whose holder waits for the directory lock
+// the fork already held.
+namespace {
+__attribute__((constructor(101))) void register_fork_handlers() {
+  pthread_atfork(ForkSafeMutexes::prepare, ForkSafeMutexes::release, ForkSafeMutexes::release);
+}
+}  // namespace
+
 ForkSafeMutex::ForkSafeMutex() {
-  ForkSafeMutexes::install();
   std::lock_guard<std::mutex> g(ForkSafeMutexes::set_mu());
   ForkSafeMutexes::all().insert(this);
 }
