@@ -233,6 +233,51 @@ def test_read_log_takes_no_file_descriptor():
         read_log(0)
 
 
+_ALLOC = {"action": "alloc", "addr": 4096, "size": 256}
+
+
+@pytest.mark.parametrize("shape", ["one trace list named per device", "one block list named per segment",
+                                   "one entry named many times"])
+def test_regression_a_small_pickle_naming_one_list_many_times_was_walked_for_hours(shape, tmp_path):
+    # A pickle names an object again in two bytes (a memo reference): 300 references to one list
+    # of 300 entries are 90,000 entries to walk from ~1 KB. At 40,000 x 40,000 (160 KB) the reader
+    # walked for hours; one list of blocks shared by 10,000 segments (40 KB) made 10^8 events
+    # (OOM). These small ones went through; now every shape is refused before it is walked.
+    if shape == "one trace list named per device":
+        snap = {"device_traces": [[{"action": "segment_map", "size": 1}] * 300] * 300}
+    elif shape == "one block list named per segment":
+        block = {"state": "active_allocated", "address": 1 << 20, "size": 256}
+        snap = {"device_traces": [[_ALLOC]], "segments": [{"blocks": [block] * 300, "total_size": 256}] * 300}
+    else:
+        snap = {"device_traces": [[_ALLOC] * 10_000]}
+    p = tmp_path / "shared.pickle"
+    p.write_bytes(pickle.dumps(snap, protocol=4))
+    assert p.stat().st_size < 25_000
+    with pytest.raises(ReplayError, match="names the same"):
+        read_log(str(p))
+    # A snapshot whose entries are objects of their own reads as before.
+    fine = {"device_traces": [[dict(_ALLOC, addr=4096 * (i + 1)) for i in range(300)] for _ in range(3)],
+            "segments": [{"blocks": [{"state": "active_allocated", "address": (1 << 30) + 256 * i, "size": 256}
+                                     for i in range(100)], "total_size": 1 << 20}]}
+    p.write_bytes(pickle.dumps(fine, protocol=4))
+    trace = read_log(str(p))
+    assert len(trace.events) == 300 and len(trace.pre_trace) == 100
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_regression_a_log_read_from_a_pipe_lost_its_first_bytes(compressed, tmp_path):
+    # The log was opened three times (the gzip magic, the format, the parse): a pipe
+    # (`replay /dev/stdin`, `replay <(zcat log.gz)`) gave its first bytes to the first two opens,
+    # and every such log was "unrecognized". It is opened and read once now.
+    data = (HEADER + "1,t,allocate,0x10,1024,0x0\n1,t,free,0x10,1024,0x0\n" * 50).encode()
+    if compressed:
+        data = gzip.compress(data)
+    code = ("import sys; from poolkeeper.bench.readers import read_log; "
+            "t = read_log('/dev/stdin'); print(len(t.events))")
+    r = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, env=_env(), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == b"100", r.stderr.decode()[-400:]
+
+
 # ---------------------------------------------------------------- whole or nothing
 
 

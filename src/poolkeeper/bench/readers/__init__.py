@@ -31,11 +31,14 @@ GZIP_MAGIC = b"\x1f\x8b"
 class _Capped(io.RawIOBase):
     """A binary stream that raises :class:`ReplayError` once more than ``limit`` bytes were read
     from ``inner``. No read asks ``inner`` for more than one byte past the limit, so a reader that
-    asks for gigabytes at once (a pickle's length-prefixed bytes) never makes them exist."""
+    asks for gigabytes at once (a pickle's length-prefixed bytes) never makes them exist. Closing it
+    closes ``inner`` and then ``also`` (what ``inner`` reads from: a ``GzipFile`` given a file object
+    leaves it open)."""
 
-    def __init__(self, inner: IO[bytes], limit: Optional[int], path: str) -> None:
+    def __init__(self, inner: IO[bytes], limit: Optional[int], path: str, also: Optional[IO[bytes]] = None) -> None:
         super().__init__()
         self._inner = inner
+        self._also = also
         self._limit = limit
         self._path = path
         self.count = 0
@@ -61,35 +64,84 @@ class _Capped(io.RawIOBase):
 
     def close(self) -> None:
         try:
-            self._inner.close()
+            try:
+                self._inner.close()
+            finally:
+                if self._also is not None:
+                    self._also.close()
         finally:
             super().close()
 
 
-def _is_gzip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == GZIP_MAGIC
+class _Joined(io.RawIOBase):
+    """``head``, then what ``rest`` holds after it. A log is opened once and its first bytes (the
+    gzip magic, the format's) are read from the stream it is parsed from: opened again, a pipe
+    (``replay /dev/stdin``, ``replay <(zcat log.gz)``) had lost them, and every such log was
+    "unrecognized"."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        super().__init__()
+        self._head = memoryview(head)
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._head:
+            view = memoryview(b).cast("B")
+            n = min(len(view), len(self._head))
+            view[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._rest.readinto(b) or 0
+
+    def close(self) -> None:
+        try:
+            self._rest.close()
+        finally:
+            super().close()
 
 
 def _open(path: str, limit: Optional[int] = None, buffer_size: int = 1 << 20) -> IO[bytes]:
-    inner = gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
-    return io.BufferedReader(_Capped(inner, limit, path), buffer_size=buffer_size)
-
-
-def detect(path: str) -> str:
-    """``"rmm"`` or ``"torch"`` from the file's first bytes; :class:`ReplayError` otherwise."""
+    """The log's bytes, decompressed if it is gzip, at most ``limit`` of them; the file is opened
+    and read once (see :class:`_Joined`)."""
+    f = open(path, "rb")
     try:
-        with _open(path, buffer_size=64) as f:
-            head = f.read(64)
+        magic = f.read(len(GZIP_MAGIC))  # a BufferedReader: as many bytes as there are, up to 2
+        src: IO[bytes] = _Joined(magic, f)
+        if magic == GZIP_MAGIC:
+            return io.BufferedReader(_Capped(gzip.GzipFile(fileobj=src, mode="rb"), limit, path, also=src),
+                                     buffer_size=buffer_size)
+        return io.BufferedReader(_Capped(src, limit, path), buffer_size=buffer_size)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _read_head(f: IO[bytes], path: str) -> bytes:
+    """The first 64 bytes of ``f`` (fewer if it is shorter), read errors as :class:`ReplayError`."""
+    try:
+        return f.read(64)
     except OSError as e:
         if isinstance(e, gzip.BadGzipFile):
             raise ReplayError(f"unreadable gzip data ({e})", path=path) from None
-        # Not there, a directory, no permission: the open's own words, not "gzip".
         raise ReplayError(f"cannot read the log: {e.strerror or e}", path=path) from None
     except EOFError as e:
         raise ReplayError(f"the compressed log is truncated ({e or type(e).__name__})", path=path) from None
     except zlib.error as e:
         raise ReplayError(f"unreadable gzip data ({e or type(e).__name__})", path=path) from None
+
+
+def _open_log(path: str, limit: Optional[int]) -> IO[bytes]:
+    try:
+        return _open(path, limit)
+    except OSError as e:
+        # Not there, a directory, no permission: the open's own words, not "gzip".
+        raise ReplayError(f"cannot read the log: {e.strerror or e}", path=path) from None
+
+
+def _format_of(head: bytes, path: str) -> str:
     if not head:
         raise ReplayError("empty file", path=path, line=1)
     if torch_snapshot.looks_like(head):
@@ -103,12 +155,19 @@ def detect(path: str) -> str:
     )
 
 
+def detect(path: str) -> str:
+    """``"rmm"`` or ``"torch"`` from the file's first bytes; :class:`ReplayError` otherwise."""
+    with _open_log(path, None) as f:
+        return _format_of(_read_head(f, path), path)
+
+
 def read_log(path: str, fmt: str = "auto", device: Optional[int] = None,
              max_bytes: Optional[int] = MAX_LOG_BYTES) -> Trace:
     """Parse a log into a :class:`Trace` (``fmt``: auto, rmm or torch; ``device``: torch only).
 
     Reads at most ``max_bytes`` bytes of the log once decompressed (``None``: no bound); a larger
-    log, like a malformed one, is a :class:`ReplayError`."""
+    log, like a malformed one, is a :class:`ReplayError`. The log is read once, from its start to
+    its end, so it may be a pipe (``/dev/stdin``)."""
     from poolkeeper._paths import path_arg
 
     path = path_arg(path, "log")
@@ -118,20 +177,22 @@ def read_log(path: str, fmt: str = "auto", device: Optional[int] = None,
         from poolkeeper.errors import InvalidArgumentError, brief
 
         raise InvalidArgumentError(f"max_bytes must be a positive int or None, not {brief(max_bytes)}")
-    if fmt == "auto":
-        fmt = detect(path)
-    try:
-        if fmt == "rmm":
-            with _open(path, max_bytes) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
-                return rmm_csv.read(f, path)
-        with _open(path, max_bytes) as f:
-            return torch_snapshot.read(f, path, device)
-    except UnicodeDecodeError as e:
-        raise ReplayError(f"not a text CSV (undecodable byte at offset {e.start})", path=path) from None
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise ReplayError(f"the compressed log is truncated or corrupt ({e or type(e).__name__})", path=path) from None
-    except (RecursionError, OverflowError, MemoryError) as e:  # hostile nesting or sizes, whatever the format
-        raise ReplayError(f"the log cannot be read ({type(e).__name__}: {str(e)[:200]})", path=path) from None
+    with _open_log(path, max_bytes) as f:
+        head = _read_head(f, path)
+        if fmt == "auto":
+            fmt = _format_of(head, path)
+        try:
+            with io.BufferedReader(_Joined(head, f), buffer_size=1 << 20) as body:
+                if fmt == "rmm":
+                    with io.TextIOWrapper(body, encoding="utf-8", newline="") as text:
+                        return rmm_csv.read(text, path)
+                return torch_snapshot.read(body, path, device)
+        except UnicodeDecodeError as e:
+            raise ReplayError(f"not a text CSV (undecodable byte at offset {e.start})", path=path) from None
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise ReplayError(f"the compressed log is truncated or corrupt ({e or type(e).__name__})", path=path) from None
+        except (RecursionError, OverflowError, MemoryError) as e:  # hostile nesting or sizes, whatever the format
+            raise ReplayError(f"the log cannot be read ({type(e).__name__}: {str(e)[:200]})", path=path) from None
 
 
 __all__ = ["read_log", "detect", "FORMATS", "MAX_LOG_BYTES", "Trace", "Event", "ALLOC", "FREE", "ALLOC_FAILED"]

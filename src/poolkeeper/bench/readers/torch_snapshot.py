@@ -18,7 +18,7 @@ file could run code).
 from __future__ import annotations
 
 import pickle
-from typing import Any, BinaryIO, Dict, List, Optional
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from poolkeeper.bench.errors import ReplayError
 from poolkeeper.errors import brief
@@ -40,12 +40,20 @@ class _DataOnly(pickle.Unpickler):
         )
 
 
-def _load(f: BinaryIO, path: str) -> Any:
+#: Fewest bytes of pickle a trace entry or segment block that becomes an event can take: a dict of
+#: its own with three keys and values (``action``/``addr``/``size``, ``state``/``address``/``size``),
+#: each pushed in two bytes at the least (a memo reference, a one-byte int), between a MARK and a
+#: DICT opcode. A snapshot yielding more events than its bytes / this repeats one dict.
+MIN_EVENT_BYTES = 14
+
+
+def _load(f: BinaryIO, path: str) -> Tuple[Any, int]:
+    """The unpickled snapshot and the bytes of pickle it took."""
     # Unpickled from the stream itself: reading it whole first held the file twice over (its bytes,
     # then the objects), and ``read_log``'s stream bounds how much of it can be read at all.
     counted = _Counting(f)
     try:
-        return _DataOnly(counted).load()
+        return _DataOnly(counted).load(), counted.count
     except ReplayError:  # the stream's bound (read_log's max_bytes)
         raise
     except EOFError:
@@ -99,13 +107,20 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
 
     Raises :class:`ReplayError` naming the entry (``device_traces[d][i]``) that is malformed.
     """
-    snap = _load(f, path)
+    snap, nbytes = _load(f, path)
     if not isinstance(snap, dict) or "device_traces" not in snap:
         raise ReplayError("not a PyTorch memory snapshot: no 'device_traces' (record history with "
                           "torch.cuda.memory._record_memory_history() before _dump_snapshot)", path=path, where="top level")
     traces = snap["device_traces"]
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise ReplayError("'device_traces' must be a list of lists (one per device)", path=path, where="device_traces")
+    # A pickle puts one object in many places for a byte or two each (DUP, a memo reference), so
+    # what it describes can outnumber its bytes without bound: one list of 3,000 entries named
+    # 3,000 times is 12 KB of file and 9 million entries to walk (a 160 KB file walked for hours;
+    # one list of blocks shared by many segments made tens of GB of events). Every list item of a
+    # real snapshot takes a byte of its own at least, and every event a dict of its own.
+    _check_items(sum(len(t) for t in traces), nbytes, path, "device_traces")
+    max_events = nbytes // MIN_EVENT_BYTES
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
         raise ReplayError(f"device must be an int; got {device!r}", path=path, where="device_traces")
     if device is None:
@@ -132,6 +147,8 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
             size = _int(e, "size", path, where)
             stream = e.get("stream", 0)
             stream = stream if isinstance(stream, int) and not isinstance(stream, bool) and 0 <= stream < (1 << 64) - 1 else 0
+            if len(trace.events) >= max_events:
+                _repeated(nbytes, path, where)
             trace.events.append(Event(kind, addr, size, stream, i))
             continue
         trace.ignore(action)
@@ -141,12 +158,28 @@ def read(f: BinaryIO, path: str = "", device: Optional[int] = None) -> Trace:
             running += d
             segment_delta += d
             peak_running = max(peak_running, running)
+    segments = snap.get("segments")
+    if isinstance(segments, list):
+        _check_items(len(segments) + sum(len(s["blocks"]) for s in segments
+                                         if isinstance(s, dict) and isinstance(s.get("blocks"), list)),
+                     nbytes, path, "segments")
     _source_peak(trace, snap, device, saw_segments, segment_delta, peak_running)
-    _source_live(trace, snap, device)
+    _source_live(trace, snap, device, max_events, nbytes)
     return trace
 
 
-def _source_live(trace: Trace, snap: Dict[str, Any], device: int) -> None:
+def _check_items(items: int, nbytes: int, path: str, where: str) -> None:
+    if items > nbytes:
+        raise ReplayError(f"{items:,} list items in {nbytes:,} bytes of pickle: the file names the same "
+                          "lists many times over, which no memory snapshot does", path=path, where=where)
+
+
+def _repeated(nbytes: int, path: str, where: str) -> None:
+    raise ReplayError(f"more than {nbytes // MIN_EVENT_BYTES:,} events in {nbytes:,} bytes of pickle: the file "
+                      "names the same entries many times over, which no memory snapshot does", path=path, where=where)
+
+
+def _source_live(trace: Trace, snap: Dict[str, Any], device: int, max_events: int, nbytes: int) -> None:
     """The logged process's own peak live bytes, counting blocks allocated before the trace began.
 
     The replay skips those by default (their frees are "unknown"), so its peak live can be lower
@@ -168,6 +201,8 @@ def _source_live(trace: Trace, snap: Dict[str, Any], device: int) -> None:
             size = b.get("requested_size", b.get("size"))
             if isinstance(addr, int) and isinstance(size, int) and 0 < size < 1 << 64 and 0 <= addr < 1 << 64 \
                     and addr not in allocated:
+                if len(trace.events) + len(trace.pre_trace) >= max_events:
+                    _repeated(nbytes, trace.path, "segments")
                 trace.pre_trace.append(Event(ALLOC, addr, size, 0, -1))
     pre = sum(ev.size for ev in trace.pre_trace)
     if pre == 0:
