@@ -126,6 +126,18 @@ def test_regression_rich_markup_in_a_results_file_was_a_traceback(field, tmp_pat
     assert "[/]x[link=javascript:alert(1)]y" in out.replace("\n", "") or "[/]x[link=" in out
 
 
+def test_regression_bench_json_path_with_markup_was_a_traceback_after_the_run(tmp_path):
+    # `bench --json PATH` printed PATH as rich markup once the matrix had run: "[/]" raised
+    # MarkupError (a traceback after minutes of benchmarking). It prints as written now, "[b]"
+    # and a backslash included.
+    (tmp_path / "x[").mkdir()
+    out_path = tmp_path / "x[" / "]y[/]z[b]\\.json"
+    rc, out, err = _cli("bench", *FAST, "--arms", "arena", "--workloads", "hit_pair", "--json", out_path)
+    assert rc == 0 and "Traceback" not in err, err
+    assert f"rows written to {out_path}" in out
+    assert json.loads(out_path.read_text())["rows"]
+
+
 def test_regression_unpaired_rows_with_markup_were_a_traceback(tmp_path):
     doc = json.load(open(RESULTS))
     doc["rows"] = [dict(r, workload="[/]") for r in doc["rows"] if r["arm"] != "arena"]

@@ -148,6 +148,8 @@ class _Lines:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from poolkeeper.bench import results
     from poolkeeper.bench.console import make_console
 
@@ -201,7 +203,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         # After the table: if the write fails after all, the rows were shown and are rescued.
         results.write_or_rescue(args.json, rows)
-        console.print(f"[dim]rows written to {args.json} (compare them with: poolkeeper compare {args.json})[/]",
+        # The path is escaped: rich reads "[...]" as markup, and `--json 'x[/]y.json'` raised
+        # MarkupError here, after the whole matrix had run.
+        shown = escape(args.json)
+        console.print(f"[dim]rows written to {shown} (compare them with: poolkeeper compare {shown})[/]",
                       highlight=False, soft_wrap=True)
     return 0
 
