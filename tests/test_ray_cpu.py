@@ -194,3 +194,28 @@ def test_regression_initial_beyond_the_device_was_silently_a_pool_of_256_bytes()
     state = WorkerPoolSpec("arena", "simulated", initial=64 * MiB).build("w2")
     assert state.pool.stats()["reserved_bytes"] == 64 * MiB
     assert state.close()["closed"]
+
+
+class _UnprintableFlag:
+    def __repr__(self):
+        raise RuntimeError("repr refused")
+
+
+@pytest.mark.parametrize("settings", [
+    dict(limit=-10 ** 5000), dict(initial=-10 ** 5000),
+    dict(upstream="async", release_threshold=-10 ** 5000), dict(upstream="async", release_threshold=1 << 64),
+    dict(upstream="async", release_threshold=10 ** 5000),
+    dict(torch=_UnprintableFlag()), dict(limit=_UnprintableFlag()), dict(log_directory=_UnprintableFlag()),
+    dict(pool=_UnprintableFlag()),
+], ids=["limit huge negative", "initial huge negative", "threshold huge negative", "threshold 2**64",
+        "threshold huge", "torch unprintable", "limit unprintable", "log_directory unprintable", "pool unprintable"])
+def test_regression_a_worker_setting_with_a_huge_or_unprintable_value_was_a_bare_error_or_passed(settings):
+    # Found by review: the messages quoted the value with repr(), which raises for an int of more
+    # than 4,300 digits (ValueError) and for an object whose __repr__ raises; release_threshold
+    # 2**64 or more passed the driver's check and failed in every worker (nanobind's TypeError
+    # setting the driver's attribute).
+    from poolkeeper.errors import InvalidArgumentError
+    from poolkeeper.integrations._worker import WorkerPoolSpec
+
+    with pytest.raises(InvalidArgumentError):
+        WorkerPoolSpec(**settings)

@@ -328,9 +328,9 @@ def pool_kind(kind: str) -> PoolKind:
     try:
         return KINDS[kind]
     except (KeyError, TypeError):
-        from poolkeeper.errors import InvalidArgumentError
+        from poolkeeper.errors import InvalidArgumentError, brief
 
-        raise InvalidArgumentError(f"unknown pool kind {kind!r} (valid: {', '.join(KINDS)})") from None
+        raise InvalidArgumentError(f"unknown pool kind {brief(kind)} (valid: {', '.join(KINDS)})") from None
 
 
 def resolve_upstream(kind: str, upstream: Optional[str]) -> str:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from poolkeeper.errors import InvalidArgumentError, LiveBlocksError, PoolkeeperError
+from poolkeeper.errors import InvalidArgumentError, LiveBlocksError, PoolkeeperError, brief
 from poolkeeper.integrations._common import IntegrationError
 from poolkeeper.upstream import CUDA_UPSTREAMS
 
@@ -36,7 +36,8 @@ def _size(name: str, v: Any) -> Optional[int]:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number of bytes or None; got {v!r}")
+        # brief(), not repr(): -10**5000 made the message itself raise ValueError (int digit limit)
+        raise InvalidArgumentError(f"{name} must be a positive number of bytes or None; got {brief(v)}")
     return v
 
 
@@ -161,7 +162,7 @@ class WorkerPoolSpec:
         upstream = resolve_upstream(pool, upstream)  # the kind, the name and the pair
         for flag, v in (("torch", torch), ("cupy", cupy)):
             if not isinstance(v, bool):
-                raise InvalidArgumentError(f"{flag} must be True or False; got {v!r}")
+                raise InvalidArgumentError(f"{flag} must be True or False; got {brief(v)}")
             if v and upstream not in CUDA_UPSTREAMS:
                 raise InvalidArgumentError(
                     f"{flag}=True routes CUDA allocations, so it needs a device upstream "
@@ -173,13 +174,16 @@ class WorkerPoolSpec:
         if release_threshold is not None:
             if upstream != "async":
                 raise InvalidArgumentError("release_threshold applies to upstream='async' (CUDA's stream-ordered pool)")
-            if isinstance(release_threshold, bool) or not isinstance(release_threshold, int) or release_threshold < 0:
-                raise InvalidArgumentError(f"release_threshold must be a byte count >= 0; got {release_threshold!r}")
+            # Below 2^64, the driver's attribute: 2**64 passed here and failed in every worker, as
+            # nanobind's bare TypeError from setting it.
+            if isinstance(release_threshold, bool) or not isinstance(release_threshold, int) \
+                    or not 0 <= release_threshold < 1 << 64:
+                raise InvalidArgumentError(f"release_threshold must be a byte count in [0, 2^64); got {brief(release_threshold)}")
             self.release_threshold = release_threshold
         if self.initial is not None and self.limit is not None and self.initial > self.limit:
             raise InvalidArgumentError(f"initial ({self.initial}) exceeds limit ({self.limit})")
         if log_directory is not None and not isinstance(log_directory, (str, os.PathLike)):
-            raise InvalidArgumentError(f"log_directory must be a path or None; got {log_directory!r}")
+            raise InvalidArgumentError(f"log_directory must be a path or None; got {brief(log_directory)}")
         self.kind, self.upstream, self.torch, self.cupy = pool, upstream, torch, cupy
         self.log_directory = os.fspath(log_directory) if log_directory is not None else None
         self.options = dict(options)
