@@ -164,6 +164,35 @@ def test_regression_a_log_path_or_action_with_markup_was_a_traceback_after_the_r
     assert rc == 0 and err == "" and "[/][bold] 1" in out, err
 
 
+def test_regression_compare_plot_drew_every_row_however_many(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    # The figure grew with the rows: 2,500 identities took 48 s, and past ~190,000 the image
+    # exceeded matplotlib's limit (2^23 pixels) and savefig raised a bare ValueError after hours.
+    # At most MAX_ROWS rows are drawn now (the table and --json have them all); a small bound here.
+    from poolkeeper.bench import plot as plot_mod
+    from poolkeeper.bench.pivot import pivot
+    from poolkeeper.bench.results import load
+
+    doc = json.load(open(RESULTS))
+    rows = [r for r in doc["rows"] if r["arm"] in ("arena", "direct")][:2]
+    many = []
+    for i in range(12):
+        for r in rows:
+            many.append(dict(r, workload=f"w{i}", params={"i": i}))
+    doc["rows"] = many
+    res = tmp_path / "many.json"
+    res.write_text(json.dumps(doc))
+    piv = pivot(load([str(res)]), None)
+
+    def height(bound, name):
+        monkeypatch.setattr(plot_mod, "MAX_ROWS", bound, raising=False)
+        out = tmp_path / name
+        plot_mod.plot(piv, str(out))
+        return struct.unpack(">I", out.read_bytes()[20:24])[0]  # the PNG header's height
+
+    assert height(3, "three.png") < height(100, "all.png") * 0.6
+
+
 def test_regression_plot_labels_were_read_as_mathtext_and_a_long_one_took_minutes(tmp_path):
     pytest.importorskip("matplotlib")
     # A "$" in a workload name started matplotlib's mathtext: "$\foo{$" raised ValueError. A

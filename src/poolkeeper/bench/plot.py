@@ -36,6 +36,10 @@ def _key(e: Dict[str, Any]) -> Tuple[str, str, str]:
 
 #: Longest row label drawn: a 100,000-character workload name took matplotlib minutes to lay out.
 MAX_LABEL = 60
+#: Most rows drawn (the table and ``compare --json`` have them all): the figure grows with the rows,
+#: 2,500 took 48 s, and past ~190,000 (a results file of a few hundred MB) the image exceeded what
+#: matplotlib draws and savefig raised a bare ValueError, after hours of layout.
+MAX_ROWS = 200
 
 
 def _label(e: Dict[str, Any], backends: int) -> str:
@@ -84,6 +88,8 @@ def plot(piv: Dict[str, Any], path: str, inputs: Sequence[str] = ()) -> None:
         for e in entries:
             rows.setdefault(_key(e), _label(e, len(backends)))
     keys = list(rows)
+    left_out = max(0, len(keys) - MAX_ROWS)
+    keys = keys[:MAX_ROWS]
     metrics = list(METRIC_LABELS)
     n = max(1, len(panels))
     fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 3.5, 0.36 * max(1, len(keys)) + 2.6), squeeze=False,
@@ -132,7 +138,8 @@ def plot(piv: Dict[str, Any], path: str, inputs: Sequence[str] = ()) -> None:
     shown = ", ".join(backends) or "-"
     if len(shown) > MAX_LABEL:
         shown = shown[: MAX_LABEL - 1] + "…"
-    fig.suptitle(f"poolkeeper compare — arena advantage per workload (scale {piv['scale']}, backend {shown})",
+    more = f"\nthe first {len(keys)} rows of {len(keys) + left_out}: the table and --json have them all" if left_out else ""
+    fig.suptitle(f"poolkeeper compare — arena advantage per workload (scale {piv['scale']}, backend {shown}){more}",
                  fontsize=10, parse_math=False)
     import io
 
