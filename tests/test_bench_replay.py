@@ -279,3 +279,29 @@ def test_regression_a_size_option_with_many_digits_was_an_overflow_traceback(val
                  "-o", "direct.max_backing=" + value]) == 1
     err = capsys.readouterr().err
     assert err.count("InvalidArgumentError") == 2 and len(err.strip().splitlines()) == 2, err
+
+
+@pytest.mark.parametrize("size, error", [(10**15, pk.errors.OutOfMemoryError),
+                                         (2**63 - 1, pk.errors.InvalidArgumentError)])
+def test_regression_a_replay_refused_by_the_pool_did_not_name_the_event(tmp_path, capsys, size, error):
+    # An allocation the pool refuses (more than the simulated device holds; an absurd size) stopped
+    # the replay with the pool's one-line error and nothing about where in the log it was.
+    log = write(tmp_path, "big.csv", HEADER + "1,10:00:00.1,allocate,a000,1000,0\n"
+                f"1,10:00:00.2,allocate,b000,{size},0\n")
+    pool = pk.Direct(pk.upstream.Simulated(latency_us=0))
+    with pytest.raises(error) as ei:
+        replay(read_log(log), pool, pool.upstream)
+    assert ei.value.event == 1 and ei.value.line == 3
+    assert str(ei.value).startswith(f"event 1 (line 3: alloc of {size} bytes at 0xb000): ")
+    pool.validate()
+    assert main(["replay", log, "--pool", "size_class", "--sim-latency-us", "0", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"{error.__name__}: event 1 (line 3: alloc of {size} bytes" in err and "Traceback" not in err
+
+
+def test_a_refused_block_from_before_the_log_is_named_as_such(tmp_path):
+    log = write(tmp_path, "pre.csv", HEADER + "1,10:00:00.1,free,dead0000,1000000000000000,0\n")
+    pool = pk.Direct(pk.upstream.Simulated(latency_us=0))
+    with pytest.raises(pk.errors.OutOfMemoryError, match=r"^a block held from before the log began \(alloc of") as ei:
+        replay(read_log(log), pool, pool.upstream, include_pre_trace=True)
+    assert ei.value.event is None and ei.value.line is None

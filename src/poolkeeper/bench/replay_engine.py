@@ -10,6 +10,11 @@ long completed), so the figures show the pool's placement policy, not stream ord
 
 Every allocate and deallocate is timed on its own (``perf_counter_ns`` around the call).
 "Fragmentation at the peak" is the pool's own figure at the moment live bytes peaked.
+
+A pool that refuses an event (an allocation larger than it can hold, an absurd size) stops the
+replay with its own error (type and figures kept), the message led by the event that failed:
+its index in ``trace.events`` and its place in the log (``line N`` of a CSV log, ``entry N`` of
+a snapshot's trace), also set as the error's ``event`` and ``line`` (None when not a line).
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from time import perf_counter_ns
 from typing import Any, Callable, Dict, Optional
 
 from poolkeeper.bench.quantiles import new_samples, summarize
-from poolkeeper.bench.readers.trace import ALLOC, ALLOC_FAILED, FREE, Trace
+from poolkeeper.bench.readers.trace import ALLOC, ALLOC_FAILED, FREE, Event, Trace
+from poolkeeper.errors import PoolkeeperError
 
 PEAK_STATS = ("reserved_bytes", "free_bytes", "largest_free_block", "fragmentation", "free_chunks", "backings")
 
@@ -34,6 +40,20 @@ class ReplayCounts:
     reallocated_live: int = 0
     size_mismatch_frees: int = 0
     pre_trace_blocks: int = 0
+
+
+def _name_event(err: PoolkeeperError, trace: Trace, index: Optional[int], ev: Event) -> None:
+    """Lead ``err``'s message with the event the pool refused. The error itself is kept (its type
+    and figures are what a caller catches: an OOM stays an OOM), only its text and two figures
+    are added."""
+    place = trace.where_text(ev.where) if ev.where >= 0 else "held from before the log began"
+    what = f"{ev.kind} of {ev.size} bytes at 0x{ev.addr:x}"
+    head = f"event {index} ({place}: {what})" if index is not None else f"a block {place} ({what})"
+    msg = f"{head}: {err.message or err}"
+    err.message = msg
+    err.args = (msg,)
+    err.event = index
+    err.line = ev.where if trace.location == "line" and ev.where >= 0 else None
 
 
 def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callable[[int, int], None]] = None,
@@ -55,7 +75,11 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
     if include_pre_trace:
         for ev in trace.pre_trace:
             if ev.size and ev.addr not in table:
-                table[ev.addr] = (alloc(ev.size), ev.size)
+                try:
+                    table[ev.addr] = (alloc(ev.size), ev.size)
+                except PoolkeeperError as e:
+                    _name_event(e, trace, None, ev)
+                    raise
                 live += ev.size
                 counts.pre_trace_blocks += 1
         peak_live = live
@@ -77,6 +101,7 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
     gc_was = gc.isenabled()
     gc.disable()
     t_start = perf_counter_ns()
+    i, ev = -1, None
     try:
         for i, ev in enumerate(events):
             if on_progress is not None and i % step == 0:
@@ -120,6 +145,7 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
                 live -= entry[1]
             elif kind == ALLOC_FAILED:
                 counts.failed_in_log += 1
+        i, ev = -1, None  # past the events: what fails from here is no event's
         if peak_pending:
             take_peak()
         wall = perf_counter_ns() - t_start - stats_ns  # the peak snapshots are not replay time
@@ -130,6 +156,10 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
         for p, _ in table.values():
             free(p)
         table.clear()
+    except PoolkeeperError as e:
+        if ev is not None:
+            _name_event(e, trace, i, ev)
+        raise
     finally:
         if gc_was:
             gc.enable()
