@@ -5,11 +5,13 @@ Each regression test is named after what broke and failed on the tree before its
 """
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
 import pickle
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -427,6 +429,63 @@ def test_write_output_keeps_a_files_mode_and_writes_through_a_link(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         write_output(str(tmp_path / "no" / "such.json"), b"x")
     assert e.value.filename == str(tmp_path / "no" / "such.json")
+    _no_temp_files(tmp_path)
+
+
+def test_regression_an_output_was_renamed_into_place_before_its_data_reached_the_disk(tmp_path, monkeypatch):
+    # write_output renamed the temporary over the target without an fsync: a file system may put
+    # the rename on the disk before the data, and a power cut then left an empty file under the
+    # target's name. The temporary is synced before the rename, the folder after it; a file
+    # system that cannot sync (EINVAL) still gets the file, and devices and pipes get no fsync.
+    from poolkeeper import _paths
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", os.stat(a).st_ino))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out.json"
+    out.write_text("OLD")
+    _paths.write_output(str(out), "NEW")
+    assert out.read_text() == "NEW"
+    ino = os.stat(out).st_ino
+    assert events == [("fsync", "file", ino), ("replace", ino), ("fsync", "dir", os.stat(tmp_path).st_ino)]
+
+    events.clear()
+    _paths.write_output(os.devnull, "x")
+    r, w = os.pipe()
+    try:
+        _paths.write_output(f"/dev/fd/{w}", "through a pipe")
+        assert os.read(r, 100) == b"through a pipe"
+    finally:
+        os.close(r)
+        os.close(w)
+    assert events == []
+
+    def cannot_sync(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", cannot_sync)
+    _paths.write_output(str(out), "AGAIN")
+    assert out.read_text() == "AGAIN"
+
+    def io_error(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", io_error)
+    with pytest.raises(OSError) as e:
+        _paths.write_output(str(out), "LOST")
+    assert e.value.errno == errno.EIO and e.value.filename == str(out)
+    assert out.read_text() == "AGAIN"
     _no_temp_files(tmp_path)
 
 

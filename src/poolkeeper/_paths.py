@@ -123,12 +123,45 @@ def check_not_input(out: str, inputs: Iterable[Any], what: str = "output path") 
                 "choose another output path")
 
 
+# fsync's answers from a file system that cannot sync (some FUSE and network mounts): the data is
+# written all the same, so they are no failure of the write.
+_CANNOT_SYNC = {errno.EINVAL, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
+
+
+def _sync(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _CANNOT_SYNC:
+            raise
+
+
 def _fill(fd: int, data: bytes) -> None:
-    """Write ``data`` to the new file ``fd`` and close it. (Not ``fsync``ed: the rename makes the
-    write all-or-nothing for every reader and for a Ctrl-C or an error, which is the promise; a
-    power cut is another matter, and an ``fsync`` per snapshot can cost seconds on a network disk.)"""
+    """Write ``data`` to the new file ``fd``, flush it to the disk and close it. Without the
+    ``fsync`` the rename could reach the disk before the data (ext4, XFS): a power cut then left an
+    empty file under the target's name."""
     with open(fd, "wb") as f:
         f.write(data)
+        f.flush()
+        _sync(f.fileno())
+
+
+def _sync_folder(folder: str) -> None:
+    """Flush the rename itself (the folder's entry), where the platform can open a folder; a
+    failure here loses no data of the new file, so it is not reported."""
+    flags = getattr(os, "O_DIRECTORY", None)
+    if flags is None:  # Windows: folders cannot be opened, and NTFS orders its metadata itself
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_output(path: Any, data: Union[bytes, str], what: str = "output path", inputs: Iterable[Any] = ()) -> str:
@@ -136,9 +169,10 @@ def write_output(path: Any, data: Union[bytes, str], what: str = "output path", 
 
     ``path`` is checked by :func:`output_path` and :func:`check_not_input`. A regular file (or
     nothing yet) is replaced atomically: the data goes to a new file beside it (``.NAME.XXXX.tmp``),
-    which is renamed over the target only once written and closed, so a full disk, a refused
-    write or a Ctrl-C leaves the old file (or none) and no temporary file, never a half-written
-    one. A symlink is written through (the link stays, its target is replaced); a new file gets
+    which is renamed over the target only once written, flushed to the disk (``fsync``) and
+    closed, so a full disk, a refused write, a Ctrl-C or a power cut leaves the old file (or none)
+    and no temporary file, never a half-written or empty one; the folder is synced after the
+    rename where the platform allows. A symlink is written through (the link stays, its target is replaced); a new file gets
     the permissions ``open()`` would give it, a replaced one keeps its mode. A character device
     or FIFO (``/dev/stdout``, ``/dev/null``, a pipe) is written straight, never renamed over (see
     :func:`is_special`). ``str`` data is encoded as UTF-8, a lone surrogate written escaped
@@ -199,6 +233,7 @@ def write_output(path: Any, data: Union[bytes, str], what: str = "output path", 
         if isinstance(e, OSError) and e.errno is not None:
             raise OSError(e.errno, e.strerror, p) from None
         raise
+    _sync_folder(folder)
     return p
 
 
