@@ -8,6 +8,7 @@ test here asserts zero violations, the graph-pool bookkeeping, and ``validate()`
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -177,6 +178,38 @@ def test_trim_during_a_capture_scope_never_frees_and_empty_cache_keeps_graph_mem
     assert pool.stats()["live_bytes"] >= graph_bytes
     assert gp.owns_private(g)
     check(sim, pool, gp)
+
+
+@pytest.mark.parametrize("kind", ["direct", "logging direct", "arena", "size_class"])
+def test_regression_a_direct_pools_synchronize_during_a_capture_invalidated_it(kind, c_abi, tmp_path):
+    """A Direct pool's synchronize() synchronized the device whatever was under way; PyTorch's
+    empty_cache hook calls it too. During a capture scope that invalidates the capture (PyTorch
+    refuses empty_cache() then, a direct call did not). Now no pool's synchronize, trim or
+    process_pending, nor the C ABI's empty_cache or PyTorch's hook, touches the device while a
+    scope is open: Direct has nothing pending, so its synchronize waits for nothing then."""
+    sim = pk.upstream.Simulated(latency="none")
+    base = "direct" if "direct" in kind else kind
+    pool = pk.make_pool(base, sim, log=str(tmp_path / "log.csv") if kind.startswith("logging") else None)
+    gp = _core.GraphPools(pool)
+    _core.registry_set(0, pool)
+    s, other = sim.stream(), sim.stream()
+    x = pool.allocate(MiB, other)
+    pool.deallocate(x, other)
+
+    def body():
+        pool.synchronize()
+        pool.process_pending()
+        pool.trim()
+        c_abi.poolkeeper_empty_cache()
+        ctypes.CDLL(_core.__file__).poolkeeper_torch_empty_cache_hook()
+        return gp.allocate(4096, s)
+
+    g = capture(sim, gp, G1, s, body)
+    pool.synchronize()  # the scope has ended: the device is waited for again
+    gp.release(G1)
+    gp.deallocate(g, s)
+    check(sim, pool, gp)
+    pk.accounting.check(pool.snapshot())
 
 
 def test_releasing_a_graph_returns_its_memory_to_the_device_pool():

@@ -169,7 +169,10 @@ class Pool {
   virtual std::size_t trim() = 0;
   // Move pending blocks whose events have completed to free. Returns bytes moved.
   virtual std::size_t process_pending() = 0;
-  // Wait for the device, then process_pending(): nothing is pending afterwards.
+  // Wait for the device, then process_pending(): nothing is pending afterwards. While a capture
+  // scope is open on the device (Upstream::captures_underway) no pool synchronizes the device (that
+  // would invalidate the capture): the call settles what it can without, and releases held back by
+  // the capture stay pending until its scope ends.
   virtual void synchronize() = 0;
   virtual Snapshot snapshot() = 0;
   virtual std::string name() const = 0;

@@ -38,7 +38,13 @@ class DirectPool final : public Pool {
     return 0;
   }
   std::size_t process_pending() override { return 0; }
-  void synchronize() override { upstream_->synchronize(); }
+  // Waits for the device. While a capture scope is open on the device it returns at once: Direct
+  // has nothing pending to settle, and a device synchronize would invalidate the capture (the
+  // other pools' synchronize then settles only what needs no device-wide wait, as trim releases
+  // nothing).
+  void synchronize() override {
+    if (upstream_->captures_underway() == 0) upstream_->synchronize();
+  }
   Snapshot snapshot() override;
   std::string name() const override { return "Direct"; }
   std::size_t alignment() const override { return opt_.alignment; }
