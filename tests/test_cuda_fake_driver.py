@@ -751,6 +751,43 @@ def test_regression_a_graphs_last_free_reported_a_failed_close_and_its_pool_neve
     assert out["left"] == [] and out["live"] == 0
 
 
+@pytest.mark.parametrize("second", ["CudaDevice", "CudaVirtual"])
+def test_regression_a_graph_release_over_another_upstream_of_the_device_synchronized_inside_a_capture(fakes, second):
+    # Capture scopes were counted per upstream object: with two upstreams of device 0 (two
+    # `poolkeeper.cuda` pools, or a pool made in Python beside the installed one), a graph released
+    # over one closed its pool with a device synchronize inside a capture opened over the other
+    # (the driver refused: UpstreamError 900, capture invalidated), and a trim there freed memory
+    # during it. The count is per device now.
+    out = run(fakes["full"], CAPTURE_PRE + f"""
+        up_a, up_b = pk.upstream.CudaDevice(0), pk.upstream.{second}(0)
+        pool_a, pool_b = pk.ArenaPool(up_a), pk.ArenaPool(up_b)
+        a, b = _core.GraphPools(pool_a), _core.GraphPools(pool_b)
+        s1, s2 = driver.Stream(), driver.Stream()
+        b.begin((1, 0), s2.handle)
+        fake.fake_cuda_begin_capture(s2.handle, 0)
+        g1 = b.allocate(1 << 20, s2.handle)
+        first_valid = fake.fake_cuda_end_capture(s2.handle)
+        b.end((1, 0))
+        x = pool_b.allocate(8 << 20)
+        pool_b.deallocate(x)
+        a.begin((2, 0), s1.handle)
+        fake.fake_cuda_begin_capture(s1.handle, 0)
+        a.allocate(4096, s1.handle)
+        b.deallocate(g1, s2.handle)
+        b.release((1, 0))                  # closing now would synchronize the device
+        trimmed = pool_b.trim()            # a free now would too
+        left_during = len(b.info())
+        valid = fake.fake_cuda_end_capture(s1.handle)
+        a.end((2, 0))                      # the last scope on the device: b's graph closes now
+        a.validate(); b.validate(); pool_a.validate(); pool_b.validate()
+        print(json.dumps({{"first_valid": first_valid, "valid": valid, "trimmed": trimmed,
+                          "left_during": left_during, "left_after": len(b.info()),
+                          "violations": fake.fake_cuda_capture_violations()}}))
+    """)
+    assert out == {"first_valid": 1, "valid": 1, "trimmed": 0, "left_during": 1, "left_after": 0,
+                   "violations": 0}, out
+
+
 def test_fake_driver_capture_is_invalidated_by_a_plain_alloc_outside_relaxed_mode(fakes):
     # The fake driver's rule itself (so the test above can fail): a cuMemAlloc from a thread in
     # global mode during a global capture is refused and invalidates the capture.

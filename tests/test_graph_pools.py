@@ -212,6 +212,34 @@ def test_regression_a_direct_pools_synchronize_during_a_capture_invalidated_it(k
     pk.accounting.check(pool.snapshot())
 
 
+def test_regression_a_capture_scope_through_a_decorator_was_not_seen_by_pools_over_its_inner_upstream():
+    """Capture scopes were counted on the upstream object they were opened through: a graph of a
+    pool over Faulty(sim) capturing, a pool straight over sim saw no scope and handed memory back
+    (a free synchronizes the device) and released its graph (a device synchronize) inside it. The
+    count is the device's now (capture_counter): a decorator counts on its inner upstream."""
+    sim = pk.upstream.Simulated(latency="none")
+    plain = pk.ArenaPool(sim)
+    wrapped = pk.ArenaPool(pk.upstream.Faulty(sim, armed=False))
+    a, b = _core.GraphPools(wrapped), _core.GraphPools(plain)
+    s1, s2 = sim.stream(), sim.stream()
+    g1 = capture(sim, b, G1, s2, lambda: b.allocate(MiB, s2))
+    junk = plain.allocate(8 * MiB)
+    plain.deallocate(junk)
+    a.begin(G2, s1)
+    sim.begin_capture(s1)
+    assert sim.captures_underway == 1
+    a.allocate(4096, s1)
+    assert plain.trim() == 0
+    b.deallocate(g1, s2)
+    b.release(G1)  # closing now would synchronize the device inside a's capture
+    assert [i["id"] for i in b.info()] == [G1]
+    assert sim.end_capture(s1), sim.last_capture_violation
+    a.end(G2)
+    assert b.info() == [] and plain.trim() > 0
+    check(sim, plain, b)
+    check(sim, wrapped, a)
+
+
 def test_releasing_a_graph_returns_its_memory_to_the_device_pool():
     sim, pool, gp = make()
     s = sim.stream()

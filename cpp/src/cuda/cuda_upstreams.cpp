@@ -1,5 +1,8 @@
 #include "poolkeeper/cuda/cuda_upstreams.hpp"
 
+#include <array>
+
+#include "poolkeeper/core/registry.hpp"
 #include "poolkeeper/cuda/cuda_driver.hpp"
 
 namespace poolkeeper {
@@ -101,6 +104,14 @@ std::size_t CudaEventPool::in_use() const {
 CudaDeviceUpstreamBase::CudaDeviceUpstreamBase(int device) : device_(device), events_(device) {
   cuda::require_device(device);
   cuda::primary_context(device);  // retain now: a broken device fails at construction
+}
+
+std::atomic<int>& CudaDeviceUpstreamBase::capture_counter() const {
+  // Immortal: an upstream may be destroyed during exit(), after static destructors ran. Devices
+  // past the registry's range (none on a real host) keep a count of their own object.
+  static auto* per_device = new std::array<std::atomic<int>, registry::kMaxDevices>{};
+  if (device_ >= 0 && device_ < registry::kMaxDevices) return (*per_device)[static_cast<std::size_t>(device_)];
+  return Upstream::capture_counter();
 }
 
 void CudaDeviceUpstreamBase::synchronize() {

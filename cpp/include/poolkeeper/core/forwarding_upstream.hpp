@@ -7,7 +7,8 @@
 // can forget one of them.
 //
 // Capture scopes may be opened on either object (a pool opens them on its own upstream, which may
-// be the decorator): captures_underway() counts both.
+// be the decorator): both count them on the inner upstream's device (capture_counter), so a pool
+// over the inner upstream sees a scope opened through the decorator, and the other way round.
 // Thread safety: as the inner upstream's (every member may be called concurrently).
 #pragma once
 #include <memory>
@@ -27,11 +28,11 @@ class ForwardingUpstream : public Upstream {
   void synchronize() override { inner_->synchronize(); }
   bool stream_capturing(Stream s) override { return inner_->stream_capturing(s); }
   int exchange_capture_mode(int mode) override { return inner_->exchange_capture_mode(mode); }
-  int captures_underway() const override { return Upstream::captures_underway() + inner_->captures_underway(); }
 
   const std::shared_ptr<Upstream>& inner() const { return inner_; }
 
  protected:
+  std::atomic<int>& capture_counter() const override { return counter_of(*inner_); }
   // `inner` must not be null (each decorator checks, with its own message, before any call).
   explicit ForwardingUpstream(std::shared_ptr<Upstream> inner) : inner_(std::move(inner)) {}
 

@@ -50,8 +50,13 @@
 // - exchange_capture_mode(m): set this thread's capture mode, returning the previous one
 //   (CUstreamCaptureMode values: 0 global, 1 thread-local, 2 relaxed). No-op without CUDA.
 // - captures_underway(): how many allocate-to-private-pool scopes (graph_pools.hpp) are open on
-//   this upstream now; pools hand no memory back to it while any is (a free may synchronize).
-//   Forwarded by upstreams that adapt another (a graph's private pool over its device pool).
+//   this upstream's device now; pools hand no memory back to it and never synchronize it while any
+//   is (a free or a synchronize would invalidate the capture). The count belongs to the device, not
+//   to the object (capture_counter()): two upstream objects of one CUDA device share it (a device
+//   synchronize through either invalidates a capture opened through the other), an upstream that
+//   adapts another (ForwardingUpstream) uses its inner one's, and a Simulated upstream, a device of
+//   its own, has its own. capture_scope_begin/end move it; a scope may be opened through any of
+//   them. Never throws; thread-safe.
 // allocate/deallocate/map/unmap/reserve/unreserve run with the thread in relaxed mode (capture.hpp
 // RelaxedCapture), so growth during a capture never invalidates it.
 #pragma once
@@ -138,11 +143,16 @@ class Upstream {
   // --- CUDA-graph capture (see the contract at the top) ---
   virtual bool stream_capturing(Stream s) { return false; }
   virtual int exchange_capture_mode(int mode) { return mode; }
-  virtual int captures_underway() const { return captures_.load(std::memory_order_acquire); }
-  void capture_scope_begin() { captures_.fetch_add(1, std::memory_order_acq_rel); }
-  void capture_scope_end() { captures_.fetch_sub(1, std::memory_order_acq_rel); }
+  int captures_underway() const { return capture_counter().load(std::memory_order_acquire); }
+  void capture_scope_begin() { capture_counter().fetch_add(1, std::memory_order_acq_rel); }
+  void capture_scope_end() { capture_counter().fetch_sub(1, std::memory_order_acq_rel); }
 
  protected:
+  // The device's count of open capture scopes (see captures_underway): this object's own unless
+  // it shares its device with other objects. Must live as long as any object that returns it.
+  virtual std::atomic<int>& capture_counter() const { return captures_; }
+  // Another upstream's counter (a decorator shares its inner upstream's).
+  static std::atomic<int>& counter_of(const Upstream& u) { return u.capture_counter(); }
   virtual void* do_allocate(std::size_t nbytes) = 0;
   virtual void do_deallocate(void* p, std::size_t nbytes) = 0;
   // Defaults throw UpstreamFailure("... has no virtual memory"): only supports_virtual() upstreams override.
@@ -158,7 +168,7 @@ class Upstream {
   std::atomic<std::uint64_t> outstanding_{0}, peak_outstanding_{0}, alloc_ns_{0}, dealloc_ns_{0};
   std::atomic<std::uint64_t> failed_allocations_{0}, failed_deallocations_{0};
   std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0}, aliases_{0}, unaliases_{0};
-  std::atomic<int> captures_{0};
+  mutable std::atomic<int> captures_{0};
   void count_alloc(std::size_t nbytes, std::uint64_t t0);
   void count_dealloc(std::size_t nbytes, std::uint64_t t0);
 };

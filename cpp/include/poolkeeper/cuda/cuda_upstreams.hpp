@@ -29,6 +29,9 @@
 //   never latched; any other failure throws UpstreamFailure.
 // - wait_event(e): cuEventSynchronize. release_event(e): the event goes back to the free list.
 // - synchronize(): cuCtxSynchronize in the device's primary context.
+// - captures_underway() counts the capture scopes opened through every device upstream of the
+//   same device (CudaDevice, CudaAsync, CudaVirtual: one process-wide count per device), since a
+//   device synchronize or free through any of them invalidates a capture opened through another.
 //
 // Every call makes the device's primary context current for its duration and restores the
 // calling thread's previous context. Errors: UpstreamOutOfMemory for CUDA_ERROR_OUT_OF_MEMORY,
@@ -90,6 +93,7 @@ class CudaDeviceUpstreamBase : public Upstream {
 
  protected:
   explicit CudaDeviceUpstreamBase(int device);
+  std::atomic<int>& capture_counter() const override;
   int device_;
   CudaEventPool events_;
 };
