@@ -210,6 +210,23 @@ def test_empty_cache_trims_the_installed_pools(lib, installed):
 # ---------------------------------------------------------------------------------- registry
 
 
+@pytest.mark.parametrize("device", [-1, -100, 64, 2**31 - 1])
+def test_regression_graph_release_of_a_device_that_cannot_exist_returned_ok(lib, device):
+    # poolkeeper_graph_release answered 0 ("nothing to release") for a device index outside
+    # [0, 64), where poolkeeper_graph_begin and _end answer 1 (invalid argument) with a message.
+    # The three agree now; an id a real device never used is still 0 (PyTorch releases those).
+    assert lib.poolkeeper_graph_end(device, 1, 0) == INVALID_ARGUMENT
+    assert lib.poolkeeper_graph_release(device, 1, 0) == INVALID_ARGUMENT
+    assert f"device index {device} out of range" in last_error(lib)
+    pool = pk.ArenaPool(pk.upstream.Simulated(latency="none"))
+    try:
+        _core.registry_set(0, pool)
+        assert lib.poolkeeper_graph_release(0, 12345, 0) == OK
+    finally:
+        _core.registry_clear()
+    pool.validate()
+
+
 def test_regression_the_torch_empty_cache_hook_stopped_at_a_closed_pool(lib):
     # Found by hostile probing: PyTorch's empty_cache hook trimmed the installed pools in one try
     # block, and a closed pool's trim() refused: every pool after it kept its free memory.

@@ -49,7 +49,9 @@ void poolkeeper_call_timing(uint64_t* out4);
  * allocation through poolkeeper_malloc / poolkeeper_torch_malloc on `device` whose stream is
  * `stream` comes from the private pool (id0, id1), keeps its address until the pool is released,
  * and goes back to that pool when freed. release drops one use; at zero uses and no live block the
- * device is synchronized and the pool's memory returns to the device pool. Return 0 or an error. */
+ * device is synchronized and the pool's memory returns to the device pool. Return 0 or an error:
+ * 1 (invalid argument) for a device index outside [0, 64), from all three; from end, also for a
+ * scope that is not open. release of an id the device never used is 0 (nothing to do). */
 int poolkeeper_graph_begin(int device, uint64_t id0, uint64_t id1, uint64_t stream);
 int poolkeeper_graph_end(int device, uint64_t id0, uint64_t id1);
 int poolkeeper_graph_release(int device, uint64_t id0, uint64_t id1);

@@ -147,9 +147,15 @@ Pinned::~Pinned() {
   --hazard_->graph_depth;
 }
 
-std::shared_ptr<GraphPools> get(int device) {
+namespace {
+void check_device(int device) {
   if (device < 0 || device >= registry::kMaxDevices)
     throw InvalidArgument("graph pools: device index " + std::to_string(device) + " out of range");
+}
+}  // namespace
+
+std::shared_ptr<GraphPools> get(int device) {
+  check_device(device);
   std::shared_ptr<Pool> main = registry::get_shared(device);  // outside g_mu: may run the factory
   Dead dead;
   std::lock_guard<std::mutex> g(g_mu);
@@ -182,10 +188,12 @@ void end(int device, GraphPoolId id) {
 }
 
 void release(int device, GraphPoolId id) {
+  // A device that cannot exist is the caller's error, as for get() and end(): "nothing to do" is
+  // for an id a real device never allocated (PyTorch releases those).
+  check_device(device);
   std::shared_ptr<GraphPools> gp;
   {
     std::lock_guard<std::mutex> g(g_mu);
-    if (device < 0 || device >= registry::kMaxDevices) return;
     gp = find_locked(device, [&](GraphPools& x) { return x.private_pool(id) != nullptr; });
     if (!gp) gp = g_graphs[device];
   }

@@ -61,7 +61,8 @@ std::shared_ptr<GraphPools> current(int device);
 void end(int device, GraphPoolId id);
 // Release graph pool `id` of the device: the current GraphPools's, or the device's retired one
 // that has it. An id no GraphPools of the device has is nothing to do (PyTorch releases ids that
-// never allocated). Throws what GraphPools::release throws.
+// never allocated). Throws InvalidArgument for a device index outside [0, kMaxDevices) (as get()
+// and end() do), and what GraphPools::release throws.
 void release(int device, GraphPoolId id);
 // For a pointer the device's current pool (`refused_by`; null when none is installed) refused:
 // free it (or record a stream on it) where it lives if a GraphPools of the device (device -1: of
