@@ -237,6 +237,24 @@ void bind_graph_pools(nb::module_& m) {
              return l;
            },
            "id"_a.none(), "Addresses of the live blocks of private pool id.")
+      .def("live_block_info",
+           [](GraphPools& g, nb::handle id) {
+             nb::list l;
+             for (auto& b : g.live_block_info(parse_id(id))) l.append(nb::make_tuple(b.addr, b.nbytes, b.stream));
+             return l;
+           },
+           "id"_a.none(), "(address, size asked, stream) of each live block of private pool id, by address.")
+      .def("reclaim_next",
+           [](GraphPools& g, nb::handle id, nb::handle p, nb::handle n) {
+             const GraphPoolId gid = parse_id(id);
+             const std::uintptr_t a = parse_ptr(p);
+             const std::size_t nbytes = parse_size(n);
+             g.reclaim_next(gid, a, nbytes);
+           },
+           "id"_a.none(), "ptr"_a.none(), "nbytes"_a.none(),
+           "The next allocation of exactly nbytes on this thread (through any route: the C ABI, a "
+           "framework's allocator) is [ptr, ptr + nbytes) of private pool id (checkpoint restore).")
+      .def("reclaim_cancel", &GraphPools::reclaim_cancel, "Forget this thread's reclaim_next().")
       .def("info",
            [](GraphPools& g) {
              nb::list l;

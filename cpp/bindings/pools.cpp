@@ -79,7 +79,16 @@ void bind_pools(nb::module_& m) {
       .def("shrink_scan", [](ArenaPool& p) { return pool_call_nogil(p, [](ArenaPool& q) { return q.shrink_scan(); }); },
            "Run one automatic shrink scan now; returns bytes released.")
       .def("flush_thread_cache", [](ArenaPool& p) { pool_call_nogil(p, [](ArenaPool& q) { q.flush_thread_cache(); }); },
-           "Return the calling thread's cached blocks to the pool.");
+           "Return the calling thread's cached blocks to the pool.")
+      .def("_allocate_at",
+           [](ArenaPool& p, nb::handle ptr, nb::handle n, nb::handle stream) {
+             void* a = reinterpret_cast<void*>(parse_ptr(ptr));
+             const std::size_t nbytes = parse_size(n);
+             const Stream s = parse_stream(stream);
+             return reinterpret_cast<std::uintptr_t>(pool_call_nogil(p, [&](ArenaPool& q) { return q.allocate_at(a, nbytes, s); }));
+           },
+           "ptr"_a.none(), "nbytes"_a.none(), "stream"_a.none() = nb::none(),
+           "Internal (CUDA-graph checkpoint restore): hand out exactly [ptr, ptr + nbytes), which must be free.");
 }
 
 }  // namespace poolkeeper::py

@@ -246,6 +246,53 @@ print("ok", len(pkt.graph_pools()))
     assert "ok" in out
 
 
+def test_regression_trees_checkpoint_restore_after_a_graph_break_raised_integration_error(PRELUDE):
+    # With cudagraph_trees on (PyTorch's default), a new shape reaching the part after a graph
+    # break while the first part's outputs are alive makes the trees put the graph pool back to a
+    # checkpoint (setCheckpointPoolState) before recording; poolkeeper raised IntegrationError
+    # there. slow_path_cudagraph_asserts has the trees check after each restore that the pool's
+    # live blocks are exactly their live storages and that each has the allocator's deleter.
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("torch.compile needs triton")
+    out = run_isolated(
+        PRELUDE
+        + """
+import torch._dynamo
+import torch._inductor.config as icfg
+icfg.triton.slow_path_cudagraph_asserts = True
+restores = [0]
+real = torch._C._cuda_setCheckpointPoolState
+def counted(*args):
+    restores[0] += 1
+    return real(*args)
+torch._C._cuda_setCheckpointPoolState = counted
+lin1 = torch.nn.Linear(64, 64).cuda()
+lin2 = torch.nn.Linear(64, 64).cuda()
+def fwd(x, n):
+    h = lin1(x).relu()
+    torch._dynamo.graph_break()
+    return lin2(h[:n]).sigmoid()
+f = torch.compile(fwd, mode="reduce-overhead")
+kept = []
+with torch.no_grad():
+    for rep in range(4):
+        for n in (8, 4, 2, 6):
+            x = torch.randn(8, 64, device="cuda")
+            y = f(x, n)
+            torch.testing.assert_close(y.clone(), torch.sigmoid(lin2(lin1(x).relu()[:n])), rtol=1e-4, atol=1e-4)
+            kept = kept[-1:] + [y]  # an output of the step before stays alive while this one records
+del kept, y
+gc.collect()
+assert restores[0] > 0, "the trees never restored a checkpoint: the case is not exercised"
+gp = _core.graph_pools_find(0)
+gp.validate()
+print("ok", restores[0])
+""",
+        timeout=600,
+    )
+    assert "ok" in out
+
+
 def test_torch_compile_reduce_overhead_hf_decode_step_matches_eager(PRELUDE):
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("transformers") is None:
         pytest.skip("needs triton and transformers")

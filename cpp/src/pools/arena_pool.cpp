@@ -1005,6 +1005,39 @@ std::size_t ArenaPool::process_pending() {
   return inner + (before >= order_.pending_bytes() ? before - order_.pending_bytes() : 0);
 }
 
+void* ArenaPool::allocate_at(void* p, std::size_t nbytes, Stream s) {
+  check_request(nbytes);
+  check_open();
+  if (nshards_ > 1) throw InvalidArgument("ArenaPool #" + std::to_string(id_) + ": allocate_at needs a pool of one shard");
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const std::size_t rounded = align_up(nbytes, opt_.alignment);
+  std::lock_guard<detail::SpinMutex> g(mu_);
+  check_open();
+  const bool quiet = upstream_->captures_underway() == 0;
+  reclaim_caches_locked();
+  drain_locked(quiet);
+  if (quiet) home_barrier_locked();
+  coalesce_locked();
+  ArenaChunk* c = nullptr;
+  auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
+                             [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
+  if (it != backings_.begin() && a < (*(it - 1))->addr + (*(it - 1))->size)
+    for (c = (*(it - 1))->first; c && !(a >= c->addr && a < c->addr + c->size); c = c->next_addr) {
+    }
+  if (!c || c->st() != ChunkState::Free || a % opt_.alignment || rounded > c->addr + c->size - a)
+    throw InvalidPointer("ArenaPool #" + std::to_string(id_) + ": " + format_ptr(a) + " + " + format_bytes(rounded) +
+                         " is not free memory of this pool (allocate_at)",
+                         a, "unknown");
+  index_.remove(c);
+  if (a > c->addr) {  // the part before the range stays free
+    ArenaChunk* at = split_locked(c, a - c->addr);
+    void* out = carve_locked(at, rounded, nbytes, s);
+    file_free_locked(c);
+    return out;
+  }
+  return carve_locked(c, rounded, nbytes, s);
+}
+
 void ArenaPool::synchronize() {
   for (std::size_t i = 1; i < nshards_; ++i)
     if (ArenaPool* sh = existing_shard(i)) sh->synchronize();

@@ -44,6 +44,16 @@ class PoolBackedUpstream final : public ForwardingUpstream {
   std::size_t pad_ = parent_->alignment();
 };
 
+// This thread's reclaim_next(): which GraphPools it is for (compared, never followed: the object
+// may be gone), the pool, the address and the size the next allocation must have.
+struct Reclaim {
+  const GraphPools* owner = nullptr;
+  GraphPoolId id{};
+  std::uintptr_t addr = 0;
+  std::size_t nbytes = 0;
+};
+thread_local Reclaim tl_reclaim;
+
 std::string id_text(GraphPoolId id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
@@ -249,6 +259,7 @@ std::optional<GraphPoolId> GraphPools::route(Stream s) {
 void* GraphPools::allocate(std::size_t nbytes, Stream s) {
   main_->check_not_forked();  // (see the class comment: fork)
   if (routing()) {
+    if (tl_reclaim.owner == this && tl_reclaim.nbytes == nbytes) return allocate_reclaimed(nbytes, s);
     if (const auto id = route(s)) {
       std::lock_guard<std::mutex> g(mu_);
       auto it = pools_.find(*id);
@@ -256,7 +267,7 @@ void* GraphPools::allocate(std::size_t nbytes, Stream s) {
       if (it != pools_.end() && it->second.open_scopes > 0) {
         Private& pp = it->second;
         void* p = pp.pool->allocate(nbytes, s);
-        owner_.emplace(reinterpret_cast<std::uintptr_t>(p), it->first);
+        owner_.emplace(reinterpret_cast<std::uintptr_t>(p), Owned{it->first, nbytes, s});
         ++pp.live_blocks;
         ++counters_.private_allocations;
         private_blocks_.fetch_add(1, std::memory_order_acq_rel);
@@ -274,7 +285,7 @@ bool GraphPools::deallocate_private(void* p, Stream s) {
   std::lock_guard<std::mutex> g(mu_);
   auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
   if (o == owner_.end()) return false;
-  auto it = pools_.find(o->second);
+  auto it = pools_.find(o->second.id);
   it->second.pool->deallocate(p, s);  // throws before anything changes here
   owner_.erase(o);
   --it->second.live_blocks;
@@ -301,7 +312,7 @@ bool GraphPools::record_stream_private(void* p, Stream s) {
   std::lock_guard<std::mutex> g(mu_);
   auto o = owner_.find(reinterpret_cast<std::uintptr_t>(p));
   if (o == owner_.end()) return false;
-  pools_.at(o->second).pool->record_stream(p, s);
+  pools_.at(o->second.id).pool->record_stream(p, s);
   return true;
 }
 
@@ -357,8 +368,51 @@ std::vector<std::uintptr_t> GraphPools::live_blocks(GraphPoolId id) {
   std::lock_guard<std::mutex> g(mu_);
   std::vector<std::uintptr_t> out;
   for (auto& [p, owner] : owner_)
-    if (owner == id) out.push_back(p);
+    if (owner.id == id) out.push_back(p);
   return out;
+}
+
+std::vector<GraphPools::LiveBlock> GraphPools::live_block_info(GraphPoolId id) {
+  main_->check_not_forked();  // (see the class comment: fork)
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<LiveBlock> out;
+  for (auto& [p, owner] : owner_)
+    if (owner.id == id) out.push_back({p, owner.nbytes, owner.stream});
+  std::sort(out.begin(), out.end(), [](const LiveBlock& a, const LiveBlock& b) { return a.addr < b.addr; });
+  return out;
+}
+
+void GraphPools::reclaim_next(GraphPoolId id, std::uintptr_t addr, std::size_t nbytes) {
+  main_->check_not_forked();  // (see the class comment: fork)
+  check_request(nbytes);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!pools_.count(id)) throw InvalidArgument("GraphPools.reclaim_next: no graph pool " + id_text(id));
+  }
+  reclaim_cancel();
+  tl_reclaim = {this, id, addr, nbytes};
+  reclaims_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void GraphPools::reclaim_cancel() {
+  if (tl_reclaim.owner != this) return;
+  tl_reclaim = {};
+  reclaims_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void* GraphPools::allocate_reclaimed(std::size_t nbytes, Stream s) {
+  const Reclaim r = tl_reclaim;
+  reclaim_cancel();  // served or refused, it is used up
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = pools_.find(r.id);
+  if (it == pools_.end()) throw InvalidArgument("GraphPools: graph pool " + id_text(r.id) + " is gone (reclaim_next)");
+  auto* arena = dynamic_cast<ArenaPool*>(it->second.pool.get());
+  void* p = arena->allocate_at(reinterpret_cast<void*>(r.addr), nbytes, s);
+  owner_.emplace(r.addr, Owned{it->first, nbytes, s});
+  ++it->second.live_blocks;
+  ++counters_.private_allocations;
+  private_blocks_.fetch_add(1, std::memory_order_acq_rel);
+  return p;
 }
 
 GraphPools::Counters GraphPools::counters() {
@@ -388,10 +442,10 @@ void GraphPools::validate() {
   if (owned != owner_.size() || owned != private_blocks_.load())
     throw InvariantViolation("graph pools: owner table holds " + std::to_string(owner_.size()) + " blocks, pools " +
                              std::to_string(owned));
-  for (auto& [p, id] : owner_) {
-    auto it = pools_.find(id);
+  for (auto& [p, o] : owner_) {
+    auto it = pools_.find(o.id);
     if (it == pools_.end() || !it->second.pool->owns_live(p))
-      throw InvariantViolation("graph pools: " + format_ptr(p) + " is not live in pool " + id_text(id));
+      throw InvariantViolation("graph pools: " + format_ptr(p) + " is not live in pool " + id_text(o.id));
   }
   for (auto& sc : scopes_)
     if (!pools_.count(sc.id)) throw InvariantViolation("graph pools: an open scope names no pool");

@@ -366,11 +366,13 @@ def check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> boo
 
 @dataclass(frozen=True)
 class GraphPoolCheckpoint:
-    """What :func:`get_checkpoint_state` records of a graph pool: its live blocks at that moment."""
+    """What :func:`get_checkpoint_state` records of a graph pool: its live blocks at that moment,
+    as addresses and as ``(address, size asked, stream)``."""
 
     device: int
     pool_id: tuple
     live_blocks: frozenset
+    blocks: tuple = ()
 
 
 def get_checkpoint_state(device: int, pool_id: Any) -> GraphPoolCheckpoint:
@@ -378,21 +380,110 @@ def get_checkpoint_state(device: int, pool_id: Any) -> GraphPoolCheckpoint:
     pool ``pool_id`` now. torch.compile's CUDA-graph trees take one after each recording."""
     gp = _core.graph_pools_find(_device_index(device))
     pid = (int(pool_id[0]), int(pool_id[1]))
-    live = frozenset() if gp is None else frozenset(gp.live_blocks(pid))
-    return GraphPoolCheckpoint(int(device), pid, live)
+    blocks = () if gp is None else tuple(tuple(b) for b in gp.live_block_info(pid))
+    return GraphPoolCheckpoint(int(device), pid, frozenset(b[0] for b in blocks), blocks)
 
 
-def set_checkpoint_pool_state(device: int, state: Any, *args: Any) -> Any:
-    """``torch._C._cuda_setCheckpointPoolState``: not supported. Restoring a checkpoint rewrites
-    the deleters of live tensor storages inside PyTorch, which a pluggable allocator cannot do.
-    CUDA-graph trees need it only to record a new graph while outputs of another path are alive
-    (e.g. a new input shape); raises :class:`IntegrationError` saying what to do instead."""
-    raise IntegrationError(
-        "torch.compile's CUDA-graph trees asked poolkeeper to restore a graph-pool checkpoint "
-        "(setCheckpointPoolState), which a pluggable allocator cannot do. Set "
-        "torch._inductor.config.triton.cudagraph_trees = False before compiling: mode='reduce-overhead' then "
-        "captures each graph into a pool of its own, which poolkeeper serves fully"
-    )
+_STORAGE_SHIM: Any = None  # the ctypes library of _torch_oom_shim, once loaded for storage changes
+
+
+def _storage_shim(torch: Any) -> Any:
+    """The shim's storage functions (see :mod:`._torch_oom_shim`), built on first use, or
+    IntegrationError saying why they cannot be had and what to do instead."""
+    global _STORAGE_SHIM
+    if _STORAGE_SHIM is None:
+        from poolkeeper.integrations import _torch_oom_shim
+
+        b = _torch_oom_shim.build(torch, force=True)
+        if b.path is None:
+            raise IntegrationError(
+                "torch.compile's CUDA-graph trees asked poolkeeper to restore a graph-pool checkpoint "
+                "(setCheckpointPoolState), which needs a small library built against the installed torch "
+                f"to change storages' owners, and it could not be built: {b.reason}. Install a C++ compiler, or set "
+                "torch._inductor.config.triton.cudagraph_trees = False before compiling (mode='reduce-overhead' then "
+                "captures each graph into a pool of its own)"
+            )
+        lib = ctypes.CDLL(b.path)
+        lib.poolkeeper_shim_storage_data.argtypes = [ctypes.c_void_p]
+        lib.poolkeeper_shim_storage_data.restype = ctypes.c_void_p
+        for name in ("poolkeeper_shim_adopt", "poolkeeper_shim_disown"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            getattr(lib, name).restype = ctypes.c_int
+        _STORAGE_SHIM = lib
+    return _STORAGE_SHIM
+
+
+def set_checkpoint_pool_state(
+    device: int, state: Any, stale_storages: Sequence[int] = (), storages_to_add_deleters_to: Sequence[int] = ()
+) -> None:
+    """``torch._C._cuda_setCheckpointPoolState`` for poolkeeper's graph pools: put graph pool
+    ``state.pool_id`` back to the live blocks of checkpoint ``state`` (:func:`get_checkpoint_state`).
+
+    torch.compile's CUDA-graph trees call it to record a new graph while outputs of another one
+    are alive (a new input shape after a graph break, say). Blocks allocated since the checkpoint
+    are freed and blocks freed since are handed out again at their own addresses (the graphs write
+    there on replay), both through PyTorch's allocator interface so that its own record of each
+    block follows. Then each storage of ``storages_to_add_deleters_to`` (``StorageImpl`` pointers:
+    outputs the trees made over graph memory, with no deleter) whose block was handed out again
+    takes the allocator's deleter, so that its death frees the block; each of ``stale_storages``
+    (whose blocks this frees) loses it. Those two steps change storages inside PyTorch, which only
+    code built against its headers can do: the small library of :mod:`._torch_oom_shim`, built on
+    first use.
+
+    Raises :class:`InvalidArgumentError` for a ``state`` not made by :func:`get_checkpoint_state`
+    and :class:`IntegrationError` when the library cannot be built or a block cannot be put back
+    (the message says which)."""
+    torch = _torch()
+    from poolkeeper.errors import InvalidArgumentError, brief
+
+    if not isinstance(state, GraphPoolCheckpoint):
+        raise InvalidArgumentError(f"state must be what get_checkpoint_state returned; got {brief(state)}")
+    dev = _device_index(device)
+    if dev != state.device:
+        raise InvalidArgumentError(f"the checkpoint is of device {state.device}, not {dev}")
+    gp = _core.graph_pools_find(dev)
+    if gp is None:
+        raise IntegrationError(f"no CUDA-graph pool exists on device {dev}: nothing to restore")
+    shim = _storage_shim(torch)
+    pid = state.pool_id
+    now = {a: (n, s) for a, n, s in gp.live_block_info(pid)}
+    want = {a: (n, s) for a, n, s in state.blocks}
+    # A block live both times but of another size was freed and its address reused: it goes and
+    # comes back at the checkpoint's size.
+    freed = sorted(a for a in now if a not in want or want[a][0] != now[a][0])
+    allocd = sorted(a for a in want if a not in now or want[a][0] != now[a][0])
+    with torch.cuda.device(dev):
+        # Any storage the allocator made has the allocator's deleter: the one to give and to take.
+        like = torch.empty(1, dtype=torch.uint8, device=f"cuda:{dev}").untyped_storage()
+        like_impl = like._cdata
+        gone = set(freed)
+        for impl in stale_storages:
+            if shim.poolkeeper_shim_storage_data(int(impl)) not in gone or shim.poolkeeper_shim_disown(int(impl), like_impl):
+                raise IntegrationError("a stale storage of the checkpoint restore is not one whose block it frees")
+        for a in freed:  # through PyTorch: its record of the block goes too
+            torch._C._cuda_cudaCachingAllocator_raw_delete(a)
+        for a in allocd:
+            n, s = want[a]
+            gp.reclaim_next(pid, a, n)
+            try:
+                got = torch._C._cuda_cudaCachingAllocator_raw_alloc(n, s)
+            except RuntimeError as e:
+                raise IntegrationError(
+                    f"restoring graph pool {pid}: the block at {a:#x} ({n} bytes) could not be handed out again: {e}"
+                ) from None
+            finally:
+                gp.reclaim_cancel()
+            if got != a:  # cannot happen while reclaim_next holds; never hand a graph the wrong memory
+                torch._C._cuda_cudaCachingAllocator_raw_delete(got)
+                raise IntegrationError(f"restoring graph pool {pid}: {a:#x} was asked for, {got:#x} came")
+        back = set(allocd)
+        for impl in storages_to_add_deleters_to:
+            p = shim.poolkeeper_shim_storage_data(int(impl))
+            if p in back:
+                back.discard(p)  # aliased outputs share one storage's block: one owner
+                if shim.poolkeeper_shim_adopt(int(impl), like_impl):
+                    raise IntegrationError(f"restoring graph pool {pid}: the storage over {p:#x} already has a deleter")
+        del like
 
 
 def _provide_pool_live_check(torch: Any) -> None:

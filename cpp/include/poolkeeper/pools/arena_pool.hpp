@@ -175,6 +175,16 @@ class ArenaPool final : public Pool {
   std::string name() const override { return "ArenaPool"; }
   std::size_t alignment() const override { return opt_.alignment; }
 
+  // Hand out exactly [p, p + nbytes rounded to the alignment) as a live block on stream s, as if
+  // allocate() had chosen it. For CUDA-graph trees' checkpoint restore (GraphPools::reclaim_next):
+  // a graph baked the address in, so only that address will do. Settles first: every thread's
+  // cache, the pending releases (waited for unless a capture scope is open on the upstream, where
+  // a wait would join the graph) and, in single-stream mode, home's releases. The range must lie
+  // inside one Free chunk; else InvalidPointer (nothing changes). A pool of several shards is
+  // refused (InvalidArgument): a block there belongs to the shard of the thread that made it.
+  // Thread safety: any thread, under the pool lock. Never calls the upstream.
+  void* allocate_at(void* p, std::size_t nbytes, Stream s);
+
   // One automatic shrink scan, now. Returns bytes released.
   std::size_t shrink_scan();
   // Return the calling thread's cached blocks to the pool.

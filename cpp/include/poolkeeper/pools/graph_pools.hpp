@@ -97,8 +97,11 @@ class GraphPools {
   void end(GraphPoolId id);
   void release(GraphPoolId id);
 
-  // Lock-free: is any scope open / does any private pool hold a live block?
-  bool routing() const { return open_.load(std::memory_order_acquire) > 0; }
+  // Lock-free: is any scope open (or a reclaim_next() waiting) / does any private pool hold a
+  // live block?
+  bool routing() const {
+    return open_.load(std::memory_order_acquire) > 0 || reclaims_.load(std::memory_order_acquire) > 0;
+  }
   bool holds_private_blocks() const { return private_blocks_.load(std::memory_order_acquire) > 0; }
 
   void* allocate(std::size_t nbytes, Stream s);
@@ -118,6 +121,25 @@ class GraphPools {
   bool has_private_pools();                            // any private pool not closed yet
   // Addresses of the live blocks of private pool id (empty when there is no such pool).
   std::vector<std::uintptr_t> live_blocks(GraphPoolId id);
+  // The same with each block's size as asked and the stream it was allocated on.
+  struct LiveBlock {
+    std::uintptr_t addr = 0;
+    std::size_t nbytes = 0;
+    Stream stream = kNoStream;
+  };
+  std::vector<LiveBlock> live_block_info(GraphPoolId id);
+
+  // Checkpoint restore (torch.compile's CUDA-graph trees; docs/integrations.md): the trees put a
+  // private pool back to the live blocks it had when a graph was recorded, freeing what was
+  // allocated since and handing out again, at their own addresses, blocks freed since (a graph
+  // writes there on replay). Both must go through the framework's allocator, which keeps its own
+  // record (size, stream) of every block: so the caller names the block here, then allocates.
+  // reclaim_next(id, addr, n): the next allocate() of exactly n bytes *on this thread* is served
+  // by [addr, addr + n) of private pool id, which must be free there then (InvalidPointer at that
+  // allocate otherwise; InvalidArgument here when pool id does not exist). One at a time per
+  // thread: a second call replaces the first. reclaim_cancel(): forget this thread's.
+  void reclaim_next(GraphPoolId id, std::uintptr_t addr, std::size_t nbytes);
+  void reclaim_cancel();
   void validate();
   const std::shared_ptr<Pool>& main() const { return main_; }
 
@@ -151,6 +173,8 @@ class GraphPools {
   void maybe_close_locked(std::map<GraphPoolId, Private>::iterator it);
   // maybe_close_locked for every pool; a failure leaves that pool for a later sweep.
   void close_released_locked() noexcept;
+  // allocate() for this thread's reclaim_next(): the named block, whatever the scopes say.
+  void* allocate_reclaimed(std::size_t nbytes, Stream s);
   // The pool the newest scope whose filter takes s names; asks the filters with mu_ not held.
   std::optional<GraphPoolId> route(Stream s);
 
@@ -158,9 +182,15 @@ class GraphPools {
   std::mutex mu_;
   std::vector<Scope> scopes_;                                   // guarded by mu_
   std::map<GraphPoolId, Private> pools_;                        // guarded by mu_
-  std::unordered_map<std::uintptr_t, GraphPoolId> owner_;       // guarded by mu_
+  struct Owned {
+    GraphPoolId id;
+    std::size_t nbytes = 0;  // as asked: a checkpoint restore hands the block out again at this size
+    Stream stream = kNoStream;
+  };
+  std::unordered_map<std::uintptr_t, Owned> owner_;             // guarded by mu_
   Counters counters_;                                           // guarded by mu_
   std::atomic<int> open_{0};
+  std::atomic<int> reclaims_{0};  // threads with a reclaim_next() not yet served or cancelled
   std::atomic<std::size_t> private_blocks_{0};
   std::atomic<bool> deferred_{false};  // a pool waits for another GraphPools's capture to end
 };
