@@ -48,6 +48,15 @@ def PRELUDE(request):
     return f"KIND = {request.param!r}\n" + PRELUDE_OF
 
 
+def run_compiled(prelude: str, body: str, needs=("triton",)) -> None:
+    """A torch.compile case: skipped without the modules it needs, run in its own process (long:
+    compiling), and it must print "ok"."""
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip("torch.compile case needs " + " and ".join(missing))
+    assert "ok" in run_isolated(prelude + body, timeout=600)
+
+
 def test_capture_replay_exact_with_intermediate_freed_and_tensors_allocated_between(PRELUDE):
     run_isolated(
         PRELUDE
@@ -200,11 +209,9 @@ print("ok", graph_bytes)
 
 
 def test_torch_compile_reduce_overhead_mlp_matches_eager(PRELUDE):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("torch.compile needs triton")
-    out = run_isolated(
-        PRELUDE
-        + """
+    run_compiled(
+        PRELUDE,
+        """
 mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
 f = torch.compile(mlp, mode="reduce-overhead")
 with torch.no_grad():
@@ -216,19 +223,15 @@ with torch.no_grad():
 assert pkt.graph_pools(), "reduce-overhead captured no graph through poolkeeper"
 print("ok", len(pkt.graph_pools()))
 """,
-        timeout=600,
     )
-    assert "ok" in out
 
 
 def test_torch_compile_reduce_overhead_without_trees_over_several_shapes(PRELUDE):
     # With cudagraph_trees off, each compiled graph captures into a pool of its own: several batch
     # sizes, each its own graph, all through poolkeeper's graph pools.
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("torch.compile needs triton")
-    out = run_isolated(
-        PRELUDE
-        + """
+    run_compiled(
+        PRELUDE,
+        """
 import torch._inductor.config as icfg
 icfg.triton.cudagraph_trees = False
 mlp = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128)).cuda().eval()
@@ -241,9 +244,7 @@ with torch.no_grad():
 assert len(pkt.graph_pools()) >= 3, pkt.graph_pools()
 print("ok", len(pkt.graph_pools()))
 """,
-        timeout=600,
     )
-    assert "ok" in out
 
 
 def test_regression_trees_checkpoint_restore_after_a_graph_break_raised_integration_error(PRELUDE):
@@ -252,11 +253,9 @@ def test_regression_trees_checkpoint_restore_after_a_graph_break_raised_integrat
     # checkpoint (setCheckpointPoolState) before recording; poolkeeper raised IntegrationError
     # there. slow_path_cudagraph_asserts has the trees check after each restore that the pool's
     # live blocks are exactly their live storages and that each has the allocator's deleter.
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("torch.compile needs triton")
-    out = run_isolated(
-        PRELUDE
-        + """
+    run_compiled(
+        PRELUDE,
+        """
 import torch._dynamo
 import torch._inductor.config as icfg
 icfg.triton.slow_path_cudagraph_asserts = True
@@ -288,17 +287,13 @@ gp = _core.graph_pools_find(0)
 gp.validate()
 print("ok", restores[0])
 """,
-        timeout=600,
     )
-    assert "ok" in out
 
 
 def test_torch_compile_reduce_overhead_hf_decode_step_matches_eager(PRELUDE):
-    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("transformers") is None:
-        pytest.skip("needs triton and transformers")
-    out = run_isolated(
-        PRELUDE
-        + """
+    run_compiled(
+        PRELUDE,
+        """
 from transformers import LlamaConfig, LlamaForCausalLM
 cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
@@ -316,9 +311,8 @@ with torch.no_grad():
 assert pkt.graph_pools()
 print("ok")
 """,
-        timeout=600,
+        needs=("triton", "transformers"),
     )
-    assert "ok" in out
 
 
 def test_graph_capture_with_a_poolkeeper_mempool_and_the_native_allocator():
