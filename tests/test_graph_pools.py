@@ -953,3 +953,89 @@ def test_arena_allocate_at_takes_exactly_the_range_and_keeps_the_books(kind):
     pool.deallocate(p)
     pool.deallocate(q)
     pool.validate()
+
+
+def test_regression_a_reclaim_next_replaced_by_one_on_another_graph_pools_left_routing_on_for_good():
+    # One reclaim per thread: a second reclaim_next on another GraphPools replaced the first
+    # without giving back the first one's count, so the first GraphPools sent every allocation
+    # down its slow path from then on (and the registry could never retire it).
+    sim, pool, gp = make()
+    other = _core.GraphPools(pool)
+    s = sim.stream()
+    a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
+    b = capture(sim, other, G1, s, lambda: other.allocate(MiB, s))
+    gp.deallocate(a, s)
+    gp.reclaim_next(G1, a, 4096)
+    other.reclaim_next(G1, b, 4096)
+    assert not gp.routing  # replaced: gp's reclaim is gone
+    assert not gp.owns_private(gp.allocate(4096, s))
+    other.reclaim_cancel()
+    assert not other.routing
+    check(sim, pool, gp)
+
+
+def test_regression_a_thread_that_exited_with_a_reclaim_waiting_left_routing_on_for_good():
+    sim, pool, gp = make()
+    s = sim.stream()
+    a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
+    gp.deallocate(a, s)
+    th = threading.Thread(target=lambda: gp.reclaim_next(G1, a, 4096))
+    th.start()
+    th.join()
+    assert not gp.routing
+    check(sim, pool, gp)
+
+
+def test_regression_a_reclaim_left_by_a_destroyed_graph_pools_took_a_new_ones_count_below_zero():
+    # The thread's record named its GraphPools by address: a new one made where a destroyed one
+    # had been (nanobind keeps the object inside its Python wrapper, so the address comes back at
+    # once) matched it, and its reclaim_cancel took the new one's count to -1; its own
+    # reclaim_next then left routing off, and the block went to the device pool.
+    sim, pool, _ = make()
+    s = sim.stream()
+    for _ in range(8):
+        gp = _core.GraphPools(pool)
+        a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
+        gp.deallocate(a, s)
+        gp.reclaim_cancel()
+        gp.reclaim_next(G1, a, 4096)
+        assert gp.routing
+        assert gp.allocate(4096, s) == a
+        gp.deallocate(a, s)
+        gp.reclaim_next(G1, a, 4096)  # left waiting as this GraphPools goes
+        gp.release(G1)
+        gp.validate()
+        del gp
+    pool.validate()
+
+
+@pytest.mark.parametrize("captured", ["home", "another stream"])
+def test_regression_allocate_at_on_another_stream_took_memory_a_single_stream_pool_had_freed_on_home(captured):
+    # A single-stream pool files home's releases free at once; allocate() ends the mode before it
+    # serves another stream (waiting for home, or, while home is captured, turning that memory
+    # pending on home). allocate_at skipped that and handed the memory to the other stream while
+    # home's queued work could still be using it.
+    sim = pk.upstream.Simulated(latency="none")
+    pool = pk.ArenaPool(sim, single_stream=True, thread_cache_bytes=0)
+    gp = _core.GraphPools(pool)  # a capture scope, as PyTorch opens one around a capture
+    home, other, side = sim.stream(), sim.stream(), sim.stream()
+    a = pool.allocate(MiB, home)
+    sim.enqueue(home, 1_000.0)
+    pool.deallocate(a, home)
+    captured_stream = home if captured == "home" else side
+    gp.begin(G1, captured_stream)
+    sim.begin_capture(captured_stream)
+    try:
+        if captured == "home":  # nothing may wait for home now: refused
+            with pytest.raises(pk.errors.InvalidPointerError):
+                pool._allocate_at(a, 4096, other)
+        else:  # home is not captured: waited for
+            assert pool._allocate_at(a, 4096, other) == a
+            assert sim.now >= sim.busy_until(home)
+            pool.deallocate(a, other)
+    finally:
+        assert sim.end_capture(captured_stream), sim.last_capture_violation
+        gp.end(G1)
+    assert sim.capture_violations == 0
+    pool.validate()
+    pk.accounting.check(pool.snapshot())

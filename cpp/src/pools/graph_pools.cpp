@@ -44,13 +44,24 @@ class PoolBackedUpstream final : public ForwardingUpstream {
   std::size_t pad_ = parent_->alignment();
 };
 
-// This thread's reclaim_next(): which GraphPools it is for (compared, never followed: the object
-// may be gone), the pool, the address and the size the next allocation must have.
+// This thread's reclaim_next(): the waiting-count of the GraphPools it is for, the pool, the
+// address and the size the next allocation must have. The count is held, not the GraphPools:
+// compared, it names the GraphPools (no other can have it while this holds it, even after that
+// one is destroyed), and it is given back when the record is dropped, at the latest at thread exit.
 struct Reclaim {
-  const GraphPools* owner = nullptr;
+  std::shared_ptr<std::atomic<int>> count;
   GraphPoolId id{};
   std::uintptr_t addr = 0;
   std::size_t nbytes = 0;
+  Reclaim() = default;
+  Reclaim(const Reclaim&) = delete;  // a copy would give the count back twice
+  Reclaim& operator=(const Reclaim&) = delete;
+  ~Reclaim() { drop(); }
+  void drop() noexcept {
+    if (!count) return;
+    count->fetch_sub(1, std::memory_order_acq_rel);
+    count.reset();
+  }
 };
 thread_local Reclaim tl_reclaim;
 
@@ -259,7 +270,7 @@ std::optional<GraphPoolId> GraphPools::route(Stream s) {
 void* GraphPools::allocate(std::size_t nbytes, Stream s) {
   main_->check_not_forked();  // (see the class comment: fork)
   if (routing()) {
-    if (tl_reclaim.owner == this && tl_reclaim.nbytes == nbytes) return allocate_reclaimed(nbytes, s);
+    if (tl_reclaim.count == reclaims_ && tl_reclaim.nbytes == nbytes) return allocate_reclaimed(nbytes, s);
     if (const auto id = route(s)) {
       std::lock_guard<std::mutex> g(mu_);
       auto it = pools_.find(*id);
@@ -389,26 +400,28 @@ void GraphPools::reclaim_next(GraphPoolId id, std::uintptr_t addr, std::size_t n
     std::lock_guard<std::mutex> g(mu_);
     if (!pools_.count(id)) throw InvalidArgument("GraphPools.reclaim_next: no graph pool " + id_text(id));
   }
-  reclaim_cancel();
-  tl_reclaim = {this, id, addr, nbytes};
-  reclaims_.fetch_add(1, std::memory_order_acq_rel);
+  tl_reclaim.drop();  // this thread's earlier one, whichever GraphPools it named
+  reclaims_->fetch_add(1, std::memory_order_acq_rel);
+  tl_reclaim.count = reclaims_;
+  tl_reclaim.id = id;
+  tl_reclaim.addr = addr;
+  tl_reclaim.nbytes = nbytes;
 }
 
 void GraphPools::reclaim_cancel() {
-  if (tl_reclaim.owner != this) return;
-  tl_reclaim = {};
-  reclaims_.fetch_sub(1, std::memory_order_acq_rel);
+  if (tl_reclaim.count == reclaims_) tl_reclaim.drop();
 }
 
 void* GraphPools::allocate_reclaimed(std::size_t nbytes, Stream s) {
-  const Reclaim r = tl_reclaim;
-  reclaim_cancel();  // served or refused, it is used up
+  const GraphPoolId id = tl_reclaim.id;
+  const std::uintptr_t addr = tl_reclaim.addr;
+  tl_reclaim.drop();  // served or refused, it is used up
   std::lock_guard<std::mutex> g(mu_);
-  auto it = pools_.find(r.id);
-  if (it == pools_.end()) throw InvalidArgument("GraphPools: graph pool " + id_text(r.id) + " is gone (reclaim_next)");
+  auto it = pools_.find(id);
+  if (it == pools_.end()) throw InvalidArgument("GraphPools: graph pool " + id_text(id) + " is gone (reclaim_next)");
   auto* arena = dynamic_cast<ArenaPool*>(it->second.pool.get());
-  void* p = arena->allocate_at(reinterpret_cast<void*>(r.addr), nbytes, s);
-  owner_.emplace(r.addr, Owned{it->first, nbytes, s});
+  void* p = arena->allocate_at(reinterpret_cast<void*>(addr), nbytes, s);
+  owner_.emplace(addr, Owned{it->first, nbytes, s});
   ++it->second.live_blocks;
   ++counters_.private_allocations;
   private_blocks_.fetch_add(1, std::memory_order_acq_rel);

@@ -100,7 +100,7 @@ class GraphPools {
   // Lock-free: is any scope open (or a reclaim_next() waiting) / does any private pool hold a
   // live block?
   bool routing() const {
-    return open_.load(std::memory_order_acquire) > 0 || reclaims_.load(std::memory_order_acquire) > 0;
+    return open_.load(std::memory_order_acquire) > 0 || reclaims_->load(std::memory_order_acquire) > 0;
   }
   bool holds_private_blocks() const { return private_blocks_.load(std::memory_order_acquire) > 0; }
 
@@ -137,7 +137,9 @@ class GraphPools {
   // reclaim_next(id, addr, n): the next allocate() of exactly n bytes *on this thread* is served
   // by [addr, addr + n) of private pool id, which must be free there then (InvalidPointer at that
   // allocate otherwise; InvalidArgument here when pool id does not exist). One at a time per
-  // thread: a second call replaces the first. reclaim_cancel(): forget this thread's.
+  // thread, whichever GraphPools it names: a second call (on this or another GraphPools) replaces
+  // the first, and a thread that exits gives its own up. reclaim_cancel(): forget this thread's,
+  // if it names this GraphPools. Thread safety: any thread; each touches only its own.
   void reclaim_next(GraphPoolId id, std::uintptr_t addr, std::size_t nbytes);
   void reclaim_cancel();
   void validate();
@@ -190,7 +192,12 @@ class GraphPools {
   std::unordered_map<std::uintptr_t, Owned> owner_;             // guarded by mu_
   Counters counters_;                                           // guarded by mu_
   std::atomic<int> open_{0};
-  std::atomic<int> reclaims_{0};  // threads with a reclaim_next() not yet served or cancelled
+  // Threads with a reclaim_next() here not yet served, replaced or cancelled. Shared with each
+  // such thread's record (graph_pools.cpp), which outlives this object and gives its count back
+  // when the thread exits; a plain member let a dead thread's reclaim keep routing() true for
+  // good, and let a record left by a destroyed GraphPools take the count of a new one made at the
+  // same address below zero.
+  std::shared_ptr<std::atomic<int>> reclaims_ = std::make_shared<std::atomic<int>>(0);
   std::atomic<std::size_t> private_blocks_{0};
   std::atomic<bool> deferred_{false};  // a pool waits for another GraphPools's capture to end
 };
