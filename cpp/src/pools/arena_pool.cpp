@@ -1013,6 +1013,10 @@ void* ArenaPool::allocate_at(void* p, std::size_t nbytes, Stream s) {
   const std::size_t rounded = align_up(nbytes, opt_.alignment);
   std::lock_guard<detail::SpinMutex> g(mu_);
   check_open();
+  // As in do_allocate: home's releases were filed free at once, so memory home may still be using
+  // must not reach another stream while the mode lasts (during a capture it becomes pending on
+  // home, and the range is refused below if it lies there).
+  if (!note_stream_locked(s)) end_single_locked();
   const bool quiet = upstream_->captures_underway() == 0;
   reclaim_caches_locked();
   drain_locked(quiet);

@@ -179,7 +179,8 @@ class ArenaPool final : public Pool {
   // allocate() had chosen it. For CUDA-graph trees' checkpoint restore (GraphPools::reclaim_next):
   // a graph baked the address in, so only that address will do. Settles first: every thread's
   // cache, the pending releases (waited for unless a capture scope is open on the upstream, where
-  // a wait would join the graph) and, in single-stream mode, home's releases. The range must lie
+  // a wait would join the graph) and, in single-stream mode, home's releases; a request on
+  // another stream ends that mode first, as allocate() does. The range must lie
   // inside one Free chunk; else InvalidPointer (nothing changes). A pool of several shards is
   // refused (InvalidArgument): a block there belongs to the shard of the thread that made it.
   // Thread safety: any thread, under the pool lock. Never calls the upstream.
