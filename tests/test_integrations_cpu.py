@@ -751,3 +751,201 @@ def test_regression_cupy_uninstall_on_another_thread_during_an_allocation_raised
     del mem
     gc.collect()
     pool.validate()
+
+
+# -- torch.compile's CUDA-graph trees: checkpoint restore (set_checkpoint_pool_state) -------------
+#
+# PyTorch's side: raw_alloc / raw_delete through the C ABI with the allocator's record of each
+# block (size, stream), as CUDAPluggableAllocator keeps it, and storages as records of a data
+# pointer and a deleter, changed the way the shim's storage functions change a StorageImpl.
+
+TREE_POOL = (3, 0)
+TREE_STREAM = 7  # the stream the graphs are captured on
+
+
+class FakeStorageShim:
+    """poolkeeper_shim_storage_data/adopt/disown over storages kept as [data_ptr, deleter]."""
+
+    def __init__(self):
+        self.storages = {}
+
+    def new(self, ptr, deleter):
+        impl = 0x1000 + 8 * len(self.storages)
+        self.storages[impl] = [ptr, deleter]
+        return impl
+
+    def poolkeeper_shim_storage_data(self, impl):
+        return self.storages[impl][0] if impl in self.storages else None
+
+    def poolkeeper_shim_adopt(self, impl, like):
+        if self.storages[impl][1] is not None:
+            return 1
+        self.storages[impl][1] = self.storages[like][1]
+        return 0
+
+    def poolkeeper_shim_disown(self, impl, like):
+        if self.storages[impl][1] != self.storages[like][1]:
+            return 1
+        self.storages[impl][1] = "nothing"
+        return 0
+
+
+@pytest.fixture
+def trees(fake_torch, monkeypatch):
+    import contextlib
+
+    from capi_lib import load as load_capi
+
+    t = fake_torch()
+    pk_torch.install("arena", upstream="simulated")
+    lib = load_capi()
+    shim = FakeStorageShim()
+    records = {}  # PyTorch's record of each block it allocated: (size, stream)
+
+    def raw_alloc(n, stream):
+        p = lib.poolkeeper_torch_malloc(n, 0, stream)
+        if not p:  # what poolkeeper_torch_malloc_raising makes PyTorch raise
+            raise RuntimeError(lib.poolkeeper_last_error().decode())
+        records[p] = (n, stream)
+        return p
+
+    def raw_delete(p):
+        n, s = records.pop(p)  # PyTorch refuses a pointer it has no record of
+        lib.poolkeeper_torch_free(p, n, 0, s)
+
+    class Storage:
+        def __init__(self, n):
+            self._cdata = shim.new(raw_alloc(n, None), "allocator")
+
+        def __del__(self):  # the allocator's deleter
+            if shim.storages[self._cdata][1] == "allocator":
+                raw_delete(shim.storages[self._cdata][0])
+
+    class Tensor:
+        def __init__(self, n):
+            self.storage = Storage(n)
+
+        def untyped_storage(self):
+            return self.storage
+
+    t._C._cuda_cudaCachingAllocator_raw_alloc = raw_alloc
+    t._C._cuda_cudaCachingAllocator_raw_delete = raw_delete
+    t.cuda.device = lambda d: contextlib.nullcontext()
+    t.uint8 = "uint8"
+    t.empty = lambda n, dtype=None, device=None: Tensor(n)
+    monkeypatch.setattr(pk_torch, "_STORAGE_SHIM", shim)
+    raw_delete(raw_alloc(16, None))  # the device pool exists
+    gp = _core.graph_pools(0)
+
+    def record(*sizes):
+        """A graph recording: its allocations come from the tree's pool."""
+        gp.begin(TREE_POOL, TREE_STREAM)
+        try:
+            return [raw_alloc(n, TREE_STREAM) for n in sizes]
+        finally:
+            gp.end(TREE_POOL)
+
+    def check():
+        assert not gp.routing
+        assert set(records) == {p for p in records if gp.owns_private(p)}  # nothing of the restore's own left
+        gp.validate()
+        gp.pool.validate()
+        pk.accounting.check(gp.pool.snapshot())
+        assert set(gp.live_blocks(TREE_POOL)) == {p for p in records if gp.owns_private(p)}
+
+    return types.SimpleNamespace(torch=t, shim=shim, records=records, raw_alloc=raw_alloc, raw_delete=raw_delete,
+                                 gp=gp, record=record, check=check, restore=t._C._cuda_setCheckpointPoolState,
+                                 checkpoint=lambda: t._C._cuda_getCheckpointState(0, TREE_POOL))
+
+
+def test_checkpoint_restore_frees_blocks_since_and_hands_freed_ones_back_at_their_addresses(trees):
+    x, out = trees.record(100_000, 200_000)
+    ck = trees.checkpoint()
+    (later,) = trees.record(150_000)  # a later recording
+    trees.raw_delete(out)  # the first recording's output dies
+    replay = trees.shim.new(out, None)  # a replay's output over out's memory: no deleter
+    stale = trees.shim.new(later, "allocator")
+    trees.restore(0, ck, [stale], [replay, replay])  # aliased outputs name one storage twice
+    assert trees.gp.live_block_info(TREE_POOL) == sorted(ck.blocks)
+    assert trees.records[out] == (200_000, TREE_STREAM) and later not in trees.records
+    assert trees.shim.storages[replay][1] == "allocator"  # its death frees the block now
+    assert trees.shim.storages[stale][1] == "nothing"
+    trees.check()
+    trees.raw_delete(out)
+    trees.raw_delete(x)
+    trees.check()
+
+
+def test_checkpoint_restore_gives_a_reused_address_back_at_the_checkpoints_size(trees):
+    (out,) = trees.record(300_000)
+    ck = trees.checkpoint()
+    trees.raw_delete(out)
+    (smaller,) = trees.record(100_000)
+    assert smaller == out  # same address, another block
+    trees.restore(0, ck, [trees.shim.new(smaller, "allocator")], [])
+    assert trees.gp.live_block_info(TREE_POOL) == sorted(ck.blocks)
+    trees.check()
+    trees.raw_delete(out)
+    trees.check()
+
+
+def test_regression_checkpoint_restore_with_a_stale_storage_named_twice_raised_after_disowning_it(trees):
+    # Aliased stale tensors name one storage twice (PyTorch's restore takes each once): the second
+    # disown found the deleter gone and raised, after the first had changed the storage and before
+    # its block was freed (a block no one would ever free).
+    (x,) = trees.record(100_000)
+    ck = trees.checkpoint()
+    (y,) = trees.record(300_000)
+    ys = trees.shim.new(y, "allocator")
+    trees.restore(0, ck, [ys, ys], [])
+    assert set(trees.gp.live_blocks(TREE_POOL)) == {x} and y not in trees.records
+    trees.check()
+
+
+def test_regression_checkpoint_restore_failing_midway_left_the_blocks_handed_back_live_for_good(trees):
+    # The second block cannot be handed back (its release on another stream is still pending and
+    # another graph is being captured, so nothing may wait): the first, handed back already, had
+    # no owner yet and stayed live in the graph's pool for good.
+    x, y = trees.record(100_000, 100_000)
+    ck = trees.checkpoint()
+    trees.raw_delete(x)
+    trees.records[y] = (100_000, 8)  # PyTorch frees y on stream 8, which is busy
+    trees.gp.pool.upstream.enqueue(8, 1_000.0)
+    trees.raw_delete(y)
+    trees.gp.begin((9, 0), 99)
+    try:
+        with pytest.raises(_common.IntegrationError, match="could not be handed out again"):
+            trees.restore(0, ck, [], [trees.shim.new(x, None), trees.shim.new(y, None)])
+    finally:
+        trees.gp.end((9, 0))
+    assert trees.gp.live_blocks(TREE_POOL) == [] and not trees.records.keys() & {x, y}
+    trees.check()
+
+
+def test_regression_checkpoint_restore_freed_a_block_whose_live_storage_was_not_named_stale(trees):
+    # PyTorch's restore refuses this: the storage keeps the allocator's deleter, so its death
+    # would free the block a second time, by then perhaps another tensor's.
+    (x,) = trees.record(100_000)
+    ck = trees.checkpoint()
+    (y,) = trees.record(300_000)
+    trees.shim.new(y, "allocator")  # alive, not named stale
+    with pytest.raises(_common.IntegrationError, match="stale"):
+        trees.restore(0, ck, [], [])
+    assert set(trees.gp.live_blocks(TREE_POOL)) == {x, y} and y in trees.records
+    trees.check()
+
+
+@pytest.mark.parametrize("bad", [["x"], [1.5], [None], 7])
+def test_regression_checkpoint_restore_with_storages_that_are_not_pointers_raised_bare_errors(trees, bad):
+    # int() of each: ValueError or TypeError escaped, and a float was taken as a pointer.
+    from poolkeeper.errors import InvalidArgumentError
+
+    trees.record(100_000)
+    ck = trees.checkpoint()
+    trees.record(300_000)
+    before = trees.gp.live_block_info(TREE_POOL)
+    for stale, adopters in ((bad, []), ([], bad)):
+        with pytest.raises(InvalidArgumentError):
+            trees.restore(0, ck, stale, adopters)
+        assert trees.gp.live_block_info(TREE_POOL) == before
+    trees.check()

@@ -431,8 +431,10 @@ def set_checkpoint_pool_state(
     first use.
 
     Raises :class:`InvalidArgumentError` for a ``state`` not made by :func:`get_checkpoint_state`
-    and :class:`IntegrationError` when the library cannot be built or a block cannot be put back
-    (the message says which)."""
+    or storages that are not pointers, and :class:`IntegrationError` when the library cannot be
+    built, when a block this would free is not matched by a stale storage (as PyTorch's own
+    restore checks; nothing changes then), or when a block cannot be put back (the blocks handed
+    back before it are freed again; the message says which)."""
     torch = _torch()
     from poolkeeper.errors import InvalidArgumentError, brief
 
@@ -446,44 +448,87 @@ def set_checkpoint_pool_state(
         raise IntegrationError(f"no CUDA-graph pool exists on device {dev}: nothing to restore")
     shim = _storage_shim(torch)
     pid = state.pool_id
+    try:
+        want = {int(a): (int(n), s) for a, n, s in state.blocks}
+        stale = _storage_pointers(stale_storages)
+        adopters = _storage_pointers(storages_to_add_deleters_to)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"a checkpoint's blocks are (address, size, stream) triples and storages are StorageImpl pointers (ints); "
+            f"got {brief(state.blocks)}, {brief(stale_storages)}, {brief(storages_to_add_deleters_to)}"
+        ) from None
     now = {a: (n, s) for a, n, s in gp.live_block_info(pid)}
-    want = {a: (n, s) for a, n, s in state.blocks}
     # A block live both times but of another size was freed and its address reused: it goes and
     # comes back at the checkpoint's size.
     freed = sorted(a for a in now if a not in want or want[a][0] != now[a][0])
     allocd = sorted(a for a in want if a not in now or want[a][0] != now[a][0])
+    gone = set(freed)
+    # Checked before anything changes (PyTorch's restore checks the same): a block freed here whose
+    # storage lives on with the allocator's deleter must be named stale, or that storage's death
+    # frees the block a second time -- by then perhaps another tensor's.
+    definitely_freed = sum(1 for a in freed if a not in want)
+    if len(stale) < definitely_freed:
+        raise IntegrationError(
+            f"restoring graph pool {pid}: {definitely_freed} block(s) allocated since the checkpoint would be freed, "
+            f"but only {len(stale)} stale storage(s) were named; any stale tensors being freed must be passed"
+        )
+    if any(shim.poolkeeper_shim_storage_data(impl) not in gone for impl in stale):
+        raise IntegrationError("a stale storage of the checkpoint restore is not one whose block it frees")
     with torch.cuda.device(dev):
         # Any storage the allocator made has the allocator's deleter: the one to give and to take.
         like = torch.empty(1, dtype=torch.uint8, device=f"cuda:{dev}").untyped_storage()
         like_impl = like._cdata
-        gone = set(freed)
-        for impl in stale_storages:
-            if shim.poolkeeper_shim_storage_data(int(impl)) not in gone or shim.poolkeeper_shim_disown(int(impl), like_impl):
-                raise IntegrationError("a stale storage of the checkpoint restore is not one whose block it frees")
+        disowned: list = []
+        for impl in stale:
+            if shim.poolkeeper_shim_disown(impl, like_impl):
+                # The storages disowned so far no longer free their blocks: this does, and goes no further.
+                for a in dict.fromkeys(shim.poolkeeper_shim_storage_data(i) for i in disowned):
+                    torch._C._cuda_cudaCachingAllocator_raw_delete(a)
+                raise IntegrationError(
+                    f"restoring graph pool {pid}: a stale storage has a deleter other than the allocator's"
+                )
+            disowned.append(impl)
         for a in freed:  # through PyTorch: its record of the block goes too
             torch._C._cuda_cudaCachingAllocator_raw_delete(a)
-        for a in allocd:
-            n, s = want[a]
-            gp.reclaim_next(pid, a, n)
-            try:
-                got = torch._C._cuda_cudaCachingAllocator_raw_alloc(n, s)
-            except RuntimeError as e:
-                raise IntegrationError(
-                    f"restoring graph pool {pid}: the block at {a:#x} ({n} bytes) could not be handed out again: {e}"
-                ) from None
-            finally:
-                gp.reclaim_cancel()
-            if got != a:  # cannot happen while reclaim_next holds; never hand a graph the wrong memory
-                torch._C._cuda_cudaCachingAllocator_raw_delete(got)
-                raise IntegrationError(f"restoring graph pool {pid}: {a:#x} was asked for, {got:#x} came")
+        handed: list = []
+        try:
+            for a in allocd:
+                n, s = want[a]
+                gp.reclaim_next(pid, a, n)
+                try:
+                    got = torch._C._cuda_cudaCachingAllocator_raw_alloc(n, s)
+                except RuntimeError as e:
+                    raise IntegrationError(
+                        f"restoring graph pool {pid}: the block at {a:#x} ({n} bytes) could not be handed out again: {e}"
+                    ) from None
+                finally:
+                    gp.reclaim_cancel()
+                if got != a:  # cannot happen while reclaim_next holds; never hand a graph the wrong memory
+                    torch._C._cuda_cudaCachingAllocator_raw_delete(got)
+                    raise IntegrationError(f"restoring graph pool {pid}: {a:#x} was asked for, {got:#x} came")
+                handed.append(a)
+        except BaseException:
+            # No storage owns the blocks handed out again yet: left live, they stayed in the graph's
+            # pool for good (it could never close). Back to free, as they were before this call.
+            for a in handed:
+                torch._C._cuda_cudaCachingAllocator_raw_delete(a)
+            raise
         back = set(allocd)
-        for impl in storages_to_add_deleters_to:
-            p = shim.poolkeeper_shim_storage_data(int(impl))
+        for impl in adopters:
+            p = shim.poolkeeper_shim_storage_data(impl)
             if p in back:
                 back.discard(p)  # aliased outputs share one storage's block: one owner
-                if shim.poolkeeper_shim_adopt(int(impl), like_impl):
+                if shim.poolkeeper_shim_adopt(impl, like_impl):
                     raise IntegrationError(f"restoring graph pool {pid}: the storage over {p:#x} already has a deleter")
         del like
+
+
+def _storage_pointers(impls: Any) -> list:
+    """StorageImpl pointers as ints, each once (aliased tensors name one storage several times:
+    PyTorch's own restore takes each once too). TypeError/ValueError for anything else."""
+    import operator
+
+    return list(dict.fromkeys(operator.index(i) for i in impls))
 
 
 def _provide_pool_live_check(torch: Any) -> None:
