@@ -979,9 +979,13 @@ def test_regression_a_thread_that_exited_with_a_reclaim_waiting_left_routing_on_
     s = sim.stream()
     a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
     gp.deallocate(a, s)
-    th = threading.Thread(target=lambda: gp.reclaim_next(G1, a, 4096))
-    th.start()
-    th.join()
+    # A thread of our own: Thread.join() returns before the thread's C++ thread_locals are
+    # destroyed, pthread_join only after.
+    libc = ctypes.CDLL(None)
+    body = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda arg: gp.reclaim_next(G1, a, 4096))
+    tid = ctypes.c_ulong()
+    assert libc.pthread_create(ctypes.byref(tid), None, body, None) == 0
+    assert libc.pthread_join(tid, None) == 0
     assert not gp.routing
     check(sim, pool, gp)
 
