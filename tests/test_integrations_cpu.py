@@ -876,6 +876,25 @@ def test_checkpoint_restore_frees_blocks_since_and_hands_freed_ones_back_at_thei
     trees.check()
 
 
+def test_checkpoint_restore_gives_a_deleter_to_a_storage_over_a_block_live_both_times(trees):
+    # PyTorch's own restore frees and hands out again every block of the checkpoint, so a storage
+    # the trees made without a deleter over a block that stayed live gets the allocator's deleter
+    # too (else its death never frees the block, and the trees' asserts find a storage without
+    # the standard deleter). One that already owns its block keeps it, with no error.
+    x, y = trees.record(100_000, 200_000)
+    ck = trees.checkpoint()
+    replay_x = trees.shim.new(x, None)  # a replay's output over x: no deleter
+    owner_y = trees.shim.new(y, "allocator")
+    trees.restore(0, ck, [], [replay_x, owner_y])
+    assert trees.gp.live_block_info(TREE_POOL) == sorted(ck.blocks)
+    assert trees.shim.storages[replay_x][1] == "allocator"
+    assert trees.shim.storages[owner_y][1] == "allocator"
+    trees.check()
+    trees.raw_delete(x)
+    trees.raw_delete(y)
+    trees.check()
+
+
 def test_checkpoint_restore_gives_a_reused_address_back_at_the_checkpoints_size(trees):
     (out,) = trees.record(300_000)
     ck = trees.checkpoint()

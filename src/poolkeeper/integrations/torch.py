@@ -513,12 +513,18 @@ def set_checkpoint_pool_state(
             for a in handed:
                 torch._C._cuda_cudaCachingAllocator_raw_delete(a)
             raise
-        back = set(allocd)
+        # Every block of the checkpoint is live now, as after PyTorch's own restore (which frees and
+        # hands out again all of them, the ones live both times too): a storage the trees made over
+        # any of them without a deleter takes the allocator's. One handed out again here has no
+        # owner yet, so a storage over it that already has a deleter is an error; over a block live
+        # both times such a storage already owns it, and keeps it.
+        back = set(want)
+        handed_back = set(allocd)
         for impl in adopters:
             p = shim.poolkeeper_shim_storage_data(impl)
             if p in back:
                 back.discard(p)  # aliased outputs share one storage's block: one owner
-                if shim.poolkeeper_shim_adopt(impl, like_impl):
+                if shim.poolkeeper_shim_adopt(impl, like_impl) and p in handed_back:
                     raise IntegrationError(f"restoring graph pool {pid}: the storage over {p:#x} already has a deleter")
         del like
 
