@@ -390,3 +390,82 @@ def test_thread_exit_and_first_use_of_a_pool_do_not_deadlock():
             proc.kill()
         proc.wait()
     assert proc.returncode == 0
+
+
+# ---- Observations racing an upstream free that another thread has under way ----
+# Faulty's refuse_after_us holds the refused free in its upstream call long enough for the main
+# thread to see it under way (the block has left the books) and act then; the assertions hold
+# whenever the window is seen, and the window is asserted seen.
+
+WINDOW_US = 500_000
+
+
+def _in_the_window(worker, gone):
+    """Run worker() on a thread; return, with it still running, once gone() says its upstream
+    call is under way. The caller joins it."""
+    t = threading.Thread(target=worker)
+    t.start()
+    while t.is_alive() and not gone():
+        pass
+    assert t.is_alive(), "the upstream call ended before the main thread saw it under way"
+    return t
+
+
+def _refused_direct_free():
+    up = pk.upstream.Faulty(pk.upstream.Simulated(latency_us=0), fail_frees=True, fail_at={1},
+                            refuse_after_us=WINDOW_US)
+    pool = pk.Direct(up)
+    p = pool.allocate(MiB)  # watched call 0; its free is call 1
+    errors = []
+
+    def free():
+        try:
+            pool.deallocate(p)
+        except pk.errors.UpstreamError as e:
+            errors.append(e)
+
+    return pool, p, free, errors
+
+
+def test_regression_direct_validate_failed_while_another_thread_was_in_an_upstream_free():
+    pool, p, free, errors = _refused_direct_free()
+    t = _in_the_window(free, lambda: pool.stats()["live_blocks"] == 0)
+    try:
+        pool.validate()  # the block in its upstream free has a record but no table entry
+    finally:
+        t.join()
+    assert len(errors) == 1
+    pool.validate()
+    pool.deallocate(p)
+    pool.close()
+
+
+def test_regression_direct_peak_live_below_live_after_a_refused_free_raced_reset_peaks():
+    pool, p, free, errors = _refused_direct_free()
+    t = _in_the_window(free, lambda: pool.stats()["live_blocks"] == 0)
+    pool.reset_peaks()  # live is 0 now; the refusal puts the block back
+    t.join()
+    assert len(errors) == 1
+    st = pool.stats()
+    assert st["live_bytes"] == MiB
+    assert st["peak_live_bytes"] >= st["live_bytes"]
+    pool.deallocate(p)
+    pool.close()
+
+
+def test_regression_size_class_peak_reserved_below_reserved_after_a_refused_trim_free_raced_reset_peaks():
+    up = pk.upstream.Faulty(pk.upstream.Simulated(latency_us=0), fail_frees=True, fail_at={2},
+                            refuse_after_us=WINDOW_US)
+    pool = pk.SizeClassPool(up)
+    kept = pool.allocate(MiB)  # watched call 0
+    pool.deallocate(pool.allocate(3 * MiB))  # call 1; cached, so trim()'s free is call 2
+    t = _in_the_window(pool.trim, lambda: pool.stats()["reserved_bytes"] == MiB)
+    pool.reset_peaks()  # the cached block is out of reserved now; the refusal re-adopts it
+    t.join()
+    st = pool.stats()
+    assert st["upstream_free_failures"] == 1
+    assert st["reserved_bytes"] == 4 * MiB
+    assert st["peak_reserved_bytes"] >= st["reserved_bytes"]
+    pool.validate()
+    pool.deallocate(kept)
+    pool.close()

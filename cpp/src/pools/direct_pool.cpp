@@ -91,6 +91,8 @@ Refusal DirectPool::do_deallocate(void* p, Stream) {
     budget_.end_release(b->size);
     budget_.grow(b->size);
     live_ += b->requested;
+    // A reset_peaks() during the call set the peak below what the block now adds back.
+    peak_live_ = std::max(peak_live_, live_);
     table_.insert(a, b);
     throw;
   }
@@ -147,7 +149,8 @@ void DirectPool::validate() {
     l += b->requested;
     ++n;
   });
-  if (r != budget_.reserved || l != live_ || n != nodes_.live())
+  // A block in its upstream free has a record but no table entry (do_deallocate).
+  if (r != budget_.reserved || l != live_ || n + freeing_.size() != nodes_.live())
     throw InvariantViolation("Direct: reserved/live totals do not match the live blocks");
   if (!table_.consistent()) throw InvariantViolation("Direct: pointer table counts inconsistent");
 }

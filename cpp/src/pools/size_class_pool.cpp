@@ -224,7 +224,7 @@ void SizeClassPool::free_detached(Detached& v) {
     b->cls = static_cast<std::uint32_t>(class_index(n));
     b->shard.store(sh.index, std::memory_order_relaxed);
     table_.insert(b->addr, b);
-    budget_.reserved += n;  // back on the books it left: not a new peak
+    budget_.grow(n);  // a new peak only if reset_peaks() ran while the block was out
     sh.reserved += n;
     make_free_locked(sh, b);
   }
