@@ -738,3 +738,49 @@ def test_regression_an_int_too_long_to_print_escaped_the_new_checks_as_a_bare_va
             call()
     staging.close()
 
+
+
+# Ctrl-C while an allocation waits without the GIL (docs/hardening.md, "Fourth round: the Python
+# API under threads"): the upstream call takes a second (Simulated's latency), the SIGINT is raised
+# by another thread once Faulty (no rules: a pass-through that counts) has seen the call begin.
+CTRL_C_IN_AN_ALLOCATION = """
+    import json, signal, sys, threading
+    import poolkeeper as pk
+    from poolkeeper import _core
+    via = sys.argv[1]
+    sim = pk.upstream.Simulated(latency_us=1_000_000)
+    up = pk.upstream.Faulty(sim)
+    pool = None if via == "upstream" else pk.pools.make_pool("direct" if via != "arena" else "arena", up)
+    target = {"upstream": up, "graph_pools": pool and _core.GraphPools(pool)}.get(via, pool)
+
+    def ctrl_c_once_under_way():
+        while up.calls == 0:
+            pass
+        signal.raise_signal(signal.SIGINT)
+
+    t = threading.Thread(target=ctrl_c_once_under_way)
+    t.start()
+    try:
+        target.allocate(1 << 20)
+        outcome = "returned"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    t.join()
+    live = None if pool is None else pool.stats()["live_blocks"]
+    if pool is not None:
+        pool.validate()
+    print(json.dumps({"outcome": outcome, "live_blocks": live, "upstream_holds": sim.counters()["outstanding_bytes"]}))
+"""
+
+
+@pytest.mark.parametrize("via", ["direct", "arena", "graph_pools", "upstream"])
+def test_regression_ctrl_c_during_an_allocation_left_its_block_live_for_good(via):
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(CTRL_C_IN_AN_ALLOCATION), via], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-1500:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # The address never reached the caller, so the block must not stay: given back before the
+    # KeyboardInterrupt went up (before, it stayed live and the pool could never close).
+    assert got["outcome"] == "KeyboardInterrupt"
+    assert got["live_blocks"] in (0, None)
+    assert got["upstream_holds"] == 0 or via == "arena", got

@@ -113,6 +113,25 @@ auto pool_call_nogil(P& pool, F f) {
   return f(pool);
 }
 
+// The address an allocation made without the GIL returns, called with the GIL taken back; `give_back(r)`
+// frees r. A signal that came during the call (Ctrl-C while the allocation waited for the upstream
+// or a lock) has its handler run here: the interpreter would run it as the call returns, and the
+// KeyboardInterrupt would drop the address unseen -- a block no one can free, a pool that can
+// never close. When a handler raises, r goes back first (without the GIL) and the error goes up;
+// a refused give-back leaves r live, as it was. A signal after this check is the caller's, as with
+// any Python call.
+template <class GiveBack>
+std::uintptr_t keep_unless_interrupted(void* r, GiveBack give_back) {
+  if (PyErr_CheckSignals() == 0) return reinterpret_cast<std::uintptr_t>(r);
+  nb::python_error raised;  // taken out of the thread state before the GIL goes
+  try {
+    ReleaseGil nogil;
+    give_back(r);
+  } catch (...) {
+  }
+  throw raised;
+}
+
 // Pool.allocate/deallocate: the non-blocking attempt under the GIL, then the blocking call
 // without it (pools.cpp binds them through nanobind; fast_methods.cpp as raw descriptors).
 inline std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream) {
@@ -120,8 +139,12 @@ inline std::uintptr_t py_allocate(Pool& p, nb::handle nbytes, nb::handle stream)
   const std::size_t n = parse_size(nbytes);
   const Stream s = parse_stream(stream);
   if (void* r = p.try_allocate_nowait(n, s)) return reinterpret_cast<std::uintptr_t>(r);
-  ReleaseGil nogil;
-  return reinterpret_cast<std::uintptr_t>(p.allocate(n, s));
+  void* r;
+  {
+    ReleaseGil nogil;
+    r = p.allocate(n, s);
+  }
+  return keep_unless_interrupted(r, [&](void* q) { p.deallocate(q, s); });
 }
 inline void py_deallocate(Pool& p, nb::handle ptr, nb::handle stream) {
   p.check_not_forked();

@@ -207,7 +207,8 @@ void bind_graph_pools(nb::module_& m) {
            [](GraphPools& g, nb::handle n, nb::handle stream) {
              const std::size_t nbytes = parse_size(n);
              const Stream s = parse_stream(stream);
-             return reinterpret_cast<std::uintptr_t>(without_gil([&] { return g.allocate(nbytes, s); }));
+             void* r = without_gil([&] { return g.allocate(nbytes, s); });
+             return keep_unless_interrupted(r, [&](void* q) { g.deallocate(q, s); });
            },
            "nbytes"_a.none(), "stream"_a.none() = nb::none())
       .def("deallocate",

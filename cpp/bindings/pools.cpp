@@ -85,7 +85,8 @@ void bind_pools(nb::module_& m) {
              void* a = reinterpret_cast<void*>(parse_ptr(ptr));
              const std::size_t nbytes = parse_size(n);
              const Stream s = parse_stream(stream);
-             return reinterpret_cast<std::uintptr_t>(pool_call_nogil(p, [&](ArenaPool& q) { return q.allocate_at(a, nbytes, s); }));
+             void* r = pool_call_nogil(p, [&](ArenaPool& q) { return q.allocate_at(a, nbytes, s); });
+             return keep_unless_interrupted(r, [&](void* q) { p.deallocate(q, s); });
            },
            "ptr"_a.none(), "nbytes"_a.none(), "stream"_a.none() = nb::none(),
            "Internal (CUDA-graph checkpoint restore): hand out exactly [ptr, ptr + nbytes), which must be free.");

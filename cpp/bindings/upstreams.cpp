@@ -37,8 +37,12 @@ void bind_upstreams(nb::module_& m) {
           "allocate",
           [](Upstream& u, nb::handle nbytes) {
             const std::size_t n = check_request(parse_size(nbytes));
-            ReleaseGil nogil;
-            return reinterpret_cast<std::uintptr_t>(u.allocate(n));
+            void* r;
+            {
+              ReleaseGil nogil;
+              r = u.allocate(n);
+            }
+            return keep_unless_interrupted(r, [&](void* q) { u.deallocate(q, n); });
           },
           "nbytes"_a.none(), "Allocate nbytes of backing memory directly (counted). Returns the address.")
       .def(
