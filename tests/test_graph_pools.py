@@ -903,10 +903,19 @@ def test_reclaim_next_serves_only_its_own_thread_and_size():
     check(sim, pool, gp)
 
 
-def test_reclaim_of_memory_that_is_not_free_is_refused_and_changes_nothing():
+def private_block(size=MiB, freed=True):
+    """A fresh simulated device pool with graph pools, one block of `size` captured into G1,
+    freed again unless `freed` is False: what a checkpoint restore finds."""
     sim, pool, gp = make()
     s = sim.stream()
-    a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
+    a = capture(sim, gp, G1, s, lambda: gp.allocate(size, s))
+    if freed:
+        gp.deallocate(a, s)
+    return sim, pool, gp, s, a
+
+
+def test_reclaim_of_memory_that_is_not_free_is_refused_and_changes_nothing():
+    sim, pool, gp, s, a = private_block(freed=False)
     before = gp.live_block_info(G1)
     for where in (a, a + 4096, a + 8 * MiB + 123):
         gp.reclaim_next(G1, where, 4096)
@@ -975,10 +984,7 @@ def test_regression_a_reclaim_next_replaced_by_one_on_another_graph_pools_left_r
 
 
 def test_regression_a_thread_that_exited_with_a_reclaim_waiting_left_routing_on_for_good():
-    sim, pool, gp = make()
-    s = sim.stream()
-    a = capture(sim, gp, G1, s, lambda: gp.allocate(MiB, s))
-    gp.deallocate(a, s)
+    sim, pool, gp, s, a = private_block()
     # A thread of our own: Thread.join() returns before the thread's C++ thread_locals are
     # destroyed, pthread_join only after.
     libc = ctypes.CDLL(None)
