@@ -901,20 +901,21 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
 }
 
 // Why a pointer the table does not hold is refused: inside a chunk of a backing, or unknown.
-Refusal ArenaPool::locate_locked(std::uintptr_t a) {
+ArenaChunk* ArenaPool::chunk_at_locked(std::uintptr_t a) const {
   auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
                              [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
-  if (it != backings_.begin()) {
-    ArenaBacking* b = *(it - 1);
-    if (a < b->addr + b->size) {
-      for (ArenaChunk* c = b->first; c; c = c->next_addr) {
-        if (a < c->addr || a >= c->addr + c->size) continue;
-        // Not live: a block freed before (its chunk may have merged with neighbours since) or
-        // an address this pool never handed out. Either way nothing live is there.
-        const ChunkState st = c->st();
-        return {st == ChunkState::Live ? Refusal::Interior : Refusal::FreedMemory, st, c->addr};
-      }
-    }
+  if (it == backings_.begin() || a >= (*(it - 1))->addr + (*(it - 1))->size) return nullptr;
+  ArenaChunk* c = (*(it - 1))->first;
+  while (c && !(a >= c->addr && a < c->addr + c->size)) c = c->next_addr;
+  return c;
+}
+
+Refusal ArenaPool::locate_locked(std::uintptr_t a) {
+  if (const ArenaChunk* c = chunk_at_locked(a)) {
+    // Not live: a block freed before (its chunk may have merged with neighbours since) or
+    // an address this pool never handed out. Either way nothing live is there.
+    const ChunkState st = c->st();
+    return {st == ChunkState::Live ? Refusal::Interior : Refusal::FreedMemory, st, c->addr};
   }
   return {Refusal::Unknown};
 }
@@ -1022,12 +1023,7 @@ void* ArenaPool::allocate_at(void* p, std::size_t nbytes, Stream s) {
   drain_locked(quiet);
   if (quiet) home_barrier_locked();
   coalesce_locked();
-  ArenaChunk* c = nullptr;
-  auto it = std::upper_bound(backings_.begin(), backings_.end(), a,
-                             [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
-  if (it != backings_.begin() && a < (*(it - 1))->addr + (*(it - 1))->size)
-    for (c = (*(it - 1))->first; c && !(a >= c->addr && a < c->addr + c->size); c = c->next_addr) {
-    }
+  ArenaChunk* c = chunk_at_locked(a);
   if (!c || c->st() != ChunkState::Free || a % opt_.alignment || rounded > c->addr + c->size - a)
     throw InvalidPointer("ArenaPool #" + std::to_string(id_) + ": " + format_ptr(a) + " + " + format_bytes(rounded) +
                          " is not free memory of this pool (allocate_at)",

@@ -288,6 +288,7 @@ class ArenaPool final : public Pool {
   void drain_locked(bool wait);
   PoolStats stats_locked();
   void note_peak_locked();
+  detail::ArenaChunk* chunk_at_locked(std::uintptr_t a) const;  // the chunk holding a, or nullptr
   Refusal locate_locked(std::uintptr_t p);
   OomFigures figures_locked(std::size_t requested);
   // Single-stream mode. note_stream_locked: a request on s (sets the home; false when s ends the
