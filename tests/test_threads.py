@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import threading
 import time
 
@@ -469,3 +470,96 @@ def test_regression_size_class_peak_reserved_below_reserved_after_a_refused_trim
     pool.validate()
     pool.deallocate(kept)
     pool.close()
+
+
+# ---- Two threads freeing the same block at once ----
+# A double free is the caller's bug, but it must be a typed error for exactly one of the two
+# callers and leave the books intact, however the frees interleave: the lock-free cache free, the
+# locked free, the remote push and the non-blocking free each used to check "live" and then change
+# the state in a second step, so both callers could pass the check (segfaults, "pending totals
+# ... lanes hold 0 B"). Run in a child: the bug shows as a crash or a hang.
+
+CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading
+    import poolkeeper as pk
+    from poolkeeper import _core
+    from poolkeeper.accounting import check
+
+    route, rounds, tests = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    sim = pk.upstream.Simulated(latency="none")
+    if route.endswith("size_class"):
+        pool = pk.SizeClassPool(sim)
+    else:
+        pool = pk.ArenaPool(sim, shards=4)
+    target = _core.GraphPools(pool) if route == "graph_pools" else pool
+    s = sim.stream()
+    if route.startswith("capi"):  # native threads: ctypes drops the GIL around each call
+        sys.path.insert(0, tests)
+        import capi_lib
+        lib, dev = capi_lib.load(), 7
+        _core.registry_set(dev, pool)
+
+        class Target:
+            def allocate(self, n, stream):
+                return lib.poolkeeper_malloc(n, dev, capi_lib.NO_STREAM if stream is None else int(stream))
+
+            def deallocate(self, p, stream):
+                rc = lib.poolkeeper_free(p, dev, capi_lib.NO_STREAM if stream is None else int(stream))
+                if rc == capi_lib.INVALID_POINTER:
+                    raise pk.InvalidPointerError(capi_lib.last_error(lib))
+                if rc:
+                    raise RuntimeError(f"poolkeeper_free: {rc}")
+
+        target = Target()
+    sizes = (512, 8192, 4 << 20)
+    start, end = threading.Barrier(3), threading.Barrier(3)
+    box = [None, None]
+    errors, other = [], []
+
+    def freer():
+        for i in range(rounds):
+            start.wait()
+            try:
+                target.deallocate(box[0], box[1])
+            except pk.InvalidPointerError:
+                errors.append(i)
+            except BaseException as e:  # anything else is a failure the parent reports
+                other.append(repr(e))
+            end.wait()
+
+    ts = [threading.Thread(target=freer) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for i in range(rounds):
+        stream = s if i % 2 else None
+        box[0] = target.allocate(sizes[i % 3], stream)
+        box[1] = stream
+        start.wait()
+        end.wait()
+    for t in ts:
+        t.join()
+    assert not other, other[:3]
+    per_round = {}
+    for i in errors:
+        per_round[i] = per_round.get(i, 0) + 1
+    assert len(per_round) == rounds and set(per_round.values()) == {1}, (len(errors), rounds)
+    sim.synchronize()
+    pool.validate()
+    check(pool.snapshot())
+    assert pool.stats()["live_blocks"] == 0
+    if route.startswith("capi"):
+        _core.registry_set(dev, None)
+    pool.close()
+    print("OK", len(errors))
+    """
+)
+
+
+@pytest.mark.parametrize("route", ["graph_pools", "arena", "size_class", "capi_arena", "capi_size_class"])
+def test_regression_two_threads_freeing_one_block_at_once_corrupted_the_arena(route):
+    rounds = 20000
+    r = subprocess.run([sys.executable, "-c", CONCURRENT_DOUBLE_FREE_SCRIPT, route, str(rounds),
+                        str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == f"OK {rounds}", (r.returncode, r.stdout[-2000:], r.stderr[-2000:])

@@ -15,6 +15,7 @@ const char* chunk_state_name(ChunkState s) {
     case ChunkState::Pending: return "pending";
     case ChunkState::ThreadCached: return "thread_cached";
     case ChunkState::Remote: return "remote_free";
+    case ChunkState::Freeing: return "freeing";
   }
   return "?";
 }

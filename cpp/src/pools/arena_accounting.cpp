@@ -182,6 +182,7 @@ void ArenaPool::validate() {
       const bool in_table = table_.find(c->addr, found) && found == c;
       switch (c->st()) {
         case ChunkState::Live:
+        case ChunkState::Remote:  // pushed by another thread since the drain above: the books count it live
           if (!in_table) fail("live chunk " + format_ptr(c->addr) + " missing from the pointer table");
           if (c->requested == 0 || c->requested > c->size) fail("live chunk requested size out of range");
           live += c->requested;
@@ -203,6 +204,8 @@ void ArenaPool::validate() {
           if (in_table) fail("pending chunk still in the pointer table");
           pending += c->size;
           break;
+        case ChunkState::Freeing:  // only inside the free that holds the lock we hold now
+          fail("chunk " + format_ptr(c->addr) + " claimed by a free outside its lock hold");
       }
       prev = c;
     }

@@ -833,17 +833,33 @@ Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
     ArenaChunk* c = nullptr;
     drain_remote_locked();
     if (!table_.find(a, c)) return locate_locked(a);
-    if (c->st() != ChunkState::Live) return {Refusal::DoubleFree, c->st()};
-    // A thread that only frees (the consumer of a producer/consumer server) gets a cache too, so
-    // its frees reach the pool in batches (arena_thread_cache.cpp).
-    if (cache_enabled_) cache_locked();
-    if (spill_and_cache_locked(c, s)) return {};  // the cache was full: a batch goes back instead
-    const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
-    release_live_locked(c, s, detached);
-    if (s == kNoStream) source_->released(backing);  // (skips a teardown while home releases are unsettled)
+    // Not Live, or a lock-free free on another thread took it since that thread's check.
+    if (!claim_live_locked(c)) return {Refusal::DoubleFree, c->st()};
+    try {
+      // A thread that only frees (the consumer of a producer/consumer server) gets a cache too,
+      // so its frees reach the pool in batches (arena_thread_cache.cpp).
+      if (cache_enabled_) cache_locked();
+      if (spill_and_cache_locked(c, s)) return {};  // the cache was full: a batch goes back instead
+      const std::uintptr_t backing = c->backing->addr;  // c may be gone after the release's scan
+      release_live_locked(c, s, detached);
+      if (s == kNoStream) source_->released(backing);  // (skips a teardown while home releases are unsettled)
+    } catch (...) {
+      unclaim_locked(c);  // the free failed before c changed hands (recording events): still live
+      throw;
+    }
   }
   free_detached(detached);
   return {};
+}
+
+bool ArenaPool::claim_live_locked(ArenaChunk* c) {
+  ChunkState live = ChunkState::Live;
+  return c->state.compare_exchange_strong(live, ChunkState::Freeing, std::memory_order_acquire,
+                                          std::memory_order_relaxed);
+}
+
+void ArenaPool::unclaim_locked(ArenaChunk* c) {
+  if (c->st() == ChunkState::Freeing) c->set(ChunkState::Live);
 }
 
 // A live (or remote-freed) chunk leaves the live books and the pointer table.
@@ -884,16 +900,19 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) || c->st() != ChunkState::Live) return false;  // the blocking path explains
+  if (!table_.find(a, c) || !claim_live_locked(c)) return false;  // the blocking path explains
   if (spill_and_cache_locked(c, s, true)) {  // the cache was full: a batch goes back instead
     ++ev_.nowait_frees;
     return true;
   }
-  // Releases that would record events (another stream used the block) call the upstream.
-  if (s != kNoStream && StreamOrder::defer_records_events(c, s)) return false;
-  if (s == kNoStream && source_->wants_release(c)) return false;  // it would unmap (a stitched range's last block)
-  // This release would run a shrink scan, which may hand backings to the upstream: not here.
-  if (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval) return false;
+  // Releases that would record events (another stream used the block) call the upstream; one
+  // that would unmap (a stitched range's last block); one that would run a shrink scan, which
+  // may hand backings to the upstream: the blocking path, not here.
+  if ((s != kNoStream && StreamOrder::defer_records_events(c, s)) || (s == kNoStream && source_->wants_release(c)) ||
+      (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval)) {
+    unclaim_locked(c);
+    return false;
+  }
   Detached none;
   release_live_locked(c, s, none);
   ++ev_.nowait_frees;

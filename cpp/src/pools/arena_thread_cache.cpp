@@ -132,21 +132,40 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   if (!tc->try_enter()) return false;  // a reclaim is emptying this cache: the locked path serves
   ThreadCache::Entered entered{tc};
   ArenaChunk* c = nullptr;
-  if (!table_.find(reinterpret_cast<std::uintptr_t>(p), c)) return false;  // the locked path explains
-  if (c->st() != ChunkState::Live || c->used_on || c->size > opt_.thread_cache_max_block) return false;
-  // Released on a stream other than its own: it must also wait for the allocating stream.
-  if (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s) return false;
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (!table_.find(a, c)) return false;  // the locked path explains
+  return cache_free(tc, c, a, s, ChunkState::Live);
+}
+
+// c's free into tc's bins, when they take it; false leaves c as it was. c is claimed from `from`
+// by one compare-exchange: Live for a lock-free free, so that of two threads freeing one block at
+// once exactly one caches it (the other takes the locked path, which reports the double free);
+// Freeing for a free under the pool lock that claimed c before (spill_and_cache_locked).
+bool ArenaPool::cache_free(ThreadCache* tc, ArenaChunk* c, std::uintptr_t a, Stream s, ChunkState from) {
+  if (c->st() != from) return false;
+  // Claimed before the checks read c: a record found lock-free may be freed, merged away and reused
+  // by another thread meanwhile, so only a claimed record whose address is still a's is ours.
+  ChunkState claimed = from;
+  if (!c->state.compare_exchange_strong(claimed, ChunkState::ThreadCached, std::memory_order_acquire,
+                                        std::memory_order_relaxed))
+    return false;
+  ThreadCache::Bin* slot = &tc->bins[tc->hint];
+  // Released on a stream other than its own, the block must also wait for the allocating stream.
+  if (c->addr != a || c->used_on || c->size > opt_.thread_cache_max_block ||
+      (s != kNoStream && c->alloc_stream != kNoStream && c->alloc_stream != s))
+    slot = nullptr;
   // The hinted bin (the common case: the same size as the last free) takes it without a scan;
   // the rest is out of line, so a single thread's hit costs what it did before the transfer cache.
-  ThreadCache::Bin* slot = &tc->bins[tc->hint];
-  if (tc->bytes + c->size > opt_.thread_cache_bytes || !slot->takes(c->size, s)) {
-    if (!(slot = free_bin_slow(tc, c->size, s))) return false;
-    tc->hint = static_cast<int>(slot - tc->bins);
+  else if (tc->bytes + c->size > opt_.thread_cache_bytes || !slot->takes(c->size, s)) {
+    if ((slot = free_bin_slow(tc, c->size, s))) tc->hint = static_cast<int>(slot - tc->bins);
+  }
+  if (!slot) {
+    c->set(from);  // not taken: as it was
+    return false;
   }
   slot->items[slot->count++] = c;
   const auto size = static_cast<std::int64_t>(c->size);
   const auto req = static_cast<std::int64_t>(c->requested);
-  c->set(ChunkState::ThreadCached);
   c->cache_tag = s;
   c->last_stream = s;
   tc->begin();
@@ -406,7 +425,7 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
   ++ev_.cache_refills;
 }
 
-// A free of c (live, this thread's cache refused it): if only room was missing, give back the
+// A free of c (claimed by the caller: Freeing; this thread's cache refused it): if only room was missing, give back the
 // cache's blocks of c's size (all of them if the byte budget still has no room) and cache c.
 // Returns true when c is cached now. nowait: refuse rather than give back stream-tagged blocks
 // (filing those as pending may record events, an upstream call).
@@ -423,7 +442,7 @@ bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
   if (!bin || tc->bytes + c->size > opt_.thread_cache_bytes) {
     // The transfer cache may have had no slot for this size: make one (the slot nobody has used
     // for longest goes back to the books) and hand a bin over after all.
-    if (s == kNoStream && evict_transfer_locked(c->size) && try_deallocate_fast(reinterpret_cast<void*>(c->addr), s)) {
+    if (s == kNoStream && evict_transfer_locked(c->size) && cache_free(tc, c, c->addr, s, ChunkState::Freeing)) {
       ++ev_.slow_frees;
       return true;
     }
@@ -432,8 +451,9 @@ bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
     if (tc->bytes + c->size > opt_.thread_cache_bytes) flush_bins_locked(tc, 0);
     ++ev_.cache_spills;
   }
-  // The owner is this thread, inside no fast-path operation, and reclaimers need the lock we hold.
-  if (!try_deallocate_fast(reinterpret_cast<void*>(c->addr), s)) return false;
+  // The owner is this thread, inside no fast-path operation, and reclaimers need the lock we hold:
+  // no try_enter needed.
+  if (!cache_free(tc, c, c->addr, s, ChunkState::Freeing)) return false;
   ++ev_.slow_frees;  // a locked call all the same
   return true;
 }

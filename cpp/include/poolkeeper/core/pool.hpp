@@ -34,7 +34,10 @@ namespace poolkeeper {
 
 // Remote: freed by a thread whose home is another arena shard and waiting, still counted live, on
 // that shard's remote-free list until the shard's owner next holds its lock (arena_pool.hpp).
-enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3, Remote = 4 };
+// Freeing: an ArenaPool free under the pool lock has claimed the block (Live -> Freeing, one
+// compare-exchange, so a lock-free free of the same block on another thread cannot take it too)
+// and has not filed it yet; never seen outside that lock hold.
+enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3, Remote = 4, Freeing = 5 };
 const char* chunk_state_name(ChunkState s);
 
 struct PoolStats {

@@ -57,7 +57,10 @@
 //   coalesce pass no two address-adjacent chunks are both Free; the pointer table holds exactly
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes; the transfer
 //   cache is empty when fewer than two thread caches are left; home releases are unsettled only
-//   while single-stream mode lasts with a home, and the mode runs on one shard.
+//   while single-stream mode lasts with a home, and the mode runs on one shard; no chunk is
+//   Freeing outside the lock hold of the free that claimed it.
+// A chunk leaves Live only through one compare-exchange (the cache free, the remote push, the
+// locked frees' claim), so two threads freeing one block at once cannot both file it.
 // Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
 // the calling thread's home shard. Shard 0 is this object's own books (thread caches included);
 // shards 1..n-1 are inner ArenaPools (made on first use, no thread cache, no limit, no resident
@@ -231,7 +234,18 @@ class ArenaPool final : public Pool {
   void flush_bins_locked(detail::ThreadCache* tc, std::size_t size);  // size 0: every bin
   bool uncache_locked(detail::ArenaChunk* c);  // a cached chunk back into the books; true: filed free
   void refill_cache_locked(std::size_t rounded);   // batches between caches and books (several threads)
+  // c claimed (Freeing) by the caller's locked free: cached now (true), or still Freeing.
   bool spill_and_cache_locked(detail::ArenaChunk* c, Stream s, bool nowait = false);
+  // c (found at address a) into tc's bins, claimed from `from` by one compare-exchange (Live: a
+  // lock-free free racing other frees of c; Freeing: a locked free's own claim). False: not taken,
+  // c as it was. tc is the caller's own cache, inside its fast-path scope or under mu_.
+  bool cache_free(detail::ThreadCache* tc, detail::ArenaChunk* c, std::uintptr_t a, Stream s, ChunkState from);
+  // Every way out of Live claims the state with one compare-exchange (cache_free, push_remote, and
+  // under mu_ these two), so of two threads freeing one block at once exactly one goes on; the
+  // other is told it is a double free. unclaim_locked: a locked free that did not go on gives the
+  // block back to Live (only its own claim: the record stays put while it is Freeing).
+  static bool claim_live_locked(detail::ArenaChunk* c);
+  static void unclaim_locked(detail::ArenaChunk* c);
   // Between caches without the pool's lock (transfer_cache.hpp); tc is the caller's own cache,
   // inside its fast-path scope. hand_over: one bin of `size` (free for every stream) out of tc;
   // take_over: up to a bin of `size` into an empty bin of tc (returned, or nullptr).
@@ -267,7 +281,7 @@ class ArenaPool final : public Pool {
   bool stream_room_locked(const detail::ArenaChunk* c, Stream s) const;
   void* reuse_locked(std::size_t rounded, std::size_t nbytes, Stream s);
   void unlive_locked(detail::ArenaChunk* c);
-  void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);
+  void release_live_locked(detail::ArenaChunk* c, Stream s, Detached& out);  // c claimed (Freeing)
   void coalesce_locked();
   // c takes in its next neighbour (the caller has already added its size): the list, the later
   // hand-out (used_epoch) and the node. join_next_locked is the bare step (a growth joining a

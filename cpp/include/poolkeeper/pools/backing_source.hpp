@@ -115,7 +115,7 @@ class BackingSource {
   // a source may give back what that freed (an expandable range tears down a stitched range whose
   // last block it was). By address: the release's shrink scan may already have removed the
   // backing. The non-blocking paths never call the upstream: they leave to deallocate() every
-  // release for which wants_release(c) says true (c is the block, still Live).
+  // release for which wants_release(c) says true (c is the block, claimed by the free: Freeing).
   virtual void released(std::uintptr_t backing_addr) {}
   virtual bool wants_release(const ArenaChunk*) const { return false; }
   // The source's own invariants (the arena checks the chunks, the index and the partition).
