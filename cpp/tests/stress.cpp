@@ -24,11 +24,12 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|exit-order|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|exit-order|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
@@ -923,7 +924,8 @@ void scenario_exit_order(const Options&) {
 // snapshot during traffic failed accounting.check; validate() threw). Deterministic: the seam
 // holds the thread, no timing is involved.
 std::atomic<int> g_claim_state{0};  // 0 idle, 1 a thread is held at the seam, 2 let it go
-void hold_at_claim(detail::Seam) {
+void hold_at_claim(detail::Seam s) {
+  if (s != detail::Seam::RemoteClaimed) return;  // a locked free's seam holds its lock: not this scenario's
   g_claim_state.store(1);
   while (g_claim_state.load() != 2) std::this_thread::yield();
 }
@@ -933,6 +935,104 @@ void remote_claim_on(std::size_t max_cached_bytes);
 void scenario_remote_claim(const Options&) {
   remote_claim_on(SIZE_MAX);  // uncapped
   remote_claim_on(1 << 20);   // capped: the claim counts the bytes as cached too
+}
+
+// double-free-claim: two threads free one block at once. Thread A's locked free is held by a test
+// seam after it has claimed the block; meanwhile thread B frees the same pointer, which (A holding
+// the lock) goes lock-free: the thread cache, or the owner's remote list. Before the claim was a
+// compare-exchange, B's lock-free step found the block still Live and took it too, and both frees
+// went through (the block filed twice). Now B must wait for the lock and be told it is a double
+// free. Deterministic for the bug (B's free completes while A is held); 200 ms is only how long B
+// gets to show it.
+std::atomic<int> g_locked_free_state{0};  // 0 armed, 1 a thread is held at the seam, 2 let it go
+void hold_at_locked_free(detail::Seam s) {
+  if (s != detail::Seam::LockedFreeClaimed) return;
+  int armed = 0;
+  if (!g_locked_free_state.compare_exchange_strong(armed, 1)) return;  // only the first free waits
+  while (g_locked_free_state.load() != 2) std::this_thread::yield();
+}
+
+void double_free_claim_on(const char* what, Pool& pool, std::size_t n, int shards) {
+  int held_rounds = 0;
+  for (int round = 0; round < 2 * shards; ++round) {  // threads get homes round robin: every pairing
+    g_locked_free_state.store(0);
+    std::atomic<void*> p{nullptr};
+    std::atomic<int> a_result{-1}, b_result{-1};  // 1 freed, 0 refused as a double free
+    std::atomic<bool> b_ready{false}, go{false};
+    auto free_once = [&](std::atomic<int>& result) {
+      try {
+        pool_free(pool, p.load(), kNoStream);
+        result = 1;
+      } catch (const InvalidPointer&) {
+        result = 0;
+      }
+    };
+    // B first uses the pool (its home, its thread cache) so that its free can go lock-free.
+    std::thread b([&] {
+      pool_free(pool, pool_alloc(pool, n, kNoStream), kNoStream);
+      b_ready = true;
+      while (!go.load()) std::this_thread::yield();
+      free_once(b_result);
+    });
+    while (!b_ready.load()) std::this_thread::yield();
+    std::thread a([&] {
+      // A home (and a cache) first: a thread with none frees a large block through the remote
+      // list, lock-free, and A's free must take the lock.
+      pool_free(pool, pool_alloc(pool, 64, kNoStream), kNoStream);
+      detail::g_seam_hook.store(&hold_at_locked_free);
+      void* q = pool.allocate(n, kNoStream);
+      p = q;
+      if (dynamic_cast<SizeClassPool*>(&pool)) {
+        free_once(a_result);  // the owner's free: its shard's lock, held at the seam
+      } else {
+        pool.deallocate(q, kNoStream);  // the blocking path (deallocate_here), held at the seam
+        a_result = 1;
+      }
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    while (g_locked_free_state.load() != 1 && a_result.load() < 0) {
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(10)) fail(std::string(what) + ": A never reached the seam");
+      std::this_thread::yield();
+    }
+    const bool held = g_locked_free_state.load() == 1;
+    held_rounds += held;
+    go = true;
+    const auto t1 = std::chrono::steady_clock::now();
+    while (held && b_result.load() < 0 && std::chrono::steady_clock::now() - t1 < std::chrono::milliseconds(200))
+      std::this_thread::yield();
+    const int b_while_held = held ? b_result.load() : -1;
+    g_locked_free_state.store(2);
+    a.join();
+    b.join();
+    detail::g_seam_hook.store(nullptr);
+    if (b_while_held == 1)
+      fail(std::string(what) + ": a second free of a block went through while the first was under way");
+    if (a_result.load() + b_result.load() != 1)
+      fail(std::string(what) + ": two frees of one block: " + std::to_string(a_result.load()) + " and " +
+           std::to_string(b_result.load()) + " went through (1 = freed)");
+    pool.validate();
+    const PoolStats st = pool.stats();
+    if (st.live || st.live_blocks) fail(std::string(what) + ": a block still live after its free");
+    g_counts.ops.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (!held_rounds) fail(std::string(what) + ": no free was held at the seam (the race was never set up)");
+}
+
+void scenario_double_free_claim(const Options&) {
+  auto up = std::make_shared<HostUpstream>();
+  {
+    SizeClassOptions so;
+    so.shards = 2;
+    SizeClassPool pool(up, so);
+    double_free_claim_on("double-free-claim, size_class", pool, 4096, 2);
+  }
+  for (std::size_t n : {std::size_t(4096), std::size_t(4) << 20}) {  // the thread cache's size, and above it
+    ArenaOptions ao;
+    ao.shards = 4;
+    ArenaPool pool(up, ao);
+    double_free_claim_on(n == 4096 ? "double-free-claim, arena 4 KiB" : "double-free-claim, arena 4 MiB", pool, n, 4);
+    pool.close();
+  }
 }
 
 void remote_claim_on(std::size_t max_cached_bytes) {
@@ -991,7 +1091,7 @@ void remote_claim_on(std::size_t max_cached_bytes) {
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|exit-order|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|exit-order|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -1030,7 +1130,8 @@ int main(int argc, char** argv) {
   if (o.threads < 1 || o.threads > 32 || o.phases < 1 || o.ops < 1) return usage();
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
       o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "capi-graph" &&
-      o.scenario != "graph-nested" && o.scenario != "remote-claim" && o.scenario != "exit-order" &&
+      o.scenario != "graph-nested" && o.scenario != "remote-claim" && o.scenario != "double-free-claim" &&
+      o.scenario != "exit-order" &&
       o.scenario != "all")
     return usage();
 
@@ -1053,6 +1154,7 @@ int main(int argc, char** argv) {
   if (o.scenario == "capi-graph" || o.scenario == "all") scenario_capi_graph(o);
   if (o.scenario == "graph-nested" || o.scenario == "all") scenario_graph_nested(o);
   if (o.scenario == "remote-claim" || o.scenario == "all") scenario_remote_claim(o);
+  if (o.scenario == "double-free-claim" || o.scenario == "all") scenario_double_free_claim(o);
   if (o.scenario == "exit-order") scenario_exit_order(o);  // (not in all: it is about the exit)
 
   auto& k = g_counts;

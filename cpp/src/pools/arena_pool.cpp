@@ -2,6 +2,7 @@
 // The lock-free thread-cache paths are in arena_thread_cache.cpp; accounting, validate() and
 // snapshots in arena_accounting.cpp.
 #include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/detail/test_seam.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -834,7 +835,8 @@ Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
     drain_remote_locked();
     if (!table_.find(a, c)) return locate_locked(a);
     // Not Live, or a lock-free free on another thread took it since that thread's check.
-    if (!claim_live_locked(c)) return {Refusal::DoubleFree, c->st()};
+    if (!c->claim_live()) return {Refusal::DoubleFree, c->st()};
+    POOLKEEPER_SEAM(LockedFreeClaimed);
     try {
       // A thread that only frees (the consumer of a producer/consumer server) gets a cache too,
       // so its frees reach the pool in batches (arena_thread_cache.cpp).
@@ -844,22 +846,12 @@ Refusal ArenaPool::deallocate_here(std::uintptr_t a, Stream s) {
       release_live_locked(c, s, detached);
       if (s == kNoStream) source_->released(backing);  // (skips a teardown while home releases are unsettled)
     } catch (...) {
-      unclaim_locked(c);  // the free failed before c changed hands (recording events): still live
+      c->unclaim();  // the free failed before c changed hands (recording events): still live
       throw;
     }
   }
   free_detached(detached);
   return {};
-}
-
-bool ArenaPool::claim_live_locked(ArenaChunk* c) {
-  ChunkState live = ChunkState::Live;
-  return c->state.compare_exchange_strong(live, ChunkState::Freeing, std::memory_order_acquire,
-                                          std::memory_order_relaxed);
-}
-
-void ArenaPool::unclaim_locked(ArenaChunk* c) {
-  if (c->st() == ChunkState::Freeing) c->set(ChunkState::Live);
 }
 
 // A live (or remote-freed) chunk leaves the live books and the pointer table.
@@ -900,7 +892,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   std::unique_lock<detail::SpinMutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock() || closed()) return false;
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) || !claim_live_locked(c)) return false;  // the blocking path explains
+  if (!table_.find(a, c) || !c->claim_live()) return false;  // the blocking path explains
   if (spill_and_cache_locked(c, s, true)) {  // the cache was full: a batch goes back instead
     ++ev_.nowait_frees;
     return true;
@@ -910,7 +902,7 @@ bool ArenaPool::try_deallocate_locked_nowait(void* p, Stream s) {
   // may hand backings to the upstream: the blocking path, not here.
   if ((s != kNoStream && StreamOrder::defer_records_events(c, s)) || (s == kNoStream && source_->wants_release(c)) ||
       (opt_.shrink_interval && ops_since_scan_ + 1 >= opt_.shrink_interval)) {
-    unclaim_locked(c);
+    c->unclaim();
     return false;
   }
   Detached none;
@@ -973,14 +965,20 @@ std::uint32_t ArenaPool::caller_home() const {
 // Only plain frees (no stream: a stream-ordered release records events under the lock), of
 // blocks the thread caches do not take, of a Live block whose state this CAS claims (a concurrent
 // second free of the same pointer loses it and is explained by the locked path).
+// The record is read only once claimed: before, a locked free of the same block on another thread
+// could be writing it (TSan: used_on, read here, dropped by file_free_locked), and a record found
+// lock-free may have been reused for another block since (then its address is not a).
 bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_home) {
   if (s != kNoStream || caller_home == shard_index_) return false;
   ArenaChunk* c = nullptr;
-  if (!table_.find(a, c) || c->used_on) return false;
-  if (cache_enabled_ && c->size <= opt_.thread_cache_max_block) return false;
+  if (!table_.find(a, c)) return false;
   ChunkState live = ChunkState::Live;
   if (!c->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed))
     return false;
+  if (c->addr != a || c->used_on || (cache_enabled_ && c->size <= opt_.thread_cache_max_block)) {
+    c->set(ChunkState::Live);  // not a free for the remote list: as it was
+    return false;
+  }
   ArenaChunk* head = remote_head_.load(std::memory_order_relaxed);
   do {
     c->bin_next = head;

@@ -446,11 +446,17 @@ bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   Shard& sh = *shards_[k & shard_mask_];
   std::unique_lock<detail::SpinMutex> g(sh.mu, std::try_to_lock);
   if (!g.owns_lock()) return s == kNoStream && free_remote(b, a);
-  if (b->home() != k || b->addr != a || b->st() != ChunkState::Live) return false;
-  if (s != kNoStream && StreamOrder::defer_records_events(b, s)) return false;  // an upstream call
+  // Claimed, not only checked: another thread's free_remote of b needs no lock.
+  if (b->home() != k || b->addr != a || !b->claim_live()) return false;
+  POOLKEEPER_SEAM(LockedFreeClaimed);
+  if (s != kNoStream && StreamOrder::defer_records_events(b, s)) {  // an upstream call
+    b->unclaim();
+    return false;
+  }
   if (s == kNoStream && capped()) {
     if (cached_total_.fetch_add(b->size, std::memory_order_relaxed) + b->size > opt_.max_cached_bytes) {
       cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
+      b->unclaim();
       return false;
     }
   }
@@ -462,7 +468,7 @@ bool SizeClassPool::try_deallocate_fast(void* p, Stream s) {
   return true;
 }
 
-// sh locked, b Live in sh. First the step that can throw (recording events): then a failure
+// sh locked, b claimed (Freeing) in sh. First the step that can throw (recording events): then a failure
 // changes nothing.
 void SizeClassPool::release_block_locked(Shard& sh, Block* b, Stream s, Detached& out) {
   if (s != kNoStream) sh.order.defer(b, s);
@@ -496,8 +502,15 @@ Refusal SizeClassPool::do_deallocate(void* p, Stream s) {
     Shard& sh = *shards_[k & shard_mask_];
     Guard g(sh.mu);
     if (b->home() == k && b->addr == a) {
-      if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
-      release_block_locked(sh, b, s, detached);
+      // Claimed, not only checked: another thread's free_remote of b needs no lock.
+      if (!b->claim_live()) return {Refusal::DoubleFree, b->st()};
+      POOLKEEPER_SEAM(LockedFreeClaimed);
+      try {
+        release_block_locked(sh, b, s, detached);
+      } catch (...) {
+        b->unclaim();  // recording events failed before b changed hands: still live
+        throw;
+      }
       done = true;
     }
   }
@@ -511,11 +524,12 @@ Refusal SizeClassPool::do_deallocate(void* p, Stream s) {
       });
       return r;
     }
-    if (b->st() != ChunkState::Live) return {Refusal::DoubleFree, b->st()};
+    if (!b->claim_live()) return {Refusal::DoubleFree, b->st()};
     grow_mu_.unlock();  // release_block_locked may take it (a capped release retires)
     try {
       release_block_locked(*shards_[b->home() & shard_mask_], b, s, detached);
     } catch (...) {
+      b->unclaim();
       grow_mu_.lock();
       throw;
     }

@@ -83,6 +83,20 @@ struct BlockRecord {
 
   ChunkState st() const { return state.load(std::memory_order_relaxed); }
   void set(ChunkState s) { state.store(s, std::memory_order_relaxed); }
+  // A locked free's claim, under the owner's lock: Live -> Freeing in one compare-exchange, so a
+  // lock-free free of the same block on another thread (which claims Live with a compare-exchange
+  // too) cannot take it as well; of two threads freeing one block at once exactly one goes on.
+  // False: not Live (freed before, or just now by that other thread).
+  bool claim_live() {
+    ChunkState live = ChunkState::Live;
+    return state.compare_exchange_strong(live, ChunkState::Freeing, std::memory_order_acquire,
+                                         std::memory_order_relaxed);
+  }
+  // The claimed free went no further (a refused event record, a non-blocking path declining):
+  // live again. Only the claimer calls it, under the lock it claimed under.
+  void unclaim() {
+    if (st() == ChunkState::Freeing) set(ChunkState::Live);
+  }
   void drop_used_on() {
     delete used_on;
     used_on = nullptr;

@@ -11,6 +11,7 @@
 namespace poolkeeper::detail {
 enum class Seam {
   RemoteClaimed,  // SizeClassPool::free_remote: the block is claimed (Remote), not yet pushed
+  LockedFreeClaimed,  // a locked free (ArenaPool, SizeClassPool): the block claimed, not yet filed
 };
 extern std::atomic<void (*)(Seam)> g_seam_hook;
 }  // namespace poolkeeper::detail

@@ -240,12 +240,6 @@ class ArenaPool final : public Pool {
   // lock-free free racing other frees of c; Freeing: a locked free's own claim). False: not taken,
   // c as it was. tc is the caller's own cache, inside its fast-path scope or under mu_.
   bool cache_free(detail::ThreadCache* tc, detail::ArenaChunk* c, std::uintptr_t a, Stream s, ChunkState from);
-  // Every way out of Live claims the state with one compare-exchange (cache_free, push_remote, and
-  // under mu_ these two), so of two threads freeing one block at once exactly one goes on; the
-  // other is told it is a double free. unclaim_locked: a locked free that did not go on gives the
-  // block back to Live (only its own claim: the record stays put while it is Freeing).
-  static bool claim_live_locked(detail::ArenaChunk* c);
-  static void unclaim_locked(detail::ArenaChunk* c);
   // Between caches without the pool's lock (transfer_cache.hpp); tc is the caller's own cache,
   // inside its fast-path scope. hand_over: one bin of `size` (free for every stream) out of tc;
   // take_over: up to a bin of `size` into an empty bin of tc (returned, or nullptr).
