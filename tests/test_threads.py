@@ -563,3 +563,81 @@ def test_regression_two_threads_freeing_one_block_at_once_corrupted_the_arena(ro
                         str(Path(__file__).parent)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == f"OK {rounds}", (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+# Three threads freeing one block through a LoggingPool: the adaptor erases the block's entry and
+# logs `free` under its lock, then frees in the inner pool. The thread that logged could lose the
+# inner free to a thread that found no entry, and then put the entry back as if the block were
+# still live; a third free of the same pointer found it and logged a second `free` for one
+# allocation, so the log no longer replayed. Native threads through the C ABI, in a child.
+LOGGED_DOUBLE_FREE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, tempfile, threading
+    import poolkeeper as pk
+    from poolkeeper import _core
+    from poolkeeper.accounting import check
+
+    rounds, tests = int(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, tests)
+    import capi_lib
+    lib, dev = capi_lib.load(), 7
+    sim = pk.upstream.Simulated(latency="none")
+    path = os.path.join(tempfile.mkdtemp(), "log.csv")
+    pool = pk.LoggingPool(pk.ArenaPool(sim), path, buffer_bytes=4096)
+    _core.registry_set(dev, pool)
+    s = int(sim.stream())
+    sizes = (512, 8192, 4 << 20)
+    start, end = threading.Barrier(4), threading.Barrier(4)
+    box = [0, 0]
+    wins, other = [0] * rounds, []
+
+    def freer():
+        for i in range(rounds):
+            start.wait()
+            rc = lib.poolkeeper_free(box[0], dev, box[1])
+            if rc == 0:
+                wins[i] += 1  # (one list slot per round; += under the GIL)
+            elif rc != capi_lib.INVALID_POINTER:
+                other.append((rc, capi_lib.last_error(lib)))
+            end.wait()
+
+    ts = [threading.Thread(target=freer) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for i in range(rounds):
+        stream = s if i % 2 else capi_lib.NO_STREAM
+        box[0] = lib.poolkeeper_malloc(sizes[i % 3], dev, stream)
+        box[1] = stream
+        start.wait()
+        end.wait()
+    for t in ts:
+        t.join()
+    assert not other, other[:3]
+    assert wins == [1] * rounds, [i for i, w in enumerate(wins) if w != 1][:5]
+    sim.synchronize()
+    pool.validate()
+    check(pool.snapshot())
+    assert pool.stats()["live_blocks"] == 0
+    _core.registry_set(dev, None)
+    pool.close()
+    live, bad = set(), []
+    for line in open(path).read().splitlines()[1:]:
+        action, ptr = line.split(",")[2:4]
+        if action == "allocate":
+            if ptr in live:
+                bad.append(line)
+            live.add(ptr)
+        elif action == "free":
+            if ptr not in live:
+                bad.append(line)
+            live.discard(ptr)
+    assert not bad and not live, (len(bad), bad[:3], len(live))
+    print("OK")
+    """
+)
+
+
+def test_regression_three_threads_freeing_one_logged_block_logged_two_frees():
+    r = subprocess.run([sys.executable, "-c", LOGGED_DOUBLE_FREE_SCRIPT, "20000", str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", (r.returncode, r.stdout[-2000:], r.stderr[-2000:])

@@ -245,6 +245,12 @@ Refusal LoggingPool::do_deallocate(void* p, Stream s) {
   }
   try {
     inner_->deallocate(p, s);
+  } catch (const InvalidPointer&) {
+    // Not live in the inner pool: another thread freed this pointer at once, after we took the
+    // entry (so it found none and logged nothing). Our `free` line stands for that free; putting
+    // the entry back would let a third free of the pointer log a second `free` for one allocation
+    // (or overwrite the entry of a block allocated at this address since).
+    throw;
   } catch (...) {
     // The inner pool refused a block we had logged as live (its upstream failed to free it): it
     // is still live, so keep it in the table; the `free` line already written stays.
