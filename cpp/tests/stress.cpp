@@ -24,7 +24,7 @@
 // close and the upstream must hold nothing.
 //
 //   stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b,...]
-//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|exit-order|all] [--no-snapshot] [--list]
+//          [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|stale-claim|exit-order|all] [--no-snapshot] [--list]
 //          [--allow snapshot-race]   (skip ArenaPool::snapshot() while that race is open)
 // Prints one summary line; exits 1 on any failure (and a sanitizer aborts on any report).
 #include <algorithm>
@@ -1088,10 +1088,158 @@ void remote_claim_on(std::size_t max_cached_bytes) {
   pool->close();
 }
 
+// stale-claim: a free that found an ArenaPool record lock-free is held by a test seam before it
+// claims the record, while this thread frees the block properly and has the record serve another
+// allocation. Then the held free goes on. It must not take that allocation's block:
+// - remote: the held free is a cross-shard push (4 MiB, shards=2); meanwhile the record was merged
+//   away and reused for a live block at another address. The push claimed it (Live -> Remote) with
+//   no look at the address, and the drain freed a block its owner still held.
+// - carve: the held free is a thread-cache free; the record is carved again at the same address
+//   and the held free claims it inside the carve, between the carve's first mark and the
+//   hand-out (the carve marked it Live there). The hand-out then overwrote the claim: the block
+//   was live and in the freeing thread's cache at once.
+// Deterministic: the seams hold the threads, no timing is involved.
+std::atomic<int> g_stale{0};  // 0 idle, 1 the free is held, 2 let it go, 3 it has finished
+std::atomic<bool> g_carve_armed{false};
+thread_local bool t_stale_armed = false;
+void hold_stale(detail::Seam s) {
+  if (s == detail::Seam::ArenaCarveMarked) {
+    if (!g_carve_armed.exchange(false)) return;
+    g_stale.store(2);  // the held free claims now, inside this carve
+    while (g_stale.load() != 3) std::this_thread::yield();
+    return;
+  }
+  if ((s != detail::Seam::ArenaRemoteFound && s != detail::Seam::ArenaCacheFound) || !t_stale_armed) return;
+  t_stale_armed = false;
+  g_stale.store(1);
+  while (g_stale.load() < 2) std::this_thread::yield();
+}
+
+void stale_claim_remote() {
+  auto up = std::make_shared<HostUpstream>();
+  ArenaOptions ao;
+  ao.shards = 2;
+  ao.initial_backing = std::size_t{64} << 20;
+  auto pool = std::make_shared<ArenaPool>(up, ao);
+  auto* base = static_cast<char*>(pool_alloc(*pool, 256, kNoStream));  // this thread's home: shard 0
+  pool_free(*pool, base, kNoStream);
+  const std::size_t M = std::size_t{4} << 20;
+  char *b0 = nullptr, *a = nullptr;
+  void* z = nullptr;
+  g_stale.store(0);
+  std::atomic<int> step{0};
+  int outcome = 0;  // 1 freed, 2 refused as an invalid pointer
+  std::thread t([&] {
+    // Home: shard 1, which this makes, so that its frees of shard 0's blocks push. Before the
+    // blocks below: its cached 256 B lies in front of them and merges with them (the record
+    // free list is last in, first out: a's record must be the last one merged away).
+    pool_free(*pool, pool_alloc(*pool, 256, kNoStream), kNoStream);
+    pool_free(*pool, pool_alloc(*pool, M, kNoStream), kNoStream);
+    step.store(1);
+    while (step.load() != 2) std::this_thread::yield();
+    t_stale_armed = true;
+    try {
+      pool->deallocate(a, kNoStream);
+      outcome = 1;
+    } catch (const InvalidPointer&) {
+      outcome = 2;
+    }
+    g_stale.store(3);
+  });
+  while (step.load() != 1) std::this_thread::yield();
+  b0 = static_cast<char*>(pool->allocate(M, kNoStream));
+  a = static_cast<char*>(pool->allocate(M, kNoStream));
+  z = pool->allocate(M, kNoStream);
+  step.store(2);
+  if (a != b0 + M || z != a + M) fail("stale-claim remote: blocks not laid out in a row");
+  while (g_stale.load() != 1 && g_stale.load() != 3) std::this_thread::yield();
+  if (g_stale.load() == 3) {
+    t.join();
+    return fail("stale-claim remote: the free never reached the push");
+  }
+  pool->deallocate(b0, kNoStream);
+  pool->deallocate(a, kNoStream);
+  pool->trim();  // the two merge: a's record goes back to the node list
+  void* m1 = pool->allocate(M, kNoStream);  // splits the merged chunk: its rest takes a's record
+  void* m2 = pool->allocate(static_cast<std::size_t>(a - base), kNoStream);  // and this hands it out elsewhere
+  g_stale.store(2);
+  t.join();
+  if (outcome != 2)
+    fail("stale-claim remote: a free of the freed " + std::to_string(M >> 20) + " MiB block took another block (" +
+         (outcome == 1 ? "it succeeded" : "no answer") + ")");
+  const PoolStats st = pool->stats();  // files anything pushed
+  if (st.live_blocks != 3) fail("stale-claim remote: " + std::to_string(st.live_blocks) + " live blocks, 3 held");
+  for (void* p : {m1, m2, z}) {
+    try {
+      pool->deallocate(p, kNoStream);
+    } catch (const std::exception& e) {
+      fail(std::string("stale-claim remote: a held block was freed under its owner: ") + e.what());
+    }
+  }
+  try {
+    pool->validate();
+    pool->close();
+  } catch (const std::exception& e) {
+    fail(std::string("stale-claim remote: ") + e.what());
+  }
+}
+
+void stale_claim_carve() {
+  auto up = std::make_shared<HostUpstream>();
+  ArenaOptions ao;
+  ao.initial_backing = std::size_t{64} << 20;
+  auto pool = std::make_shared<ArenaPool>(up, ao);
+  pool_free(*pool, pool_alloc(*pool, 256, kNoStream), kNoStream);
+  const std::size_t S = 64 << 10;
+  void* a = pool->allocate(S, kNoStream);
+  void* guard = pool->allocate(S, kNoStream);  // a's next neighbour stays live: a does not merge
+  g_stale.store(0);
+  bool took = false;
+  std::thread t([&] {
+    pool_free(*pool, pool_alloc(*pool, 256, kNoStream), kNoStream);  // a cache of its own
+    t_stale_armed = true;
+    took = pool->try_deallocate_fast(a, kNoStream);
+    g_stale.store(3);
+  });
+  while (g_stale.load() != 1 && g_stale.load() != 3) std::this_thread::yield();
+  if (g_stale.load() == 3) {
+    t.join();
+    return fail("stale-claim carve: the free never reached the thread cache");
+  }
+  pool->deallocate(a, kNoStream);
+  pool->flush_thread_cache();  // a's chunk into the books, free
+  g_carve_armed.store(true);
+  void* again = pool->allocate(S / 2, kNoStream);  // the best fit is a's chunk: carved, split
+  t.join();
+  if (g_carve_armed.load() || again != a) {
+    g_carve_armed.store(false);
+    fail("stale-claim carve: the allocation did not carve a's chunk");
+  }
+  if (took) fail("stale-claim carve: a free of a freed block took the block a carve was handing out");
+  try {
+    pool->validate();
+  } catch (const std::exception& e) {
+    fail(std::string("stale-claim carve: ") + e.what());
+  }
+  if (!took) {  // (taken, the books are broken: leave the pool to its destructor)
+    pool->deallocate(again, kNoStream);
+    pool->deallocate(guard, kNoStream);
+    pool->close();
+  }
+}
+
+void scenario_stale_claim(const Options&) {
+  detail::g_seam_hook.store(&hold_stale);
+  stale_claim_remote();
+  stale_claim_carve();
+  detail::g_seam_hook.store(nullptr);
+  g_counts.ops.fetch_add(2, std::memory_order_relaxed);
+}
+
 int usage() {
   std::fprintf(stderr,
                "usage: stress [--threads N<=32] [--ops OPS_PER_THREAD] [--phases P] [--seed S] [--pools a,b]\n"
-               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|exit-order|all] [--no-snapshot] [--list]\n"
+               "              [--scenario pools|registry|thread-exit|transfer-exit|capi-registry|capi-graph|graph-nested|remote-claim|double-free-claim|stale-claim|exit-order|all] [--no-snapshot] [--list]\n"
                "              [--allow snapshot-race]  (step around a known core issue)\n");
   return 2;
 }
@@ -1131,6 +1279,7 @@ int main(int argc, char** argv) {
   if (o.scenario != "pools" && o.scenario != "registry" && o.scenario != "thread-exit" &&
       o.scenario != "transfer-exit" && o.scenario != "capi-registry" && o.scenario != "capi-graph" &&
       o.scenario != "graph-nested" && o.scenario != "remote-claim" && o.scenario != "double-free-claim" &&
+      o.scenario != "stale-claim" &&
       o.scenario != "exit-order" &&
       o.scenario != "all")
     return usage();
@@ -1155,6 +1304,7 @@ int main(int argc, char** argv) {
   if (o.scenario == "graph-nested" || o.scenario == "all") scenario_graph_nested(o);
   if (o.scenario == "remote-claim" || o.scenario == "all") scenario_remote_claim(o);
   if (o.scenario == "double-free-claim" || o.scenario == "all") scenario_double_free_claim(o);
+  if (o.scenario == "stale-claim" || o.scenario == "all") scenario_stale_claim(o);
   if (o.scenario == "exit-order") scenario_exit_order(o);  // (not in all: it is about the exit)
 
   auto& k = g_counts;

@@ -9,6 +9,7 @@
 #include <optional>
 #include <thread>
 
+#include "poolkeeper/detail/test_seam.hpp"
 #include "thread_cache_lookup.hpp"
 
 namespace poolkeeper {
@@ -145,6 +146,7 @@ ArenaChunk* ArenaPool::split_locked(ArenaChunk* c, std::size_t rounded) {
 void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
     c->set(ChunkState::Live);  // before filing the remainder: c is not a merge partner
+    POOLKEEPER_SEAM(ArenaCarveMarked);
     file_free_locked(split_locked(c, rounded));
   }
   return make_live_locked(c, nbytes, s);
@@ -972,6 +974,7 @@ bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_hom
   if (s != kNoStream || caller_home == shard_index_) return false;
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c)) return false;
+  POOLKEEPER_SEAM(ArenaRemoteFound);
   ChunkState live = ChunkState::Live;
   if (!c->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed))
     return false;

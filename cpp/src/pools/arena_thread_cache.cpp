@@ -7,6 +7,7 @@
 
 #include "thread_cache_lookup.hpp"
 #include "poolkeeper/pools/arena_pool.hpp"
+#include "poolkeeper/detail/test_seam.hpp"
 
 namespace poolkeeper {
 
@@ -134,6 +135,7 @@ bool ArenaPool::try_deallocate_fast(void* p, Stream s) {
   ArenaChunk* c = nullptr;
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   if (!table_.find(a, c)) return false;  // the locked path explains
+  POOLKEEPER_SEAM(ArenaCacheFound);
   return cache_free(tc, c, a, s, ChunkState::Live);
 }
 

@@ -12,6 +12,9 @@ namespace poolkeeper::detail {
 enum class Seam {
   RemoteClaimed,  // SizeClassPool::free_remote: the block is claimed (Remote), not yet pushed
   LockedFreeClaimed,  // a locked free (ArenaPool, SizeClassPool): the block claimed, not yet filed
+  ArenaRemoteFound,  // ArenaPool::push_remote: the record found lock-free, not yet claimed
+  ArenaCacheFound,   // ArenaPool::try_deallocate_fast: the record found lock-free, not yet claimed
+  ArenaCarveMarked,  // ArenaPool::carve_locked: the chunk marked taken, its rest not yet split off
 };
 extern std::atomic<void (*)(Seam)> g_seam_hook;
 }  // namespace poolkeeper::detail
