@@ -51,6 +51,7 @@ stage "ASan+UBSan: stress"
 "$root/asan/stress" --scenario capi-registry --ops 40000  # C-ABI pools replaced under their callers
 "$root/asan/stress" --scenario remote-claim  # a snapshot while a lock-free free is held mid-step (test seam)
 "$root/asan/stress" --scenario double-free-claim  # a second free while the first is held after its claim (test seam)
+"$root/asan/stress" --scenario stale-claim  # a lock-free free held between find and claim while the record is reused (test seam)
 "$root/asan/stress" --scenario capi-graph --ops 4000  # graph pools retired under their C-ABI callers
 "$root/asan/stress" --scenario graph-nested  # ... and under an outer call, from a nested one
 "$root/asan/stress" --scenario exit-order  # pools destroyed after the main thread's thread_locals
@@ -77,6 +78,7 @@ stage "TSan: stress"
 "$root/tsan/stress" --scenario capi-registry --ops 4000
 "$root/tsan/stress" --scenario remote-claim
 "$root/tsan/stress" --scenario double-free-claim
+"$root/tsan/stress" --scenario stale-claim
 "$root/tsan/stress" --scenario capi-graph --ops 2000
 stage "TSan: native upload engine"
 "$root/tsan/upload_engine_stress" --rounds 60 --seed 1

@@ -145,7 +145,10 @@ ArenaChunk* ArenaPool::split_locked(ArenaChunk* c, std::size_t rounded) {
 
 void* ArenaPool::carve_locked(ArenaChunk* c, std::size_t rounded, std::size_t nbytes, Stream s) {
   if (c->size > rounded) {
-    c->set(ChunkState::Live);  // before filing the remainder: c is not a merge partner
+    // Not Free before filing the remainder (c is not a merge partner), and not Live either: a
+    // lock-free free holding a stale find of this record could claim a Live mark here, and the
+    // hand-out below would overwrite its claim (the block live and in that thread's cache at once).
+    c->set(ChunkState::Freeing);
     POOLKEEPER_SEAM(ArenaCarveMarked);
     file_free_locked(split_locked(c, rounded));
   }
@@ -978,8 +981,11 @@ bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_hom
   ChunkState live = ChunkState::Live;
   if (!c->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed))
     return false;
+  // The record was found lock-free: the block may have been freed since, its record merged away
+  // and reused for another live block (a double free racing the first free). Only a claimed record
+  // whose address is still a's is ours; another block's record gets its state back at once.
   if (c->addr != a || c->used_on || (cache_enabled_ && c->size <= opt_.thread_cache_max_block)) {
-    c->set(ChunkState::Live);  // not a free for the remote list: as it was
+    c->set(ChunkState::Live);
     return false;
   }
   ArenaChunk* head = remote_head_.load(std::memory_order_relaxed);
