@@ -36,7 +36,8 @@ namespace poolkeeper {
 // that shard's remote-free list until the shard's owner next holds its lock (arena_pool.hpp).
 // Freeing: an ArenaPool free under the pool lock has claimed the block (Live -> Freeing, one
 // compare-exchange, so a lock-free free of the same block on another thread cannot take it too)
-// and has not filed it yet; never seen outside that lock hold.
+// and has not filed it yet, or an allocation's carve has taken it and not handed it out yet (so no
+// lock-free free can claim it there); never seen outside that lock hold.
 enum class ChunkState : std::uint8_t { Free = 0, Live = 1, Pending = 2, ThreadCached = 3, Remote = 4, Freeing = 5 };
 const char* chunk_state_name(ChunkState s);
 
