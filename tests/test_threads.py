@@ -517,18 +517,21 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
     box = [None, None]
     errors, other = [], []
 
-    def freer():
+    def freer(k):
+        # capi_mixed: the second freer is Pool.deallocate, whose non-blocking locked free runs
+        # under the GIL while the first frees on a native thread through the C ABI.
+        mine = pool if route == "capi_mixed" and k == 1 else target
         for i in range(rounds):
             start.wait()
             try:
-                target.deallocate(box[0], box[1])
+                mine.deallocate(box[0], box[1])
             except pk.InvalidPointerError:
                 errors.append(i)
             except BaseException as e:  # anything else is a failure the parent reports
                 other.append(repr(e))
             end.wait()
 
-    ts = [threading.Thread(target=freer) for _ in range(2)]
+    ts = [threading.Thread(target=freer, args=(k,)) for k in range(2)]
     for t in ts:
         t.start()
     for i in range(rounds):
@@ -556,7 +559,7 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("route", ["graph_pools", "arena", "size_class", "capi_arena", "capi_size_class"])
+@pytest.mark.parametrize("route", ["graph_pools", "arena", "size_class", "capi_arena", "capi_size_class", "capi_mixed"])
 def test_regression_two_threads_freeing_one_block_at_once_corrupted_the_arena(route):
     rounds = 20000
     r = subprocess.run([sys.executable, "-c", CONCURRENT_DOUBLE_FREE_SCRIPT, route, str(rounds),
