@@ -204,8 +204,8 @@ void ArenaPool::validate() {
           if (in_table) fail("pending chunk still in the pointer table");
           pending += c->size;
           break;
-        case ChunkState::Freeing:  // only inside the free that holds the lock we hold now
-          fail("chunk " + format_ptr(c->addr) + " claimed by a free outside its lock hold");
+        case ChunkState::Freeing:  // only inside the free or carve that holds the lock we hold now
+          fail("chunk " + format_ptr(c->addr) + " left claimed (freeing) outside the lock hold that claimed it");
       }
       prev = c;
     }

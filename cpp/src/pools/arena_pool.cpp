@@ -971,8 +971,7 @@ std::uint32_t ArenaPool::caller_home() const {
 // blocks the thread caches do not take, of a Live block whose state this CAS claims (a concurrent
 // second free of the same pointer loses it and is explained by the locked path).
 // The record is read only once claimed: before, a locked free of the same block on another thread
-// could be writing it (TSan: used_on, read here, dropped by file_free_locked), and a record found
-// lock-free may have been reused for another block since (then its address is not a).
+// could be writing it (TSan: used_on, read here, dropped by file_free_locked).
 bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_home) {
   if (s != kNoStream || caller_home == shard_index_) return false;
   ArenaChunk* c = nullptr;

@@ -34,7 +34,7 @@ namespace poolkeeper {
 
 // Remote: freed by a thread whose home is another arena shard and waiting, still counted live, on
 // that shard's remote-free list until the shard's owner next holds its lock (arena_pool.hpp).
-// Freeing: an ArenaPool free under the pool lock has claimed the block (Live -> Freeing, one
+// Freeing: a locked free (ArenaPool, SizeClassPool) has claimed the block (Live -> Freeing, one
 // compare-exchange, so a lock-free free of the same block on another thread cannot take it too)
 // and has not filed it yet, or an allocation's carve has taken it and not handed it out yet (so no
 // lock-free free can claim it there); never seen outside that lock hold.
