@@ -488,8 +488,13 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
 
     route, rounds, tests = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     sim = pk.upstream.Simulated(latency="none")
+    logged = route == "capi_logged"  # three freers through a LoggingPool, and its log checked
     if route.endswith("size_class"):
         pool = pk.SizeClassPool(sim)
+    elif logged:
+        import os, tempfile
+        path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        pool = pk.LoggingPool(pk.ArenaPool(sim), path, buffer_bytes=4096)
     else:
         pool = pk.ArenaPool(sim, shards=4)
     target = _core.GraphPools(pool) if route == "graph_pools" else pool
@@ -513,7 +518,8 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
 
         target = Target()
     sizes = (512, 8192, 4 << 20)
-    start, end = threading.Barrier(3), threading.Barrier(3)
+    nfree = 3 if logged else 2
+    start, end = threading.Barrier(nfree + 1), threading.Barrier(nfree + 1)
     box = [None, None]
     errors, other = [], []
 
@@ -531,7 +537,7 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
                 other.append(repr(e))
             end.wait()
 
-    ts = [threading.Thread(target=freer, args=(k,)) for k in range(2)]
+    ts = [threading.Thread(target=freer, args=(k,)) for k in range(nfree)]
     for t in ts:
         t.start()
     for i in range(rounds):
@@ -546,7 +552,7 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
     per_round = {}
     for i in errors:
         per_round[i] = per_round.get(i, 0) + 1
-    assert len(per_round) == rounds and set(per_round.values()) == {1}, (len(errors), rounds)
+    assert len(per_round) == rounds and set(per_round.values()) == {nfree - 1}, (len(errors), rounds)
     sim.synchronize()
     pool.validate()
     check(pool.snapshot())
@@ -554,14 +560,30 @@ CONCURRENT_DOUBLE_FREE_SCRIPT = textwrap.dedent(
     if route.startswith("capi"):
         _core.registry_set(dev, None)
     pool.close()
-    print("OK", len(errors))
+    if logged:  # one `free` per `allocate`, in order: the log replays
+        live, bad = set(), []
+        for line in open(path).read().splitlines()[1:]:
+            action, ptr = line.split(",")[2:4]
+            if action == "allocate":
+                if ptr in live:
+                    bad.append(line)
+                live.add(ptr)
+            elif action == "free":
+                if ptr not in live:
+                    bad.append(line)
+                live.discard(ptr)
+        assert not bad and not live, (len(bad), bad[:3], len(live))
+    print("OK", rounds)
     """
 )
 
 
 @pytest.mark.parametrize("route", ["graph_pools", "arena", "size_class", "capi_arena", "capi_size_class", "capi_mixed"])
 def test_regression_two_threads_freeing_one_block_at_once_corrupted_the_arena(route):
-    rounds = 20000
+    run_double_free_script(route)
+
+
+def run_double_free_script(route: str, rounds: int = 20000) -> None:
     r = subprocess.run([sys.executable, "-c", CONCURRENT_DOUBLE_FREE_SCRIPT, route, str(rounds),
                         str(Path(__file__).parent)],
                        capture_output=True, text=True, timeout=300)
@@ -572,75 +594,7 @@ def test_regression_two_threads_freeing_one_block_at_once_corrupted_the_arena(ro
 # logs `free` under its lock, then frees in the inner pool. The thread that logged could lose the
 # inner free to a thread that found no entry, and then put the entry back as if the block were
 # still live; a third free of the same pointer found it and logged a second `free` for one
-# allocation, so the log no longer replayed. Native threads through the C ABI, in a child.
-LOGGED_DOUBLE_FREE_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, tempfile, threading
-    import poolkeeper as pk
-    from poolkeeper import _core
-    from poolkeeper.accounting import check
-
-    rounds, tests = int(sys.argv[1]), sys.argv[2]
-    sys.path.insert(0, tests)
-    import capi_lib
-    lib, dev = capi_lib.load(), 7
-    sim = pk.upstream.Simulated(latency="none")
-    path = os.path.join(tempfile.mkdtemp(), "log.csv")
-    pool = pk.LoggingPool(pk.ArenaPool(sim), path, buffer_bytes=4096)
-    _core.registry_set(dev, pool)
-    s = int(sim.stream())
-    sizes = (512, 8192, 4 << 20)
-    start, end = threading.Barrier(4), threading.Barrier(4)
-    box = [0, 0]
-    wins, other = [0] * rounds, []
-
-    def freer():
-        for i in range(rounds):
-            start.wait()
-            rc = lib.poolkeeper_free(box[0], dev, box[1])
-            if rc == 0:
-                wins[i] += 1  # (one list slot per round; += under the GIL)
-            elif rc != capi_lib.INVALID_POINTER:
-                other.append((rc, capi_lib.last_error(lib)))
-            end.wait()
-
-    ts = [threading.Thread(target=freer) for _ in range(3)]
-    for t in ts:
-        t.start()
-    for i in range(rounds):
-        stream = s if i % 2 else capi_lib.NO_STREAM
-        box[0] = lib.poolkeeper_malloc(sizes[i % 3], dev, stream)
-        box[1] = stream
-        start.wait()
-        end.wait()
-    for t in ts:
-        t.join()
-    assert not other, other[:3]
-    assert wins == [1] * rounds, [i for i, w in enumerate(wins) if w != 1][:5]
-    sim.synchronize()
-    pool.validate()
-    check(pool.snapshot())
-    assert pool.stats()["live_blocks"] == 0
-    _core.registry_set(dev, None)
-    pool.close()
-    live, bad = set(), []
-    for line in open(path).read().splitlines()[1:]:
-        action, ptr = line.split(",")[2:4]
-        if action == "allocate":
-            if ptr in live:
-                bad.append(line)
-            live.add(ptr)
-        elif action == "free":
-            if ptr not in live:
-                bad.append(line)
-            live.discard(ptr)
-    assert not bad and not live, (len(bad), bad[:3], len(live))
-    print("OK")
-    """
-)
-
-
+# allocation, so the log no longer replayed. Native threads through the C ABI, in a child (the
+# script above, route capi_logged).
 def test_regression_three_threads_freeing_one_logged_block_logged_two_frees():
-    r = subprocess.run([sys.executable, "-c", LOGGED_DOUBLE_FREE_SCRIPT, "20000", str(Path(__file__).parent)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip() == "OK", (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    run_double_free_script("capi_logged")
