@@ -427,9 +427,9 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
   ++ev_.cache_refills;
 }
 
-// A free of c (claimed by the caller: Freeing; this thread's cache refused it): if only room was missing, give back the
-// cache's blocks of c's size (all of them if the byte budget still has no room) and cache c.
-// Returns true when c is cached now. nowait: refuse rather than give back stream-tagged blocks
+// A free of c (claimed by the caller: Freeing; this thread's cache refused it): if only room was
+// missing, give back the cache's blocks of c's size (all of them if the byte budget still has no
+// room) and cache c. Returns true when c is cached now. nowait: refuse rather than give back stream-tagged blocks
 // (filing those as pending may record events, an upstream call).
 bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
   if (!cache_enabled_ || ncaches_.load(std::memory_order_relaxed) < 2) return false;

@@ -58,7 +58,7 @@
 //   the Live and ThreadCached chunks; pending totals match the stream-order lanes; the transfer
 //   cache is empty when fewer than two thread caches are left; home releases are unsettled only
 //   while single-stream mode lasts with a home, and the mode runs on one shard; no chunk is
-//   Freeing outside the lock hold of the free that claimed it.
+//   Freeing outside the lock hold of the free (or carve) that set it.
 // A chunk leaves Live only through one compare-exchange (the cache free, the remote push, the
 // locked frees' claim), so two threads freeing one block at once cannot both file it.
 // Shards (option `shards`, docs/threads.md): requests above thread_cache_max_block are served by
