@@ -977,9 +977,7 @@ bool ArenaPool::push_remote(std::uintptr_t a, Stream s, std::uint32_t caller_hom
   ArenaChunk* c = nullptr;
   if (!table_.find(a, c)) return false;
   POOLKEEPER_SEAM(ArenaRemoteFound);
-  ChunkState live = ChunkState::Live;
-  if (!c->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed))
-    return false;
+  if (!c->claim(ChunkState::Live, ChunkState::Remote)) return false;
   // The record was found lock-free: the block may have been freed since, its record merged away
   // and reused for another live block (a double free racing the first free). Only a claimed record
   // whose address is still a's is ours; another block's record gets its state back at once.

@@ -147,10 +147,7 @@ bool ArenaPool::cache_free(ThreadCache* tc, ArenaChunk* c, std::uintptr_t a, Str
   if (c->st() != from) return false;
   // Claimed before the checks read c: a record found lock-free may be freed, merged away and reused
   // by another thread meanwhile, so only a claimed record whose address is still a's is ours.
-  ChunkState claimed = from;
-  if (!c->state.compare_exchange_strong(claimed, ChunkState::ThreadCached, std::memory_order_acquire,
-                                        std::memory_order_relaxed))
-    return false;
+  if (!c->claim(from, ChunkState::ThreadCached)) return false;
   ThreadCache::Bin* slot = &tc->bins[tc->hint];
   // Released on a stream other than its own, the block must also wait for the allocating stream.
   if (c->addr != a || c->used_on || c->size > opt_.thread_cache_max_block ||
@@ -429,8 +426,8 @@ void ArenaPool::refill_cache_locked(std::size_t rounded) {
 
 // A free of c (claimed by the caller: Freeing; this thread's cache refused it): if only room was
 // missing, give back the cache's blocks of c's size (all of them if the byte budget still has no
-// room) and cache c. Returns true when c is cached now. nowait: refuse rather than give back stream-tagged blocks
-// (filing those as pending may record events, an upstream call).
+// room) and cache c. Returns true when c is cached now. nowait: refuse rather than give back
+// stream-tagged blocks (filing those as pending may record events, an upstream call).
 bool ArenaPool::spill_and_cache_locked(ArenaChunk* c, Stream s, bool nowait) {
   if (!cache_enabled_ || ncaches_.load(std::memory_order_relaxed) < 2) return false;
   ThreadCache* tc = detail::tls_find_cache(id_);

@@ -97,8 +97,7 @@ bool SizeClassPool::free_remote(Block* b, std::uintptr_t a) {
   // Remote, not Free: until its shard files it the books count the block live, and an observation
   // that walks the blocks meanwhile (snapshot, validate) must read it as they count it. (As Free,
   // a claim landing during a snapshot's walk made the snapshot fail accounting.check.)
-  ChunkState live = ChunkState::Live;
-  if (!b->state.compare_exchange_strong(live, ChunkState::Remote, std::memory_order_acq_rel, std::memory_order_relaxed)) {
+  if (!b->claim(ChunkState::Live, ChunkState::Remote)) {
     if (capped()) cached_total_.fetch_sub(b->size, std::memory_order_relaxed);
     return false;  // freed already (or being freed): the locked path reports it
   }

@@ -83,15 +83,16 @@ struct BlockRecord {
 
   ChunkState st() const { return state.load(std::memory_order_relaxed); }
   void set(ChunkState s) { state.store(s, std::memory_order_relaxed); }
-  // A locked free's claim, under the owner's lock: Live -> Freeing in one compare-exchange, so a
-  // lock-free free of the same block on another thread (which claims Live with a compare-exchange
-  // too) cannot take it as well; of two threads freeing one block at once exactly one goes on.
-  // False: not Live (freed before, or just now by that other thread).
-  bool claim_live() {
-    ChunkState live = ChunkState::Live;
-    return state.compare_exchange_strong(live, ChunkState::Freeing, std::memory_order_acquire,
-                                         std::memory_order_relaxed);
+  // A free's claim: from -> to in one compare-exchange. Every way out of Live goes through it (the
+  // lock-free cache free and remote pushes, and under the owner's lock claim_live), so of two
+  // threads freeing one block at once exactly one goes on. Acquire: the claimer may read the
+  // record after it (release: a remote push publishes it). False: the state was not `from`.
+  bool claim(ChunkState from, ChunkState to) {
+    return state.compare_exchange_strong(from, to, std::memory_order_acq_rel, std::memory_order_relaxed);
   }
+  // A locked free's claim, under the owner's lock: Live -> Freeing. False: not Live (freed before,
+  // or just now by a lock-free free on another thread).
+  bool claim_live() { return claim(ChunkState::Live, ChunkState::Freeing); }
   // The claimed free went no further (a refused event record, a non-blocking path declining):
   // live again. Only the claimer calls it, under the lock it claimed under.
   void unclaim() {
