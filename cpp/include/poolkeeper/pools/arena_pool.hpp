@@ -141,6 +141,17 @@ struct ArenaOptions {
   bool stitch = true;
   // Expandable with stitch: most pieces one stitched range joins (each is one upstream alias call).
   std::size_t stitch_max_parts = 16;
+  // Expandable with stitch: only a request of at least this many bytes is stitched; a smaller one
+  // grows. Each stitch lends free pieces out of the main range and leaves holes there that a
+  // contiguous run (a KV cache growing step by step) can no longer extend into; a small request
+  // gains little by it (docs/expandable.md, "Stitching moves on").
+  std::size_t stitch_from = 0;
+  // Expandable with stitch: a request of at least this many bytes may stitch the free pieces of
+  // the run at the growth's edge too (0: never). A growth there maps only what that run lacks;
+  // stitching it instead maps nothing now, and the next growth maps in full what extending the run
+  // would have mapped in part. For large requests (a batch's activations) the first wins, for a
+  // KV cache's step-by-step growth the second (docs/expandable.md, "Stitching the edge").
+  std::size_t stitch_edge_from = 0;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
   // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
   // with single_stream.
