@@ -55,7 +55,10 @@ DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
 
 NATIVE_ARMS = ("torch", "torch_expandable")
 # "KIND+OPTION": the kind installed with OPTION=True (not in the default run; name them in --arms).
-VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream")
+VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream", "arena_expandable+single_stream+wide_stitch")
+# Named option sets an arm may add after "+": "wide_stitch" is poolkeeper.pools.WIDE_STITCH (what
+# install() adds to its default pool; docs/expandable.md, "Stitching moves on").
+PRESETS = ("wide_stitch",)
 POOL_ARMS = ("arena", "arena_expandable", "size_class") + VARIANT_ARMS
 DEFAULT_ARMS = NATIVE_ARMS + POOL_ARMS[:3]
 ALL_ARMS = NATIVE_ARMS + POOL_ARMS
@@ -63,9 +66,17 @@ ALL_ARMS = NATIVE_ARMS + POOL_ARMS
 
 def arm_pool(arm: str) -> Tuple[str, Dict[str, Any]]:
     """The pool kind and options of one of poolkeeper's arms (``"arena_expandable+single_stream"``
-    is ``("arena_expandable", {"single_stream": True})``)."""
-    kind, _, flag = arm.partition("+")
-    return kind, ({flag: True} if flag else {})
+    is ``("arena_expandable", {"single_stream": True})``; a name in PRESETS adds its options)."""
+    kind, *flags = arm.split("+")
+    options: Dict[str, Any] = {}
+    for flag in flags:
+        if flag in PRESETS:
+            from poolkeeper import pools
+
+            options.update(getattr(pools, flag.upper()))
+        else:
+            options[flag] = True
+    return kind, options
 WORKLOADS = ("bert", "llama")
 
 BERT_CONFIG = dict(

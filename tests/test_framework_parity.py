@@ -284,19 +284,25 @@ def test_install_without_a_kind_makes_the_measured_default_or_its_fallback(fake_
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: asked.append(1) or virtual)
     inst = pkt.install()
     assert asked == [1]
+    from poolkeeper.pools import WIDE_STITCH
+
     if virtual:
         assert (inst.kind, inst.upstream) == ("arena_expandable", "virtual")
-    else:
+        assert inst.options == {"single_stream": True, **WIDE_STITCH}
+    else:  # the arena has no stitching to tune
         assert (inst.kind, inst.upstream) == ("arena", "device")
-    assert inst.options == {"single_stream": True}
+        assert inst.options == {"single_stream": True}
     assert pkt.install() is inst  # the same arguments: the same installation
 
 
 def test_install_without_a_kind_takes_the_options_given_over_the_defaults(fake_torch, monkeypatch):
     fake_torch()
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
-    inst = pkt.install(single_stream=False, limit=64 * MiB)
-    assert inst.kind == "arena_expandable" and inst.options == {"single_stream": False, "limit": 64 * MiB}
+    inst = pkt.install(single_stream=False, limit=64 * MiB, map_piece=0)
+    from poolkeeper.pools import WIDE_STITCH
+
+    assert inst.kind == "arena_expandable"
+    assert inst.options == {**WIDE_STITCH, "single_stream": False, "limit": 64 * MiB, "map_piece": 0}
 
 
 @pytest.mark.parametrize("upstream, kind", [("device", "arena"), ("async", "arena"), ("simulated", "arena_expandable")])
@@ -305,7 +311,10 @@ def test_install_without_a_kind_over_a_named_upstream_picks_a_kind_that_runs_the
     fake_torch()
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
     inst = pkt.install(upstream=upstream)
-    assert (inst.kind, inst.upstream, inst.options) == (kind, upstream, {"single_stream": True})
+    from poolkeeper.pools import WIDE_STITCH
+
+    wide = WIDE_STITCH if kind == "arena_expandable" else {}
+    assert (inst.kind, inst.upstream, inst.options) == (kind, upstream, {"single_stream": True, **wide})
 
 
 def test_the_default_pool_asks_about_virtual_memory_only_when_it_needs_it():

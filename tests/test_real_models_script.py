@@ -149,7 +149,12 @@ def test_arm_and_pool_kind_names_agree():
     for arm in rm.POOL_ARMS:
         kind, options = rm.arm_pool(arm)
         assert pools.pool_kind(kind).name == kind
-        assert options == ({} if "+" not in arm else {arm.partition("+")[2]: True})
+        flags = arm.split("+")[1:]
+        expected = {f: True for f in flags if f not in rm.PRESETS}
+        for f in flags:
+            if f in rm.PRESETS:
+                expected.update(getattr(pools, f.upper()))
+        assert options == expected
 
 
 def test_variant_arms_build_a_pool_with_their_option_and_stay_out_of_the_default_run():

@@ -367,11 +367,19 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
     return resolve_upstream(kind, upstream)
 
 
+# Stitching for large requests (docs/expandable.md, "Stitching moves on"): pieces of one granule,
+# up to 256 of them in one stitch, for requests of 24 MiB or more; from 64 MiB a request may take
+# the free run at the growth's edge too. Chosen on the committed traces and the real-model runs
+# (BERT serving on the H200: 574 -> 528 MiB, 0.90x PyTorch's expandable segments), at more driver
+# calls (benchmarks/results/real_models_h200.md).
+WIDE_STITCH: Dict[str, Any] = {"map_piece": 2 << 20, "stitch_max_parts": 256, "stitch_from": 24 << 20,
+                               "stitch_edge_from": 64 << 20}
+
 # What PyTorch's install() makes when no pool is named, chosen from the real-model benchmark
-# (docs/integrations.md, "Which pool by default"): the expandable arena in single-stream mode. It
-# needs virtual memory on every device it may serve; where that is missing, or another upstream is
-# named, the fallback.
-DEFAULT_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena_expandable", {"single_stream": True})
+# (docs/integrations.md, "Which pool by default"): the expandable arena in single-stream mode, with
+# wide stitching. It needs virtual memory on every device it may serve; where that is missing, or
+# another upstream is named, the fallback.
+DEFAULT_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena_expandable", {"single_stream": True, **WIDE_STITCH})
 FALLBACK_DEVICE_POOL: Tuple[str, Dict[str, Any]] = ("arena", {"single_stream": True})
 
 

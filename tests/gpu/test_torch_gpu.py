@@ -57,7 +57,8 @@ def test_install_without_a_kind_makes_the_expandable_arena_in_single_stream_mode
         + """
 assert all(d.virtual_memory_supported for d in pk.cuda.devices())
 inst = pkt.install()
-assert (inst.kind, inst.upstream, inst.options) == ("arena_expandable", "virtual", {"single_stream": True}), inst
+assert (inst.kind, inst.upstream, inst.options) == ("arena_expandable", "virtual",
+                                                   {"single_stream": True, **pk.pools.WIDE_STITCH}), inst
 x = torch.randn(1 << 20, device="cuda")
 y = (x * 2).sum()
 del x
