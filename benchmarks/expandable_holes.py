@@ -58,8 +58,7 @@ POLICIES: List[Tuple[str, Dict[str, Any]]] = [
     ("stitch+release, 2 MiB, step 0", {"map_piece": 2 * MiB, "step_fraction": 0, "release_on_grow": True}),
     ("stitch, 2 MiB, step 0, 256, no tcache", {"map_piece": 2 * MiB, "step_fraction": 0, "stitch_max_parts": 256,
                                                "thread_cache_bytes": 0}),
-    ("wide stitch", {"map_piece": 2 * MiB, "stitch_max_parts": 256, "stitch_edge_from": 64 * MiB,
-                     "stitch_from": 24 * MiB}),
+    ("wide stitch (install())", dict(pk.pools.WIDE_STITCH)),
 ]
 
 Case = Callable[[Any, Any], Tuple[int, int]]

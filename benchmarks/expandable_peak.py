@@ -69,6 +69,7 @@ POLICIES: Dict[str, Dict[str, Any]] = {
     "release2M_step0_64M": {"release_on_grow": True, "map_piece": M2, "step_fraction": 0, "max_step": 64 * MiB},
     "release2M_step0_no_tcache": {"release_on_grow": True, "map_piece": M2, "step_fraction": 0,
                                   "thread_cache_bytes": 0},
+    "wide_stitch": dict(pk.pools.WIDE_STITCH),  # install()'s default options
 }
 
 

@@ -71,6 +71,8 @@ def replay(events, kind: str, work_us: float, advance_us: float, pre_trace=(), *
         "peak_live_mib": st["peak_live_bytes"] / 2**20,
         "upstream_allocations": st["upstream_allocations"],
         "upstream_deallocations": st["upstream_deallocations"],
+        "alias_calls": st.get("alias_calls", 0),
+        "unalias_calls": st.get("unalias_calls", 0),
     }
 
 

@@ -67,6 +67,8 @@ def main() -> int:
                     help="a pool option for every pool named (as `poolkeeper replay -o`: max_step=32MiB)")
     ap.add_argument("--idle-only", action="store_true", help="only the idle column (a single_stream pool's rows "
                                                              "are the same in every column)")
+    ap.add_argument("--calls", action="store_true", help="with each ratio, the upstream calls: maps (or backings) "
+                                                           "and frees, and alias / unalias calls")
     args = ap.parse_args()
     from poolkeeper.bench.options import parse_options
 
@@ -82,12 +84,15 @@ def main() -> int:
         options = {**options, **extra}
         every = []
         for name, (events, pre) in traces.items():
-            row = []
+            row, calls = [], []
             for w, a in runs:
                 r = replay_torch_trace.replay(events, base, w, a, pre_trace=pre, **options)
                 row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
+                calls.append(f"{r['upstream_allocations']}/{r['upstream_deallocations']} "
+                             f"+{r['alias_calls']}/{r['unalias_calls']}")
             every += row
-            print(f"{kind:31s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row), flush=True)
+            tail = "   " + "  ".join(calls) if args.calls else ""
+            print(f"{kind:31s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row) + tail, flush=True)
         print(f"{kind:31s} {'mean':14s} {sum(every) / len(every):10.3f}", flush=True)
     return 0
 
