@@ -401,6 +401,16 @@ def home_fragmented(up, n=8, device=None, **kw):
     return pool, blocks[0::2], s
 
 
+def free_all_and_close(pool, device, s, blocks, aliases):
+    """Free ``blocks`` on ``s``, close the pool: nothing left mapped on ``device``, and every one of
+    the ``aliases`` alias calls undone."""
+    for x in blocks:
+        pool.deallocate(x, s)
+    pool.close()
+    c = device.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == aliases and device.aliased_bytes() == 0
+
+
 def lent_pieces_behind_a_live_block(up, device=None):
     """Single-stream mode, pieces 1, 3, ..., 9 free; a stitched range over pieces 1, 3, 5 whose
     free first two parts sit before a live block in its last part (so the range cannot grow in
@@ -429,11 +439,7 @@ def test_regression_a_free_part_of_a_stitched_range_was_never_stitched_again_unt
     pool.trim()  # waits for home: every alias goes, the pieces back in the main range
     st = consistent(pool, up)
     assert (st["stitched_ranges"], st["stale_aliases"], st["unalias_calls"]) == (0, 0, 7)
-    for x in keep:
-        pool.deallocate(x, s)
-    pool.close()
-    c = up.counters()
-    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 7 and up.aliased_bytes() == 0
+    free_all_and_close(pool, up, s, keep, 7)
 
 
 def test_a_free_stitched_range_grows_in_place_aliasing_only_what_it_lacks():
@@ -450,11 +456,7 @@ def test_a_free_stitched_range_grows_in_place_aliasing_only_what_it_lacks():
     pool.trim()
     st = consistent(pool, up)
     assert (st["stitched_ranges"], st["unalias_calls"]) == (0, 4)
-    for x in keep:
-        pool.deallocate(x, s)
-    pool.close()
-    c = up.counters()
-    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 4
+    free_all_and_close(pool, up, s, keep, 4)
 
 
 def test_stale_aliases_go_at_a_shrink_scan_whose_settle_point_passed_without_home_settling():
@@ -474,13 +476,7 @@ def test_stale_aliases_go_at_a_shrink_scan_whose_settle_point_passed_without_hom
     # The first range's stretch now starts at its last part, the one still mapped.
     assert st["stitch_area_bytes"] == 5 * G
     assert up.aliased_bytes() == 5 * G
-    pool.deallocate(q, s)
-    pool.deallocate(r, s)
-    for x in keep:
-        pool.deallocate(x, s)
-    pool.close()
-    c = up.counters()
-    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 7
+    free_all_and_close(pool, up, s, [q, r] + keep, 7)
 
 
 def test_a_refused_unalias_of_a_stale_alias_keeps_it_counted_and_a_later_trim_finishes():
@@ -498,11 +494,7 @@ def test_a_refused_unalias_of_a_stale_alias_keeps_it_counted_and_a_later_trim_fi
     pool.trim()
     st = consistent(pool, inner)
     assert (st["stitched_ranges"], st["stale_aliases"], st["unalias_calls"]) == (0, 0, 7)
-    for x in keep:
-        pool.deallocate(x, s)
-    pool.close()
-    c = inner.counters()
-    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == 7
+    free_all_and_close(pool, inner, s, keep, 7)
 
 
 def test_stitch_from_keeps_smaller_requests_growing():
