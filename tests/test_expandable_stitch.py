@@ -579,3 +579,56 @@ def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(se
     assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["aliases"] == c["unaliases"]
     assert max(x for x, _ in stale) > 0  # lent pieces did move on
     assert stale[-1][1] > 0  # and stitched ranges grew in place
+
+
+def test_regression_a_partly_refused_growth_in_place_left_the_growth_with_a_split_segment():
+    """The growth after it absorbed its mapping into a segment the moved pieces had split (found by
+    review: validate() failed "chunks do not tile backing")."""
+    inner = sim()
+    s = inner.stream()
+    # Calls 0-10 map the blocks, 11-13 alias the first stitch; 14 aliases piece 7 into the growth
+    # in place and 15, piece 9's alias, is refused.
+    up = pk.upstream.Faulty(inner, fail_at=[15], error="upstream")
+    pool = pool_pieces(up, single_stream=True, shrink_hysteresis=1000)
+    blocks = [pool.allocate(G, s) for _ in range(11)]
+    for p in blocks[1:10:2]:
+        pool.deallocate(p, s)  # pieces 1, 3, 5, 7, 9 free
+    p = pool.allocate(3 * G, s)  # stitched from 1, 3, 5
+    pool.deallocate(p, s)  # home unsettled: the range stays, wholly free
+    q = pool.allocate(5 * G, s)  # grows in place by piece 7; piece 9 refused: the rest is mapped
+    st = consistent(pool, inner)
+    assert (st["stitch_extends"], st["alias_failures"], st["alias_calls"]) == (1, 1, 4)
+    pool.deallocate(q, s)
+    pool.trim()
+    consistent(pool, inner)
+    free_all_and_close(pool, inner, s, blocks[0::2], 4)
+
+
+def test_regression_a_growth_in_place_aliased_whole_pieces_past_the_room_after_its_range():
+    """Pieces of different sizes may add up to more than the range lacks; the growth in place
+    checked the room after the range against what it lacked, and its alias ran into the next
+    range (found by review)."""
+    up = sim()
+    s = up.stream()
+    # Pieces as large as each growth (map_piece=0); the main range and the stitch area hold 16
+    # granules each, so the second stitched range is placed 2 G after the first one's end.
+    pool = pool_pieces(up, single_stream=True, shrink_hysteresis=1000, va_bytes=16 * G, map_piece=0)
+    x0, a1, s1, a2, s2, b1, s3, b2, s4 = (pool.allocate(G, s) for _ in range(9))
+    big = pool.allocate(3 * G, s)  # one piece of 3 G
+    s5 = pool.allocate(G, s)
+    pool.deallocate(a1, s)
+    pool.deallocate(a2, s)
+    x = pool.allocate(2 * G, s)  # stitched range A, from a1 and a2
+    pool.deallocate(b1, s)
+    pool.deallocate(b2, s)
+    y = pool.allocate(2 * G, s)  # stitched range B, 2 G after A
+    pool.deallocate(x, s)  # A wholly free (home unsettled: it stays)
+    pool.deallocate(big, s)
+    maps = pool.stats()["map_calls"]
+    # A lacks 2 G for this request; the one candidate outside A is the 3 G piece: too large for
+    # the 2 G after A, so the request is stitched afresh (A's parts and the 3 G piece).
+    q = pool.allocate(4 * G, s)
+    st = consistent(pool, up)
+    assert (st["alias_failures"], st["stitch_extends"], st["map_calls"]) == (0, 0, maps)
+    assert st["stitches"] == 3 and st["stale_aliases"] == 2
+    free_all_and_close(pool, up, s, [q, y, x0, s1, s2, s3, s4, s5], 7)

@@ -68,7 +68,7 @@ class VirtualRange final : public BackingSource {
     const bool quiet = a_.upstream_->captures_underway() == 0;
     // Stitching serves the request from memory already mapped. Never while a capture scope is
     // open (a teardown unmaps; a graph may keep addresses it saw).
-    const bool stitching = stitch_ && quiet && rounded >= opt.stitch_from;
+    const bool stitching = stitch_ && quiet;
     if (stitching && dissolve_free_stitches())
       if (ArenaChunk* c = a_.index_.take_best_fit(rounded)) return c;
     std::vector<ArenaBacking*> segs = main_segments();
@@ -115,12 +115,16 @@ class VirtualRange final : public BackingSource {
     };
     find_hole();
     // The free chunks the growth would extend stay out of the stitch: growing into them maps only
-    // what they lack, while stitching them away would leave that growth's memory unused.
-    if (stitching) {
-      const std::uint64_t made = stitches_made_;
+    // what they lack, while stitching them away would leave that growth's memory unused. A request
+    // under stitch_from grows (the free stitched ranges above were torn down all the same).
+    if (stitching && rounded >= opt.stitch_from) {
+      // Any alias that went through moved pieces, even when a later one was refused: the hole,
+      // its neighbours and the segments may have changed (a review found a partly refused
+      // growth in place left them stale, and the growth absorbed into a split segment).
+      const std::uint64_t aliased = alias_calls_;
       const bool edge_in = opt.stitch_edge_from && rounded >= opt.stitch_edge_from;
       if (ArenaChunk* c = found && !edge_in ? stitch(rounded, gs - lead, ge + trail) : stitch(rounded, 0, 0)) return c;
-      if (stitches_made_ != made) find_hole();  // a refused alias left a shorter stitch: pieces moved
+      if (alias_calls_ != aliased) find_hole();
     }
     // The free tail stays: this growth extends it. Only when the pieces to go add up to a growth
     // step's worth (mapped * step_fraction, at least a granule): smaller releases would cost an
@@ -768,18 +772,22 @@ class VirtualRange final : public BackingSource {
     return (nx == stitches_.end() ? sva_base_ + sva_bytes_ : nx->first) - end;
   }
 
-  // The lowest free stretch of the stitch area that holds n bytes and as many again after them (so
-  // the range can be extended in place later, extend_stitch()), else the lowest that holds n; 0
-  // when none does. Addresses cost nothing: the area is as large as the main range.
+  // Where a new stitched range of n bytes goes: the lowest free stretch of the stitch area that
+  // leaves the range before it room to grow in place by its own size and the new one room to grow
+  // by n (extend_stitch()), else the lowest stretch that holds n; 0 when none does. Addresses cost
+  // nothing: the area is as large as the main range.
   std::uintptr_t stitch_slot(std::size_t n) {
     if (!stitch_area()) return 0;
-    for (const std::size_t want : {2 * n, n}) {
+    for (const bool roomy : {true, false}) {
       std::uintptr_t at = sva_base_;
+      std::size_t keep = 0;  // the room left to the range before the gap
+      auto fits = [&](std::uintptr_t end) { return roomy ? end - at >= keep + 2 * n : end - at >= n; };
       for (const auto& [dst, st] : stitches_) {
-        if (dst - at >= want) return at;
+        if (fits(dst)) return roomy ? at + keep : at;
         at = dst + st.size;
+        keep = st.size;
       }
-      if (sva_base_ + sva_bytes_ - at >= want) return at;
+      if (fits(sva_base_ + sva_bytes_)) return roomy ? at + keep : at;
     }
     return 0;
   }
@@ -909,7 +917,11 @@ class VirtualRange final : public BackingSource {
     if (!tail) return nullptr;
     std::size_t total = 0;
     std::vector<Cand> chosen = choose(stitch_candidates(keep_lo, keep_hi, best->first, tail->addr, total), rounded - tail->size, a_.opt_.stitch_max_parts);
-    if (chosen.empty()) return nullptr;
+    // Whole pieces may add up to more than the chunk lacks (pieces of different sizes): all of
+    // them must fit before the next range (a review found aliases running into it).
+    std::size_t bytes = 0;
+    for (const Cand& c : chosen) bytes += c.n;
+    if (chosen.empty() || bytes > room_after(best)) return nullptr;
     const std::uintptr_t dst = best->first;
     Stitch& st = best->second;
     const std::size_t done = alias_in(dst + st.size, chosen, dst, st);
