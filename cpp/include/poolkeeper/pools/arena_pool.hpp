@@ -149,8 +149,8 @@ struct ArenaOptions {
   // Expandable with stitch: a request of at least this many bytes may stitch the free pieces of
   // the run at the growth's edge too (0: never). A growth there maps only what that run lacks;
   // stitching it instead maps nothing now, and the next growth maps in full what extending the run
-  // would have mapped in part. For large requests (a batch's activations) the first wins, for a
-  // KV cache's step-by-step growth the second (docs/expandable.md, "Stitching moves on").
+  // would have mapped in part. For large requests (a batch's activations) stitching wins, for a
+  // KV cache's step-by-step growth growing does (docs/expandable.md, "Stitching moves on").
   std::size_t stitch_edge_from = 0;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
   // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
