@@ -632,3 +632,20 @@ def test_regression_a_growth_in_place_aliased_whole_pieces_past_the_room_after_i
     assert (st["alias_failures"], st["stitch_extends"], st["map_calls"]) == (0, 0, maps)
     assert st["stitches"] == 3 and st["stale_aliases"] == 2
     free_all_and_close(pool, up, s, [q, y, x0, s1, s2, s3, s4, s5], 7)
+
+
+@pytest.mark.parametrize("seed", [101, 102, 103])
+def test_random_multi_stream_traffic_with_wide_stitching_stays_consistent(seed):
+    """install()'s stitching options, scaled to the simulated device's 2 MiB granule, under the
+    multi-stream traffic of the test above (single-stream mode on for odd seeds: it ends at the
+    first other stream)."""
+    rng = random.Random(seed)
+    inner = sim(capacity=160 * MiB)
+    up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, shrink_interval=16, single_stream=bool(seed % 2),
+                        map_piece=G, stitch_max_parts=256, stitch_from=4 * MiB, stitch_edge_from=6 * MiB)
+    sizes = [100 * KiB, G, G, 2 * G, 3 * G, 5 * G, 9 * G]
+    random_traffic(pool, inner, up, rng, 500, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]),
+                   lambda: consistent(pool, inner), alloc_p=0.45, trim_p=0.02)
+    c = inner.counters()
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] > 0 and c["maps"] == c["unmaps"]
