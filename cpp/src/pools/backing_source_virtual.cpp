@@ -305,8 +305,7 @@ class VirtualRange final : public BackingSource {
       auto c = alias_count.find(at);
       if (p.aliases != (c == alias_count.end() ? 0 : c->second)) fail("piece at " + format_ptr(at) + ": alias count is off");
     }
-    const std::size_t parts = active;
-    if (parts != lent) fail("lent pieces and stitched parts differ");
+    if (active != lent) fail("lent pieces and Active stitched parts differ");
   }
 
   void stats(PoolStats& st) const override {
