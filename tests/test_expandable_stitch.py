@@ -223,16 +223,19 @@ def test_no_stitch_and_no_teardown_while_a_capture_scope_is_open():
     pool.close()
 
 
-def test_a_refused_alias_mid_stitch_keeps_the_aliased_pieces_stitched_and_grows():
+def test_a_refused_alias_mid_stitch_sends_the_aliased_piece_home_and_grows():
     inner = sim()
     # Watched calls 0-6 are the maps of the seven blocks; the stitch's aliases are calls 7, 8, 9.
     up = pk.upstream.Faulty(inner, fail_at=[8], error="upstream")
     pool, keep, base = fragmented(up)
     p = pool.allocate(3 * G)
     st = consistent(pool, inner)
-    assert st["alias_failures"] == 1 and st["stitched_ranges"] == 1 and st["stitched_bytes"] == G
+    # The one-piece range the refusal left is free: before growing, its piece goes home (its alias
+    # stale, still mapped) rather than sit stitched beside the growth.
+    assert st["alias_failures"] == 1 and st["stitched_ranges"] == 1 and st["stitched_bytes"] == 0
+    assert st["stale_aliases"] == 1 and st["stitch_homecomings"] == 1
     assert in_main(pool, p, base) and st["map_calls"] == 8  # served by growth (one map of 3 G)
-    assert st["free_bytes"] == 3 * G  # the one-piece stitched range, and two free pieces
+    assert st["free_bytes"] == 3 * G  # the three free pieces, back in the main range
     pool.deallocate(p)
     pool.trim()
     st = consistent(pool, inner)
@@ -534,13 +537,14 @@ def test_stitch_edge_from_lets_a_large_request_stitch_the_free_run_at_the_growth
 
 @pytest.mark.parametrize("seed", [11, 12, 13, 14])
 def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(seed):
-    """One stream, home never waited for except at trims: stitched pieces move on and go stale."""
+    """One stream, home never waited for except at trims: stitched pieces move on and go stale (and,
+    odd seeds, top-ups map what free pieces lack and free ranges go home)."""
     rng = random.Random(seed)
     inner = sim(capacity=160 * MiB)
     up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=8 * MiB, shrink_interval=32,
                         map_piece=G, stitch=True, stitch_max_parts=256, stitch_edge_from=4 * MiB, single_stream=True,
-                        thread_cache_bytes=256 * KiB if seed % 2 else 0)
+                        thread_cache_bytes=256 * KiB if seed % 2 else 0, stitch_top_up=bool(seed % 2))
     s = inner.stream()
     live = {}
     stale = []
@@ -571,14 +575,17 @@ def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(se
         inner.advance(rng.uniform(0, 20))
         up.armed = False
         st = consistent(pool, inner)
-        stale.append((st["stale_aliases"], st["stitch_extends"]))
+        stale.append((st["stale_aliases"], st["stitch_extends"], st["stitch_top_ups"], st["stitch_homecomings"]))
     for p in list(live):
         pool.deallocate(p, s)
     pool.close()
     c = inner.counters()
     assert c["outstanding_bytes"] == 0 and c["maps"] == c["unmaps"] and c["aliases"] == c["unaliases"]
-    assert max(x for x, _ in stale) > 0  # lent pieces did move on
+    assert max(x[0] for x in stale) > 0  # lent pieces did move on
     assert stale[-1][1] > 0  # and stitched ranges grew in place
+    assert stale[-1][3] > 0  # and free ones went home
+    if seed % 2:
+        assert stale[-1][2] > 0  # and free pieces were topped up
 
 
 def test_regression_a_partly_refused_growth_in_place_left_the_growth_with_a_split_segment():
@@ -636,16 +643,189 @@ def test_regression_a_growth_in_place_aliased_whole_pieces_past_the_room_after_i
 
 @pytest.mark.parametrize("seed", [101, 102, 103])
 def test_random_multi_stream_traffic_with_wide_stitching_stays_consistent(seed):
-    """install()'s stitching options, scaled to the simulated device's 2 MiB granule, under the
+    """install()'s stitching options (the edge run from 6 MiB: these requests are small) under the
     multi-stream traffic of the test above (single-stream mode on for odd seeds: it ends at the
     first other stream)."""
     rng = random.Random(seed)
     inner = sim(capacity=160 * MiB)
     up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, shrink_interval=16, single_stream=bool(seed % 2),
-                        map_piece=G, stitch_max_parts=256, stitch_from=4 * MiB, stitch_edge_from=6 * MiB)
+                        **{**pk.pools.WIDE_STITCH, "stitch_edge_from": 6 * MiB})
     sizes = [100 * KiB, G, G, 2 * G, 3 * G, 5 * G, 9 * G]
     random_traffic(pool, inner, up, rng, 500, lambda: rng.choice(sizes + [rng.randint(1, 13 * MiB)]),
                    lambda: consistent(pool, inner), alloc_p=0.45, trim_p=0.02)
     c = inner.counters()
     assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] > 0 and c["maps"] == c["unmaps"]
+
+
+
+
+# --- top-up: free pieces that fall short of a request, with fresh memory for what they lack ------
+
+
+def release(pool, blocks, device=None, s=None):
+    """Free ``blocks`` (on ``s``) and close the pool; with ``device``: nothing left mapped or
+    aliased there."""
+    for x in blocks:
+        pool.deallocate(x, s) if s is not None else pool.deallocate(x)
+    pool.close()
+    if device is not None:
+        c = device.counters()
+        assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] and device.aliased_bytes() == 0
+
+
+def topped_up(up, **kw):
+    """fragmented() with top-ups on, every request allowed to stitch the growth's edge run."""
+    return fragmented(up, **{"stitch_top_up": True, "stitch_edge_from": G, **kw})
+
+
+def test_free_pieces_short_of_a_request_are_topped_up_not_left_idle_beside_a_growth():
+    """The bug: on the BERT serving trace an 82 MiB request found 44 MiB of wholly free pieces, too
+    few to stitch, and the growth mapped all 82 MiB beside them; they sat idle at the peak. With
+    stitch_top_up the growth maps only what the free pieces lack and stitches both."""
+    up = sim()
+    pool, keep, base = topped_up(up, stitch_top_up=False)  # 7 pieces; 1, 3, 5 free
+    p = pool.allocate(5 * G)
+    st = consistent(pool, up)  # the old way: the request mapped beside the 3 free pieces
+    assert st["reserved_bytes"] == 12 * G and in_main(pool, p, base) and st["free_bytes"] == 3 * G
+    release(pool, keep + [p], up)
+
+    up = sim()
+    pool, keep, base = topped_up(up)
+    p = pool.allocate(5 * G)
+    st = consistent(pool, up)
+    assert st["reserved_bytes"] == 9 * G and not in_main(pool, p, base) and st["free_bytes"] == 0
+    # One map of the 2 G missing, then the three free pieces and it aliased end to end.
+    assert (st["map_calls"], st["stitch_top_ups"], st["stitches"], st["alias_calls"]) == (8, 1, 1, 4)
+    assert st["stitched_bytes"] == 5 * G and up.mapped_bytes() == 9 * G and up.aliased_bytes() == 5 * G
+    pool.deallocate(p)  # the range is torn down (home settled), its pieces back in the main range
+    consistent(pool, up)
+    q = pool.allocate(5 * G)  # served again from the same memory: nothing mapped
+    st = consistent(pool, up)
+    assert st["map_calls"] == 8 and st["reserved_bytes"] == 9 * G and not in_main(pool, q, base)
+    release(pool, keep + [q], up)
+
+
+def test_below_stitch_edge_from_a_top_up_only_refills_a_hole_below_the_growths():
+    # No hole below the growth's: its fresh memory would only extend the edge run; it grows.
+    up = sim()
+    pool, keep, base = fragmented(up, stitch_top_up=True)  # stitch_edge_from 0: never
+    p = pool.allocate(5 * G)
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
+    release(pool, keep + [p], up)
+    # A hole at piece 1 (freed and unmapped), pieces 3 and 5 free: the top-up refills the hole.
+    up = sim()
+    pool, keep, base = fragmented(up, n=8, stitch_top_up=True)  # 9 pieces; 1, 3, 5, 7 free
+    pool.deallocate(keep.pop())  # piece 8 free too: the edge run 7-8 stays out (below edge_from)
+    pool.trim()  # every free piece unmapped: holes at 1, 3, 5 and the free tail gone
+    a, b = pool.allocate(G), pool.allocate(G)  # pieces 1 and 3 refilled (the lowest holes first)
+    assert (a, b) == (base + G, base + 3 * G)
+    pool.deallocate(a)
+    pool.deallocate(b)  # pieces 1 and 3 free again; the hole at 5 below the growth at 7
+    before = consistent(pool, up)
+    p = pool.allocate(3 * G)  # 2 G free + 1 G into the hole at 5, stitched; not 3 G at the end
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 1 and st["map_calls"] == before["map_calls"] + 1
+    assert st["reserved_bytes"] == before["reserved_bytes"] + G and not in_main(pool, p, base)
+    release(pool, keep + [p], up)
+
+
+def test_a_top_up_that_maps_no_less_than_the_growth_grows_as_before():
+    up = sim()
+    pool, keep, base = fragmented(up, stitch_top_up=True)
+    pool.deallocate(keep.pop())  # pieces 5-6: a free run at the growth's edge; 1 and 3 free too
+    # 7 G: the growth maps 5 G after the edge run; a top-up of pieces 1 and 3 would map 5 G too.
+    p = pool.allocate(7 * G)
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
+    release(pool, keep + [p], up)
+    # From stitch_edge_from the edge run may be stitched too: 4 G free, 3 G mapped, not 5 G.
+    up = sim()
+    pool, keep, base = topped_up(up, stitch_edge_from=4 * G)
+    pool.deallocate(keep.pop())
+    p = pool.allocate(7 * G)
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 1 and not in_main(pool, p, base) and st["reserved_bytes"] == 10 * G
+    release(pool, keep + [p], up)
+
+
+def test_a_top_up_maps_larger_pieces_to_stay_within_stitch_max_parts():
+    up = sim()
+    pool, keep, base = topped_up(up, stitch_max_parts=4, map_piece=G)  # 3 free pieces
+    p = pool.allocate(9 * G)  # lacks 6 G; one part left under the limit: one piece of 6 G, not six
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 1 and st["map_calls"] == 8 and st["alias_calls"] == 4
+    assert st["reserved_bytes"] == 13 * G and not in_main(pool, p, base)
+    release(pool, keep + [p], up)
+    # No part left under the limit: no top-up; the growth maps the request.
+    up = sim()
+    pool, keep, base = topped_up(up, stitch_max_parts=3, map_piece=G)
+    p = pool.allocate(5 * G)
+    st = consistent(pool, up)
+    assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
+    release(pool, keep + [p], up)
+
+
+@pytest.mark.parametrize("fail_at", [7, 8, 9, 11])
+def test_a_refused_map_or_alias_during_a_top_up_leaves_the_pool_consistent(fail_at):
+    # Watched calls 0-6: the seven blocks' maps; the top-up's map is call 7, its aliases 8-11.
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_at=[fail_at], error="upstream")
+    pool, keep, base = topped_up(up)
+    try:
+        p = pool.allocate(5 * G)
+    except pk.PoolkeeperError:
+        p = None
+    st = consistent(pool, inner)
+    assert st["live_bytes"] == 4 * G + (5 * G if p else 0)
+    assert st["alias_failures"] == (1 if fail_at > 7 else 0)
+    if p is not None:
+        pool.deallocate(p)
+    pool.trim()
+    consistent(pool, inner)
+    release(pool, keep, inner)
+
+
+def test_a_top_up_fits_under_a_limit_that_refuses_the_growth():
+    up = sim()
+    # 7 G held under a 9 G limit: growing by the request (5 G) is refused, the top-up (2 G) is not.
+    pool, keep, base = topped_up(up, limit=9 * G)
+    p = pool.allocate(5 * G)
+    st = consistent(pool, up)
+    assert st["reserved_bytes"] == 9 * G and st["stitch_top_ups"] == 1
+    with pytest.raises(pk.OutOfMemoryError):
+        pool.allocate(G)
+    consistent(pool, up)
+    release(pool, keep + [p], up)
+
+
+# --- free stitched ranges go home before a growth ------------------------------------------------
+
+
+def test_a_free_stitched_range_goes_home_before_a_growth_instead_of_sitting_beside_it():
+    """Single-stream mode: a free stitched range waits for home to settle before its aliases go,
+    which a serving loop hardly ever lets happen. A request that no stitch could serve (here: more
+    parts than stitch_max_parts) grew beside it; now its pieces rejoin the main range at once
+    (their aliases stale, still mapped), where they and their free neighbours serve it."""
+    up = sim()
+    pool, keep, s = home_fragmented(up, stitch_max_parts=3, stitch_from=2 * G)  # 1, 3, 5, 7 free
+    base = keep[0]
+    x = pool.allocate(3 * G, s)  # stitched from pieces 1, 3, 5
+    pool.deallocate(x, s)  # wholly free, home unsettled: it stays
+    for _ in range(3):  # pieces 2, 4 and 6 free: between lent pieces (6 joins 7)
+        pool.deallocate(keep.pop(1), s)
+    st = consistent(pool, up)
+    assert st["stitched_bytes"] == 3 * G and st["stitched_ranges"] == 1 and st["map_calls"] == 9
+    # Seven free pieces, but neither a stitch nor the free range grown in place within 3 parts.
+    p = pool.allocate(7 * G, s)
+    st = consistent(pool, up)
+    # Pieces 1, 3, 5 came home: 1-7 is one free run of 7 G. Nothing mapped or aliased.
+    assert p == base + G and st["map_calls"] == 9 and st["alias_calls"] == 3
+    assert st["stitch_homecomings"] == 3 and st["stale_aliases"] == 3 and st["stitched_bytes"] == 0
+    assert up.aliased_bytes() == 3 * G  # the aliases stay mapped: queued work may still use them
+    pool.deallocate(p, s)
+    pool.trim()  # waits for home: the stale aliases go
+    st = consistent(pool, up)
+    assert st["stale_aliases"] == 0 and st["stitched_ranges"] == 0 and up.aliased_bytes() == 0
+    release(pool, keep, up, s)
