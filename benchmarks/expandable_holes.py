@@ -59,6 +59,7 @@ POLICIES: List[Tuple[str, Dict[str, Any]]] = [
     ("stitch, 2 MiB, step 0, 256, no tcache", {"map_piece": 2 * MiB, "step_fraction": 0, "stitch_max_parts": 256,
                                                "thread_cache_bytes": 0}),
     ("wide stitch (install())", dict(pk.pools.WIDE_STITCH)),
+    ("wide stitch, before top-ups", {**pk.pools.WIDE_STITCH, "stitch_top_up": False, "stitch_from": 24 * MiB}),
 ]
 
 Case = Callable[[Any, Any], Tuple[int, int]]

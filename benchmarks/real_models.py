@@ -55,9 +55,11 @@ DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
 
 NATIVE_ARMS = ("torch", "torch_expandable")
 # "KIND+OPTION": the kind installed with OPTION=True (not in the default run; name them in --arms).
-VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream", "arena_expandable+single_stream+wide_stitch")
+VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream", "arena_expandable+single_stream+wide_stitch",
+                "arena_expandable+single_stream+wide_stitch+no_stitch_top_up")
 # Named option sets an arm may add after "+": "wide_stitch" is poolkeeper.pools.WIDE_STITCH (what
-# install() adds to its default pool; docs/expandable.md, "Stitching moves on").
+# install() adds to its default pool; docs/expandable.md, "Stitching moves on"). "+no_OPTION" sets
+# OPTION=False (after a preset: "+wide_stitch+no_stitch_top_up").
 PRESETS = ("wide_stitch",)
 POOL_ARMS = ("arena", "arena_expandable", "size_class") + VARIANT_ARMS
 DEFAULT_ARMS = NATIVE_ARMS + POOL_ARMS[:3]
@@ -66,7 +68,8 @@ ALL_ARMS = NATIVE_ARMS + POOL_ARMS
 
 def arm_pool(arm: str) -> Tuple[str, Dict[str, Any]]:
     """The pool kind and options of one of poolkeeper's arms (``"arena_expandable+single_stream"``
-    is ``("arena_expandable", {"single_stream": True})``; a name in PRESETS adds its options)."""
+    is ``("arena_expandable", {"single_stream": True})``; a name in PRESETS adds its options, and
+    ``no_OPTION`` sets OPTION to False)."""
     kind, *flags = arm.split("+")
     options: Dict[str, Any] = {}
     for flag in flags:
@@ -74,6 +77,8 @@ def arm_pool(arm: str) -> Tuple[str, Dict[str, Any]]:
             from poolkeeper import pools
 
             options.update(getattr(pools, flag.upper()))
+        elif flag.startswith("no_"):
+            options[flag[3:]] = False
         else:
             options[flag] = True
     return kind, options

@@ -52,7 +52,7 @@ for s in "${steps[@]}"; do
       step dask_cupy_bench timeout 500 python3 benchmarks/dask_cupy_bench.py --json "$OUT/dask_cupy_bench_h200.json" ;;
     real_models) step real_models timeout 580 python3 benchmarks/real_models.py --out "$OUT/real_models_h200" ;;
     time_rounds) step real_models_rounds timeout 590 python3 benchmarks/real_models.py --workloads bert,llama \
-                   --arms torch,arena_expandable+single_stream --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
+                   --arms torch,arena_expandable+single_stream+wide_stitch --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
     live_logs)
       step real_models_logs timeout 400 python3 benchmarks/real_models.py --workloads bert,llama \
         --arms arena,arena_expandable --no-warmup --log-dir "$OUT/live_logs" --out "$OUT/real_models_logs"

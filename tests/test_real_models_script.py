@@ -149,12 +149,16 @@ def test_arm_and_pool_kind_names_agree():
     for arm in rm.POOL_ARMS:
         kind, options = rm.arm_pool(arm)
         assert pools.pool_kind(kind).name == kind
-        flags = arm.split("+")[1:]
-        expected = {f: True for f in flags if f not in rm.PRESETS}
-        for f in flags:
+        expected = {}
+        for f in arm.split("+")[1:]:  # in order: "+no_X" after a preset overrides it
             if f in rm.PRESETS:
                 expected.update(getattr(pools, f.upper()))
+            elif f.startswith("no_"):
+                expected[f[3:]] = False
+            else:
+                expected[f] = True
         assert options == expected
+    assert rm.arm_pool("arena_expandable+single_stream+wide_stitch+no_stitch_top_up")[1]["stitch_top_up"] is False
 
 
 def test_variant_arms_build_a_pool_with_their_option_and_stay_out_of_the_default_run():

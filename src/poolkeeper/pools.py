@@ -367,13 +367,14 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
     return resolve_upstream(kind, upstream)
 
 
-# Stitching for large requests (docs/expandable.md, "Stitching moves on"): pieces of one granule,
-# up to 256 of them in one stitch, for requests of 24 MiB or more; from 64 MiB a request may take
-# the free run at the growth's edge too. Chosen on the committed traces and the real-model runs
-# (BERT serving on the H200: 574 -> 528 MiB, 0.90x PyTorch's expandable segments), at more driver
-# calls (benchmarks/results/real_models_h200.md).
-WIDE_STITCH: Dict[str, Any] = {"map_piece": 2 << 20, "stitch_max_parts": 256, "stitch_from": 24 << 20,
-                               "stitch_edge_from": 64 << 20}
+# Stitching for large requests (docs/expandable.md, "Stitching moves on" and "Top-up"): pieces of
+# one granule, up to 256 of them in one stitch, for requests of 24 MiB or more; from 64 MiB a
+# request may take the free run at the growth's edge too; free pieces that fall short of a request
+# are topped up with fresh memory instead of growing beside them. Chosen on the committed traces
+# and the real-model runs, at more driver calls (benchmarks/results/expandable_holes.txt,
+# real_models_h200.md).
+WIDE_STITCH: Dict[str, Any] = {"map_piece": 2 << 20, "stitch_max_parts": 256, "stitch_from": 4 << 20,
+                               "stitch_edge_from": 64 << 20, "stitch_top_up": True}
 
 # What PyTorch's install() makes when no pool is named, chosen from the real-model benchmark
 # (docs/integrations.md, "Which pool by default"): the expandable arena in single-stream mode, with
