@@ -13,7 +13,7 @@ poolkeeper's logs of the H200 real-model runs), with three figures beside the ta
   holds the sum over large live blocks of their size rounded up to the granule, plus the small live
   bytes rounded up to a whole number of granules. Placement that shares a granule between the end of one block and
   the start of the next can hold less; stitching whole granules cannot;
-- the default pool (install()'s: the expandable arena in single-stream mode), replayed.
+- the default pool (install()'s: the expandable arena in single-stream mode with WIDE_STITCH), replayed.
 
 Targets: peak reserved <= 1.05x peak live on every trace, and on the two live logs <= 0.95x PyTorch's
 expandable segments in the same H200 invocation (benchmarks/results/real_models_h200.md).
@@ -33,7 +33,7 @@ GRANULE = 2 * MiB
 # invocation whose poolkeeper arms hold what these logs replay to (results/real_models_h200.md,
 # "same-stream placement"): the inputs of the 0.95x target, not results of this script.
 TORCH_EXPANDABLE_MIB = {"live_bert": 586.0, "live_llama": 836.0}
-DEFAULT_POOL = "arena_expandable+single_stream"
+DEFAULT_POOL = "arena_expandable+single_stream+wide_stitch"
 
 Event = Tuple[bool, int, int, int]  # (is_alloc, address, size, stream), as stream_lag_replay's
 

@@ -829,3 +829,32 @@ def test_a_free_stitched_range_goes_home_before_a_growth_instead_of_sitting_besi
     st = consistent(pool, up)
     assert st["stale_aliases"] == 0 and st["stitched_ranges"] == 0 and up.aliased_bytes() == 0
     release(pool, keep, up, s)
+
+
+def test_regression_a_top_up_into_the_growths_own_hole_mapped_more_than_no_top_up():
+    """Found by hostile testing: below stitch_edge_from the stitch keeps the growth's edge out, and
+    the top-up mapped its fresh memory into that very hole, so nothing was stitched and the growth
+    that followed mapped its step on top (install()'s options: 192 MiB against 188 without)."""
+    def run(**extra):
+        up = sim()
+        s = up.stream()
+        pool = pk.make_pool("arena_expandable", up, single_stream=True, **{**pk.pools.WIDE_STITCH, **extra})
+        blocks = [pool.allocate(2 * MiB, s) for _ in range(80)]
+        for i in (10, 20, 30, 40, 50, 60, 79):  # six scattered free pieces and the last block
+            pool.deallocate(blocks[i], s)
+        pool.flush_thread_cache()
+        before = pool.stats()
+        p = pool.allocate(30 * MiB, s)
+        st = consistent(pool, up)
+        pool.deallocate(p, s)
+        for i, b in enumerate(blocks):
+            if i not in (10, 20, 30, 40, 50, 60, 79):
+                pool.deallocate(b, s)
+        pool.close()
+        return st["reserved_bytes"] - before["reserved_bytes"], st["map_calls"] - before["map_calls"], st["stitch_top_ups"]
+
+    on, off = run(), run(stitch_top_up=False)
+    assert on == off and on[2] == 0
+    # From stitch_edge_from the edge run may be stitched, and the top-up maps only what is missing.
+    grown, maps, top_ups = run(stitch_edge_from=24 * MiB)
+    assert top_ups == 1 and grown < off[0] and maps < off[1]
