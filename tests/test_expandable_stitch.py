@@ -535,7 +535,9 @@ def test_stitch_edge_from_lets_a_large_request_stitch_the_free_run_at_the_growth
     assert st["map_calls"] == 8 and st["stitches"] == 0
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+# Odd seeds top up. Seed 11 made no top-up once a top-up had to save against the growth's real
+# need (the hole's size bounds it), so the odd seeds are 13 and 15.
+@pytest.mark.parametrize("seed", [12, 13, 14, 15])
 def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(seed):
     """One stream, home never waited for except at trims: stitched pieces move on and go stale (and,
     odd seeds, top-ups map what free pieces lack and free ranges go home)."""
@@ -858,3 +860,25 @@ def test_regression_a_top_up_into_the_growths_own_hole_mapped_more_than_no_top_u
     # From stitch_edge_from the edge run may be stitched, and the top-up maps only what is missing.
     grown, maps, top_ups = run(stitch_edge_from=24 * MiB)
     assert top_ups == 1 and grown < off[0] and maps < off[1]
+
+
+def test_regression_a_top_up_beside_a_hole_that_a_free_run_completes_mapped_twice_the_growth():
+    """Found by hostile testing: the growth into a middle hole maps at most the hole when the free
+    run after it completes the request, but the top-up compared itself with what the request lacks
+    beyond the run before the hole, and mapped 4 G elsewhere where the growth maps 2 G."""
+    up = sim()
+    pool = pool_pieces(up, stitch_top_up=True)
+    blocks = [pool.allocate(G) for _ in range(19)]
+    base = blocks[0]
+    for i in (10, 11):
+        pool.deallocate(blocks[i])
+    pool.trim()  # pieces 10-11 unmapped: a hole
+    freed = list(range(1, 7)) + [8, 9] + list(range(12, 18))  # 1-6 elsewhere; 8-9 and 12-17 beside the hole
+    for i in freed:
+        pool.deallocate(blocks[i])
+    before = consistent(pool, up)
+    p = pool.allocate(10 * G)  # 8-9, the hole refilled, 12-17: one map of 2 G
+    st = consistent(pool, up)
+    assert p == base + 8 * G and st["stitch_top_ups"] == 0
+    assert st["reserved_bytes"] - before["reserved_bytes"] == 2 * G and st["map_calls"] - before["map_calls"] == 1
+    release(pool, [b for i, b in enumerate(blocks) if i not in freed + [10, 11]] + [p], up)

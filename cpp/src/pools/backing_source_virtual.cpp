@@ -119,6 +119,9 @@ class VirtualRange final : public BackingSource {
         }
       }
     };
+    // What a growth into the hole found maps at least: what the request lacks beyond the free run
+    // before the hole, at most the hole (the free run after it covers the rest).
+    auto growth_need = [&] { return std::min(ge - gs, align_up(rounded > lead ? rounded - lead : granule_, granule_)); };
     find_hole(rounded, true);
     // The free chunks the growth would extend stay out of the stitch: growing into them maps only
     // what they lack, while stitching them away would leave that growth's memory unused. A request
@@ -141,7 +144,9 @@ class VirtualRange final : public BackingSource {
       // requests there cost more than it saved (random_lifetime 1.085x -> 1.152x peak / live).
       if (found && opt.stitch_top_up) {
         const std::uintptr_t grow_at = gs;
-        const std::size_t grows = align_up(rounded > lead ? rounded - lead : granule_, granule_);
+        // (The hole's size bounds it: a top-up beside a hole that a free run after it completes
+        // mapped twice what the growth does, found by hostile testing.)
+        const std::size_t grows = growth_need();
         const std::uintptr_t keep_lo = edge_in ? 0 : gs - lead, keep_hi = edge_in ? 0 : ge + trail;
         std::size_t total = 0;
         const std::size_t parts = stitch_candidates(keep_lo, keep_hi, 0, 0, total).size();
@@ -181,7 +186,7 @@ class VirtualRange final : public BackingSource {
                                     " left at its end, " + format_bytes(rounded) + " needed; raise va_bytes)",
                                 a_.upstream_->name(), "POOLKEEPER_RANGE_FULL", 0);
     const std::size_t hole = ge - gs;
-    const std::size_t need = std::min(hole, align_up(rounded > lead ? rounded - lead : granule_, granule_));
+    const std::size_t need = growth_need();
     std::size_t step;
     if (!mapped_) {
       step = std::max(need, align_up(opt.initial_backing, granule_));
