@@ -138,7 +138,7 @@ class VirtualRange final : public BackingSource {
       // would map. Map just what they lack and stitch it with them: a growth instead maps the
       // request beside free pieces that then sit idle at the peak (the BERT serving trace: an 82
       // MiB request grew the range by 82 MiB beside 44 MiB of free pieces; docs/expandable.md,
-      // "Top-up"). Below stitch_edge_from the free run at the growth's edge stays out, as in the
+      // "Top-ups and homecomings"). Below stitch_edge_from the free run at the growth's edge stays out, as in the
       // stitch above, and the fresh memory must refill a hole below the growth's: one mapped into
       // the growth's own hole would only extend that run in two steps, and topping up small
       // requests there cost more than it saved (random_lifetime 1.085x -> 1.152x peak / live).

@@ -155,7 +155,7 @@ struct ArenaOptions {
   // Expandable with stitch: when the wholly free pieces fall short of a request that may stitch
   // (stitch_from), but by less than a growth would map, map only what they lack and stitch them
   // with it. Saves what the growth would have mapped beside them; costs an alias per piece of
-  // the request (docs/expandable.md, "Top-up").
+  // the request (docs/expandable.md, "Top-ups and homecomings").
   bool stitch_top_up = false;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
   // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
