@@ -367,8 +367,8 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
     return resolve_upstream(kind, upstream)
 
 
-# Stitching for large requests (docs/expandable.md, "Stitching moves on" and "Top-up"): pieces of
-# one granule, up to 256 of them in one stitch, for requests of 24 MiB or more; from 64 MiB a
+# Stitching (docs/expandable.md, "Stitching moves on" and "Top-ups and homecomings"): pieces of
+# one granule, up to 256 of them in one stitch, for requests of 4 MiB or more; from 64 MiB a
 # request may take the free run at the growth's edge too; free pieces that fall short of a request
 # are topped up with fresh memory instead of growing beside them. Chosen on the committed traces
 # and the real-model runs, at more driver calls (benchmarks/results/expandable_holes.txt,
