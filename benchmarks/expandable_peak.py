@@ -70,7 +70,7 @@ POLICIES: Dict[str, Dict[str, Any]] = {
     "release2M_step0_no_tcache": {"release_on_grow": True, "map_piece": M2, "step_fraction": 0,
                                   "thread_cache_bytes": 0},
     "wide_stitch": dict(pk.pools.WIDE_STITCH),  # install()'s default options
-    # before top-ups and homecomings (docs/expandable.md, "Top-up")
+    # before top-ups and homecomings (docs/expandable.md, "Top-ups and homecomings")
     "wide_stitch_before": {**pk.pools.WIDE_STITCH, "stitch_top_up": False, "stitch_from": 24 * MiB},
 }
 

@@ -404,14 +404,15 @@ def home_fragmented(up, n=8, device=None, **kw):
     return pool, blocks[0::2], s
 
 
-def free_all_and_close(pool, device, s, blocks, aliases):
-    """Free ``blocks`` on ``s``, close the pool: nothing left mapped on ``device``, and every one of
-    the ``aliases`` alias calls undone."""
+def free_all_and_close(pool, device, s, blocks, aliases=None):
+    """Free ``blocks`` on ``s`` (None: the default stream), close the pool: nothing left mapped on
+    ``device``, and every alias call undone (with ``aliases``: that many were made)."""
     for x in blocks:
         pool.deallocate(x, s)
     pool.close()
     c = device.counters()
-    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] == aliases and device.aliased_bytes() == 0
+    assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] and device.aliased_bytes() == 0
+    assert aliases is None or c["aliases"] == aliases
 
 
 def lent_pieces_behind_a_live_block(up, device=None):
@@ -665,17 +666,6 @@ def test_random_multi_stream_traffic_with_wide_stitching_stays_consistent(seed):
 # --- top-up: free pieces that fall short of a request, with fresh memory for what they lack ------
 
 
-def release(pool, blocks, device=None, s=None):
-    """Free ``blocks`` (on ``s``) and close the pool; with ``device``: nothing left mapped or
-    aliased there."""
-    for x in blocks:
-        pool.deallocate(x, s) if s is not None else pool.deallocate(x)
-    pool.close()
-    if device is not None:
-        c = device.counters()
-        assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] and device.aliased_bytes() == 0
-
-
 def topped_up(up, **kw):
     """fragmented() with top-ups on, every request allowed to stitch the growth's edge run."""
     return fragmented(up, **{"stitch_top_up": True, "stitch_edge_from": G, **kw})
@@ -690,7 +680,7 @@ def test_free_pieces_short_of_a_request_are_topped_up_not_left_idle_beside_a_gro
     p = pool.allocate(5 * G)
     st = consistent(pool, up)  # the old way: the request mapped beside the 3 free pieces
     assert st["reserved_bytes"] == 12 * G and in_main(pool, p, base) and st["free_bytes"] == 3 * G
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
 
     up = sim()
     pool, keep, base = topped_up(up)
@@ -705,7 +695,7 @@ def test_free_pieces_short_of_a_request_are_topped_up_not_left_idle_beside_a_gro
     q = pool.allocate(5 * G)  # served again from the same memory: nothing mapped
     st = consistent(pool, up)
     assert st["map_calls"] == 8 and st["reserved_bytes"] == 9 * G and not in_main(pool, q, base)
-    release(pool, keep + [q], up)
+    free_all_and_close(pool, up, None, keep + [q])
 
 
 def test_below_stitch_edge_from_a_top_up_only_refills_a_hole_below_the_growths():
@@ -715,7 +705,7 @@ def test_below_stitch_edge_from_a_top_up_only_refills_a_hole_below_the_growths()
     p = pool.allocate(5 * G)
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
     # A hole at piece 1 (freed and unmapped), pieces 3 and 5 free: the top-up refills the hole.
     up = sim()
     pool, keep, base = fragmented(up, n=8, stitch_top_up=True)  # 9 pieces; 1, 3, 5, 7 free
@@ -730,7 +720,7 @@ def test_below_stitch_edge_from_a_top_up_only_refills_a_hole_below_the_growths()
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 1 and st["map_calls"] == before["map_calls"] + 1
     assert st["reserved_bytes"] == before["reserved_bytes"] + G and not in_main(pool, p, base)
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
 
 
 def test_a_top_up_that_maps_no_less_than_the_growth_grows_as_before():
@@ -741,7 +731,7 @@ def test_a_top_up_that_maps_no_less_than_the_growth_grows_as_before():
     p = pool.allocate(7 * G)
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
     # From stitch_edge_from the edge run may be stitched too: 4 G free, 3 G mapped, not 5 G.
     up = sim()
     pool, keep, base = topped_up(up, stitch_edge_from=4 * G)
@@ -749,7 +739,7 @@ def test_a_top_up_that_maps_no_less_than_the_growth_grows_as_before():
     p = pool.allocate(7 * G)
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 1 and not in_main(pool, p, base) and st["reserved_bytes"] == 10 * G
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
 
 
 def test_a_top_up_maps_larger_pieces_to_stay_within_stitch_max_parts():
@@ -759,14 +749,14 @@ def test_a_top_up_maps_larger_pieces_to_stay_within_stitch_max_parts():
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 1 and st["map_calls"] == 8 and st["alias_calls"] == 4
     assert st["reserved_bytes"] == 13 * G and not in_main(pool, p, base)
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
     # No part left under the limit: no top-up; the growth maps the request.
     up = sim()
     pool, keep, base = topped_up(up, stitch_max_parts=3, map_piece=G)
     p = pool.allocate(5 * G)
     st = consistent(pool, up)
     assert st["stitch_top_ups"] == 0 and in_main(pool, p, base) and st["reserved_bytes"] == 12 * G
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
 
 
 @pytest.mark.parametrize("fail_at", [7, 8, 9, 11])
@@ -786,7 +776,7 @@ def test_a_refused_map_or_alias_during_a_top_up_leaves_the_pool_consistent(fail_
         pool.deallocate(p)
     pool.trim()
     consistent(pool, inner)
-    release(pool, keep, inner)
+    free_all_and_close(pool, inner, None, keep)
 
 
 def test_a_top_up_fits_under_a_limit_that_refuses_the_growth():
@@ -799,7 +789,7 @@ def test_a_top_up_fits_under_a_limit_that_refuses_the_growth():
     with pytest.raises(pk.OutOfMemoryError):
         pool.allocate(G)
     consistent(pool, up)
-    release(pool, keep + [p], up)
+    free_all_and_close(pool, up, None, keep + [p])
 
 
 # --- free stitched ranges go home before a growth ------------------------------------------------
@@ -830,7 +820,7 @@ def test_a_free_stitched_range_goes_home_before_a_growth_instead_of_sitting_besi
     pool.trim()  # waits for home: the stale aliases go
     st = consistent(pool, up)
     assert st["stale_aliases"] == 0 and st["stitched_ranges"] == 0 and up.aliased_bytes() == 0
-    release(pool, keep, up, s)
+    free_all_and_close(pool, up, s, keep)
 
 
 def test_regression_a_top_up_into_the_growths_own_hole_mapped_more_than_no_top_up():
@@ -881,4 +871,4 @@ def test_regression_a_top_up_beside_a_hole_that_a_free_run_completes_mapped_twic
     st = consistent(pool, up)
     assert p == base + 8 * G and st["stitch_top_ups"] == 0
     assert st["reserved_bytes"] - before["reserved_bytes"] == 2 * G and st["map_calls"] - before["map_calls"] == 1
-    release(pool, [b for i, b in enumerate(blocks) if i not in freed + [10, 11]] + [p], up)
+    free_all_and_close(pool, up, None, [b for i, b in enumerate(blocks) if i not in freed + [10, 11]] + [p])

@@ -26,6 +26,7 @@ from poolkeeper.integrations import _common
 from poolkeeper.integrations import cupy as pk_cupy
 from poolkeeper.integrations import torch as pkt
 from poolkeeper.integrations.torch_memory import memory_stats_from, summary_text, torch_snapshot_dict
+from poolkeeper.pools import WIDE_STITCH
 
 from test_integrations_cpu import MALLOC_T, FREE_T, make_fake_cupy, make_fake_torch
 
@@ -284,8 +285,6 @@ def test_install_without_a_kind_makes_the_measured_default_or_its_fallback(fake_
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: asked.append(1) or virtual)
     inst = pkt.install()
     assert asked == [1]
-    from poolkeeper.pools import WIDE_STITCH
-
     if virtual:
         assert (inst.kind, inst.upstream) == ("arena_expandable", "virtual")
         assert inst.options == {"single_stream": True, **WIDE_STITCH}
@@ -299,8 +298,6 @@ def test_install_without_a_kind_takes_the_options_given_over_the_defaults(fake_t
     fake_torch()
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
     inst = pkt.install(single_stream=False, limit=64 * MiB, map_piece=0)
-    from poolkeeper.pools import WIDE_STITCH
-
     assert inst.kind == "arena_expandable"
     assert inst.options == {**WIDE_STITCH, "single_stream": False, "limit": 64 * MiB, "map_piece": 0}
 
@@ -311,8 +308,6 @@ def test_install_without_a_kind_over_a_named_upstream_picks_a_kind_that_runs_the
     fake_torch()
     monkeypatch.setattr(pkt, "_virtual_memory_everywhere", lambda: True)
     inst = pkt.install(upstream=upstream)
-    from poolkeeper.pools import WIDE_STITCH
-
     wide = WIDE_STITCH if kind == "arena_expandable" else {}
     assert (inst.kind, inst.upstream, inst.options) == (kind, upstream, {"single_stream": True, **wide})
 

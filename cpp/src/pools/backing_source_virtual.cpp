@@ -138,10 +138,11 @@ class VirtualRange final : public BackingSource {
       // would map. Map just what they lack and stitch it with them: a growth instead maps the
       // request beside free pieces that then sit idle at the peak (the BERT serving trace: an 82
       // MiB request grew the range by 82 MiB beside 44 MiB of free pieces; docs/expandable.md,
-      // "Top-ups and homecomings"). Below stitch_edge_from the free run at the growth's edge stays out, as in the
-      // stitch above, and the fresh memory must refill a hole below the growth's: one mapped into
-      // the growth's own hole would only extend that run in two steps, and topping up small
-      // requests there cost more than it saved (random_lifetime 1.085x -> 1.152x peak / live).
+      // "Top-ups and homecomings"). Below stitch_edge_from the free run at the growth's edge
+      // stays out, as in the stitch above, and the fresh memory must refill a hole below the
+      // growth's: one mapped into the growth's own hole would only extend that run in two steps,
+      // and topping up small requests there cost more than it saved (random_lifetime 1.085x ->
+      // 1.152x peak / live).
       if (found && opt.stitch_top_up) {
         const std::uintptr_t grow_at = gs;
         // (The hole's size bounds it: a top-up beside a hole that a free run after it completes
@@ -155,8 +156,8 @@ class VirtualRange final : public BackingSource {
         // too many (and fewer calls: a 989 MiB request beside 326 MiB of free pieces, the
         // Llama-style trace, would need 332 more pieces of 2 MiB).
         const std::size_t room = parts < opt.stitch_max_parts ? opt.stitch_max_parts - parts : 0;
-        const std::size_t piece = !piece_ ? fresh : std::max(piece_, align_up((fresh + room - 1) / std::max<std::size_t>(room, 1), granule_));
         if (total && fresh && fresh < grows && room && a_.budget_.grant(fresh, fresh, granule_)) {
+          const std::size_t piece = piece_ ? std::max(piece_, align_up((fresh + room - 1) / room, granule_)) : fresh;
           find_hole(fresh, false);
           if (found && (edge_in || gs != grow_at)) {
             map_free(gs, fresh, piece, prev, next);
@@ -731,14 +732,12 @@ class VirtualRange final : public BackingSource {
   bool send_home() {
     bool any = false;
     for (auto& [dst, st] : stitches_) {
-      std::size_t j = 0;
-      std::uintptr_t at = dst;
+      const std::vector<std::size_t> offs = part_offsets(st);
       for (ArenaBacking* b : stitch_backings(dst, st.size)) {
         if (!wholly_free(b)) continue;
-        const std::uintptr_t ba = b->addr, be = ba + b->size;
-        for (; at < ba; at += st.parts[j++].n) {}
+        const auto [j0, j1] = parts_over(offs, dst, b);
         drop_backing(b);
-        for (; at < be; at += st.parts[j++].n) {
+        for (std::size_t j = j0; j < j1; ++j) {
           Part& part = st.parts[j];
           part.st = PartState::Stale;
           part.stale_epoch = a_.scan_epoch_;
@@ -749,6 +748,22 @@ class VirtualRange final : public BackingSource {
       }
     }
     return any;
+  }
+
+  // Each part's offset in its range's stretch (the parts lie end to end).
+  static std::vector<std::size_t> part_offsets(const Stitch& st) {
+    std::vector<std::size_t> offs(st.parts.size());
+    for (std::size_t j = 0, off = 0; j < st.parts.size(); off += st.parts[j++].n) offs[j] = off;
+    return offs;
+  }
+
+  // The parts [j0, j1) under b, a stitched backing of the range at dst (`offs`: part_offsets()).
+  static std::pair<std::size_t, std::size_t> parts_over(const std::vector<std::size_t>& offs, std::uintptr_t dst, const ArenaBacking* b) {
+    std::size_t j0 = 0;
+    while (dst + offs[j0] < b->addr) ++j0;
+    std::size_t j1 = j0;
+    while (j1 < offs.size() && dst + offs[j1] < b->addr + b->size) ++j1;
+    return {j0, j1};
   }
 
   // The stitched backings over the stretch [dst, dst + size), by address.
@@ -802,18 +817,14 @@ class VirtualRange final : public BackingSource {
       --pieces_.at(part.src).aliases;
       return true;
     };
-    std::vector<std::uintptr_t> offs(st.parts.size());
-    for (std::size_t j = 0, off = 0; j < st.parts.size(); off += st.parts[j++].n) offs[j] = off;
+    const std::vector<std::size_t> offs = part_offsets(st);
     for (std::size_t j = 0; j < st.parts.size(); ++j)
       if (stale_may_go(st.parts[j]) && unalias(dst + offs[j], st.parts[j])) st.parts[j].st = PartState::Gone;
     bool any = false;
     if (settled) for (ArenaBacking* b : stitch_backings(dst, st.size)) {
       if (!wholly_free(b)) continue;
-      const std::uintptr_t ba = b->addr, be = ba + b->size;
-      std::size_t j0 = 0;
-      while (dst + offs[j0] < ba) ++j0;
-      std::size_t j1 = j0;
-      while (j1 < st.parts.size() && dst + offs[j1] < be) ++j1;
+      const std::uintptr_t ba = b->addr;
+      const auto [j0, j1] = parts_over(offs, dst, b);
       std::size_t keep = j1;
       while (keep > j0 && unalias(dst + offs[keep - 1], st.parts[keep - 1])) --keep;
       if (keep == j1) continue;
