@@ -91,8 +91,9 @@ def shared_granule_peak(events: Iterable[Event], pre: Iterable[Tuple[int, int]] 
 
     Held memory is every granule with a live byte in it (a wholly free granule is unmapped at once,
     at no cost). A request (rounded up to ``alignment``) below a granule goes into the smallest free
-    gap inside a granule that holds it. Any other request is stitched end to end from the free end
-    of one granule (a head), fresh granules, and the free start of another granule (a tail): among
+    gap inside a granule that holds it. Any other request, one below a granule that no gap holds
+    included, is stitched end to end from the free end of one granule (a head), fresh granules,
+    and the free start of another granule (a tail): among
     the ``candidates`` largest heads and tails, the pair that needs the fewest fresh granules, then
     takes the most of the request, then is the smallest. Blocks never move. Greedy, not a floor: a
     placement that looks ahead could hold less. (Unmapping at once costs the model nothing: with
@@ -119,6 +120,9 @@ def shared_granule_peak(events: Iterable[Event], pre: Iterable[Tuple[int, int]] 
     def allocate(addr: int, size: int) -> None:
         size = -(-size // alignment) * alignment
         parts: list = []
+        if not size:  # holds no byte (and no granule)
+            blocks[addr] = parts
+            return
         if size < granule:
             best = None
             for g, iv in gran.items():

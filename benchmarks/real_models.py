@@ -235,10 +235,11 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     - ``best_ms``: request by request, the fastest of the rounds, summed. Every request is the same
       work in every round, and a disturbance of the machine (another process, a clock change) only
       ever adds time, so the fastest of a request's runs is the closest to what it costs;
-    - ``best_round_share``: the largest share of the requests whose fastest run fell in one round.
-      Near 1, ``best_ms`` is that one round: on the H200 one quiet round of torch's held 56 of its
-      60 fastest requests while no round of the other arm was as quiet, and the best-of-rounds
-      ratio said 1.069x where the rounds' medians said 0.935x (benchmarks/results/real_models_h200.md);
+    - ``best_round_share``: the largest share of the requests whose fastest run fell in one round
+      (a request tied between k rounds counts 1/k to each). Near 1, ``best_ms`` is that one round:
+      on the H200 one quiet round of torch's held 56 of its 60 fastest requests while no round of
+      the other arm was as quiet, and the best-of-rounds ratio said 1.069x where, request by
+      request, the median of the rounds said 0.971x (benchmarks/results/real_models_h200.md);
     - ``median_each_ms``: request by request, the median of the rounds, summed (steadier than
       ``best_ms`` when the quiet spells are rarer than the rounds);
     - against ``torch``: ``best_vs_torch``, ``median_each_vs_torch``, ``median_vs_torch`` and
@@ -260,14 +261,18 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     def totals(runs: List[Dict[str, Any]]) -> List[Optional[float]]:
         return [total(r) for r in runs]
 
-    def best(runs: List[Dict[str, Any]]) -> Optional[Tuple[float, int, float, float]]:
-        # (best ms, requests, the largest share of fastest runs in one round, median-each ms)
+    def best(runs: List[Dict[str, Any]]) -> Optional[Tuple[float, int, float, float, int]]:
+        # (best ms, requests, the largest share of fastest runs in one round, median-each ms, rounds)
         each = [xs for xs in map(times, runs) if xs is not None]
         if not each or not each[0] or any(len(e) != len(each[0]) for e in each):
             return None
-        fastest = collections.Counter(min(range(len(each)), key=lambda k: each[k][i]) for i in range(len(each[0])))
+        fastest: Dict[int, float] = collections.defaultdict(float)
+        for xs in zip(*each):
+            tied = [k for k, x in enumerate(xs) if x == min(xs)]
+            for k in tied:
+                fastest[k] += 1 / len(tied)
         return (math.fsum(min(xs) for xs in zip(*each)), len(each[0]), max(fastest.values()) / len(each[0]),
-                math.fsum(statistics.median(xs) for xs in zip(*each)))
+                math.fsum(statistics.median(xs) for xs in zip(*each)), len(each))
 
     base = totals(rounds.get("torch", []))
     base_ok = [t for t in base if t is not None]
@@ -279,12 +284,14 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
         paired = [ratio(t, b) for t, b in zip(ts, base) if t is not None and b is not None]
         paired = [x for x in paired if x is not None]
         b = best(runs)
-        same = bool(b and base_best and b[1] == base_best[1])
+        # Against torch over the same requests, and over several rounds on both sides: from one
+        # round the best and the median are that round, and the verdict falls back to its ratio.
+        same = bool(b and base_best and b[1] == base_best[1] and min(b[4], base_best[4]) >= 2)
         out[arm] = {
             "total_ms": ts,
             "median_ms": statistics.median(ok) if ok else None,
             "best_ms": b[0] if b else None,
-            "best_vs_torch": ratio(b[0], base_best[0]) if same else None,
+            "best_vs_torch": ratio(b[0], base_best[0]) if b and base_best and b[1] == base_best[1] else None,
             "best_round_share": b[2] if b else None,
             "median_each_ms": b[3] if b else None,
             "median_each_vs_torch": ratio(b[3], base_best[3]) if same else None,
@@ -384,10 +391,11 @@ def targets(cmp_: Dict[str, Dict[str, Any]],
     """Per poolkeeper arm: whether peak reserved is at most 0.95x ``torch_expandable``'s and the
     summed request time at most 1.02x ``torch``'s (None where a ratio is missing). With ``times``
     (:func:`round_times` of several rounds), time is judged on the fastest of the rounds, request by
-    request (``best_vs_torch``), and on the rounds' medians, request by request
-    (``median_each_vs_torch``): met when both are within the target, missed when neither is, and
-    ``"unsettled"`` when they disagree (the best of the rounds can be one quiet round,
-    ``best_round_share``). Where those are missing, on the median of the paired ratios."""
+    request (``best_vs_torch``), and on the median of the rounds, request by request
+    (``median_each_vs_torch``, only from two rounds or more on both sides): met when both are within
+    the target, missed when neither is, and ``"unsettled"`` when they disagree (the best of the
+    rounds can be one quiet round, ``best_round_share``). With only the best, on it; with neither,
+    on the median of the paired ratios."""
     out: Dict[str, Dict[str, Any]] = {}
     for arm, c in cmp_.items():
         if arm not in POOL_ARMS:
@@ -1055,6 +1063,18 @@ def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
     return res
 
 
+def _readopt_saved_run(r: Dict[str, Any]) -> None:
+    """A round's run as an earlier version saved it, in the current form (in place): some kept every
+    key of ROUND_RUN_KEYS, ``"error": None`` on a run that did not fail (read as failed now), and
+    no ``request_ms`` where only ``request_ms_each`` was kept."""
+    if "error" in r and r["error"] is None:
+        del r["error"]
+    each = r.get("request_ms_each")
+    if not isinstance(r.get("request_ms"), dict) and isinstance(each, list) and each and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in each):
+        r["request_ms"] = quantiles(each)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
@@ -1091,7 +1111,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             with open(args.render) as f:
                 saved = json.load(f)
-            saved["round_times"] = {wl: round_times(rr) for wl, rr in (saved.get("round_runs") or {}).items()}
+            saved_runs = saved.get("round_runs") or {}
+            for runs in saved_runs.values():
+                for r in (x for v in runs.values() for x in v if isinstance(x, dict)):
+                    _readopt_saved_run(r)
+            # A workload saved without its round runs keeps the round times it was saved with.
+            saved["round_times"] = {**(saved.get("round_times") or {}),
+                                    **{wl: round_times(rr) for wl, rr in saved_runs.items()}}
             print(markdown(saved), end="")
         except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:
             ap.error(f"--render {args.render}: {type(e).__name__}: {e}")

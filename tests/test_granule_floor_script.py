@@ -75,3 +75,10 @@ def test_the_table_covers_every_committed_trace_and_no_floor_is_below_peak_live(
     for r in body:
         live, floor, shared, default = float(r[1]), float(r[2]), float(r[4]), float(r[6])
         assert floor >= live and shared >= live and default >= live
+
+
+def test_shared_granules_a_zero_byte_block_holds_no_granule():
+    # Found by review: it sat as an empty interval and kept its granule counted after every byte
+    # around it was freed (4 MiB here, above the whole-granule floor of the same trace).
+    events = [(True, 1, MiB, 0), (True, 2, 0, 0), (False, 1, 0, 0), (True, 3, 2 * MiB, 0), (False, 2, 0, 0)]
+    assert gf.shared_granule_peak(events) == 2 * MiB == gf.whole_granule_peak(events)[1]
