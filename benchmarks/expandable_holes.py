@@ -45,6 +45,9 @@ WORKLOAD_NAMES = ("random_lifetime", "large_recycle", "straddle", "kv_cache", "i
 TRACES = ("torch_gpt2_generate.pickle.gz", "torch_bert_serve.pickle.gz")
 
 OFF = {"stitch": False}
+# install()'s stitching before top-ups and homecomings (docs/expandable.md, "Top-ups and
+# homecomings"): the comparison this script and expandable_peak.py print.
+WIDE_STITCH_BEFORE_TOP_UPS: Dict[str, Any] = {**pk.pools.WIDE_STITCH, "stitch_top_up": False, "stitch_from": 24 * MiB}
 POLICIES: List[Tuple[str, Dict[str, Any]]] = [
     ("tail only (before holes)", {"reclaim_holes": False, **OFF}),
     ("holes (before stitching)", dict(OFF)),
@@ -59,7 +62,7 @@ POLICIES: List[Tuple[str, Dict[str, Any]]] = [
     ("stitch, 2 MiB, step 0, 256, no tcache", {"map_piece": 2 * MiB, "step_fraction": 0, "stitch_max_parts": 256,
                                                "thread_cache_bytes": 0}),
     ("wide stitch (install())", dict(pk.pools.WIDE_STITCH)),
-    ("wide stitch, before top-ups", {**pk.pools.WIDE_STITCH, "stitch_top_up": False, "stitch_from": 24 * MiB}),
+    ("wide stitch, before top-ups", dict(WIDE_STITCH_BEFORE_TOP_UPS)),
 ]
 
 Case = Callable[[Any, Any], Tuple[int, int]]

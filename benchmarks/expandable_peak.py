@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Dict, List, Tuple
 
 import poolkeeper as pk
@@ -37,6 +38,9 @@ from poolkeeper.bench.workloads import WORKLOADS, RunContext
 MiB = 1 << 20
 GRANULE = 2 * MiB
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from expandable_holes import WIDE_STITCH_BEFORE_TOP_UPS  # noqa: E402
+
 TRACES = ("torch_gpt2_generate.pickle.gz", "torch_bert_serve.pickle.gz")
 BANDS = [(0, 1 * MiB, "<1M"), (1 * MiB, 2 * MiB, "1-2M"), (2 * MiB, 8 * MiB, "2-8M"), (8 * MiB, 32 * MiB, "8-32M"),
          (32 * MiB, 1 << 62, ">=32M")]
@@ -70,8 +74,7 @@ POLICIES: Dict[str, Dict[str, Any]] = {
     "release2M_step0_no_tcache": {"release_on_grow": True, "map_piece": M2, "step_fraction": 0,
                                   "thread_cache_bytes": 0},
     "wide_stitch": dict(pk.pools.WIDE_STITCH),  # install()'s default options
-    # before top-ups and homecomings (docs/expandable.md, "Top-ups and homecomings")
-    "wide_stitch_before": {**pk.pools.WIDE_STITCH, "stitch_top_up": False, "stitch_from": 24 * MiB},
+    "wide_stitch_before": dict(WIDE_STITCH_BEFORE_TOP_UPS),  # before top-ups and homecomings
 }
 
 

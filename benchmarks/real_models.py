@@ -267,11 +267,13 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
         if not each or not each[0] or any(len(e) != len(each[0]) for e in each):
             return None
         fastest: Dict[int, float] = collections.defaultdict(float)
+        lows = []
         for xs in zip(*each):
-            tied = [k for k, x in enumerate(xs) if x == min(xs)]
+            lows.append(min(xs))
+            tied = [k for k, x in enumerate(xs) if x == lows[-1]]
             for k in tied:
                 fastest[k] += 1 / len(tied)
-        return (math.fsum(min(xs) for xs in zip(*each)), len(each[0]), max(fastest.values()) / len(each[0]),
+        return (math.fsum(lows), len(each[0]), max(fastest.values()) / len(each[0]),
                 math.fsum(statistics.median(xs) for xs in zip(*each)), len(each))
 
     base = totals(rounds.get("torch", []))

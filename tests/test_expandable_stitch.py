@@ -661,8 +661,6 @@ def test_random_multi_stream_traffic_with_wide_stitching_stays_consistent(seed):
     assert c["outstanding_bytes"] == 0 and c["aliases"] == c["unaliases"] > 0 and c["maps"] == c["unmaps"]
 
 
-
-
 # --- top-up: free pieces that fall short of a request, with fresh memory for what they lack ------
 
 
