@@ -57,7 +57,8 @@ DEFAULT_OUT = os.path.join(HERE, "results", "real_models_h200")
 NATIVE_ARMS = ("torch", "torch_expandable")
 # "KIND+OPTION": the kind installed with OPTION=True (not in the default run; name them in --arms).
 VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream", "arena_expandable+single_stream+wide_stitch",
-                "arena_expandable+single_stream+wide_stitch+no_stitch_top_up")
+                "arena_expandable+single_stream+wide_stitch+no_stitch_top_up",
+                "arena_expandable+single_stream+wide_stitch+no_stitch_fragments")
 # Named option sets an arm may add after "+": "wide_stitch" is poolkeeper.pools.WIDE_STITCH (what
 # install() adds to its default pool; docs/expandable.md, "Stitching moves on"). "+no_OPTION" sets
 # OPTION=False (after a preset: "+wide_stitch+no_stitch_top_up").

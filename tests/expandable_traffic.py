@@ -7,13 +7,16 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 import poolkeeper as pk
 from poolkeeper.errors import OutOfMemoryError
 
+from expandable_helpers import assert_disjoint
+
 
 def random_traffic(pool: Any, inner: Any, up: Any, rng: random.Random, steps: int, sizes: Callable[[], int],
                    check: Callable[[], None], alloc_p: float = 0.5, trim_p: float = 0.05) -> None:
     """Allocate, release (on streams too), record_stream, settle, trim and advance the clock at
     random; ``up`` (a Faulty over ``inner``) is armed for about 15% of the steps, so maps, unmaps
     and aliases are refused anywhere. ``check`` runs after every step; no two live blocks ever
-    overlap. Leaves nothing live, the pool closed."""
+    overlap, in addresses or in the memory behind them (``inner`` is a Simulated device). Leaves
+    nothing live, the pool closed."""
     streams = [inner.stream() for _ in range(3)]
     live: Dict[int, Tuple[int, Any]] = {}
     for _ in range(steps):
@@ -31,6 +34,8 @@ def random_traffic(pool: Any, inner: Any, up: Any, rng: random.Random, steps: in
                     for q, (m, _) in live.items():
                         assert p + n <= q or q + m <= p, "a byte reachable twice"
                     live[p] = (n, s)
+                    # And no memory behind two of them (a stitched alias and the main range).
+                    assert_disjoint(inner, [(q, m) for q, (m, _) in live.items()])
             elif r < 0.8:
                 p = rng.choice(list(live))
                 n, s = live.pop(p)

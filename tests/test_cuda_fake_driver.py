@@ -355,6 +355,42 @@ def test_stitched_range_over_cuda_virtual_is_a_second_mapping_of_the_same_memory
     assert out["end"] == [3, 3, 2, 2, 0]
 
 
+def test_fragment_stitch_over_cuda_virtual_writes_only_the_lent_bytes(fakes):
+    out = run(fakes["full"], """
+        import ctypes
+        G = 2 << 20
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True, stitch_fragments=True)
+        sizes = [G, G // 4, 3 * G // 4, G, G, G, G // 2, G // 2]
+        blocks = [pool.allocate(n) for n in sizes]
+        for i in (2, 4, 6):
+            pool.deallocate(blocks[i])
+        live = [(blocks[i], sizes[i]) for i in (0, 1, 3, 5, 7)]
+        for k, (q, n) in enumerate(live):
+            ctypes.memset(q, 0x10 + k, n)
+        p = pool.allocate(9 * G // 4)  # piece 1's free end, piece 3, piece 5's free start
+        ctypes.memset(p, 0x5A, 9 * G // 4)
+        kept = [set(ctypes.string_at(q, n)) == {0x10 + k} for k, (q, n) in enumerate(live)]
+        lent = [set(ctypes.string_at(blocks[0] + G + G // 4, 3 * G // 4)), set(ctypes.string_at(blocks[0] + 5 * G, G // 2))]
+        st = pool.stats()
+        pool.validate()
+        during = dict(maps=up.counters()["maps"], aliases=up.aliases, fragments=st["stitched_fragments"])
+        pool.deallocate(p)
+        pool.validate()
+        for q, _ in live:
+            pool.deallocate(q)
+        pool.close()
+        c = up.counters()
+        print(json.dumps({"kept": kept, "lent": [sorted(x) for x in lent], "during": during,
+                          "end": [c["aliases"], c["unaliases"], up.mapped_pieces]}))
+    """)
+    assert out["kept"] == [True] * 5  # the live blocks sharing pieces 1 and 5: untouched
+    assert out["lent"] == [[0x5A], [0x5A]]  # the lent bytes, through the main range
+    assert out["during"] == {"maps": 6, "aliases": 3, "fragments": 2}
+    assert out["end"] == [3, 3, 0]
+
+
 def test_cuda_virtual_refused_map_undoes_itself_and_the_pool_stays_consistent(fakes):
     out = run(fakes["full"], """
         up = pk.upstream.CudaVirtual()

@@ -19,7 +19,7 @@ import poolkeeper as pk
 from poolkeeper import _core
 
 from expandable_traffic import random_traffic
-from expandable_helpers import G, KiB, MiB, sim  # noqa: F401
+from expandable_helpers import G, KiB, MiB, assert_disjoint, sim  # noqa: F401
 from expandable_helpers import pool_in_granules as pieces_pool
 from test_expandable_holes import consistent
 
@@ -541,13 +541,15 @@ def test_stitch_edge_from_lets_a_large_request_stitch_the_free_run_at_the_growth
 @pytest.mark.parametrize("seed", [12, 13, 14, 15])
 def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(seed):
     """One stream, home never waited for except at trims: stitched pieces move on and go stale (and,
-    odd seeds, top-ups map what free pieces lack and free ranges go home)."""
+    odd seeds, top-ups map what free pieces lack and free ranges go home; seeds 14 and 15, stitched
+    ranges begin and end in fragments). No memory lies behind two live blocks."""
     rng = random.Random(seed)
     inner = sim(capacity=160 * MiB)
     up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=8 * MiB, shrink_interval=32,
                         map_piece=G, stitch=True, stitch_max_parts=256, stitch_edge_from=4 * MiB, single_stream=True,
-                        thread_cache_bytes=256 * KiB if seed % 2 else 0, stitch_top_up=bool(seed % 2))
+                        thread_cache_bytes=256 * KiB if seed % 2 else 0, stitch_top_up=bool(seed % 2),
+                        stitch_fragments=seed >= 14)
     s = inner.stream()
     live = {}
     stale = []
@@ -566,6 +568,7 @@ def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(se
                     for q, m in live.items():
                         assert p + n <= q or q + m <= p, "a byte reachable twice"
                     live[p] = n
+                    assert_disjoint(inner, list(live.items()))
             elif r < 0.97:
                 p = rng.choice(list(live))
                 del live[p]
@@ -578,7 +581,8 @@ def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(se
         inner.advance(rng.uniform(0, 20))
         up.armed = False
         st = consistent(pool, inner)
-        stale.append((st["stale_aliases"], st["stitch_extends"], st["stitch_top_ups"], st["stitch_homecomings"]))
+        stale.append((st["stale_aliases"], st["stitch_extends"], st["stitch_top_ups"], st["stitch_homecomings"],
+                      st["stitched_fragments"]))
     for p in list(live):
         pool.deallocate(p, s)
     pool.close()
@@ -589,6 +593,7 @@ def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(se
     assert stale[-1][3] > 0  # and free ones went home
     if seed % 2:
         assert stale[-1][2] > 0  # and free pieces were topped up
+    assert (stale[-1][4] > 0) == (seed >= 14)  # and (seeds 14, 15) free ends and starts were lent
 
 
 def test_regression_a_partly_refused_growth_in_place_left_the_growth_with_a_split_segment():
@@ -870,3 +875,144 @@ def test_regression_a_top_up_beside_a_hole_that_a_free_run_completes_mapped_twic
     assert p == base + 8 * G and st["stitch_top_ups"] == 0
     assert st["reserved_bytes"] - before["reserved_bytes"] == 2 * G and st["map_calls"] - before["map_calls"] == 1
     free_all_and_close(pool, up, None, [b for i, b in enumerate(blocks) if i not in freed + [10, 11]] + [p])
+
+
+# --- fragments: a stitched range that begins in one piece's free end and ends in another's free start
+
+
+def with_fragments(up, whole=True, **kw):
+    """Pieces 0-5, one map each. Piece 1: a live quarter, then a free end of 3/4 G (a head); piece 3
+    wholly free (when ``whole``); piece 5: a free start of G/2 (a tail), then a live half. Pieces
+    0, 2 and 4 live between them, so no two free chunks touch. Returns the pool and the live
+    blocks as (address, size) pairs."""
+    pool = pool_pieces(up, **{"stitch_fragments": True, **kw})
+    sizes = [G, G // 4, 3 * G // 4, G, G, G, G // 2, G // 2]
+    blocks = [(pool.allocate(n), n) for n in sizes]
+    assert [p - blocks[0][0] for p, _ in blocks] == [0, G, G + G // 4, 2 * G, 3 * G, 4 * G, 5 * G, 5 * G + G // 2]
+    for i in (2, 4, 6) if whole else (2, 6):
+        pool.deallocate(blocks[i][0])
+    return pool, [b for i, b in enumerate(blocks) if i not in ((2, 4, 6) if whole else (2, 6))]
+
+
+def test_a_stitch_begins_in_one_pieces_free_end_and_ends_in_anothers_free_start():
+    """The Llama-style log's peak: every wholly free piece was taken, and the free ends and starts of
+    pieces holding small live blocks sat idle while requests mapped more. With stitch_fragments a
+    stitched range may begin with a free end and end with a free start: 3/4 G + G + G/2 serve
+    2.25 G with nothing mapped, where whole pieces alone grew by 3 G."""
+    up = sim()
+    pool, live = with_fragments(up, stitch_fragments=False)
+    p = pool.allocate(9 * G // 4)
+    st = consistent(pool, up)
+    assert st["reserved_bytes"] == 9 * G  # whole pieces only: the request grew by 3 G
+    free_all_and_close(pool, up, None, [b for b, _ in live] + [p])
+
+    up = sim()
+    pool, live = with_fragments(up)
+    base = live[0][0]
+    p = pool.allocate(9 * G // 4)
+    st = consistent(pool, up)
+    assert not in_main(pool, p, base) and st["reserved_bytes"] == 6 * G and st["map_calls"] == 6
+    # Pieces 1, 3 and 5 aliased whole; the range's backing is only their lent bytes.
+    assert (st["stitches"], st["alias_calls"], st["stitched_bytes"], st["stitched_backings"]) == (1, 3, 9 * G // 4, 1)
+    assert up.aliased_bytes() == 3 * G and st["free_bytes"] == 0
+    assert_disjoint(up, live + [(p, 9 * G // 4)])
+    # The stitched block starts 3/4 G into piece 1's alias: behind it, piece 1's free end.
+    assert up.physical(p) == base + G + G // 4 and up.physical(p + 3 * G // 4) == base + 3 * G
+    assert up.physical(p + 7 * G // 4) == base + 5 * G
+    # A small request now grows: the lent bytes are in no free chunk of the main range.
+    q = pool.allocate(G // 4)
+    assert_disjoint(up, live + [(p, 9 * G // 4), (q, G // 4)])
+    st = consistent(pool, up)
+    assert st["map_calls"] == 7 and in_main(pool, q, base)
+    # Freed: the range is torn down; the lent bytes rejoin the rest of their pieces.
+    pool.deallocate(p)
+    st = consistent(pool, up)
+    assert (st["stitched_ranges"], st["stitched_bytes"], st["unalias_calls"]) == (0, 0, 3) and up.aliased_bytes() == 0
+    assert pool.allocate(3 * G // 4) == base + G + G // 4  # piece 1's free end, whole again
+    free_all_and_close(pool, up, None, [b for b, _ in live] + [q, base + G + G // 4])
+
+
+def test_fragments_give_only_what_the_whole_pieces_lack():
+    """Of the fragments that make up the shortfall, the fewest bytes (piece 5's free start, G/2,
+    not piece 1's free end), and of it only what the whole piece lacks: 1.25 G takes piece 3 and
+    the first G/4 of piece 5. The rest of that free start stays in the main range, where a G/4
+    block then fits exactly."""
+    up = sim()
+    pool, live = with_fragments(up)
+    base = live[0][0]
+    p = pool.allocate(5 * G // 4)
+    st = consistent(pool, up)
+    assert st["map_calls"] == 6 and st["stitched_bytes"] == 5 * G // 4 and st["alias_calls"] == 2
+    assert up.physical(p) == base + 3 * G and up.physical(p + G) == base + 5 * G
+    q = pool.allocate(G // 4)
+    assert q == base + 5 * G + G // 4  # in piece 5, after its lent bytes
+    st = consistent(pool, up)
+    assert st["map_calls"] == 6
+    assert_disjoint(up, live + [(p, 5 * G // 4), (q, G // 4)])
+    free_all_and_close(pool, up, None, [b for b, _ in live] + [p, q])
+
+
+def test_a_top_up_stitches_fresh_memory_between_two_fragments():
+    """No wholly free piece: the fragments (3/4 G + G/2) and one fresh piece serve 2.25 G; the
+    growth mapped 3 G. The fresh piece may go into the growth's own hole: no whole free piece takes
+    part, so the top-up is the growth less what the fragments give."""
+    up = sim()
+    pool, live = with_fragments(up, whole=False, stitch_top_up=True, stitch_fragments=False)
+    p = pool.allocate(9 * G // 4)
+    assert consistent(pool, up)["reserved_bytes"] == 6 * G + 3 * G
+    free_all_and_close(pool, up, None, [b for b, _ in live] + [p])
+
+    up = sim()
+    pool, live = with_fragments(up, whole=False, stitch_top_up=True)
+    base = live[0][0]
+    p = pool.allocate(9 * G // 4)
+    st = consistent(pool, up)
+    assert (st["map_calls"], st["stitch_top_ups"], st["alias_calls"]) == (7, 1, 3) and not in_main(pool, p, base)
+    assert st["reserved_bytes"] == 7 * G and st["stitched_bytes"] == 9 * G // 4
+    assert up.physical(p) == base + G + G // 4 and up.physical(p + 3 * G // 4) == base + 6 * G
+    assert up.physical(p + 7 * G // 4) == base + 5 * G
+    assert_disjoint(up, live + [(p, 9 * G // 4)])
+    free_all_and_close(pool, up, None, [b for b, _ in live] + [p])
+
+
+def test_a_free_stitched_range_with_a_fragment_goes_home_at_the_next_growth():
+    """Single-stream mode: a free stitched range waits for home to settle before it is torn down,
+    and a fragment's piece can move on to no other stitch meanwhile (half of it is the main
+    range's). So one holding a fragment goes home at the next growth, aliases left stale."""
+    up = sim()
+    s = up.stream()
+    pool, live = with_fragments(up, single_stream=True)
+    base = live[0][0]
+    p = pool.allocate(9 * G // 4, s)
+    pool.deallocate(p, s)  # home unsettled: the free range stays
+    st = consistent(pool, up)
+    assert st["stitched_ranges"] == 1 and st["stitched_bytes"] == 9 * G // 4
+    q = pool.allocate(3 * G, s)  # a growth (nothing free holds it): the range went home first
+    st = consistent(pool, up)
+    assert st["stitch_homecomings"] == 3 and st["stitched_bytes"] == 0 and st["stale_aliases"] == 3
+    assert pool.allocate(3 * G // 4, s) == base + G + G // 4  # piece 1's free end is back
+    pool.trim()  # waits for home: the stale aliases go
+    st = consistent(pool, up)
+    assert st["stale_aliases"] == 0 and up.aliased_bytes() == 0
+    free_all_and_close(pool, up, s, [b for b, _ in live] + [q, base + G + G // 4])
+
+
+@pytest.mark.parametrize("fail_at", [6, 7, 8])
+def test_a_refused_alias_of_a_fragment_stitch_leaves_the_pool_consistent(fail_at):
+    # Watched calls 0-5: the six pieces' maps; the stitch's aliases are calls 6 (piece 1's free
+    # end), 7 (piece 3) and 8 (piece 5's free start).
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_at=[fail_at], error="upstream")
+    pool, live = with_fragments(up)
+    try:
+        p = pool.allocate(9 * G // 4)
+    except pk.PoolkeeperError:
+        p = None
+    st = consistent(pool, inner)
+    assert st["alias_failures"] == 1 and st["live_bytes"] == 15 * G // 4 + (9 * G // 4 if p else 0)
+    if p is not None:
+        assert_disjoint(inner, live + [(p, 9 * G // 4)])
+        pool.deallocate(p)
+    pool.trim()
+    consistent(pool, inner)
+    free_all_and_close(pool, inner, None, [b for b, _ in live])

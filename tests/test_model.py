@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import poolkeeper as pk
 from poolkeeper.accounting import check as check_snapshot
 from poolkeeper.errors import InvalidPointerError
+from expandable_helpers import assert_disjoint
 from pool_oracle import check_equation, state
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,6 +93,8 @@ class PoolVersusModel(RuleBasedStateMachine):
             assert p + self.span(n) <= q or q + self.span(m) <= p, f"{p:#x}+{n} overlaps {q:#x}+{m}"
         self.live[p] = (n, s)
         self.peak_live = max(self.peak_live, sum(m for m, _ in self.live.values()))
+        if self.KIND == "arena_expandable":  # no memory behind two live blocks either (stitched aliases)
+            assert_disjoint(self.sim, [(q, m) for q, (m, _) in self.live.items()])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

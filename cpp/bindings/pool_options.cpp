@@ -47,13 +47,15 @@ ArenaOptions arena_options(nb::handle opts) {
   o.stitch_edge_from = r.size("stitch_edge_from", o.stitch_edge_from);
   o.stitch_from = r.size("stitch_from", o.stitch_from);
   o.stitch_top_up = r.flag("stitch_top_up", o.stitch_top_up);
+  o.stitch_fragments = r.flag("stitch_fragments", o.stitch_fragments);
   o.shards = r.size("shards", o.shards);
   o.single_stream = r.flag("single_stream", o.single_stream);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)
     for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow", "stitch",
-                          "stitch_max_parts", "stitch_edge_from", "stitch_from", "stitch_top_up"})
+                          "stitch_max_parts", "stitch_edge_from", "stitch_from", "stitch_top_up",
+                          "stitch_fragments"})
       if (r.given(k))
         throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();

@@ -191,6 +191,9 @@ void bind_upstreams(nb::module_& m) {
       .def("mapped_bytes", &SimulatedUpstream::mapped_bytes, "Physical bytes mapped now (all reserved ranges).")
       .def("aliased_bytes", &SimulatedUpstream::aliased_bytes,
            "Bytes mapped a second time (aliases) now; they take no memory.")
+      .def("physical", &SimulatedUpstream::physical, "address"_a,
+           "The memory behind the byte at ``address``: that byte's address in its first mapping (itself in a mapped "
+           "piece, the source piece's byte through an alias); 0 when nothing maps it.")
       .def_prop_ro("latency_model", [](const SimulatedUpstream& u) {
         const auto& m = u.model();
         return dict_of("alloc_base_us", m.alloc_base_us, "alloc_per_mib_us", m.alloc_per_mib_us, "free_base_us",

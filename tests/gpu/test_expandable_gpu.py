@@ -97,6 +97,43 @@ def test_expandable_arena_by_content_then_trim_and_close():
         s.close()
 
 
+def test_fragment_stitch_writes_only_the_lent_bytes_of_shared_pieces():
+    """stitch_fragments on the device: a stitched block that begins in piece 1's free end and ends
+    in piece 5's free start. Writing all of it changes those bytes (seen through the main range)
+    and none of the live blocks that share the two pieces."""
+    up = pk.upstream.CudaVirtual(0)
+    g = up.vm_granularity
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=g, step_fraction=0.0, max_step=g, thread_cache_bytes=0,
+                        shrink_interval=0, stitch=True, stitch_fragments=True)
+    sizes = [g, g // 4, 3 * g // 4, g, g, g, g // 2, g // 2]
+    blocks = [pool.allocate(n) for n in sizes]
+    base = blocks[0]
+    for i in (2, 4, 6):
+        pool.deallocate(blocks[i])
+    live = [(blocks[i], sizes[i]) for i in (0, 1, 3, 5, 7)]
+    for k, (q, n) in enumerate(live):
+        driver.memset_d8(q, 0x10 + k, n)
+    maps = up.counters()["maps"]
+    p = pool.allocate(9 * g // 4)  # 3/4 g + g + 1/2 g: nothing mapped
+    assert up.counters()["maps"] == maps and up.aliases == 3 and pool.stats()["stitched_fragments"] == 2
+    driver.memset_d8(p, 0x5A, 9 * g // 4)
+    for k, (q, n) in enumerate(live):
+        assert (read(q, n) == 0x10 + k).all()  # the pieces' other bytes: untouched
+    assert (read(base + g + g // 4, 3 * g // 4) == 0x5A).all()  # piece 1's free end, through the main range
+    assert (read(base + 5 * g, g // 2) == 0x5A).all()  # piece 5's free start
+    pool.validate()
+    pool.deallocate(p)
+    assert up.aliases == 0 and pool.stats()["stitched_bytes"] == 0
+    assert pool.allocate(3 * g // 4) == base + g + g // 4  # the free end is the main range's again
+    pool.validate()
+    for q, _ in live:
+        pool.deallocate(q)
+    pool.deallocate(base + g + g // 4)
+    pool.close()
+    c = up.counters()
+    assert (c["aliases"], c["unaliases"], c["outstanding_bytes"]) == (3, 3, 0) and up.mapped_pieces == 0
+
+
 def test_stitched_range_is_the_same_device_memory_and_goes_back_cleanly():
     up = pk.upstream.CudaVirtual(0)
     g = up.vm_granularity

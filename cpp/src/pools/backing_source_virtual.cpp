@@ -24,6 +24,11 @@
 // - Top-up (option `stitch_top_up`): when the wholly free pieces fall short of a request by less
 //   than a growth would map, only what they lack is mapped (fresh pieces, lent at once) and
 //   stitched with them.
+// - Fragments (option `stitch_fragments`): when whole free pieces fall short, a stitched range
+//   may begin with the free end of a piece whose start is still in use and end with the free
+//   start of another. Such a piece is lent in part: its alias maps all of it, the stitched backing
+//   tiles only the lent bytes, its segment keeps the rest (a segment may end or begin inside a
+//   piece), and it cannot move on or be unmapped until its bytes come home.
 // - Before a growth that no stitch served, every wholly free stitched backing goes home without
 //   waiting: its parts go Stale, its pieces rejoin the main range (send_home()).
 // - A wholly free stitched backing is torn down (aliases unmapped, pieces back in the main range,
@@ -74,7 +79,10 @@ class VirtualRange final : public BackingSource {
     // Stitching serves the request from memory already mapped. Never while a capture scope is
     // open (a teardown unmaps; a graph may keep addresses it saw).
     const bool stitching = stitch_ && quiet;
-    if (stitching && dissolve_free_stitches())
+    // A free stitched backing with a fragment goes home at once: neither its fragment nor the rest
+    // of that piece could serve anything else meanwhile (the Llama-style log held 18 MiB more at
+    // its peak while they waited for a teardown).
+    if (stitching && (dissolve_free_stitches() | send_home(true)))
       if (ArenaChunk* c = a_.index_.take_best_fit(rounded)) return c;
     std::vector<ArenaBacking*> segs = main_segments();
     const std::uintptr_t va_end = va_base_ + va_bytes_;
@@ -100,9 +108,14 @@ class VirtualRange final : public BackingSource {
         const std::uintptr_t from = i ? segs[i - 1]->addr + segs[i - 1]->size : va_base_;
         const std::uintptr_t to = i < segs.size() ? segs[i]->addr : va_end;
         // Between two segments lie unmapped holes and lent pieces (mapped, used through a
-        // stitched range): only the unmapped stretches can take memory.
+        // stitched range): only the unmapped stretches can take memory. A segment may end where
+        // the lent free end of its last piece begins, and the next begin where the lent free
+        // start of its first ends.
         auto lent = pieces_.lower_bound(from);
-        for (std::uintptr_t hs = from; !found;) {
+        std::uintptr_t hs = from;
+        if (lent != pieces_.begin() && std::prev(lent)->first + std::prev(lent)->second.size > from)
+          hs = std::prev(lent)->first + std::prev(lent)->second.size;
+        for (; !found;) {
           const std::uintptr_t he = lent != pieces_.end() && lent->first < to ? lent->first : to;
           if (he > hs) {
             gs = hs;
@@ -150,8 +163,18 @@ class VirtualRange final : public BackingSource {
         const std::size_t grows = growth_need();
         const std::uintptr_t keep_lo = edge_in ? 0 : gs - lead, keep_hi = edge_in ? 0 : ge + trail;
         std::size_t total = 0;
-        const std::size_t parts = stitch_candidates(keep_lo, keep_hi, 0, 0, total).size();
-        const std::size_t fresh = total < rounded ? align_up(rounded - total, granule_) : 0;
+        std::size_t parts = stitch_candidates(keep_lo, keep_hi, 0, 0, total).size();
+        std::size_t fresh = total < rounded ? align_up(rounded - total, granule_) : 0;
+        // Fragments (stitch_fragments) count when they spare a granule of the fresh memory.
+        const std::size_t whole_total = total;
+        std::size_t spared_fresh = 0;
+        const Fragments fr = fresh ? pick_fragments(keep_lo, keep_hi, rounded - total, spared_fresh) : Fragments{};
+        const bool spared = fr.parts() != 0;
+        if (spared) {
+          fresh = spared_fresh;
+          total += fr.bytes();
+          parts += fr.parts();
+        }
         // Within stitch_max_parts: the fresh memory in larger pieces where map_piece's would be
         // too many (and fewer calls: a 989 MiB request beside 326 MiB of free pieces, the
         // Llama-style trace, would need 332 more pieces of 2 MiB).
@@ -159,9 +182,15 @@ class VirtualRange final : public BackingSource {
         if (total && fresh && fresh < grows && room && a_.budget_.grant(fresh, fresh, granule_)) {
           const std::size_t piece = piece_ ? std::max(piece_, align_up((fresh + room - 1) / room, granule_)) : fresh;
           find_hole(fresh, false);
-          if (found && (edge_in || gs != grow_at)) {
+          // Fresh memory that fragments make do with may go into the growth's own hole when no
+          // whole free piece takes part (the top-up is then the growth, less what the fragments
+          // give) or when it maps at most 1/kOwnHoleSaving of what the growth would. It extends
+          // the run kept out of the stitch, so the stitch may then take that run too.
+          const bool own = found && gs == grow_at;
+          const bool own_ok = spared && (!whole_total || fresh * kOwnHoleSaving <= grows);
+          if (found && (edge_in || !own || own_ok)) {
             map_free(gs, fresh, piece, prev, next);
-            if (ArenaChunk* c = stitch(rounded, keep_lo, keep_hi)) {
+            if (ArenaChunk* c = own ? stitch(rounded, 0, 0) : stitch(rounded, keep_lo, keep_hi)) {
               ++top_ups_;
               return c;
             }
@@ -269,53 +298,54 @@ class VirtualRange final : public BackingSource {
 
   void validate(const std::function<void(const std::string&)>& fail) const override {
     std::size_t mapped = 0, lent = 0;
+    // What the main range holds of each piece: all of it, nothing (lent whole), or the bytes before
+    // or after its lent ones. Laid side by side and merged where they touch, these are exactly the
+    // segments: every segment is mapped, holds no lent byte, and ends where a hole or lent bytes
+    // begin (segments never touch), and every mapped byte not lent lies in a segment.
+    std::vector<std::pair<std::uintptr_t, std::size_t>> held;
     for (const auto& [at, p] : pieces_) {
       if (!p.size || p.size % granule_ || (at - va_base_) % granule_) fail("mapped piece at " + format_ptr(at) + " is not granule-aligned");
       if (at < va_base_ || at + p.size > va_base_ + va_bytes_) fail("mapped piece outside the reserved range");
       mapped += p.size;
+      std::uintptr_t hs = at, he = at + p.size;
       if (p.lent_to) {
         ++lent;
         if (!stitches_.count(p.lent_to)) fail("piece at " + format_ptr(at) + " is lent to no stitched range");
+        if (!(p.lent_lo < p.lent_hi && p.lent_hi <= p.size && (p.lent_lo == 0 || p.lent_hi == p.size)) || p.lent_lo % a_.opt_.alignment ||
+            p.lent_hi % a_.opt_.alignment)
+          fail("piece at " + format_ptr(at) + " lends bytes that are not one aligned end of it");
+        if (at == va_base_ && p.lent_lo == 0) fail("the resident first piece's start is lent");
+        if (p.lent_lo) he = at + p.lent_lo;
+        else hs = at + p.lent_hi;
       }
+      if (hs == he) continue;
+      if (!held.empty() && held.back().first + held.back().second == hs) held.back().second += he - hs;
+      else held.emplace_back(hs, he - hs);
     }
     if (mapped != mapped_) fail("mapped-byte count is off");
     if (mapped != a_.budget_.reserved) fail("mapped " + std::to_string(mapped) + " != reserved " + std::to_string(a_.budget_.reserved));
-    // Each segment is exactly a run of consecutive pieces that are not lent; segments never touch
-    // (a hole or a lent piece lies between any two); every piece not lent lies in a segment.
-    auto it = pieces_.begin();
-    std::uintptr_t prev_end = 0;
-    bool first = true;
+    std::vector<std::pair<std::uintptr_t, std::size_t>> segments;
     std::vector<std::pair<std::uintptr_t, std::size_t>> stitched;  // stitched backings (addr, size), by address
     for (const ArenaBacking* b : a_.backings_) {
       if (b->oversize) fail("an expandable range holds an oversize backing");
       if (!in_main(b->addr)) {
-        // A stitched backing: exactly one run of Active parts of one stitched range (checked below).
+        // A stitched backing: exactly the used bytes of one run of Active parts (checked below).
         stitched.emplace_back(b->addr, b->size);
         if (b->resident) fail("a stitched range is resident");
         continue;
       }
-      for (; it != pieces_.end() && it->first < b->addr; ++it)
-        if (!it->second.lent_to) fail("piece at " + format_ptr(it->first) + " lies in no segment");
-      if (!first && b->addr <= prev_end) fail("segments at " + format_ptr(b->addr) + " touch or overlap (no hole between)");
       if (b->resident != (b->addr == va_base_)) fail("only the segment at the range's base is resident");
-      std::uintptr_t at = b->addr;
-      while (at < b->addr + b->size) {
-        if (it == pieces_.end() || it->first != at) fail("segment " + format_ptr(b->addr) + " covers unmapped bytes at " + format_ptr(at));
-        if (it->second.lent_to) fail("segment " + format_ptr(b->addr) + " covers a piece lent to a stitched range at " + format_ptr(at));
-        at += it->second.size;
-        ++it;
-      }
-      if (at != b->addr + b->size) fail("segment " + format_ptr(b->addr) + " ends inside a piece");
-      prev_end = at;
-      first = false;
+      segments.emplace_back(b->addr, b->size);
     }
-    for (; it != pieces_.end(); ++it)
-      if (!it->second.lent_to) fail("piece at " + format_ptr(it->first) + " lies in no segment");
+    if (segments != held)
+      fail("the segments are not exactly the mapped bytes the main range holds (a segment over unmapped or lent bytes, two "
+           "segments touching, or a mapped byte in none)");
     if (!pieces_.empty() && pieces_.begin()->first != va_base_) fail("the resident first piece is not mapped");
     // Stitched ranges: each is its parts laid end to end over its stretch of the stitch area. A
-    // piece is Active in at most one range, the one lent_to names, and a range's backings are
-    // exactly its maximal runs of Active parts; with the segments above, every mapped byte is tiled
-    // by exactly one chunk and reachable through one address while live. Stale parts are mapped
+    // piece is Active in at most one range, the one lent_to names, using the bytes the piece
+    // lends, and a range's backings are exactly the used bytes of its maximal runs of Active parts
+    // (a fragment only at a run's edge); with the segments above, every mapped byte is tiled by
+    // exactly one chunk and reachable through one address while live. Stale parts are mapped
     // aliases out of the books: each piece's alias count is its Active and Stale parts.
     std::size_t active = 0;
     std::uintptr_t s_end = 0;
@@ -336,9 +366,14 @@ class VirtualRange final : public BackingSource {
         any = true;
         if (part.st == PartState::Active) {
           if (p->second.lent_to != dst) fail("stitched range at " + format_ptr(dst) + " has an Active part whose piece is lent elsewhere");
+          if (part.lo != p->second.lent_lo || part.hi != p->second.lent_hi)
+            fail("stitched range at " + format_ptr(dst) + " uses other bytes of a piece than the piece lends");
+          // A fragment's unused bytes are the main range's: no run may reach into them.
+          if (in_run && (part.lo || runs.back().first + runs.back().second != dst + sum - part.n))
+            fail("stitched range at " + format_ptr(dst) + " has a fragment inside a run of Active parts");
           ++active;
-          if (in_run) runs.back().second += part.n;
-          else runs.emplace_back(dst + sum - part.n, part.n);
+          if (in_run) runs.back().second += part.hi - part.lo;
+          else runs.emplace_back(dst + sum - part.n + part.lo, part.hi - part.lo);
           in_run = true;
         }
       }
@@ -362,8 +397,8 @@ class VirtualRange final : public BackingSource {
     const std::uintptr_t last_end = segs.empty() ? va_base_ : segs.back()->addr + segs.back()->size;
     for (const auto& [at, p] : pieces_)
       if (p.lent_to) {
-        lent_bytes += p.size;
-        if (at < last_end) hole_bytes -= p.size;  // mapped, not a hole
+        lent_bytes += p.lent_hi - p.lent_lo;
+        if (at < last_end) hole_bytes -= p.lent_hi - p.lent_lo;  // mapped, not a hole
       }
     st.extra.emplace_back("expandable", 1);
     st.extra.emplace_back("mapped_bytes", mapped_);
@@ -384,6 +419,7 @@ class VirtualRange final : public BackingSource {
            {"moved_parts", static_cast<std::size_t>(moved_parts_)},
            {"stitch_extends", static_cast<std::size_t>(stitch_extends_)},
            {"stitch_top_ups", static_cast<std::size_t>(top_ups_)},
+           {"stitched_fragments", static_cast<std::size_t>(fragments_lent_)},
            {"stitch_homecomings", static_cast<std::size_t>(homecomings_)},
            {"stitch_area_bytes", static_cast<std::size_t>(stitch_area_used())},
            {"stitched_backings", static_cast<std::size_t>(a_.backings_.size() - segs.size())},
@@ -402,17 +438,26 @@ class VirtualRange final : public BackingSource {
     std::uintptr_t lent_to = 0;  // the stitched range whose Active part holds it (0: in the main range)
     std::size_t idle_scans = 0;  // consecutive shrink scans that found it free and unused since the last
     std::size_t aliases = 0;     // its parts that are still mapped (Active or Stale), over every stitched range
+    // While lent: the bytes [lent_lo, lent_hi) of it that its Active part uses (all of it, or,
+    // with stitch_fragments, its free end or its free start); the rest stays in the main range.
+    std::size_t lent_lo = 0, lent_hi = 0;
   };
   // A part of a stitched range: one piece's alias. Active: its bytes are in the books (a stitched
   // backing tiles them). Stale: the piece moved on to a later stitched range while this alias was
   // still mapped; the alias stays until the range can be unmapped without waiting (home's queued
   // work may still use it), its bytes out of the books. Gone: unaliased.
   enum class PartState : std::uint8_t { Active, Stale, Gone };
+  // A part aliases its whole piece (maps are granule-sized), but the range's backing may use
+  // only [lo, hi) of it: a fragment (lo > 0: the piece's free end, only the first part of a
+  // backing; hi < n: its free start, only the last). The other bytes are reachable through this
+  // alias too but lie in no chunk of it: they are the main range's.
   struct Part {
     std::uintptr_t src;
     std::size_t n;
     PartState st = PartState::Active;
     std::uint64_t stale_epoch = 0;  // the arena's scan epoch when it went Stale
+    std::size_t lo = 0, hi = 0;     // the bytes the range's backing uses (0, n: all)
+    bool partial() const { return lo != 0 || hi != n; }
   };
   struct Stitch {
     std::vector<Part> parts;  // laid end to end over the range's stretch of the stitch area
@@ -564,7 +609,7 @@ class VirtualRange final : public BackingSource {
       const ArenaBacking* b = segs[si];
       const ArenaChunk* c = b->first;
       const std::uintptr_t end = b->addr + b->size;
-      for (auto it = pieces_.find(b->addr); it != pieces_.end() && it->first < end; ++it) {
+      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
         const std::uintptr_t ps = it->first, pe = ps + it->second.size;
         while (c->addr + c->size <= ps) c = c->next_addr;
         std::uint64_t used = 0;
@@ -698,9 +743,13 @@ class VirtualRange final : public BackingSource {
     return it != segs.end() && (*it)->addr == at ? *it : nullptr;
   }
 
-  // A lent piece comes back to the main range: filed free, merged with free neighbours.
-  void give_back(std::uintptr_t ps, std::size_t n) {
-    pieces_.at(ps).lent_to = 0;
+  // A lent piece's lent bytes come back to the main range: filed free, merged with free
+  // neighbours (a fragment's with the rest of its piece, which stayed in a segment).
+  void give_back(std::uintptr_t src) {
+    Piece& piece = pieces_.at(src);
+    const std::uintptr_t ps = src + piece.lent_lo;
+    const std::size_t n = piece.lent_hi - piece.lent_lo;
+    piece.lent_to = piece.lent_lo = piece.lent_hi = 0;
     const auto& segs = a_.backings_;
     auto it = std::upper_bound(segs.begin(), segs.end(), ps, [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
     ArenaBacking* prev = it != segs.begin() && in_main((*(it - 1))->addr) && (*(it - 1))->addr + (*(it - 1))->size == ps ? *(it - 1) : nullptr;
@@ -729,19 +778,21 @@ class VirtualRange final : public BackingSource {
   // stitch can serve (more than stitch_max_parts pieces): else the free pieces sit in stitched
   // ranges while it maps the whole request beside them (the Llama-style trace with top-ups: 326
   // MiB of free stitched ranges beside a 989 MiB growth). Returns whether any piece came back.
-  bool send_home() {
+  // With only_fragments, only the backings that hold a fragment go.
+  bool send_home(bool only_fragments = false) {
     bool any = false;
     for (auto& [dst, st] : stitches_) {
       const std::vector<std::size_t> offs = part_offsets(st);
       for (ArenaBacking* b : stitch_backings(dst, st.size)) {
         if (!wholly_free(b)) continue;
-        const auto [j0, j1] = parts_over(offs, dst, b);
+        const auto [j0, j1] = parts_over(offs, st, dst, b);
+        if (only_fragments && !st.parts[j0].partial() && !st.parts[j1 - 1].partial()) continue;
         drop_backing(b);
         for (std::size_t j = j0; j < j1; ++j) {
           Part& part = st.parts[j];
           part.st = PartState::Stale;
           part.stale_epoch = a_.scan_epoch_;
-          give_back(part.src, part.n);
+          give_back(part.src);
           ++homecomings_;
         }
         any = true;
@@ -757,10 +808,12 @@ class VirtualRange final : public BackingSource {
     return offs;
   }
 
-  // The parts [j0, j1) under b, a stitched backing of the range at dst (`offs`: part_offsets()).
-  static std::pair<std::size_t, std::size_t> parts_over(const std::vector<std::size_t>& offs, std::uintptr_t dst, const ArenaBacking* b) {
+  // The parts [j0, j1) under b, a stitched backing of the range at dst (`offs`: part_offsets();
+  // b may begin inside its first part and end inside its last, fragments).
+  static std::pair<std::size_t, std::size_t> parts_over(const std::vector<std::size_t>& offs, const Stitch& st, std::uintptr_t dst,
+                                                        const ArenaBacking* b) {
     std::size_t j0 = 0;
-    while (dst + offs[j0] < b->addr) ++j0;
+    while (dst + offs[j0] + st.parts[j0].n <= b->addr) ++j0;
     std::size_t j1 = j0;
     while (j1 < offs.size() && dst + offs[j1] < b->addr + b->size) ++j1;
     return {j0, j1};
@@ -824,14 +877,14 @@ class VirtualRange final : public BackingSource {
     if (settled) for (ArenaBacking* b : stitch_backings(dst, st.size)) {
       if (!wholly_free(b)) continue;
       const std::uintptr_t ba = b->addr;
-      const auto [j0, j1] = parts_over(offs, dst, b);
+      const auto [j0, j1] = parts_over(offs, st, dst, b);
       std::size_t keep = j1;
       while (keep > j0 && unalias(dst + offs[keep - 1], st.parts[keep - 1])) --keep;
       if (keep == j1) continue;
       drop_backing(b);
       for (std::size_t j = keep; j < j1; ++j) {
         st.parts[j].st = PartState::Gone;
-        give_back(st.parts[j].src, st.parts[j].n);
+        give_back(st.parts[j].src);
       }
       if (keep > j0) a_.file_free_locked(a_.adopt_locked(ba, dst + offs[keep] - ba, false, false)->first);
       any = true;
@@ -902,11 +955,13 @@ class VirtualRange final : public BackingSource {
   }
 
   struct Cand {
-    std::uintptr_t at;    // where its bytes are in the books now
+    std::uintptr_t at;    // where the bytes it gives are in the books now
     std::uintptr_t src;   // the piece (its main-range address)
-    std::size_t n;
+    std::size_t n;        // the piece's size (what its alias maps)
     std::uintptr_t from;  // the stitched range holding it, 0: the main range
     std::size_t part;
+    std::size_t lo, hi;   // the bytes of the piece it gives (0, n: all of it; else a fragment)
+    std::size_t bytes() const { return hi - lo; }
   };
 
   // Every wholly free piece that a stitch may take, by address: in the main range (never the
@@ -920,22 +975,24 @@ class VirtualRange final : public BackingSource {
     for (const ArenaBacking* b : main_segments()) {
       const std::uintptr_t end = b->addr + b->size;
       const ArenaChunk* c = b->first;
-      for (auto it = pieces_.find(b->addr); it != pieces_.end() && it->first < end; ++it) {
+      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
         const std::uintptr_t ps = it->first, pe = ps + it->second.size;
         while (c->addr + c->size <= ps) c = c->next_addr;
         std::uint64_t used = 0;
-        if (ps != va_base_ && (pe <= keep_lo || ps >= keep_hi) && chunks_free(c, ps, pe, used))
-          cand.push_back({ps, ps, it->second.size, 0, 0}), total += it->second.size;
+        // (A piece lent in part holds memory in use in the main range, or did when it was lent.)
+        if (ps != va_base_ && !it->second.lent_to && (pe <= keep_lo || ps >= keep_hi) && chunks_free(c, ps, pe, used))
+          cand.push_back({ps, ps, it->second.size, 0, 0, 0, it->second.size}), total += it->second.size;
       }
     }
     for (const auto& [dst, st] : stitches_) {
       std::uintptr_t at = dst;
       for (std::size_t j = 0; j < st.parts.size(); at += st.parts[j++].n) {
-        if (st.parts[j].st != PartState::Active || (dst == skip && at + st.parts[j].n > skip_from)) continue;
+        // A fragment stays where it is: its piece's other bytes are still the main range's.
+        if (st.parts[j].st != PartState::Active || st.parts[j].partial() || (dst == skip && at + st.parts[j].n > skip_from)) continue;
         const ArenaBacking* b = containing(at);
         std::uint64_t used = 0;
         if (chunks_free(b->first, at, at + st.parts[j].n, used))
-          cand.push_back({at, st.parts[j].src, st.parts[j].n, dst, j}), total += st.parts[j].n;
+          cand.push_back({at, st.parts[j].src, st.parts[j].n, dst, j, 0, st.parts[j].n}), total += st.parts[j].n;
       }
     }
     return cand;
@@ -973,9 +1030,11 @@ class VirtualRange final : public BackingSource {
   }
 
   // Alias the chosen pieces end to end from `dst` (stopping at the first refusal, counted) and move
-  // them there in the books: out of their segment or stitched backing (an earlier stitched range's
-  // part goes Stale), lent to the range at `owner`, appended to its parts. Returns the bytes
-  // aliased; the caller adds them to a backing (reserved dropped by them here).
+  // the bytes they give there in the books: out of their segment or stitched backing (an earlier
+  // stitched range's part goes Stale), lent to the range at `owner`, appended to its parts. A
+  // fragment gives only its free end (the first chosen) or its free start (the last); the rest of
+  // its piece stays in its segment. Returns the bytes given, which lie end to end from `dst` plus
+  // the first part's `lo`; the caller adds them to a backing (reserved dropped by them here).
   std::size_t alias_in(std::uintptr_t dst, std::vector<Cand>& chosen, std::uintptr_t owner, Stitch& into) {
     std::size_t done = 0, k = 0;
     for (; k < chosen.size(); ++k) {
@@ -989,8 +1048,10 @@ class VirtualRange final : public BackingSource {
       done += chosen[k].n;
     }
     chosen.resize(k);
+    std::size_t given = 0;
     for (const Cand& p : chosen) {
-      detach(p.at, p.n);
+      detach(p.at, p.bytes());
+      given += p.bytes();
       if (p.from) {
         ++moved_parts_;
         Part& old = stitches_.at(p.from).parts[p.part];
@@ -999,11 +1060,14 @@ class VirtualRange final : public BackingSource {
       }
       Piece& piece = pieces_.at(p.src);
       piece.lent_to = owner;
+      piece.lent_lo = p.lo;
+      piece.lent_hi = p.hi;
+      fragments_lent_ += p.lo != 0 || p.hi != p.n;
       ++piece.aliases;
-      into.parts.push_back({p.src, p.n});
+      into.parts.push_back({p.src, p.n, PartState::Active, 0, p.lo, p.hi});
       into.size += p.n;
     }
-    return done;
+    return given;
   }
 
   // A stitched range whose stretch ends in a free chunk (its last part Active) and that has free
@@ -1018,17 +1082,37 @@ class VirtualRange final : public BackingSource {
     ArenaChunk* tail = nullptr;
     for (auto it = stitches_.begin(); it != stitches_.end(); ++it) {
       const Stitch& st = it->second;
-      if (st.parts.back().st != PartState::Active) continue;
+      // (A range ending in a fragment ends inside its last part: the rest is the main range's.)
+      if (st.parts.back().st != PartState::Active || st.parts.back().partial()) continue;
       ArenaChunk* c = containing(it->first + st.size - 1)->last;
       if (c->st() != ChunkState::Free || c->size >= rounded || room_after(it) < rounded - c->size) continue;
       if (!tail || c->size > tail->size) best = it, tail = c;
     }
     if (!tail) return nullptr;
     std::size_t total = 0;
-    std::vector<Cand> chosen = choose(stitch_candidates(keep_lo, keep_hi, best->first, tail->addr, total), rounded - tail->size, a_.opt_.stitch_max_parts);
+    const std::vector<Cand> cand = stitch_candidates(keep_lo, keep_hi, best->first, tail->addr, total);
+    // The extension may end in a tail fragment (stitch_fragments): when the whole pieces fall
+    // short, or when it spares a whole piece.
+    const std::size_t need = rounded - tail->size;
+    std::size_t wholes = 0;
+    Fragments fr;
+    if (total < need) {
+      fr = pick_fragments(keep_lo, keep_hi, need, wholes, false);
+      if (wholes > total) return nullptr;
+    }
+    std::vector<Cand> chosen;
+    if (need > fr.bytes()) {
+      chosen = choose(cand, need - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
+      if (chosen.empty()) return nullptr;
+    }
+    std::size_t bytes = 0, whole = 0;
+    for (const Cand& c : chosen) whole += c.n;
+    if (need > whole) {
+      fr.tail.hi = need - whole;
+      chosen.push_back(fr.tail);
+    }
     // Whole pieces may add up to more than the chunk lacks (pieces of different sizes): all of
     // them must fit before the next range (a review found aliases running into it).
-    std::size_t bytes = 0;
     for (const Cand& c : chosen) bytes += c.n;
     if (chosen.empty() || bytes > room_after(best)) return nullptr;
     const std::uintptr_t dst = best->first;
@@ -1047,23 +1131,118 @@ class VirtualRange final : public BackingSource {
     return tail;
   }
 
+  // With stitch_fragments: the fragments a stitch may take beside whole pieces. A head is the free
+  // end of a piece (its bytes after the last one in use; it may begin a stitched backing), a tail
+  // the free start of one (up to its first byte in use; it may end one). Only Free bytes (never
+  // pending or cached) of pieces of the main range that are not wholly free (those are whole
+  // candidates), not lent, not the resident first, outside [keep_lo, keep_hi). The kFragments
+  // largest of each kind, largest first.
+  static constexpr std::size_t kFragments = 8;
+  // A top-up with fragments may map into the growth's own hole when it maps at most this fraction
+  // of what the growth would. Chosen on the committed traces (docs/expandable.md, "Fragments"):
+  // 3 to 6 held the Llama-style log lowest with random_lifetime's seeds within 1.10x at 5 and 6.
+  static constexpr std::size_t kOwnHoleSaving = 6;
+  struct Fragments {
+    Cand head{}, tail{};
+    std::size_t bytes() const { return head.bytes() + tail.bytes(); }
+    std::size_t parts() const { return (head.bytes() != 0) + (tail.bytes() != 0); }
+  };
+  void fragments(std::uintptr_t keep_lo, std::uintptr_t keep_hi, std::vector<Cand>& heads, std::vector<Cand>& tails) const {
+    heads.clear();
+    tails.clear();
+    if (!a_.opt_.stitch_fragments) return;
+    for (const ArenaBacking* b : main_segments()) {
+      const std::uintptr_t end = b->addr + b->size;
+      const ArenaChunk* c = b->first;
+      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
+        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
+        if (ps == va_base_ || it->second.lent_to || (pe > keep_lo && ps < keep_hi)) continue;
+        while (c->addr + c->size <= ps) c = c->next_addr;
+        std::uintptr_t used_lo = pe, used_hi = ps;  // the piece's bytes from its first to its last in use
+        for (const ArenaChunk* d = c; d && d->addr < pe; d = d->next_addr)
+          if (d->st() != ChunkState::Free) {
+            used_lo = std::min(used_lo, std::max(d->addr, ps));
+            used_hi = std::max(used_hi, std::min(d->addr + d->size, pe));
+          }
+        if (used_lo == pe) continue;  // wholly free
+        const std::size_t n = it->second.size;
+        if (used_hi < pe) heads.push_back({used_hi, ps, n, 0, 0, used_hi - ps, n});
+        if (used_lo > ps) tails.push_back({ps, ps, n, 0, 0, 0, used_lo - ps});
+      }
+    }
+    for (auto* v : {&heads, &tails}) {
+      std::stable_sort(v->begin(), v->end(), [](const Cand& x, const Cand& y) { return x.bytes() > y.bytes(); });
+      if (v->size() > kFragments) v->resize(kFragments);
+    }
+  }
+
+  // The head and tail (either may be missing) for whole pieces that fall `short_by` bytes short:
+  // the fewest fresh granules still to map (0: the pair makes up the shortfall), then the fewest
+  // bytes, so larger fragments stay for later requests. None when no pair spares a granule.
+  // `fresh` gets the granules' bytes still to map.
+  Fragments pick_fragments(std::uintptr_t keep_lo, std::uintptr_t keep_hi, std::size_t short_by, std::size_t& fresh,
+                           bool with_head = true) const {
+    std::vector<Cand> heads, tails;
+    fragments(keep_lo, keep_hi, heads, tails);
+    if (!with_head) heads.clear();
+    heads.push_back({});
+    tails.push_back({});
+    Fragments best;
+    fresh = align_up(short_by, granule_);
+    for (const Cand& h : heads)
+      for (const Cand& t : tails) {
+        if (h.bytes() && t.bytes() && h.src == t.src) continue;  // one piece lends one end
+        const std::size_t f = h.bytes() + t.bytes();
+        const std::size_t left = f >= short_by ? 0 : align_up(short_by - f, granule_);
+        if (left < fresh || (left == fresh && best.parts() && f < best.bytes())) best = {h, t}, fresh = left;
+      }
+    return best;
+  }
+
   // Serve `rounded` bytes from wholly free pieces (never the resident first one) mapped a second
   // time, end to end, into the stitch area: by growing a stitched range in place
   // (extend_stitch()), else as a fresh stitched range. A piece may come from the main range or
   // from an earlier stitched range whose part over it is wholly free: that part's alias stays
   // mapped (Stale) until the range can be unmapped without waiting, so moving it on costs one
-  // alias and no wait. At most stitch_max_parts pieces (each is an upstream call); never a piece
-  // of the main range in [keep_lo, keep_hi). Returns the stitched chunk, out of the index, or
-  // nullptr (then the caller maps more). Pieces aliased before a refusal stay stitched, filed free.
+  // alias and no wait. With stitch_fragments, when the whole pieces fall short, the fresh range
+  // may begin with one piece's free end and end with another's free start (fragments()), the
+  // fewest of them that make up the shortfall. At most stitch_max_parts pieces (each is an
+  // upstream call); never a piece of the main range in [keep_lo, keep_hi). Returns the stitched
+  // chunk, out of the index, or nullptr (then the caller maps more). Pieces aliased before a
+  // refusal stay stitched, filed free.
   ArenaChunk* stitch(std::size_t rounded, std::uintptr_t keep_lo, std::uintptr_t keep_hi) {
     const std::uint64_t failures = alias_failures_;
     if (ArenaChunk* c = extend_stitch(rounded, keep_lo, keep_hi)) return c;
     if (alias_failures_ != failures) return nullptr;
     std::size_t total = 0;
     std::vector<Cand> cand = stitch_candidates(keep_lo, keep_hi, 0, 0, total);
-    if (total < rounded) return nullptr;
-    std::vector<Cand> chosen = choose(cand, rounded, a_.opt_.stitch_max_parts);
-    if (chosen.empty()) return nullptr;
+    Fragments fr;
+    if (total < rounded) {
+      std::size_t fresh = 0;
+      fr = pick_fragments(keep_lo, keep_hi, rounded - total, fresh);
+      if (fresh || !fr.parts()) return nullptr;
+    }
+    if (fr.parts() > a_.opt_.stitch_max_parts) return nullptr;
+    std::vector<Cand> chosen;
+    std::size_t whole = 0;
+    if (rounded > fr.bytes()) {
+      chosen = choose(cand, rounded - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
+      if (chosen.empty()) return nullptr;
+      for (const Cand& p : chosen) whole += p.n;
+    }
+    // The fragments give only what the whole pieces lack, the head first: the rest of each stays
+    // in the main range, free for the requests that fit there.
+    const std::size_t lack = rounded > whole ? rounded - whole : 0;
+    const std::size_t from_head = std::min(lack, fr.head.bytes());
+    if (from_head) {
+      fr.head.lo = fr.head.hi - from_head;
+      fr.head.at = fr.head.src + fr.head.lo;
+      chosen.insert(chosen.begin(), fr.head);
+    }
+    if (lack > from_head) {
+      fr.tail.hi = lack - from_head;
+      chosen.push_back(fr.tail);
+    }
     std::size_t size = 0;
     for (const Cand& p : chosen) size += p.n;
     const std::uintptr_t dst = stitch_slot(size);
@@ -1071,7 +1250,7 @@ class VirtualRange final : public BackingSource {
     Stitch made;
     const std::size_t done = alias_in(dst, chosen, dst, made);
     if (!done) return nullptr;
-    ArenaBacking* b = a_.adopt_locked(dst, done, false, false);
+    ArenaBacking* b = a_.adopt_locked(dst + made.parts.front().lo, done, false, false);
     stitches_.emplace(dst, std::move(made));
     ++stitches_made_;
     if (done < rounded) {
@@ -1098,7 +1277,7 @@ class VirtualRange final : public BackingSource {
           ++unalias_calls_;
           Piece& piece = pieces_.at(p->src);
           --piece.aliases;
-          if (p->st == PartState::Active) piece.lent_to = 0;
+          if (p->st == PartState::Active) piece.lent_to = piece.lent_lo = piece.lent_hi = 0;
         } catch (...) {
           ++alias_failures_;
           ++a_.ev_.upstream_free_failures;
@@ -1168,7 +1347,7 @@ class VirtualRange final : public BackingSource {
   std::map<std::uintptr_t, Piece> pieces_;      // every mapped piece, by address
   std::map<std::uintptr_t, Stitch> stitches_;  // stitched ranges, by address in the stitch area
   std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0, hole_unmaps_ = 0, hole_refills_ = 0;
-  std::uint64_t moved_parts_ = 0, stitch_extends_ = 0, top_ups_ = 0, homecomings_ = 0;
+  std::uint64_t moved_parts_ = 0, stitch_extends_ = 0, top_ups_ = 0, homecomings_ = 0, fragments_lent_ = 0;
   std::uint64_t stitches_made_ = 0, teardowns_ = 0, alias_calls_ = 0, unalias_calls_ = 0, alias_failures_ = 0;
 };
 

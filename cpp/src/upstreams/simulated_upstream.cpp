@@ -224,6 +224,21 @@ std::size_t SimulatedUpstream::aliased_bytes() const {
   return n;
 }
 
+std::uintptr_t SimulatedUpstream::physical(std::uintptr_t addr) const {
+  std::lock_guard<detail::ForkSafeMutex> g(mu_);
+  auto it = ranges_.upper_bound(addr);
+  if (it == ranges_.begin()) return 0;
+  const Range& r = (--it)->second;
+  if (addr >= it->first + r.size) return 0;
+  auto in = [&](const auto& m) {
+    auto x = m.upper_bound(addr);
+    return x == m.begin() ? m.end() : std::prev(x);
+  };
+  if (auto p = in(r.pieces); p != r.pieces.end() && addr < p->first + p->second) return addr;
+  if (auto a = in(r.aliases); a != r.aliases.end() && addr < a->first + a->second.second) return a->second.first + (addr - a->first);
+  return 0;
+}
+
 void SimulatedUpstream::do_deallocate(void* p, std::size_t nbytes) {
   busy_wait_us(model_.free_us(nbytes));
   std::lock_guard<detail::ForkSafeMutex> g(mu_);

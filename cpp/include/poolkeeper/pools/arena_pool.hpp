@@ -157,6 +157,11 @@ struct ArenaOptions {
   // with it. Saves what the growth would have mapped beside them; costs an alias per piece of
   // the request (docs/expandable.md, "Top-ups and homecomings").
   bool stitch_top_up = false;
+  // Expandable with stitch: a stitched range may also begin with the free end of a piece whose
+  // start still holds memory in use, and end with the free start of another: those bytes are
+  // lent, the rest of each piece stays in the main range. A request that whole free pieces fall
+  // short of by less than that then maps a granule or two less (docs/expandable.md, "Fragments").
+  bool stitch_fragments = false;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
   // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
   // with single_stream.

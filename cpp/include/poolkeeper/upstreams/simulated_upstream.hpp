@@ -80,6 +80,10 @@ class SimulatedUpstream final : public Upstream {
   static constexpr std::size_t kGranule = std::size_t{2} << 20;
   std::size_t mapped_bytes() const;  // all ranges together
   std::size_t aliased_bytes() const;  // second mappings, all ranges together (no memory)
+  // The memory behind the byte at `addr`: the address of that byte in its first mapping (addr
+  // itself in a mapped piece, the source piece's byte through an alias); 0 when nothing maps it.
+  // Tests use it to prove that no physical byte is reachable through two live blocks.
+  std::uintptr_t physical(std::uintptr_t addr) const;
 
   // --- the virtual device ---
   Stream new_stream();
