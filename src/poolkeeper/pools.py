@@ -314,7 +314,8 @@ KINDS: Dict[str, PoolKind] = {
         {"expandable": True},
         needs_virtual=True,
         extra_options=("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow",
-                       "stitch", "stitch_max_parts", "stitch_from", "stitch_edge_from", "stitch_top_up"),
+                       "stitch", "stitch_max_parts", "stitch_from", "stitch_edge_from", "stitch_top_up",
+                       "stitch_fragments"),
         description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     ),
 }
@@ -374,7 +375,7 @@ def resolve_cuda_upstream(kind: str, upstream: Optional[str]) -> str:
 # and the real-model runs, at more driver calls (benchmarks/results/expandable_holes.txt,
 # real_models_h200.md).
 WIDE_STITCH: Dict[str, Any] = {"map_piece": 2 << 20, "stitch_max_parts": 256, "stitch_from": 4 << 20,
-                               "stitch_edge_from": 64 << 20, "stitch_top_up": True}
+                               "stitch_edge_from": 64 << 20, "stitch_top_up": True, "stitch_fragments": True}
 
 # What PyTorch's install() makes when no pool is named, chosen from the real-model benchmark
 # (docs/integrations.md, "Which pool by default"): the expandable arena in single-stream mode, with
