@@ -74,6 +74,7 @@ POLICIES: Dict[str, Dict[str, Any]] = {
     "release2M_step0_no_tcache": {"release_on_grow": True, "map_piece": M2, "step_fraction": 0,
                                   "thread_cache_bytes": 0},
     "wide_stitch": dict(pk.pools.WIDE_STITCH),  # install()'s default options
+    "wide_stitch_no_fragments": {**pk.pools.WIDE_STITCH, "stitch_fragments": False},  # before fragments
     "wide_stitch_before": dict(WIDE_STITCH_BEFORE_TOP_UPS),  # before top-ups and homecomings
 }
 
