@@ -189,6 +189,22 @@ std::vector<Case> all_cases() {
       return std::make_shared<ArenaPool>(std::move(up), o);
     };
   };
+  // install()'s stitching, down to every request: stitched ranges, moved parts, top-ups and
+  // fragments (pieces lent in part) under threads that free each other's blocks.
+  auto stitched = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
+    ArenaOptions o;
+    o.expandable = true;
+    o.max_step = 2 << 20;
+    o.map_piece = 2 << 20;
+    o.thread_cache_bytes = 256 << 10;
+    o.thread_cache_max_block = 64 << 10;
+    o.shrink_interval = 128;
+    o.shrink_hysteresis = 1;
+    o.stitch_max_parts = 256;
+    o.stitch_top_up = true;
+    o.stitch_fragments = true;
+    return std::make_shared<ArenaPool>(std::move(up), o);
+  };
   auto direct = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> { return std::make_shared<DirectPool>(std::move(up)); };
   auto size_class = [](std::size_t cap, std::size_t shards = 0) {
     return [=](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> {
@@ -242,6 +258,7 @@ std::vector<Case> all_cases() {
       {"arena_nocache-sim", false, arena(64 << 10, 1 << 20, 0, 128, 2, 2.0)},
       {"arena_expandable-sim", false, expandable(256 << 10)},
       {"arena_expandable_nocache-sim", false, expandable(0)},
+      {"arena_expandable_stitched-sim", false, stitched},
       // Arena shards (issue 20) whatever the core count: blocks above the 64 KiB cache limit live
       // in the allocating thread's home shard, so hand-offs free into another thread's shard,
       // interior-pointer probes are decided by the owning shard, and trim/synchronize/stats/
