@@ -1016,3 +1016,19 @@ def test_a_refused_alias_of_a_fragment_stitch_leaves_the_pool_consistent(fail_at
     pool.trim()
     consistent(pool, inner)
     free_all_and_close(pool, inner, None, [b for b, _ in live])
+
+
+def test_regression_hole_bytes_wrapped_when_the_last_segment_ended_in_a_lent_free_end():
+    """Found by hostile testing: stats() subtracted a lent head's bytes from the gaps between
+    segments even when they lay after the last segment (which then ends where they begin), and
+    hole_bytes wrapped to 2**64 - 1 MiB. Nothing here is unmapped."""
+    up = sim()
+    pool = pool_pieces(up, map_piece=G, stitch_fragments=True, stitch_edge_from=G)
+    blocks = [pool.allocate(MiB) for _ in range(8)]  # pieces 0-3, two 1 MiB blocks each
+    pool.deallocate(blocks[2])  # piece 1's first half: a tail
+    pool.deallocate(blocks[7])  # piece 3's second half: a head, at the end of the last segment
+    p = pool.allocate(2 * MiB)
+    st = consistent(pool, up)
+    assert st["stitched_fragments"] == 2 and st["map_calls"] == 4
+    assert st["hole_bytes"] == 0
+    free_all_and_close(pool, up, None, [b for i, b in enumerate(blocks) if i not in (2, 7)] + [p])

@@ -398,7 +398,8 @@ class VirtualRange final : public BackingSource {
     for (const auto& [at, p] : pieces_)
       if (p.lent_to) {
         lent_bytes += p.lent_hi - p.lent_lo;
-        if (at < last_end) hole_bytes -= p.lent_hi - p.lent_lo;  // mapped, not a hole
+        // Mapped, not a hole; but a lent free end of the last segment's last piece lies after it.
+        if (at + p.lent_lo < last_end) hole_bytes -= p.lent_hi - p.lent_lo;
       }
     st.extra.emplace_back("expandable", 1);
     st.extra.emplace_back("mapped_bytes", mapped_);
@@ -1091,14 +1092,13 @@ class VirtualRange final : public BackingSource {
     if (!tail) return nullptr;
     std::size_t total = 0;
     const std::vector<Cand> cand = stitch_candidates(keep_lo, keep_hi, best->first, tail->addr, total);
-    // The extension may end in a tail fragment (stitch_fragments): when the whole pieces fall
-    // short, or when it spares a whole piece.
+    // The extension may end in a tail fragment (stitch_fragments) when the whole pieces fall short.
     const std::size_t need = rounded - tail->size;
     std::size_t wholes = 0;
     Fragments fr;
     if (total < need) {
       fr = pick_fragments(keep_lo, keep_hi, need, wholes, false);
-      if (wholes > total) return nullptr;
+      if (wholes > total || fr.parts() > a_.opt_.stitch_max_parts) return nullptr;
     }
     std::vector<Cand> chosen;
     if (need > fr.bytes()) {
