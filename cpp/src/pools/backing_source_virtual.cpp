@@ -782,12 +782,12 @@ class VirtualRange final : public BackingSource {
   // With only_fragments, only the backings that hold a fragment go.
   bool send_home(bool only_fragments = false) {
     bool any = false;
+    if (only_fragments && !a_.opt_.stitch_fragments) return false;
     for (auto& [dst, st] : stitches_) {
       const std::vector<std::size_t> offs = part_offsets(st);
       for (ArenaBacking* b : stitch_backings(dst, st.size)) {
-        if (!wholly_free(b)) continue;
         const auto [j0, j1] = parts_over(offs, st, dst, b);
-        if (only_fragments && !st.parts[j0].partial() && !st.parts[j1 - 1].partial()) continue;
+        if ((only_fragments && !st.parts[j0].partial() && !st.parts[j1 - 1].partial()) || !wholly_free(b)) continue;
         drop_backing(b);
         for (std::size_t j = j0; j < j1; ++j) {
           Part& part = st.parts[j];
@@ -965,6 +965,23 @@ class VirtualRange final : public BackingSource {
     std::size_t bytes() const { return hi - lo; }
   };
 
+  // Each piece of the main range a stitch may take from, by address, with the first chunk over it
+  // (f(address, size, chunk)): never the resident first piece, one lent (in part: the rest of it
+  // holds memory in use, or did when it was lent), or one in [keep_lo, keep_hi).
+  template <class F>
+  void each_main_piece(std::uintptr_t keep_lo, std::uintptr_t keep_hi, F&& f) const {
+    for (const ArenaBacking* b : main_segments()) {
+      const std::uintptr_t end = b->addr + b->size;
+      const ArenaChunk* c = b->first;
+      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
+        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
+        if (ps == va_base_ || it->second.lent_to || (pe > keep_lo && ps < keep_hi)) continue;
+        while (c->addr + c->size <= ps) c = c->next_addr;
+        f(ps, it->second.size, c);
+      }
+    }
+  }
+
   // Every wholly free piece that a stitch may take, by address: in the main range (never the
   // resident first piece, never one in [keep_lo, keep_hi)), and the Active parts of stitched
   // ranges, except those of the range at `skip` that end after `skip_from` (the chunk a growth in
@@ -973,18 +990,10 @@ class VirtualRange final : public BackingSource {
                                       std::size_t& total) const {
     std::vector<Cand> cand;
     total = 0;
-    for (const ArenaBacking* b : main_segments()) {
-      const std::uintptr_t end = b->addr + b->size;
-      const ArenaChunk* c = b->first;
-      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
-        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
-        while (c->addr + c->size <= ps) c = c->next_addr;
-        std::uint64_t used = 0;
-        // (A piece lent in part holds memory in use in the main range, or did when it was lent.)
-        if (ps != va_base_ && !it->second.lent_to && (pe <= keep_lo || ps >= keep_hi) && chunks_free(c, ps, pe, used))
-          cand.push_back({ps, ps, it->second.size, 0, 0, 0, it->second.size}), total += it->second.size;
-      }
-    }
+    each_main_piece(keep_lo, keep_hi, [&](std::uintptr_t ps, std::size_t n, const ArenaChunk* c) {
+      std::uint64_t used = 0;
+      if (chunks_free(c, ps, ps + n, used)) cand.push_back({ps, ps, n, 0, 0, 0, n}), total += n;
+    });
     for (const auto& [dst, st] : stitches_) {
       std::uintptr_t at = dst;
       for (std::size_t j = 0; j < st.parts.size(); at += st.parts[j++].n) {
@@ -1105,12 +1114,8 @@ class VirtualRange final : public BackingSource {
       chosen = choose(cand, need - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
       if (chosen.empty()) return nullptr;
     }
-    std::size_t bytes = 0, whole = 0;
-    for (const Cand& c : chosen) whole += c.n;
-    if (need > whole) {
-      fr.tail.hi = need - whole;
-      chosen.push_back(fr.tail);
-    }
+    add_fragments(chosen, fr, need);
+    std::size_t bytes = 0;
     // Whole pieces may add up to more than the chunk lacks (pieces of different sizes): all of
     // them must fit before the next range (a review found aliases running into it).
     for (const Cand& c : chosen) bytes += c.n;
@@ -1151,28 +1156,40 @@ class VirtualRange final : public BackingSource {
     heads.clear();
     tails.clear();
     if (!a_.opt_.stitch_fragments) return;
-    for (const ArenaBacking* b : main_segments()) {
-      const std::uintptr_t end = b->addr + b->size;
-      const ArenaChunk* c = b->first;
-      for (auto it = std::prev(pieces_.upper_bound(b->addr)); it != pieces_.end() && it->first < end; ++it) {
-        const std::uintptr_t ps = it->first, pe = ps + it->second.size;
-        if (ps == va_base_ || it->second.lent_to || (pe > keep_lo && ps < keep_hi)) continue;
-        while (c->addr + c->size <= ps) c = c->next_addr;
-        std::uintptr_t used_lo = pe, used_hi = ps;  // the piece's bytes from its first to its last in use
-        for (const ArenaChunk* d = c; d && d->addr < pe; d = d->next_addr)
-          if (d->st() != ChunkState::Free) {
-            used_lo = std::min(used_lo, std::max(d->addr, ps));
-            used_hi = std::max(used_hi, std::min(d->addr + d->size, pe));
-          }
-        if (used_lo == pe) continue;  // wholly free
-        const std::size_t n = it->second.size;
-        if (used_hi < pe) heads.push_back({used_hi, ps, n, 0, 0, used_hi - ps, n});
-        if (used_lo > ps) tails.push_back({ps, ps, n, 0, 0, 0, used_lo - ps});
-      }
-    }
+    each_main_piece(keep_lo, keep_hi, [&](std::uintptr_t ps, std::size_t n, const ArenaChunk* c) {
+      const std::uintptr_t pe = ps + n;
+      std::uintptr_t used_lo = pe, used_hi = ps;  // the piece's bytes from its first to its last in use
+      for (const ArenaChunk* d = c; d && d->addr < pe; d = d->next_addr)
+        if (d->st() != ChunkState::Free) {
+          used_lo = std::min(used_lo, std::max(d->addr, ps));
+          used_hi = std::max(used_hi, std::min(d->addr + d->size, pe));
+        }
+      if (used_lo == pe) return;  // wholly free: a whole candidate
+      if (used_hi < pe) heads.push_back({used_hi, ps, n, 0, 0, used_hi - ps, n});
+      if (used_lo > ps) tails.push_back({ps, ps, n, 0, 0, 0, used_lo - ps});
+    });
     for (auto* v : {&heads, &tails}) {
       std::stable_sort(v->begin(), v->end(), [](const Cand& x, const Cand& y) { return x.bytes() > y.bytes(); });
       if (v->size() > kFragments) v->resize(kFragments);
+    }
+  }
+
+  // Put the fragments around the whole pieces `chosen` (the head first, the tail last) so that
+  // together they give `need` bytes: each fragment gives only what the whole pieces lack, the head
+  // first, and the rest of each stays in the main range, free for the requests that fit there.
+  static void add_fragments(std::vector<Cand>& chosen, Fragments fr, std::size_t need) {
+    std::size_t whole = 0;
+    for (const Cand& c : chosen) whole += c.n;
+    const std::size_t lack = need > whole ? need - whole : 0;
+    const std::size_t from_head = std::min(lack, fr.head.bytes());
+    if (from_head) {
+      fr.head.lo = fr.head.hi - from_head;
+      fr.head.at = fr.head.src + fr.head.lo;
+      chosen.insert(chosen.begin(), fr.head);
+    }
+    if (lack > from_head) {
+      fr.tail.hi = lack - from_head;
+      chosen.push_back(fr.tail);
     }
   }
 
@@ -1224,25 +1241,11 @@ class VirtualRange final : public BackingSource {
     }
     if (fr.parts() > a_.opt_.stitch_max_parts) return nullptr;
     std::vector<Cand> chosen;
-    std::size_t whole = 0;
     if (rounded > fr.bytes()) {
       chosen = choose(cand, rounded - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
       if (chosen.empty()) return nullptr;
-      for (const Cand& p : chosen) whole += p.n;
     }
-    // The fragments give only what the whole pieces lack, the head first: the rest of each stays
-    // in the main range, free for the requests that fit there.
-    const std::size_t lack = rounded > whole ? rounded - whole : 0;
-    const std::size_t from_head = std::min(lack, fr.head.bytes());
-    if (from_head) {
-      fr.head.lo = fr.head.hi - from_head;
-      fr.head.at = fr.head.src + fr.head.lo;
-      chosen.insert(chosen.begin(), fr.head);
-    }
-    if (lack > from_head) {
-      fr.tail.hi = lack - from_head;
-      chosen.push_back(fr.tail);
-    }
+    add_fragments(chosen, fr, rounded);
     std::size_t size = 0;
     for (const Cand& p : chosen) size += p.n;
     const std::uintptr_t dst = stitch_slot(size);
