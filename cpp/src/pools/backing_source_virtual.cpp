@@ -1107,14 +1107,9 @@ class VirtualRange final : public BackingSource {
     Fragments fr;
     if (total < need) {
       fr = pick_fragments(keep_lo, keep_hi, need, wholes, false);
-      if (wholes > total || fr.parts() > a_.opt_.stitch_max_parts) return nullptr;
+      if (wholes > total) return nullptr;
     }
-    std::vector<Cand> chosen;
-    if (need > fr.bytes()) {
-      chosen = choose(cand, need - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
-      if (chosen.empty()) return nullptr;
-    }
-    add_fragments(chosen, fr, need);
+    std::vector<Cand> chosen = choose_around(cand, fr, need);
     std::size_t bytes = 0;
     // Whole pieces may add up to more than the chunk lacks (pieces of different sizes): all of
     // them must fit before the next range (a review found aliases running into it).
@@ -1174,10 +1169,17 @@ class VirtualRange final : public BackingSource {
     }
   }
 
-  // Put the fragments around the whole pieces `chosen` (the head first, the tail last) so that
-  // together they give `need` bytes: each fragment gives only what the whole pieces lack, the head
-  // first, and the rest of each stays in the main range, free for the requests that fit there.
-  static void add_fragments(std::vector<Cand>& chosen, Fragments fr, std::size_t need) {
+  // Whole pieces from `cand` (choose()) and the fragments `fr` around them (the head first, the
+  // tail last) that together give `need` bytes, within stitch_max_parts; none when they cannot.
+  // Each fragment gives only what the whole pieces lack, the head first, and the rest of each
+  // stays in the main range, free for the requests that fit there.
+  std::vector<Cand> choose_around(const std::vector<Cand>& cand, Fragments fr, std::size_t need) const {
+    std::vector<Cand> chosen;
+    if (fr.parts() > a_.opt_.stitch_max_parts) return chosen;
+    if (need > fr.bytes()) {
+      chosen = choose(cand, need - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
+      if (chosen.empty()) return chosen;
+    }
     std::size_t whole = 0;
     for (const Cand& c : chosen) whole += c.n;
     const std::size_t lack = need > whole ? need - whole : 0;
@@ -1191,6 +1193,7 @@ class VirtualRange final : public BackingSource {
       fr.tail.hi = lack - from_head;
       chosen.push_back(fr.tail);
     }
+    return chosen;
   }
 
   // The head and tail (either may be missing) for whole pieces that fall `short_by` bytes short:
@@ -1239,13 +1242,8 @@ class VirtualRange final : public BackingSource {
       fr = pick_fragments(keep_lo, keep_hi, rounded - total, fresh);
       if (fresh || !fr.parts()) return nullptr;
     }
-    if (fr.parts() > a_.opt_.stitch_max_parts) return nullptr;
-    std::vector<Cand> chosen;
-    if (rounded > fr.bytes()) {
-      chosen = choose(cand, rounded - fr.bytes(), a_.opt_.stitch_max_parts - fr.parts());
-      if (chosen.empty()) return nullptr;
-    }
-    add_fragments(chosen, fr, rounded);
+    std::vector<Cand> chosen = choose_around(cand, fr, rounded);
+    if (chosen.empty()) return nullptr;
     std::size_t size = 0;
     for (const Cand& p : chosen) size += p.n;
     const std::uintptr_t dst = stitch_slot(size);
