@@ -4,6 +4,12 @@ The simulated device assumes a map costs what its cudaMalloc fit says an allocat
 unmap what a free costs); this measures both on the device so the assumption can be checked.
 Each figure is the median of ``--reps`` calls, timed inside the upstream (its counters' ns).
 
+Runs (``--runs``, default 8,32 pieces of one granule): the expandable arena maps a growth and
+aliases a stitch as one run (``map_pieces`` / ``alias_pieces``: a cuMemMap per piece, one
+cuMemSetAccess for the run). Beside each run, the same pieces mapped (aliased) one call each, as
+``map`` / ``alias`` do (a cuMemSetAccess per piece), and unmapped (unaliased) one by one: per piece,
+the median of ``--reps`` runs, wall time around the calls.
+
     PYTHONPATH=<built poolkeeper> python3 benchmarks/vmm_latency.py [--reps 20] [--json out.json]
 """
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Dict, List
 
 import poolkeeper as pk
@@ -29,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sizes-mib", default="2,8,32,64,256")
+    ap.add_argument("--runs", default="8,32", help="pieces per run (comma-separated; empty: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sizes = [int(x) * MiB for x in args.sizes_mib.split(",")]
@@ -54,9 +62,44 @@ def main() -> None:
               f"cuMemAlloc {row['cuMemAlloc_us']:8.1f} us  cuMemFree {row['cuMemFree_us']:8.1f} us")
     vm.unreserve(base, va)
     print(f"granularity {g} B; simulated model per call: 43.05 us + 0.3935 us/MiB")
+    runs = [run_row(vm, int(n), args.reps) for n in args.runs.split(",") if n.strip()]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"granularity": g, "reps": args.reps, "rows": rows}, f, indent=1)
+            json.dump({"granularity": g, "reps": args.reps, "rows": rows, "runs": runs}, f, indent=1)
+
+
+def run_row(vm, n: int, reps: int) -> Dict:
+    """Per piece (us): n granules mapped one call each vs as one run, aliased likewise, and the
+    unmaps / unaliases (one call per piece either way), medians over ``reps`` repetitions."""
+    g = vm.vm_granularity
+    base, dst = vm.reserve(n * g), vm.reserve(n * g)
+    srcs = [(base + k * g, g) for k in range(n)]
+    t: Dict[str, List[float]] = {k: [] for k in ("map_each", "map_run", "alias_each", "alias_run", "unalias", "unmap")}
+
+    def clock(key, fn):
+        t0 = time.perf_counter_ns()
+        fn()
+        t[key].append((time.perf_counter_ns() - t0) / n / 1e3)
+
+    for rep in range(reps):
+        if rep % 2:
+            clock("map_each", lambda: [vm.map(a, g) for a, _ in srcs])
+        else:
+            clock("map_run", lambda: vm.map_pieces(base, n * g, g))
+        for each in (True, False):
+            if each:
+                clock("alias_each", lambda: [vm.alias(dst + k * g, a, g) for k, (a, _) in enumerate(srcs)])
+            else:
+                clock("alias_run", lambda: vm.alias_pieces(dst, srcs))
+            clock("unalias", lambda: [vm.unalias(dst + k * g, g) for k in range(n)])
+        clock("unmap", lambda: [vm.unmap(a, g) for a, _ in srcs])
+    vm.unreserve(dst, n * g)
+    vm.unreserve(base, n * g)
+    row = {"pieces": n, **{f"{k}_us": statistics.median(v) for k, v in t.items() if v}}
+    print(f"run of {n:3d} x {g >> 20} MiB, per piece:  map {row['map_each_us']:6.1f} us each / {row['map_run_us']:6.1f} "
+          f"us in one run  |  alias {row['alias_each_us']:6.1f} / {row['alias_run_us']:6.1f} us  |  "
+          f"unalias {row['unalias_us']:6.1f} us  unmap {row['unmap_us']:6.1f} us")
+    return row
 
 
 if __name__ == "__main__":

@@ -415,6 +415,148 @@ def test_cuda_virtual_refused_map_undoes_itself_and_the_pool_stays_consistent(fa
     assert out["end"] == [0, 0]
 
 
+RUNS_PRE = """
+        import ctypes, os
+        fake = ctypes.CDLL(os.environ["POOLKEEPER_LIBCUDA"])
+        G = 2 << 20
+        grants = fake.fake_cuda_set_access_calls
+"""
+
+
+def test_growth_over_cuda_virtual_grants_access_once_for_all_its_pieces(fakes):
+    """A growth maps one physical piece per map_piece but asks the driver for access once over the
+    run (cuMemMap alone grants none; the fake faults on any byte touched before cuMemSetAccess)."""
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=64 << 20,
+                            map_piece=G, thread_cache_bytes=0)
+        a = pool.allocate(G)
+        g0, m0 = grants(), up.counters()["maps"]
+        b = pool.allocate(5 * G)            # one growth of five pieces
+        ctypes.memset(b, 0x6B, 5 * G)       # every piece is reachable
+        grew = dict(grants=grants() - g0, maps=up.counters()["maps"] - m0, pieces=up.mapped_pieces,
+                    map_calls=pool.stats()["map_calls"], ok=set(ctypes.string_at(b, 5 * G)) == {0x6B})
+        pool.validate()
+        u0 = up.counters()["unmaps"]
+        pool.deallocate(b)
+        pool.trim()                          # still unmapped piece by piece
+        unmaps = up.counters()["unmaps"] - u0
+        pool.deallocate(a)
+        pool.close()
+        print(json.dumps({"grew": grew, "unmaps": unmaps, "end": [up.mapped_pieces, up.counters()["outstanding_bytes"]]}))
+    """)
+    assert out["grew"] == {"grants": 1, "maps": 5, "pieces": 6, "map_calls": 6, "ok": True}
+    assert out["unmaps"] == 5
+    assert out["end"] == [0, 0]
+
+
+def test_stitch_over_cuda_virtual_grants_access_once_for_all_its_aliases(fakes):
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+        blocks = [pool.allocate(G) for _ in range(9)]
+        for i in (1, 3, 5, 7):
+            pool.deallocate(blocks[i])
+        g0 = grants()
+        p = pool.allocate(4 * G)            # stitched from pieces 1, 3, 5, 7: four aliases, one grant
+        ctypes.memset(p, 0x5A, 4 * G)
+        seen = [ctypes.string_at(blocks[i], G) == bytes([0x5A]) * G for i in (1, 3, 5, 7)]
+        during = dict(grants=grants() - g0, aliases=up.aliases, alias_calls=pool.stats()["alias_calls"])
+        pool.validate()
+        pool.deallocate(p)
+        for i in (0, 2, 4, 6, 8):
+            pool.deallocate(blocks[i])
+        pool.close()
+        c = up.counters()
+        print(json.dumps({"seen": seen, "during": during, "end": [c["aliases"], c["unaliases"], up.aliases, up.mapped_pieces]}))
+    """)
+    assert out["seen"] == [True] * 4
+    assert out["during"] == {"grants": 1, "aliases": 4, "alias_calls": 4}
+    assert out["end"] == [4, 4, 0, 0]
+
+
+def test_cuda_virtual_refused_grant_of_a_growth_maps_nothing_and_the_pool_stays_consistent(fakes):
+    """cuMemSetAccess refused for a run: every piece of it is unmapped and released (none is
+    reachable without the grant), the pool raises a typed error and serves the next request."""
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=64 << 20,
+                            map_piece=G, thread_cache_bytes=0)
+        a = pool.allocate(G)                 # the 1st grant
+        try:
+            pool.allocate(4 * G)             # the 2nd grant, refused
+            err = None
+        except pk.errors.PoolkeeperError as e:
+            err = [type(e).__name__, "cuMemSetAccess" in str(e)]
+        pool.validate()
+        st, c = pool.stats(), up.counters()
+        mid = dict(reserved=st["reserved_bytes"], map_calls=st["map_calls"], pieces=up.mapped_pieces,
+                   outstanding=c["outstanding_bytes"], maps=c["maps"], failed=c["failed_allocations"])
+        b = pool.allocate(4 * G)             # granted this time
+        ctypes.memset(b, 1, 4 * G)
+        pool.validate()
+        pool.deallocate(a); pool.deallocate(b); pool.close()
+        print(json.dumps({"err": err, "mid": mid, "end": [up.mapped_pieces, up.counters()["outstanding_bytes"]]}))
+    """, FAKE_CUDA_FAIL_SET_ACCESS_AT=2)
+    assert out["err"] is not None and out["err"][1]
+    assert out["mid"] == {"reserved": 2 << 20, "map_calls": 1, "pieces": 1, "outstanding": 2 << 20, "maps": 1, "failed": 1}
+    assert out["end"] == [0, 0]
+
+
+def test_cuda_virtual_refused_grant_of_a_stitch_aliases_nothing_and_the_request_grows(fakes):
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+        blocks = [pool.allocate(G) for _ in range(7)]   # 7 growths: 7 grants
+        for i in (1, 3, 5):
+            pool.deallocate(blocks[i])
+        p = pool.allocate(3 * G)             # the stitch's grant (the 8th) is refused: it grows instead
+        ctypes.memset(p, 0x33, 3 * G)
+        st = pool.stats()
+        pool.validate()
+        mid = dict(aliases=up.aliases, alias_failures=st["alias_failures"], stitched=st["stitched_ranges"],
+                   inside=blocks[0] <= p < blocks[0] + st["va_bytes"])
+        pool.deallocate(p)
+        for i in (0, 2, 4, 6):
+            pool.deallocate(blocks[i])
+        pool.close()
+        print(json.dumps({"mid": mid, "end": [up.aliases, up.mapped_pieces, up.counters()["outstanding_bytes"]]}))
+    """, FAKE_CUDA_FAIL_SET_ACCESS_AT=8)
+    assert out["mid"] == {"aliases": 0, "alias_failures": 1, "stitched": 0, "inside": True}
+    assert out["end"] == [0, 0, 0]
+
+
+def test_cuda_virtual_refused_piece_mid_run_keeps_the_granted_pieces_before_it(fakes):
+    """The device runs out at the third piece of a five-piece growth: the two before it are
+    granted and stay in the pool's books (free, usable); the request fails with the driver's
+    out-of-memory error and nothing leaks."""
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=64 << 20,
+                            map_piece=G, thread_cache_bytes=0)
+        a = pool.allocate(G)
+        try:
+            pool.allocate(5 * G)              # 6 MiB device: pieces 2 and 3 fit, the 4th does not
+            err = None
+        except pk.errors.OutOfMemoryError as e:
+            err = "CUDA_ERROR_OUT_OF_MEMORY" in str(e)
+        pool.validate()
+        st = pool.stats()
+        mid = dict(reserved=st["reserved_bytes"], free=st["free_bytes"], pieces=up.mapped_pieces)
+        b = pool.allocate(2 * G)              # the two kept pieces serve it without a map
+        ctypes.memset(b, 7, 2 * G)
+        maps_after = pool.stats()["map_calls"]
+        pool.deallocate(a); pool.deallocate(b); pool.close()
+        print(json.dumps({"err": err, "mid": mid, "maps_after": maps_after, "end": [up.mapped_pieces, up.counters()["outstanding_bytes"]]}))
+    """, FAKE_CUDA_CAPACITY=6 << 20)
+    assert out["err"] is True
+    assert out["mid"] == {"reserved": 6 << 20, "free": 4 << 20, "pieces": 3}
+    assert out["maps_after"] == 3
+    assert out["end"] == [0, 0]
+
+
 def test_expandable_middle_hole_is_unmapped_and_refilled_over_cuda_virtual(fakes):
     out = run(fakes["full"], """
         import ctypes
@@ -1010,3 +1152,19 @@ def test_regression_fork_deadlocked_when_the_leaf_locks_were_taken_before_the_po
     except subprocess.TimeoutExpired:
         pytest.fail("fork() deadlocked in its prepare handlers")
     assert r.returncode == 0 and "FORKS-OK" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_vmm_latency_script_measures_runs_beside_single_calls_over_the_fake_driver(fakes, tmp_path):
+    """benchmarks/vmm_latency.py, the figure behind mapping and aliasing in runs: it runs end to
+    end (through the real CudaVirtual code, on the fake driver) and reports every column."""
+    out = tmp_path / "v.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "vmm_latency.py"
+    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"])
+    r = subprocess.run([sys.executable, str(script), "--sizes-mib", "2", "--reps", "2", "--runs", "3", "--json", str(out)],
+                       env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    (run_,) = data["runs"]
+    assert run_["pieces"] == 3
+    assert set(run_) == {"pieces", "map_each_us", "map_run_us", "alias_each_us", "alias_run_us", "unalias_us", "unmap_us"}
+    assert all(v > 0 for v in run_.values())

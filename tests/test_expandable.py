@@ -85,6 +85,45 @@ def test_simulated_vm_contract_is_enforced_and_counted():
     assert (c["unmaps"], c["deallocations"], c["outstanding_bytes"], c["unreserves"]) == (2, 2, 0, 1)
 
 
+@pytest.mark.parametrize("faulty", [False, True])
+def test_map_pieces_and_alias_pieces_are_runs_of_single_maps_that_stop_at_a_refusal(faulty):
+    """A run counts each piece as one map (alias) and leaves each one piece; a refusal is raised
+    with the pieces before it mapped. Over Faulty the refusal is the injected one at the 3rd
+    watched call; over Simulated it is the device running out."""
+    inner = sim(capacity=16 * MiB)
+    up = pk.upstream.Faulty(inner, fail_at=[2], error="upstream") if faulty else inner
+    base = up.reserve(64 * MiB)
+    if faulty:  # pieces of 4, 4, 2 MiB: the third is the third watched call, refused
+        with pytest.raises(UpstreamError):
+            up.map_pieces(base, 10 * MiB, 4 * MiB)
+        maps, mapped = 2, 8 * MiB
+    else:
+        assert up.map_pieces(base, 10 * MiB, 4 * MiB) == 10 * MiB  # pieces of 4, 4, 2 MiB
+        with pytest.raises(OutOfMemoryError):  # 10 of 16 MiB taken: 4 fits, the next 4 does not
+            up.map_pieces(base + 16 * MiB, 12 * MiB, 4 * MiB)
+        maps, mapped = 4, 14 * MiB
+    c = up.counters()
+    assert (c["maps"], c["allocations"], c["outstanding_bytes"], c["failed_allocations"]) == (maps, maps, mapped, 1)
+    # Each piece is one map: unmapped alone, and a half piece is not one.
+    with pytest.raises(UpstreamError):
+        up.unmap(base, 8 * MiB)
+    up.unmap(base, 4 * MiB)
+    # Aliases: (src, nbytes) pairs end to end; the 2nd source is not a mapped piece.
+    dst = up.reserve(16 * MiB)
+    assert up.alias_pieces(dst, [(base + 4 * MiB, 4 * MiB)]) == 1
+    with pytest.raises(UpstreamError):
+        up.alias_pieces(dst + 4 * MiB, [(base + 4 * MiB, 4 * MiB), (base, 4 * MiB)])
+    assert up.counters()["aliases"] == 2  # the one before the refusal stays
+    up.unalias(dst + 4 * MiB, 4 * MiB)
+    up.unalias(dst, 4 * MiB)
+    for bad in ("ab", [(1,)], [1, 2], 5, [("x", G)]):
+        with pytest.raises(InvalidArgumentError):
+            up.alias_pieces(dst, bad)
+    with pytest.raises(InvalidArgumentError):
+        up.map_pieces(base, G, 0)
+    assert up.counters()["aliases"] == 2 and up.counters()["unaliases"] == 2
+
+
 # ------------------------------------------------------------------ growth
 
 

@@ -1,6 +1,8 @@
 // Upstream bindings: the base class (counters, stream interface) and Host / Simulated.
 #include <nanobind/stl/shared_ptr.h>
 
+#include <vector>
+
 #include "bindings.hpp"
 #include "poolkeeper/upstreams/host_upstream.hpp"
 #include "poolkeeper/upstreams/simulated_upstream.hpp"
@@ -18,6 +20,37 @@ void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
   const std::size_t n = parse_size(nbytes, "nbytes");
   ReleaseGil nogil;
   (u.*F)(addr, n);
+}
+// alias_pieces' sources: a sequence of (src, nbytes) pairs, each converted like every address and
+// size (anything else is an InvalidArgumentError naming the item, never a TypeError).
+std::vector<Upstream::AliasSource> alias_sources(nb::handle h) {
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr()))
+    throw InvalidArgument("sources must be a sequence of (src, nbytes) pairs; got " + shown(h));
+  const Py_ssize_t n = PySequence_Size(h.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    throw InvalidArgument("sources must be a sequence of (src, nbytes) pairs; got " + shown(h));
+  }
+  std::vector<Upstream::AliasSource> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::object item = nb::steal(PySequence_GetItem(h.ptr(), i));
+    if (!item.is_valid()) {
+      PyErr_Clear();
+      throw InvalidArgument("sources[" + std::to_string(i) + "] could not be read");
+    }
+    if (!PySequence_Check(item.ptr()) || PySequence_Size(item.ptr()) != 2) {
+      PyErr_Clear();
+      throw InvalidArgument("sources[" + std::to_string(i) + "] must be a (src, nbytes) pair; got " + shown(item));
+    }
+    nb::object src = nb::steal(PySequence_GetItem(item.ptr(), 0)), bytes = nb::steal(PySequence_GetItem(item.ptr(), 1));
+    if (!src.is_valid() || !bytes.is_valid()) {
+      PyErr_Clear();
+      throw InvalidArgument("sources[" + std::to_string(i) + "] could not be read");
+    }
+    out.push_back({parse_ptr(src), parse_size(bytes, "nbytes")});
+  }
+  return out;
 }
 // A capture mode as the driver numbers them: 0 global, 1 thread-local, 2 relaxed.
 int capture_mode(nb::handle h) {
@@ -99,6 +132,35 @@ void bind_upstreams(nb::module_& m) {
       .def(
           "unalias", &range_call<&Upstream::unalias>,
           "addr"_a.none(), "nbytes"_a.none(), "Remove exactly one earlier alias; the memory stays mapped at its source.")
+      .def(
+          "map_pieces",
+          [](Upstream& u, nb::handle addr_, nb::handle nbytes, nb::handle piece_) {
+            const std::uintptr_t addr = parse_ptr(addr_);
+            const std::size_t n = parse_size(nbytes, "nbytes"), piece = parse_size(piece_, "piece");
+            if (!piece) throw InvalidArgument("piece must be positive");
+            std::size_t done = 0;
+            ReleaseGil nogil;
+            u.map_pieces(addr, n, piece, done);
+            return done;
+          },
+          "addr"_a.none(), "nbytes"_a.none(), "piece"_a.none(),
+          "Map [addr, addr+nbytes) in pieces of ``piece`` bytes (the last one what is left) in one run: "
+          "each piece counts as one map and is unmapped alone; a device that can grants access once for "
+          "the run. Returns the bytes mapped. A refusal is raised; the pieces before it stay mapped.")
+      .def(
+          "alias_pieces",
+          [](Upstream& u, nb::handle dst_, nb::handle sources) {
+            const std::uintptr_t dst = parse_ptr(dst_);
+            const std::vector<Upstream::AliasSource> srcs = alias_sources(sources);
+            std::size_t done = 0;
+            ReleaseGil nogil;
+            u.alias_pieces(dst, srcs.data(), srcs.size(), done);
+            return done;
+          },
+          "dst"_a.none(), "sources"_a.none(),
+          "Alias the mapped pieces ``sources`` ((src, nbytes) pairs) end to end from dst in one run: each "
+          "counts as one alias and is unaliased alone. Returns how many were aliased. A refusal is raised; "
+          "the aliases before it stay.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", [](Upstream& u, nb::handle e) { return u.query_event(parse_u64(e, "event")); }, "event"_a.none())

@@ -24,6 +24,7 @@
  *   FAKE_CUDA_FAIL_HTOD_ASYNC_AT   N: the N-th cuMemcpyHtoDAsync call (from 1) fails, copying nothing
  *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
  *   FAKE_CUDA_FAIL_MEM_RELEASE_AT  N: the N-th cuMemRelease call (from 1) fails (the handle leaks)
+ *   FAKE_CUDA_FAIL_SET_ACCESS_AT   N: the N-th cuMemSetAccess call (from 1) fails, granting nothing
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Stream capture (a model of CUDA's rules, driven by test helpers that are not driver functions):
  * fake_cuda_begin_capture(stream, mode) / fake_cuda_end_capture(stream) -> 1 if the capture stayed
@@ -36,8 +37,11 @@
  * naming it answers CUDA_ERROR_INVALID_HANDLE, as the real driver typically does for a stale handle
  * (instead of reading freed memory).
  * Virtual memory management: cuMemAddressReserve takes PROT_NONE address space (mmap), cuMemCreate
- * counts a handle's bytes against the device's capacity, cuMemMap makes the range read/write
- * host memory (checked: inside a reservation, not mapped yet), cuMemUnmap must name exactly one
+ * counts a handle's bytes against the device's capacity, cuMemMap backs the range with the handle's
+ * memory but grants no access (checked: inside a reservation, not mapped yet; touching it before
+ * cuMemSetAccess faults, as a kernel would on the GPU), cuMemSetAccess makes a range read/write when
+ * mappings cover every byte of it (one call may span several, as on the driver;
+ * fake_cuda_set_access_calls() counts the calls), cuMemUnmap must name exactly one
  * mapping and drops its pages, cuMemRelease frees the handle (refused while it is mapped). A handle
  * is a memfd: mapping it at a second address (as stitching does) shows the same bytes at both. cuMemAddressFree refuses a range
  * with mappings left. Granularity 2 MiB.
@@ -74,6 +78,8 @@ static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
 static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
 static int fail_mem_release_at = 0, mem_release_calls = 0;
+static int fail_set_access_at = 0, set_access_calls = 0;
+int fake_cuda_set_access_calls(void) { return __atomic_load_n(&set_access_calls, __ATOMIC_SEQ_CST); }
 struct qcopy { void* dst; const void* src; size_t n; };
 static struct qcopy* cq = NULL;
 static uint64_t cq_len = 0, cq_cap = 0, cq_done = 0;  /* copies queued ever, capacity, executed */
@@ -161,6 +167,7 @@ CUresult cuInit(unsigned flags) {
     fail_htod_async_at = env_int("FAKE_CUDA_FAIL_HTOD_ASYNC_AT", 0);
     fail_event_record_at = env_int("FAKE_CUDA_FAIL_EVENT_RECORD_AT", 0);
     fail_mem_release_at = env_int("FAKE_CUDA_FAIL_MEM_RELEASE_AT", 0);
+    fail_set_access_at = env_int("FAKE_CUDA_FAIL_SET_ACCESS_AT", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -529,7 +536,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t n, size_t off, unsigned long long h, u
   for (int i = 0; i < nvr; i++) inside |= ptr >= vranges[i].a && ptr + n <= vranges[i].a + vranges[i].n;
   for (int j = 0; j < nvm && inside; j++) inside = !(vmaps[j].a < ptr + n && ptr < vmaps[j].a + vmaps[j].n);
   if (!inside || nvm == MAXV) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
-  if (mmap((void*)(uintptr_t)ptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, v->fd, 0) == MAP_FAILED) {
+  if (mmap((void*)(uintptr_t)ptr, n, PROT_NONE, MAP_SHARED | MAP_FIXED, v->fd, 0) == MAP_FAILED) {
     pthread_mutex_unlock(&mu);
     return E_OOM;
   }
@@ -555,10 +562,18 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t n, const int* desc, size_t count
   /* desc: location.type, location.id, flags */
   if (count != 1 || desc[0] != 1 || desc[2] != 3) return E_INVALID_VALUE;
   NEED_DEV(desc[1]);
+  if (!n || ptr % GRAN || n % GRAN) return E_INVALID_VALUE;
+  if (__atomic_add_fetch(&set_access_calls, 1, __ATOMIC_SEQ_CST) == fail_set_access_at) return E_INVALID_VALUE;
   pthread_mutex_lock(&mu);
-  int ok = 0;
-  for (int j = 0; j < nvm; j++) ok |= ptr >= vmaps[j].a && ptr + n <= vmaps[j].a + vmaps[j].n;
+  /* every granule of the range inside some mapping */
+  for (CUdeviceptr g = ptr; g < ptr + n; g += GRAN) {
+    int in = 0;
+    for (int j = 0; j < nvm && !in; j++) in = g >= vmaps[j].a && g < vmaps[j].a + vmaps[j].n;
+    if (!in) { pthread_mutex_unlock(&mu); return E_INVALID_VALUE; }
+  }
+  int r = mprotect((void*)(uintptr_t)ptr, n, PROT_READ | PROT_WRITE) == 0 ? OK : E_INVALID_VALUE;
   pthread_mutex_unlock(&mu);
-  return ok ? OK : E_INVALID_VALUE;
+  logf_("setaccess n=%zu", n);
+  return r;
 }
 #endif

@@ -36,6 +36,32 @@ def test_cuda_virtual_contract_on_the_device():
     assert up.mapped_pieces == 0
 
 
+def test_cuda_virtual_runs_grant_access_once_over_many_pieces_on_the_device():
+    """map_pieces / alias_pieces: each piece its own physical handle, one cuMemSetAccess over the
+    run. A write across the whole run proves every piece is reachable; the alias run shows the
+    same bytes; each piece is unmapped alone."""
+    up = pk.upstream.CudaVirtual(0)
+    g = up.vm_granularity
+    base, dst = up.reserve(16 * g), up.reserve(16 * g)
+    assert up.map_pieces(base, 5 * g, g) == 5 * g
+    assert up.mapped_pieces == 5 and up.counters()["maps"] == 5
+    driver.memset_d8(base, 9, 5 * g)
+    assert (read(base + 5 * g - 64, 64) == 9).all()
+    assert up.alias_pieces(dst, [(base + 3 * g, g), (base + g, g), (base + 4 * g, g)]) == 3
+    driver.memset_d8(dst + g - 8, 4, 16)  # across the first two aliases: pieces 3 and 1
+    assert (read(base + 4 * g - 8, 8) == 4).all() and (read(base + g, 8) == 4).all()
+    for k in range(3):
+        up.unalias(dst + k * g, g)
+    with pytest.raises(pk.errors.UpstreamError):
+        up.unmap(base, 2 * g)  # two pieces are two maps
+    for k in range(5):
+        up.unmap(base + k * g, g)
+    up.unreserve(base, 16 * g)
+    up.unreserve(dst, 16 * g)
+    c = up.counters()
+    assert (c["maps"], c["unmaps"], c["aliases"], c["unaliases"], c["outstanding_bytes"]) == (5, 5, 3, 3, 0)
+
+
 def test_expandable_arena_by_content_then_trim_and_close():
     rng = random.Random(4321)
     up = pk.upstream.CudaVirtual(0)

@@ -2,6 +2,7 @@
 
 #include "poolkeeper/core/capture.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -35,9 +36,9 @@ void* Upstream::allocate(std::size_t nbytes) {
   return p;
 }
 
-void Upstream::count_alloc(std::size_t nbytes, std::uint64_t t0) {
+void Upstream::count_alloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t calls) {
   alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-  allocations_.fetch_add(1, std::memory_order_relaxed);
+  allocations_.fetch_add(calls, std::memory_order_relaxed);
   bytes_allocated_.fetch_add(nbytes, std::memory_order_relaxed);
   const auto out = outstanding_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
   auto peak = peak_outstanding_.load(std::memory_order_relaxed);
@@ -91,6 +92,49 @@ void Upstream::unalias(std::uintptr_t dst, std::size_t bytes) {
   RelaxedCapture relaxed(*this);
   do_unalias(dst, bytes);
   unaliases_.fetch_add(1, std::memory_order_relaxed);
+}
+
+// A run's pieces are counted as that many maps, whether the run completes or stops at a refusal
+// (then the refusal is counted as one failed allocation, as a refused map() is).
+void Upstream::map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
+  done = 0;
+  if (!piece) piece = bytes;
+  RelaxedCapture relaxed(*this);
+  const auto t0 = now_ns();
+  auto count = [&] {
+    if (!done) return false;
+    maps_.fetch_add((done + piece - 1) / piece, std::memory_order_relaxed);
+    count_alloc(done, t0, (done + piece - 1) / piece);
+    return true;
+  };
+  try {
+    do_map_pieces(addr, bytes, piece, done);
+  } catch (...) {
+    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
+    if (!count()) alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  count();
+}
+
+void Upstream::alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
+  done = 0;
+  RelaxedCapture relaxed(*this);
+  try {
+    do_alias_pieces(dst, srcs, n, done);
+  } catch (...) {
+    aliases_.fetch_add(done, std::memory_order_relaxed);
+    throw;
+  }
+  aliases_.fetch_add(done, std::memory_order_relaxed);
+}
+
+void Upstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
+  for (std::size_t k; done < bytes; done += k) do_map(addr + done, k = std::min(piece, bytes - done));
+}
+
+void Upstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
+  for (std::size_t at = 0; done < n; at += srcs[done++].bytes) do_alias(dst + at, srcs[done].src, srcs[done].bytes);
 }
 
 static std::string no_vm(const std::string& who) {

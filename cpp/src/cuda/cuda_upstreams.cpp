@@ -1,6 +1,8 @@
 #include "poolkeeper/cuda/cuda_upstreams.hpp"
 
+#include <algorithm>
 #include <array>
+#include <vector>
 
 #include "poolkeeper/core/registry.hpp"
 #include "poolkeeper/cuda/cuda_driver.hpp"
@@ -297,31 +299,66 @@ void CudaVirtualUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
   if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemAddressFree", addr, bytes, device_), name());
 }
 
-void CudaVirtualUpstream::map_piece(std::uintptr_t addr, std::size_t bytes) {
-  if (!bytes || bytes % granularity_ || addr % granularity_)
-    throw UpstreamFailure("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) +
-                              " is not granule-aligned (" + format_bytes(granularity_) + ")",
+// Pieces are created and mapped one by one, then granted access in one call: cuMemMap alone gives
+// no access, and one cuMemSetAccess may cover any run of mappings. A refused create or map grants
+// the pieces before it and rethrows; a refused grant unmaps and releases the whole run (nothing is
+// reachable without it), so `done` is then 0.
+void CudaVirtualUpstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
+  if (!bytes || bytes % granularity_ || addr % granularity_ || !piece || piece % granularity_)
+    throw UpstreamFailure("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " in pieces of " +
+                              format_bytes(piece) + " is not granule-aligned (" + format_bytes(granularity_) + ")",
                           name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
   const cuda::DriverApi& a = cuda::api();
   const CUmemAllocationProp prop = device_prop(device_);
   cuda::ScopedContext ctx(device_);
-  CUmemGenericAllocationHandle h = 0;
-  CUresult r = a.cuMemCreate(&h, bytes, &prop, 0);
-  if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemCreate", bytes, device_), name());
-  const auto dp = static_cast<CUdeviceptr>(addr);
-  r = a.cuMemMap(dp, bytes, 0, h, 0);
-  if (r != CUDA_SUCCESS) {
-    a.cuMemRelease(h);
-    cuda::throw_error(r, at_ptr("cuMemMap", addr, bytes, device_), name());
+  std::vector<std::pair<std::size_t, CUmemGenericAllocationHandle>> made;  // (size, handle), by address
+  std::size_t at = 0;
+  // Undo the run: every piece mapped so far unmapped and released (nothing granted yet).
+  auto undo = [&] {
+    std::size_t off = 0;
+    for (const auto& [n, h] : made) {
+      a.cuMemUnmap(static_cast<CUdeviceptr>(addr + off), n);
+      a.cuMemRelease(h);
+      off += n;
+    }
+    made.clear();
+  };
+  // Grant what is mapped and enter it in the books; false when the grant was refused (then undone).
+  auto grant = [&](CUresult& r) {
+    if (made.empty()) return true;
+    r = allow_access(static_cast<CUdeviceptr>(addr), at, device_);
+    if (r != CUDA_SUCCESS) {
+      undo();
+      return false;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    std::size_t off = 0;
+    for (const auto& [n, h] : made) pieces_[addr + off] = Piece{n, h}, off += n;
+    done = at;
+    return true;
+  };
+  made.reserve((bytes + piece - 1) / piece);
+  for (; at < bytes;) {
+    const std::size_t n = std::min(piece, bytes - at);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = a.cuMemCreate(&h, n, &prop, 0);
+    const bool created = r == CUDA_SUCCESS;
+    if (created && (r = a.cuMemMap(static_cast<CUdeviceptr>(addr + at), n, 0, h, 0)) != CUDA_SUCCESS) a.cuMemRelease(h);
+    if (r != CUDA_SUCCESS) {
+      CUresult gr = CUDA_SUCCESS;
+      if (!grant(gr)) cuda::throw_error(gr, at_ptr("cuMemSetAccess", addr, at, device_), name());
+      cuda::throw_error(r, created ? at_ptr("cuMemMap", addr + at, n, device_) : on_device("cuMemCreate", n, device_), name());
+    }
+    made.emplace_back(n, h);
+    at += n;
   }
-  r = allow_access(dp, bytes, device_);
-  if (r != CUDA_SUCCESS) {
-    a.cuMemUnmap(dp, bytes);
-    a.cuMemRelease(h);
-    cuda::throw_error(r, at_ptr("cuMemSetAccess", addr, bytes, device_), name());
-  }
-  std::lock_guard<std::mutex> g(mu_);
-  pieces_[addr] = Piece{bytes, h};
+  CUresult r = CUDA_SUCCESS;
+  if (!grant(r)) cuda::throw_error(r, at_ptr("cuMemSetAccess", addr, bytes, device_), name());
+}
+
+void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
+  std::size_t done = 0;
+  do_map_pieces(addr, bytes, bytes, done);
 }
 
 void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
@@ -355,45 +392,77 @@ void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
   if (r != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) { map_piece(addr, bytes); }
-
 std::size_t CudaVirtualUpstream::aliases() const {
   std::lock_guard<std::mutex> g(mu_);
   return aliases_.size();
 }
 
-void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
-  unsigned long long h;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = pieces_.find(src);
-    if (it == pieces_.end() || it->second.size != bytes || dst % granularity_)
-      throw UpstreamFailure("CudaVirtual: alias of " + format_ptr(src) + " (" + format_bytes(bytes) + ") at " + format_ptr(dst) +
-                                ": the source is not one mapped piece or the target is not granule-aligned",
-                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    h = it->second.handle;
-    ++it->second.aliases;  // now: the source must not be unmapped while this map runs
-  }
-  auto undo = [&] {
-    std::lock_guard<std::mutex> g(mu_);
-    --pieces_[src].aliases;
-  };
+// Each source's handle mapped again, one after another from dst, then one grant over the run (as
+// do_map_pieces). A source is held (its alias count raised) from before its map until the run is
+// settled, so that no unmap of it can slip in while its handle is mapped a second time.
+void CudaVirtualUpstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
   const cuda::DriverApi& a = cuda::api();
   cuda::ScopedContext ctx(device_);
-  const auto dp = static_cast<CUdeviceptr>(dst);
-  CUresult r = a.cuMemMap(dp, bytes, 0, h, 0);
-  if (r != CUDA_SUCCESS) {
-    undo();
-    cuda::throw_error(r, at_ptr("cuMemMap", dst, bytes, device_), name());
+  std::size_t mapped = 0, at = 0;  // pieces mapped (not yet granted) and their bytes
+  auto release_holds = [&](std::size_t from) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = from; i < mapped; ++i) --pieces_[srcs[i].src].aliases;
+  };
+  auto grant = [&](CUresult& r) {
+    if (!mapped) return true;
+    r = allow_access(static_cast<CUdeviceptr>(dst), at, device_);
+    if (r != CUDA_SUCCESS) {
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < mapped; off += srcs[i++].bytes) a.cuMemUnmap(static_cast<CUdeviceptr>(dst + off), srcs[i].bytes);
+      release_holds(0);
+      mapped = 0;
+      return false;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < mapped; off += srcs[i++].bytes) aliases_[dst + off] = Alias{srcs[i].src, srcs[i].bytes};
+    done = mapped;
+    return true;
+  };
+  for (; mapped < n;) {
+    const AliasSource& p = srcs[mapped];
+    unsigned long long h = 0;
+    bool ok = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = pieces_.find(p.src);
+      if (it != pieces_.end() && it->second.size == p.bytes && (dst + at) % granularity_ == 0) {
+        h = it->second.handle;
+        ++it->second.aliases;  // now: the source must not be unmapped while this map runs
+        ok = true;
+      }
+    }
+    CUresult r = CUDA_SUCCESS;
+    if (ok && (r = a.cuMemMap(static_cast<CUdeviceptr>(dst + at), p.bytes, 0, h, 0)) != CUDA_SUCCESS) {
+      std::lock_guard<std::mutex> g(mu_);
+      --pieces_[p.src].aliases;
+    }
+    if (!ok || r != CUDA_SUCCESS) {
+      CUresult gr = CUDA_SUCCESS;
+      if (!grant(gr)) cuda::throw_error(gr, at_ptr("cuMemSetAccess", dst, at, device_), name());
+      if (!ok)
+        throw UpstreamFailure("CudaVirtual: alias of " + format_ptr(p.src) + " (" + format_bytes(p.bytes) + ") at " +
+                                  format_ptr(dst + at) +
+                                  ": the source is not one mapped piece or the target is not granule-aligned",
+                              name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+      cuda::throw_error(r, at_ptr("cuMemMap", dst + at, p.bytes, device_), name());
+    }
+    ++mapped;
+    at += p.bytes;
   }
-  r = allow_access(dp, bytes, device_);
-  if (r != CUDA_SUCCESS) {
-    a.cuMemUnmap(dp, bytes);
-    undo();
-    cuda::throw_error(r, at_ptr("cuMemSetAccess", dst, bytes, device_), name());
-  }
-  std::lock_guard<std::mutex> g(mu_);
-  aliases_[dst] = Alias{src, bytes};
+  CUresult r = CUDA_SUCCESS;
+  if (!grant(r)) cuda::throw_error(r, at_ptr("cuMemSetAccess", dst, at, device_), name());
+}
+
+void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+  std::size_t done = 0;
+  const AliasSource one{src, bytes};
+  do_alias_pieces(dst, &one, 1, done);
 }
 
 void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
@@ -422,7 +491,7 @@ void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
   const std::size_t n = align_up(nbytes, granularity_);
   const std::uintptr_t a = do_reserve(n);
   try {
-    map_piece(a, n);
+    do_map(a, n);
   } catch (...) {
     try {
       do_unreserve(a, n);

@@ -229,12 +229,15 @@ class VirtualRange final : public BackingSource {
     std::size_t target = step, done = 0;
     bool shrunk = false;
     while (done < target) {
-      const std::size_t n = piece_ ? std::min(piece_, target - done) : target - done;
+      std::size_t got = 0;
       try {
-        map_piece(gs + done, n);
+        map_pieces(gs + done, target - done, piece_, got);
       } catch (const UpstreamOutOfMemory&) {
-        // The step asked for more than needed: ask for just the request, once.
-        if (!shrunk && std::max(need, done) < done + n) {
+        done += got;
+        // The step asked for more than needed: ask for just the request, once (when the refused
+        // piece reaches past it).
+        const std::size_t refused = piece_ ? std::min(piece_, target - done) : target - done;
+        if (!shrunk && std::max(need, done) < done + refused) {
           shrunk = true;
           target = std::max(need, done);
           continue;
@@ -242,10 +245,10 @@ class VirtualRange final : public BackingSource {
         if (ArenaChunk* r = absorb(gs, done, prev, next)) a_.file_free_locked(r);
         throw;
       } catch (...) {
-        if (ArenaChunk* r = absorb(gs, done, prev, next)) a_.file_free_locked(r);
+        if (ArenaChunk* r = absorb(gs, done + got, prev, next)) a_.file_free_locked(r);
         throw;
       }
-      done += n;
+      done += got;
     }
     if (!a_.ev_.backings_created) ++a_.ev_.backings_created;
     return absorb(gs, done, prev, next);
@@ -492,14 +495,29 @@ class VirtualRange final : public BackingSource {
     return out;
   }
 
-  // One map call: [at, at + n) backed by fresh physical memory, a piece of the books (not yet of
-  // a segment: absorb() takes it in). Throws the upstream's error with nothing changed.
-  void map_piece(std::uintptr_t at, std::size_t n) {
-    a_.upstream_->map(at, n);
-    ++map_calls_;
-    a_.up_allocs_.fetch_add(1, std::memory_order_relaxed);
-    pieces_.emplace(at, Piece{n});
-    mapped_ += n;
+  // [at, at + n) backed by fresh physical memory in pieces of at most `piece` bytes, one upstream
+  // call for the run (its pieces are granted access at once: upstream.hpp, "Runs"), pieces of
+  // the books (not yet of a segment: absorb() takes them in). `done` gets the bytes mapped; a
+  // refusal rethrows with the pieces mapped before it in the books.
+  void map_pieces(std::uintptr_t at, std::size_t n, std::size_t piece, std::size_t& done) {
+    piece = piece ? std::min(piece, n) : n;
+    done = 0;
+    auto book = [&] {
+      for (std::size_t off = 0; off < done; off += piece) {
+        const std::size_t k = std::min(piece, done - off);
+        pieces_.emplace(at + off, Piece{k});
+        ++map_calls_;
+        a_.up_allocs_.fetch_add(1, std::memory_order_relaxed);
+      }
+      mapped_ += done;
+    };
+    try {
+      a_.upstream_->map_pieces(at, n, piece, done);
+    } catch (...) {
+      book();
+      throw;
+    }
+    book();
   }
 
   // Map [at, at + n) (the start of the gap between prev and next) in pieces of at most `piece`
@@ -508,7 +526,7 @@ class VirtualRange final : public BackingSource {
   void map_free(std::uintptr_t at, std::size_t n, std::size_t piece, ArenaBacking* prev, ArenaBacking* next) {
     std::size_t done = 0;
     try {
-      for (std::size_t k; done < n; done += k) map_piece(at + done, k = std::min(piece, n - done));
+      map_pieces(at, n, piece, done);
     } catch (...) {
       if (ArenaChunk* r = absorb(at, done, prev, next)) a_.file_free_locked(r);
       throw;
@@ -1039,24 +1057,24 @@ class VirtualRange final : public BackingSource {
     return chosen;
   }
 
-  // Alias the chosen pieces end to end from `dst` (stopping at the first refusal, counted) and move
+  // Alias the chosen pieces end to end from `dst` in one upstream call (one access grant for the
+  // run; stopping at the first refusal, counted) and move
   // the bytes they give there in the books: out of their segment or stitched backing (an earlier
   // stitched range's part goes Stale), lent to the range at `owner`, appended to its parts. A
   // fragment gives only its free end (the first chosen) or its free start (the last); the rest of
   // its piece stays in its segment. Returns the bytes given, which lie end to end from `dst` plus
   // the first part's `lo`; the caller adds them to a backing (reserved dropped by them here).
   std::size_t alias_in(std::uintptr_t dst, std::vector<Cand>& chosen, std::uintptr_t owner, Stitch& into) {
-    std::size_t done = 0, k = 0;
-    for (; k < chosen.size(); ++k) {
-      try {
-        a_.upstream_->alias(dst + done, chosen[k].src, chosen[k].n);
-      } catch (...) {
-        ++alias_failures_;
-        break;
-      }
-      ++alias_calls_;
-      done += chosen[k].n;
+    std::vector<Upstream::AliasSource> srcs;
+    srcs.reserve(chosen.size());
+    for (const Cand& c : chosen) srcs.push_back({c.src, c.n});
+    std::size_t k = 0;
+    try {
+      a_.upstream_->alias_pieces(dst, srcs.data(), srcs.size(), k);
+    } catch (...) {
+      ++alias_failures_;
     }
+    alias_calls_ += k;
     chosen.resize(k);
     std::size_t given = 0;
     for (const Cand& p : chosen) {

@@ -39,6 +39,17 @@
 //   Throws UpstreamFailure (the alias stays).
 // - unmap(src) while an alias of src exists, or unreserve of a range with an alias in it, is a
 //   contract violation (UpstreamFailure on the simulated device and the fake driver).
+// Runs: several pieces mapped (or aliased) end to end in one call, so that a device whose access
+// grant covers any run of mappings grants it once (CUDA: cuMemMap per piece, then one
+// cuMemSetAccess over the run, where map() pays one per piece). Each piece counts as one map
+// (alias) and stays one piece (unmap/unalias take them one at a time).
+// - map_pieces(addr, bytes, piece, done): [addr, addr+bytes) in pieces of `piece` bytes (the last
+//   one what is left), each as map() would. Stops at the first refusal and rethrows it; `done`
+//   holds the bytes mapped before it (mapped and accessible; a refused grant maps none: 0).
+// - alias_pieces(dst, srcs, n, done): the n pieces srcs[i] (address, bytes) aliased end to end
+//   from dst, each as alias() would. A refusal likewise: `done` holds the pieces aliased before it.
+// The defaults call do_map/do_alias once per piece; an upstream overrides do_map_pieces /
+// do_alias_pieces to grant access once.
 // Every call may come from any thread; a pool serializes the calls on its own range.
 //
 // CUDA-graph capture (capture.hpp; docs/integrations.md, "CUDA graphs"): while a stream is being
@@ -112,6 +123,12 @@ class Upstream {
   void unreserve(std::uintptr_t addr, std::size_t bytes);
   void alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes);
   void unalias(std::uintptr_t dst, std::size_t bytes);
+  struct AliasSource {
+    std::uintptr_t src;  // one mapped piece
+    std::size_t bytes;   // its size
+  };
+  void map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done);
+  void alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done);
   virtual bool supports_virtual() const { return false; }
   virtual bool supports_alias() const { return false; }
   // The unit of reserve/map/unmap sizes and addresses (CUDA: cuMemGetAllocationGranularity).
@@ -162,6 +179,10 @@ class Upstream {
   virtual void do_unreserve(std::uintptr_t addr, std::size_t bytes);
   virtual void do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes);
   virtual void do_unalias(std::uintptr_t dst, std::size_t bytes);
+  // Runs (see the contract at the top): the defaults call do_map / do_alias once per piece.
+  // `done` counts what is mapped so far and must be right when a refusal is thrown.
+  virtual void do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done);
+  virtual void do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done);
 
  private:
   std::atomic<std::uint64_t> allocations_{0}, deallocations_{0}, bytes_allocated_{0}, bytes_deallocated_{0};
@@ -169,7 +190,7 @@ class Upstream {
   std::atomic<std::uint64_t> failed_allocations_{0}, failed_deallocations_{0};
   std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0}, aliases_{0}, unaliases_{0};
   mutable std::atomic<int> captures_{0};
-  void count_alloc(std::size_t nbytes, std::uint64_t t0);
+  void count_alloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t calls = 1);
   void count_dealloc(std::size_t nbytes, std::uint64_t t0);
 };
 

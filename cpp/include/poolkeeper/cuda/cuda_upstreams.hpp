@@ -144,6 +144,9 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
 
  protected:
   POOLKEEPER_VIRTUAL_UPSTREAM_HOOKS;
+  // One cuMemSetAccess over each run (the driver grants access over any run of mappings).
+  void do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) override;
+  void do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) override;
 
  private:
   struct Piece {
@@ -156,7 +159,6 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
     std::size_t size;
   };
   std::map<std::uintptr_t, Alias> aliases_;  // by address (guarded by mu_)
-  void map_piece(std::uintptr_t addr, std::size_t bytes);    // create + map + access, or nothing
   void unmap_piece(std::uintptr_t addr, std::size_t bytes);  // unmap + release one piece
   std::size_t granularity_ = 0, capacity_ = 0;
   mutable std::mutex mu_;
