@@ -1168,3 +1168,22 @@ def test_vmm_latency_script_measures_runs_beside_single_calls_over_the_fake_driv
     assert run_["pieces"] == 3
     assert set(run_) == {"pieces", "map_each_us", "map_run_us", "alias_each_us", "alias_run_us", "unalias_us", "unmap_us"}
     assert all(v > 0 for v in run_.values())
+
+
+def test_vmm_driver_calls_script_times_each_call_and_asks_about_unmapping_a_run(fakes, tmp_path):
+    """benchmarks/vmm_driver_calls.py calls libcuda itself (ctypes): over the fake driver it runs
+    end to end, times every call it names, and reports the fake's answer to one cuMemUnmap over
+    several mappings (refused: the fake takes exactly one mapping per unmap)."""
+    out = tmp_path / "d.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "vmm_driver_calls.py"
+    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"])
+    r = subprocess.run([sys.executable, str(script), "--reps", "2", "--pieces", "3", "--json", str(out)],
+                       env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    assert data["granularity"] == 2 << 20 and data["pieces"] == 3
+    assert set(data["calls_us"]) == {"cuMemCreate", "cuMemMap", "cuMemSetAccess, one piece",
+                                     "cuMemSetAccess, run of 3 (per piece)", "cuMemMap of a mapped handle (alias)",
+                                     "cuMemUnmap of an alias", "cuMemUnmap", "cuMemRelease"}
+    assert data["unmap_run"]["accepted"] is False and data["unmap_run"]["remapped"] == 0
+    assert "refused" in r.stdout
