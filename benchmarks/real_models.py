@@ -244,7 +244,11 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
     - ``median_each_ms``: request by request, the median of the rounds, summed (steadier than
       ``best_ms`` when the quiet spells are rarer than the rounds);
     - against ``torch``: ``best_vs_torch``, ``median_each_vs_torch``, ``median_vs_torch`` and
-      ``paired_vs_torch`` (round i against torch's round i) with their median ``paired_median_vs_torch``.
+      ``paired_vs_torch`` (round i against torch's round i) with their median ``paired_median_vs_torch``;
+    - where the runs time decode steps (Llama): ``decode_p50_ms``, each round's median decode step,
+      and ``decode_paired_vs_torch`` (round i against torch's round i) with their median
+      ``decode_paired_median_vs_torch``: the "ms/step" of a server's steady state, apart from the
+      prefills that dominate the summed request time.
 
     Left out: failed runs, runs that served no request, and times that are not finite,
     non-negative numbers (a report is written whatever the runs did). The best of the rounds is compared with torch's
@@ -277,8 +281,15 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
         return (math.fsum(lows), len(each[0]), max(fastest.values()) / len(each[0]),
                 math.fsum(statistics.median(xs) for xs in zip(*each)), len(each))
 
+    def decode_p50(r: Any) -> Optional[float]:
+        if not isinstance(r, dict) or "error" in r or not isinstance(r.get("decode_step_ms"), dict):
+            return None
+        x = ratio(r["decode_step_ms"].get("p50"), 1.0)
+        return x if x is not None and x > 0 else None
+
     base = totals(rounds.get("torch", []))
     base_ok = [t for t in base if t is not None]
+    base_decode = [decode_p50(r) for r in rounds.get("torch", [])]
     base_best = best(rounds.get("torch", []))
     out: Dict[str, Dict[str, Any]] = {}
     for arm, runs in rounds.items():
@@ -287,6 +298,9 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
         paired = [ratio(t, b) for t, b in zip(ts, base) if t is not None and b is not None]
         paired = [x for x in paired if x is not None]
         b = best(runs)
+        dec = [decode_p50(r) for r in runs]
+        dec_paired = [x for x in (ratio(d, bd) for d, bd in zip(dec, base_decode) if d is not None and bd is not None)
+                      if x is not None]
         # Against torch over the same requests, and over several rounds on both sides: from one
         # round the best and the median are that round, and the verdict falls back to its ratio.
         same = bool(b and base_best and b[1] == base_best[1] and min(b[4], base_best[4]) >= 2)
@@ -301,6 +315,9 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
             "median_vs_torch": ratio(statistics.median(ok), statistics.median(base_ok)) if ok and base_ok else None,
             "paired_median_vs_torch": statistics.median(paired) if paired else None,
             "paired_vs_torch": paired,
+            "decode_p50_ms": dec,
+            "decode_paired_vs_torch": dec_paired,
+            "decode_paired_median_vs_torch": statistics.median(dec_paired) if dec_paired else None,
         }
     return out
 
@@ -507,6 +524,18 @@ def markdown(results: Dict[str, Any]) -> str:
                     f"| {fmt_ms(t.get('median_each_ms'))} | {fmt_ratio(t.get('median_each_vs_torch'))} |"
                 )
             lines.append("")
+            dec_arms = [a for a in results.get("arms", []) if any(x is not None for x in (times.get(a) or {}).get("decode_p50_ms", []))]
+            if dec_arms:
+                lines += ["Decode step over the rounds (each round's median decode step, ms; the steady state of "
+                          "generation, apart from the prefills):", ""]
+                lines += table_head("arm", "decode step p50 per round", "per-round ratio vs torch", "median of those")
+                for arm in dec_arms:
+                    t = times[arm]
+                    lines.append(
+                        f"| {arm} | {', '.join(fmt_ms(x) if x is not None else 'n/a' for x in t['decode_p50_ms'])} "
+                        f"| {', '.join(f'{x:.3f}' for x in t['decode_paired_vs_torch']) or 'n/a'} "
+                        f"| {fmt_ratio(t['decode_paired_median_vs_torch'])} |")
+                lines.append("")
             lines += round_outputs(results.get("round_runs", {}).get(wl, {}), results.get("arms", []))
         rr = (results.get("round_runs") or {}).get(wl) or {a: [r] for a, r in runs.items()}
         rr = {a: v for a, v in rr.items() if isinstance(v, list)} if isinstance(rr, dict) else {}

@@ -232,6 +232,30 @@ def test_round_times_pairs_each_round_with_torchs_and_skips_failures():
     assert rm.round_times({"arena": rounds["arena"]})["arena"]["paired_median_vs_torch"] is None
 
 
+def test_round_times_pair_each_rounds_decode_step_with_torchs():
+    """Llama runs time their decode steps: each round's median step is paired with torch's round,
+    apart from the summed request time (which the prefills dominate)."""
+    def run(total, step):
+        return {"request_ms": {"total": total}, "decode_step_ms": {"p50": step}}
+
+    t = rm.round_times({
+        "torch": [run(100.0, 50.0), run(120.0, 52.0), run(110.0, 48.0)],
+        "arena": [run(99.0, 49.0), {"error": "boom"}, run(121.0, 49.5)],
+        "bert_like": [{"request_ms": {"total": 90.0}}] * 3,
+    })
+    assert t["arena"]["decode_p50_ms"] == [49.0, None, 49.5]
+    assert t["arena"]["decode_paired_vs_torch"] == pytest.approx([0.98, 49.5 / 48])
+    assert t["arena"]["decode_paired_median_vs_torch"] == pytest.approx((0.98 + 49.5 / 48) / 2)
+    assert t["bert_like"]["decode_p50_ms"] == [None] * 3 and t["bert_like"]["decode_paired_median_vs_torch"] is None
+    res = _results()
+    res["comparison"] = {"bert": rm.compare(res["runs"]["bert"])}
+    res["round_times"] = {"bert": {"arena_expandable": t["arena"], "torch": t["torch"]}}
+    md = rm.markdown(res)
+    assert "Decode step over the rounds" in md
+    row = next(l for l in md.splitlines() if l.startswith("| arena_expandable | 49.00, n/a, 49.50"))
+    assert "| 0.980, 1.031 | 1.006x |" in row
+
+
 def test_best_of_rounds_takes_each_requests_fastest_run():
     def run(*each):
         return {"request_ms": {"total": sum(each)}, "request_ms_each": list(each)}
