@@ -557,6 +557,47 @@ def test_cuda_virtual_refused_piece_mid_run_keeps_the_granted_pieces_before_it(f
     assert out["end"] == [0, 0]
 
 
+def test_regression_alias_racing_an_unmap_of_its_source_never_maps_a_released_handle(fakes):
+    """A hostile review: unmap checked that a piece had no alias, let go of the lock, then unmapped
+    and released it; an alias taken in between mapped the handle being released (a leaked handle)
+    and its unalias later counted down the aliases of whatever piece was mapped there next (the
+    count wrapped and that piece could never be unmapped). Now the unmap takes the piece out of
+    the books under the same lock, and such an alias is refused."""
+    out = run(fakes["full"], RUNS_PRE + """
+        import time
+        up = pk.upstream.CudaVirtual()
+        base = up.reserve(8 * G)
+        src, dst = base, base + 4 * G
+        up.map(src, G)
+        stop = time.time() + 1.5
+        done = {"alias": 0, "unmap": 0}
+        def aliaser():
+            while time.time() < stop:
+                try:
+                    up.alias_pieces(dst, [(src, G)])
+                except pk.errors.PoolkeeperError:
+                    continue
+                done["alias"] += 1
+                up.unalias(dst, G)
+        def unmapper():
+            while time.time() < stop:
+                try:
+                    up.unmap(src, G)
+                except pk.errors.PoolkeeperError:
+                    continue
+                done["unmap"] += 1
+                up.map(src, G)
+        ts = [threading.Thread(target=f) for f in (aliaser, unmapper)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        up.unmap(src, G)  # never blocked by a phantom alias count
+        up.unreserve(base, 8 * G)
+        print(json.dumps({"done": done, "leaked": up.leaked_handles, "pieces": up.mapped_pieces, "aliases": up.aliases}))
+    """)
+    assert out["done"]["alias"] > 0 and out["done"]["unmap"] > 0
+    assert (out["leaked"], out["pieces"], out["aliases"]) == (0, 0, 0)
+
+
 def test_expandable_middle_hole_is_unmapped_and_refilled_over_cuda_virtual(fakes):
     out = run(fakes["full"], """
         import ctypes

@@ -124,6 +124,58 @@ def test_map_pieces_and_alias_pieces_are_runs_of_single_maps_that_stop_at_a_refu
     assert up.counters()["aliases"] == 2 and up.counters()["unaliases"] == 2
 
 
+class _LyingLength:
+    """A sequence whose __len__ claims far more items than it holds."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 2**62
+
+    def __getitem__(self, i):
+        if i:
+            raise IndexError(i)
+        return self.item
+
+
+class _RaisingItem:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        raise self.exc
+
+
+def test_regression_alias_pieces_sources_never_size_an_allocation_by_len_nor_swallow_an_interrupt():
+    """A hostile review: a __len__ of 2**62 made the binding reserve that many entries
+    (ValueError / MemoryError, untyped), and a KeyboardInterrupt raised while reading an item
+    became an InvalidArgumentError."""
+    up = sim()
+    base = up.reserve(8 * G)
+    up.map(base, G)
+    with pytest.raises(InvalidArgumentError, match=r"sources\[1\] could not be read"):
+        up.alias_pieces(base + 4 * G, _LyingLength((base, G)))
+    with pytest.raises(KeyboardInterrupt):
+        up.alias_pieces(base + 4 * G, _RaisingItem(KeyboardInterrupt()))
+    with pytest.raises(InvalidArgumentError):
+        up.alias_pieces(base + 4 * G, _RaisingItem(ValueError("no")))
+    assert up.counters()["aliases"] == 0 and up.aliased_bytes() == 0
+    # An empty run is refused as an empty map is (it was a silent 0 on the default upstreams).
+    with pytest.raises(UpstreamError):
+        up.map_pieces(base + G, 0, G)
+    with pytest.raises(UpstreamError):  # runs past the reservation: the pieces before it stay
+        up.map_pieces(base + G, 2**62, G)
+    assert up.counters()["maps"] == 8 and up.counters()["outstanding_bytes"] == 8 * G
+    up.unmap(base, G)
+    for k in range(1, 8):
+        up.unmap(base + k * G, G)
+    up.unreserve(base, 8 * G)
+
+
 # ------------------------------------------------------------------ growth
 
 

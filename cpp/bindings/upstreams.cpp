@@ -22,32 +22,33 @@ void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
   (u.*F)(addr, n);
 }
 // alias_pieces' sources: a sequence of (src, nbytes) pairs, each converted like every address and
-// size (anything else is an InvalidArgumentError naming the item, never a TypeError).
+// size (anything else is an InvalidArgumentError naming the item, never a TypeError). Read item by
+// item: a __len__ that lies must not size an allocation. An interrupt raised while reading one
+// (KeyboardInterrupt, SystemExit, MemoryError) propagates (clear_bad_input_error).
 std::vector<Upstream::AliasSource> alias_sources(nb::handle h) {
-  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr()))
-    throw InvalidArgument("sources must be a sequence of (src, nbytes) pairs; got " + shown(h));
+  const std::string what = "sources must be a sequence of (src, nbytes) pairs; got ";
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr())) throw InvalidArgument(what + shown(h));
   const Py_ssize_t n = PySequence_Size(h.ptr());
   if (n < 0) {
-    PyErr_Clear();
-    throw InvalidArgument("sources must be a sequence of (src, nbytes) pairs; got " + shown(h));
+    clear_bad_input_error();
+    throw InvalidArgument(what + shown(h));
   }
+  auto get = [&](PyObject* seq, Py_ssize_t i, const std::string& name) {
+    nb::object o = nb::steal(PySequence_GetItem(seq, i));
+    if (!o.is_valid()) {
+      clear_bad_input_error();
+      throw InvalidArgument(name + " could not be read");
+    }
+    return o;
+  };
   std::vector<Upstream::AliasSource> out;
-  out.reserve(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    nb::object item = nb::steal(PySequence_GetItem(h.ptr(), i));
-    if (!item.is_valid()) {
-      PyErr_Clear();
-      throw InvalidArgument("sources[" + std::to_string(i) + "] could not be read");
-    }
-    if (!PySequence_Check(item.ptr()) || PySequence_Size(item.ptr()) != 2) {
-      PyErr_Clear();
-      throw InvalidArgument("sources[" + std::to_string(i) + "] must be a (src, nbytes) pair; got " + shown(item));
-    }
-    nb::object src = nb::steal(PySequence_GetItem(item.ptr(), 0)), bytes = nb::steal(PySequence_GetItem(item.ptr(), 1));
-    if (!src.is_valid() || !bytes.is_valid()) {
-      PyErr_Clear();
-      throw InvalidArgument("sources[" + std::to_string(i) + "] could not be read");
-    }
+    const std::string name = "sources[" + std::to_string(i) + "]";
+    nb::object item = get(h.ptr(), i, name);
+    const Py_ssize_t k = PySequence_Check(item.ptr()) ? PySequence_Size(item.ptr()) : -1;
+    if (k < 0) clear_bad_input_error();
+    if (k != 2) throw InvalidArgument(name + " must be a (src, nbytes) pair; got " + shown(item));
+    nb::object src = get(item.ptr(), 0, name), bytes = get(item.ptr(), 1, name);
     out.push_back({parse_ptr(src), parse_size(bytes, "nbytes")});
   }
   return out;
@@ -146,7 +147,8 @@ void bind_upstreams(nb::module_& m) {
           "addr"_a.none(), "nbytes"_a.none(), "piece"_a.none(),
           "Map [addr, addr+nbytes) in pieces of ``piece`` bytes (the last one what is left) in one run: "
           "each piece counts as one map and is unmapped alone; a device that can grants access once for "
-          "the run. Returns the bytes mapped. A refusal is raised; the pieces before it stay mapped.")
+          "the run. Returns the bytes mapped. A refused piece is raised with the pieces before it mapped "
+          "(their count in ``counters()['maps']``); a refused access grant (CudaVirtual) maps none.")
       .def(
           "alias_pieces",
           [](Upstream& u, nb::handle dst_, nb::handle sources) {
@@ -159,8 +161,9 @@ void bind_upstreams(nb::module_& m) {
           },
           "dst"_a.none(), "sources"_a.none(),
           "Alias the mapped pieces ``sources`` ((src, nbytes) pairs) end to end from dst in one run: each "
-          "counts as one alias and is unaliased alone. Returns how many were aliased. A refusal is raised; "
-          "the aliases before it stay.")
+          "counts as one alias and is unaliased alone. Returns how many were aliased. A refused piece is "
+          "raised with the aliases before it in place (``counters()['aliases']``); a refused access grant "
+          "(CudaVirtual) leaves none.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", [](Upstream& u, nb::handle e) { return u.query_event(parse_u64(e, "event")); }, "event"_a.none())

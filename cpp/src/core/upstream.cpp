@@ -129,8 +129,12 @@ void Upstream::alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::si
   aliases_.fetch_add(done, std::memory_order_relaxed);
 }
 
+// At least one do_map: an empty run is refused as map() refuses an empty range.
 void Upstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
-  for (std::size_t k; done < bytes; done += k) do_map(addr + done, k = std::min(piece, bytes - done));
+  std::size_t k = 0;
+  do {
+    do_map(addr + done, k = std::min(piece, bytes - done));
+  } while ((done += k) < bytes);
 }
 
 void Upstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {

@@ -337,7 +337,6 @@ void CudaVirtualUpstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, 
     done = at;
     return true;
   };
-  made.reserve((bytes + piece - 1) / piece);
   for (; at < bytes;) {
     const std::size_t n = std::min(piece, bytes - at);
     CUmemGenericAllocationHandle h = 0;
@@ -374,16 +373,23 @@ void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
       throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " while " + std::to_string(it->second.aliases) +
                                 " alias(es) of it are mapped",
                             name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    // Out of the books before the unmap, under the lock that checked it has no alias: an alias
+    // of it that comes now finds no source and is refused, instead of mapping a handle this
+    // unmap is about to release (a hostile test's race: a leaked handle, and its unalias then
+    // counted down another piece's aliases). Back in if the driver refuses.
     piece = it->second;
+    pieces_.erase(it);
   }
   if (cuda::shutting_down()) return;
   const cuda::DriverApi& a = cuda::api();
   cuda::ScopedContext ctx(device_);
   CUresult r = a.cuMemUnmap(static_cast<CUdeviceptr>(addr), bytes);
-  if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", addr, bytes, device_), name());  // still mapped
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    pieces_.erase(addr);
+  if (r != CUDA_SUCCESS) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      pieces_.emplace(addr, piece);
+    }
+    cuda::throw_error(r, at_ptr("cuMemUnmap", addr, bytes, device_), name());  // still mapped
   }
   // Unmapped: the unmap has happened, so it must not be reported as failed (the pool would keep
   // the range as mapped and hand out unmapped addresses). A refused release only leaks the
@@ -398,15 +404,16 @@ std::size_t CudaVirtualUpstream::aliases() const {
 }
 
 // Each source's handle mapped again, one after another from dst, then one grant over the run (as
-// do_map_pieces). A source is held (its alias count raised) from before its map until the run is
-// settled, so that no unmap of it can slip in while its handle is mapped a second time.
+// do_map_pieces). A source is held (its alias count raised, under mu_) before its map: an unmap
+// either saw the hold and refused, or took the piece out of pieces_ first and this alias finds no
+// source (unmap_piece).
 void CudaVirtualUpstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
   const cuda::DriverApi& a = cuda::api();
   cuda::ScopedContext ctx(device_);
   std::size_t mapped = 0, at = 0;  // pieces mapped (not yet granted) and their bytes
   auto release_holds = [&](std::size_t from) {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = from; i < mapped; ++i) --pieces_[srcs[i].src].aliases;
+    for (std::size_t i = from; i < mapped; ++i) --pieces_.at(srcs[i].src).aliases;  // held: still there
   };
   auto grant = [&](CUresult& r) {
     if (!mapped) return true;
@@ -440,7 +447,7 @@ void CudaVirtualUpstream::do_alias_pieces(std::uintptr_t dst, const AliasSource*
     CUresult r = CUDA_SUCCESS;
     if (ok && (r = a.cuMemMap(static_cast<CUdeviceptr>(dst + at), p.bytes, 0, h, 0)) != CUDA_SUCCESS) {
       std::lock_guard<std::mutex> g(mu_);
-      --pieces_[p.src].aliases;
+      --pieces_.at(p.src).aliases;  // held: still there
     }
     if (!ok || r != CUDA_SUCCESS) {
       CUresult gr = CUDA_SUCCESS;
@@ -482,7 +489,8 @@ void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
   }
   std::lock_guard<std::mutex> g(mu_);
   aliases_.erase(dst);
-  --pieces_[al.src].aliases;
+  // The source cannot have gone: its unmap is refused while this alias holds it.
+  if (auto it = pieces_.find(al.src); it != pieces_.end()) --it->second.aliases;
 }
 
 void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) { unmap_piece(addr, bytes); }
