@@ -421,6 +421,12 @@ RUNS_PRE = """
         G = 2 << 20
         grants = fake.fake_cuda_set_access_calls
 """
+# A stitching pool of one-granule steps over CudaVirtual (after RUNS_PRE).
+STITCH_PRE = RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
+                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+"""
 
 
 def test_growth_over_cuda_virtual_grants_access_once_for_all_its_pieces(fakes):
@@ -451,10 +457,7 @@ def test_growth_over_cuda_virtual_grants_access_once_for_all_its_pieces(fakes):
 
 
 def test_stitch_over_cuda_virtual_grants_access_once_for_all_its_aliases(fakes):
-    out = run(fakes["full"], RUNS_PRE + """
-        up = pk.upstream.CudaVirtual()
-        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
-                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+    out = run(fakes["full"], STITCH_PRE + """
         blocks = [pool.allocate(G) for _ in range(9)]
         for i in (1, 3, 5, 7):
             pool.deallocate(blocks[i])
@@ -505,10 +508,7 @@ def test_cuda_virtual_refused_grant_of_a_growth_maps_nothing_and_the_pool_stays_
 
 
 def test_cuda_virtual_refused_grant_of_a_stitch_aliases_nothing_and_the_request_grows(fakes):
-    out = run(fakes["full"], RUNS_PRE + """
-        up = pk.upstream.CudaVirtual()
-        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=G,
-                            thread_cache_bytes=0, shrink_interval=0, stitch=True)
+    out = run(fakes["full"], STITCH_PRE + """
         blocks = [pool.allocate(G) for _ in range(7)]   # 7 growths: 7 grants
         for i in (1, 3, 5):
             pool.deallocate(blocks[i])
