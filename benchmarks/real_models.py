@@ -397,7 +397,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
 
 
 # What a round's run keeps (--rounds): what round_times, round_outputs and allocator_share read.
-ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
+ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "request_calls_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
                   "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
                   "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
                   "log_path", "log_events")
@@ -540,6 +540,8 @@ def markdown(results: Dict[str, Any]) -> str:
         rr = (results.get("round_runs") or {}).get(wl) or {a: [r] for a, r in runs.items()}
         rr = {a: v for a, v in rr.items() if isinstance(v, list)} if isinstance(rr, dict) else {}
         lines += share_table(allocator_share({a: rr[a] for a in results.get("arms", []) if a in rr}))
+        lines += excess_table(request_excess({a: r for a, r in runs.items() if a in results.get("arms", [])}),
+                              recurring_excess({a: rr[a] for a in results.get("arms", []) if a in rr}))
         logs = [f"`{re.sub(r'[^A-Za-z0-9_.-]', '_', os.path.basename(str(r['log_path'])))}` "
                 f"({r.get('log_events', '?')} events)"
                 for a in results.get("arms", []) for r in rr.get(a, []) if isinstance(r, dict) and r.get("log_path")]
@@ -574,6 +576,121 @@ def markdown(results: Dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def excess_each(r: Any, base: Any) -> Optional[Tuple[float, List[float]]]:
+    """(the run's median ratio to ``base`` request by request, each request's time beyond
+    ``base``'s same request scaled by it), or None when the two runs' requests do not line up."""
+    t = request_times(r) if isinstance(r, dict) and "error" not in r else None
+    tb = request_times(base) if isinstance(base, dict) and "error" not in base else None
+    if not t or not tb or len(t) != len(tb) or any(y <= 0 for y in tb):
+        return None
+    m = statistics.median(x / y for x, y in zip(t, tb))
+    return m, [x - m * y for x, y in zip(t, tb)]
+
+
+def recurring_excess(round_runs: Dict[str, List[Dict[str, Any]]], top: Optional[int] = None) -> Dict[str, Dict[int, int]]:
+    """Per poolkeeper arm, over two rounds or more: the requests among the ``top`` (default: a
+    tenth of the requests, 1 to 5) of largest time beyond torch's (:func:`excess_each`, round i against torch's round i) in more than one round,
+    with how many rounds. Host noise lands on other requests each round; a cost of the arm's own
+    (a request that makes many driver calls) lands on the same ones."""
+    base = round_runs.get("torch") or []
+    out: Dict[str, Dict[int, int]] = {}
+    for arm, runs in round_runs.items():
+        if arm not in POOL_ARMS:
+            continue
+        seen: Dict[int, int] = collections.Counter()
+        rounds = 0
+        for r, b in zip(runs, base):
+            ex = excess_each(r, b)
+            if ex is None:
+                continue
+            rounds += 1
+            k = top if top is not None else max(1, min(5, len(ex[1]) // 10))
+            for i in sorted(range(len(ex[1])), key=lambda i: -ex[1][i])[:k]:
+                seen[i] += 1
+        if rounds >= 2:
+            out[arm] = {i: n for i, n in sorted(seen.items(), key=lambda x: (-x[1], x[0])) if n > 1}
+    return out
+
+
+def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per poolkeeper arm whose run counted its driver calls request by request
+    (``request_calls_each``): its time beyond torch's, request by request, set beside those calls.
+
+    A process runs at its own speed on this host (whole runs of one arm differ by more than the
+    arms do), so each request is measured against torch's same request scaled by the arm's median
+    ratio to torch over all requests (``median_ratio``): ``excess_ms`` = time - median_ratio x
+    torch's time. A request's driver calls (maps, unmaps, aliases, unaliases) cost what they cost
+    wherever they fall, so the excess of the requests that made calls, over their calls, is what a
+    call costs the request (``ms_per_call``), host stalls and all; the other requests' excess shows
+    how far the scaling itself is off. ``top``: the requests of largest excess, with their calls
+    and the time inside poolkeeper's allocate and free calls during them."""
+    base = runs.get("torch") or {}
+    tb = request_times(base) if isinstance(base, dict) else None
+    out: Dict[str, Dict[str, Any]] = {}
+    if not tb:
+        return out
+    for arm, r in runs.items():
+        if arm not in POOL_ARMS or not isinstance(r, dict) or "error" in r:
+            continue
+        calls = r.get("request_calls_each")
+        ex = excess_each(r, base)
+        if ex is None or not isinstance(calls, list) or len(calls) != len(ex[1]):
+            continue
+        m, excess = ex
+        rows = []
+        for i, (e_i, c) in enumerate(zip(excess, calls)):
+            c = c if isinstance(c, dict) else {}
+            n = sum(int(c.get(k) or 0) for k in DRIVER_CALLS)
+            rows.append({"request": i, "excess_ms": e_i, "calls": n,
+                         **{k: int(c.get(k) or 0) for k in DRIVER_CALLS},
+                         "allocator_ms": c["allocator_ns"] / 1e6 if isinstance(c.get("allocator_ns"), (int, float)) else None})
+        with_calls = [row for row in rows if row["calls"]]
+        n_calls = sum(row["calls"] for row in with_calls)
+        excess_with = math.fsum(row["excess_ms"] for row in with_calls)
+        out[arm] = {
+            "median_ratio": m,
+            "requests_with_calls": len(with_calls),
+            "calls": {k: sum(row[k] for row in with_calls) for k in DRIVER_CALLS},
+            "excess_with_calls_ms": excess_with,
+            "ms_per_call": excess_with / n_calls if n_calls else None,
+            "excess_without_calls_ms": math.fsum(row["excess_ms"] for row in rows if not row["calls"]),
+            "allocator_ms_with_calls": (math.fsum(row["allocator_ms"] for row in with_calls)
+                                        if with_calls and all(row["allocator_ms"] is not None for row in with_calls) else None),
+            "top": sorted(rows, key=lambda row: -row["excess_ms"])[:5],
+        }
+    return out
+
+
+def excess_table(ex: Dict[str, Dict[str, Any]], recurring: Optional[Dict[str, Dict[int, int]]] = None) -> List[str]:
+    """Markdown of :func:`request_excess` and :func:`recurring_excess` (nothing without either)."""
+    lines: List[str] = []
+    for arm, reqs in (recurring or {}).items():
+        said = ", ".join(f"{i} ({n} rounds)" for i, n in reqs.items()) or "none"
+        lines += [f"Requests among the tenth of largest time beyond torch's (1 to 5; each round against torch's) "
+                  f"in more than one round, {arm}: {said}", ""]
+    if not ex:
+        return lines
+    lines += ["Driver calls request by request (round 1): each request's time beyond torch's same request "
+             "scaled by the arm's median ratio to torch (that process's own speed), summed over the requests "
+             "that made driver calls (maps, unmaps, aliases, unaliases) and over the others:", ""]
+    lines += table_head("arm", "median ratio to torch", "requests with calls", "maps / unmaps / aliases / unaliases",
+                        "their time beyond, ms", "per call, us", "inside poolkeeper's calls then, ms",
+                        "the other requests' time beyond, ms")
+    for arm, e in ex.items():
+        c = e["calls"]
+        lines.append(f"| {arm} | {e['median_ratio']:.3f} | {e['requests_with_calls']} "
+                     f"| {c['map_calls']} / {c['unmap_calls']} / {c['alias_calls']} / {c['unalias_calls']} "
+                     f"| {e['excess_with_calls_ms']:+.1f} "
+                     f"| {'n/a' if e['ms_per_call'] is None else format(e['ms_per_call'] * 1e3, '.0f')} "
+                     f"| {'n/a' if e['allocator_ms_with_calls'] is None else format(e['allocator_ms_with_calls'], '.1f')} "
+                     f"| {e['excess_without_calls_ms']:+.1f} |")
+    lines.append("")
+    for arm, e in ex.items():
+        tops = ", ".join(f"{row['request']} ({row['excess_ms']:+.1f} ms, {row['calls']} calls)" for row in e["top"])
+        lines += [f"Largest time beyond, {arm}: request {tops}", ""]
+    return lines
 
 
 def share_table(share: Dict[str, Dict[str, Any]]) -> List[str]:
@@ -737,7 +854,8 @@ def native_memory_stats(torch: Any) -> Dict[str, Any]:
 
 
 def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
-          count: Callable[[], Dict[str, Optional[int]]]) -> Dict[str, Any]:
+          count: Callable[[], Dict[str, Optional[int]]],
+          calls: Callable[[], Optional[Dict[str, int]]] = lambda: None) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -747,6 +865,7 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
     per_request: List[str] = []
     total = hashlib.sha256()
     ms: List[float] = []
+    calls_each: List[Optional[Dict[str, int]]] = []
     with torch.no_grad():
         for b, L in ((1, 8), (2, 64)):  # warm-up: kernels, cuBLAS handles; same in every arm
             model(input_ids=torch.ones((b, L), dtype=torch.long, device=dev))
@@ -758,10 +877,12 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             ids = torch.from_numpy(rng.integers(1000, BERT_CONFIG["vocab_size"], size=(b, L))).to(dev)
             am = torch.ones((b, L), dtype=torch.long, device=dev)
             _sync(torch, device)
+            k0 = calls()
             t0 = time.perf_counter()
             out = model(input_ids=ids, attention_mask=am).last_hidden_state
             _sync(torch, device)
             ms.append((time.perf_counter() - t0) * 1e3)
+            calls_each.append(calls_between(k0, calls()))
             h = hashlib.sha256(_digest(torch, out))
             per_request.append(h.hexdigest()[:16])
             total.update(h.digest())
@@ -769,11 +890,13 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             print(f"[real_models]   bert request {i + 1}/{plan['requests']}: {b}x{L} {ms[-1]:.1f} ms", flush=True)
         c1 = count()
     return {"request_ms": quantiles(ms), "request_ms_each": ms, "request_sha256": per_request,
-            "output_sha256": total.hexdigest(), "alloc_unit": "request", **per_unit([(c0, c1)], len(ms))}
+            "output_sha256": total.hexdigest(), "alloc_unit": "request", **per_unit([(c0, c1)], len(ms)),
+            **({"request_calls_each": calls_each} if any(c is not None for c in calls_each) else {})}
 
 
 def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
-           count: Callable[[], Dict[str, Optional[int]]]) -> Dict[str, Any]:
+           count: Callable[[], Dict[str, Optional[int]]],
+           calls: Callable[[], Optional[Dict[str, int]]] = lambda: None) -> Dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -784,6 +907,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
     total = hashlib.sha256()
     ms: List[float] = []
     step_ms: List[float] = []
+    calls_each: List[Optional[Dict[str, int]]] = []
     decode_counts: List[Tuple[Dict[str, Optional[int]], Dict[str, Optional[int]]]] = []  # per timed request, around its decode steps
 
     def generate(ids: Any, am: Any, n: int, timed: bool) -> Any:
@@ -815,10 +939,12 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
             b, L = ids.shape
             ids, am = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
             _sync(torch, device)
+            k0 = calls()
             t0 = time.perf_counter()
             toks = generate(ids, am, plan["new_tokens"], True)
             _sync(torch, device)
             ms.append((time.perf_counter() - t0) * 1e3)
+            calls_each.append(calls_between(k0, calls()))
             h = hashlib.sha256(toks.to(torch.int64).cpu().numpy().tobytes())
             per_request.append(h.hexdigest()[:16])
             total.update(h.digest())
@@ -833,6 +959,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
         "output_sha256": total.hexdigest(),
         "alloc_unit": "decode step",
         **per_unit(decode_counts, len(step_ms)),
+        **({"request_calls_each": calls_each} if any(c is not None for c in calls_each) else {}),
     }
 
 
@@ -856,6 +983,36 @@ def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Dict[s
             return {"allocations": int(ct["malloc_calls"]), "allocator_ns": int(ct["malloc_ns"]) + int(ct["free_ns"])}
         return pool_count
     return lambda: {"allocations": torch.cuda.memory_stats().get("allocation.all.allocated"), "allocator_ns": None}
+
+
+DRIVER_CALLS = ("map_calls", "unmap_calls", "alias_calls", "unalias_calls")
+
+
+def driver_call_counter(arm: str, device: str) -> Callable[[], Optional[Dict[str, int]]]:
+    """A callable returning the driver calls poolkeeper's pool on device 0 has made so far (maps,
+    unmaps, aliases, unaliases: each one a driver call, tens of microseconds on the H200), and the
+    wall time inside its allocate and free calls (``allocator_ns``, with call timing on); None for
+    PyTorch's allocator. Read around each request, outside its timed window, so that each request's
+    time can be set beside the calls made during it (:func:`request_excess`)."""
+    if device != "cuda" or arm not in POOL_ARMS:
+        return lambda: None
+    from poolkeeper.integrations import torch as pkt
+
+    def calls() -> Dict[str, int]:
+        st = pkt.stats(0)
+        out = {k: int(st.get(k) or 0) for k in DRIVER_CALLS}
+        ct = pkt.call_timing()
+        if ct["enabled"]:
+            out["allocator_ns"] = int(ct["malloc_ns"]) + int(ct["free_ns"])
+        return out
+    return calls
+
+
+def calls_between(a: Optional[Dict[str, int]], b: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
+    """What a :func:`driver_call_counter` counted between two readings."""
+    if a is None or b is None:
+        return None
+    return {k: b[k] - a[k] for k in b if k in a}
 
 
 def per_unit(spans: Sequence[Tuple[Dict[str, Optional[int]], Dict[str, Optional[int]]]], units: int) -> Dict[str, Optional[float]]:
@@ -975,7 +1132,8 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
     if arm in POOL_ARMS:
         pkt.call_timing(True)  # the pool's own time per step, beside the step (off by default)
     count = allocation_counter(torch, arm, device)
-    res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count))
+    res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count,
+                                                         driver_call_counter(arm, device)))
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests

@@ -744,3 +744,52 @@ def test_render_reads_what_earlier_versions_saved(tmp_path, capsys):
     assert rm.main(["--render", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Time over 2 rounds" in out and "| arena_expandable | 7.00, 7.00" in out
+
+
+def test_request_excess_sets_each_requests_time_beyond_torch_beside_its_driver_calls():
+    """The arm's process runs 10% slower than torch's throughout (its median ratio); two requests
+    made driver calls and took 5 and 10 ms more than that: 15 ms over 300 calls, 50 us a call."""
+    def calls(aliases=0, maps=0, ns=0):
+        return {"map_calls": maps, "unmap_calls": 0, "alias_calls": aliases, "unalias_calls": 0, "allocator_ns": ns}
+
+    torch_t = [10.0] * 6
+    arena_t = [11.0, 11.0, 16.0, 11.0, 21.0, 11.0]
+    runs = {
+        "torch": {"request_ms": {"total": sum(torch_t)}, "request_ms_each": torch_t},
+        "arena_expandable": {"request_ms": {"total": sum(arena_t)}, "request_ms_each": arena_t,
+                             "request_calls_each": [calls(), calls(), calls(100, 0, 4_000_000), calls(),
+                                                    calls(150, 50, 8_000_000), calls()]},
+        "arena": {"request_ms": {"total": 60.0}, "request_ms_each": [10.0] * 6},  # no per-request calls: left out
+    }
+    ex = rm.request_excess(runs)
+    assert set(ex) == {"arena_expandable"}
+    e = ex["arena_expandable"]
+    assert e["median_ratio"] == pytest.approx(1.1)
+    assert e["requests_with_calls"] == 2 and e["calls"] == {"map_calls": 50, "unmap_calls": 0, "alias_calls": 250, "unalias_calls": 0}
+    assert e["excess_with_calls_ms"] == pytest.approx(15.0) and e["ms_per_call"] == pytest.approx(0.05)
+    assert e["excess_without_calls_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert e["allocator_ms_with_calls"] == pytest.approx(12.0)
+    assert [row["request"] for row in e["top"][:2]] == [4, 2]
+    md = "\n".join(rm.excess_table(ex))
+    assert "| arena_expandable | 1.100 | 2 | 50 / 0 / 250 / 0 | +15.0 | 50 | 12.0 | +0.0 |" in md
+    assert "request 4 (+10.0 ms, 200 calls), 2 (+5.0 ms, 100 calls)" in md
+    # A run whose calls do not line up with its requests, or no torch run: nothing to say.
+    assert rm.request_excess({"torch": runs["torch"], "arena_expandable": {**runs["arena_expandable"], "request_calls_each": []}}) == {}
+    assert rm.request_excess({"arena_expandable": runs["arena_expandable"]}) == {}
+    assert rm.excess_table({}) == []
+
+
+def test_recurring_excess_names_the_requests_slow_in_more_than_one_round():
+    def run(*each):
+        return {"request_ms": {"total": sum(each)}, "request_ms_each": list(each)}
+
+    flat = [10.0] * 8
+    slow = lambda *hot: run(*[10.0 + (5.0 if i in hot else 0.0) + 0.1 * i for i in range(8)])  # noqa: E731
+    rounds = {"torch": [run(*flat)] * 3,
+              "arena_expandable": [slow(6, 2), slow(6, 3), slow(6, 2)],
+              "arena": [slow(1)]}  # one round: nothing to say
+    rec = rm.recurring_excess(rounds, top=2)
+    assert rec == {"arena_expandable": {6: 3, 2: 2}}
+    md = "\n".join(rm.excess_table({}, rec))
+    assert "in more than one round, arena_expandable: 6 (3 rounds), 2 (2 rounds)" in md
+    assert rm.recurring_excess(rounds) == {"arena_expandable": {6: 3}}  # 8 requests: the largest one
