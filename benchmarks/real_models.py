@@ -282,7 +282,8 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
                 math.fsum(statistics.median(xs) for xs in zip(*each)), len(each))
 
     def decode_p50(r: Any) -> Optional[float]:
-        if not isinstance(r, dict) or "error" in r or not isinstance(r.get("decode_step_ms"), dict):
+        # Only from a run the time table counts (a review found failed rounds paired here).
+        if total(r) is None or not isinstance(r.get("decode_step_ms"), dict):
             return None
         x = ratio(r["decode_step_ms"].get("p50"), 1.0)
         return x if x is not None and x > 0 else None
@@ -396,7 +397,8 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
     return s
 
 
-# What a round's run keeps (--rounds): what round_times, round_outputs and allocator_share read.
+# What a round's run keeps (--rounds): what round_times, round_outputs, allocator_share and
+# recurring_excess read, and each request's driver calls (request_excess reads round 1's).
 ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "request_calls_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
                   "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
                   "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
@@ -589,29 +591,46 @@ def excess_each(r: Any, base: Any) -> Optional[Tuple[float, List[float]]]:
     return m, [x - m * y for x, y in zip(t, tb)]
 
 
-def recurring_excess(round_runs: Dict[str, List[Dict[str, Any]]], top: Optional[int] = None) -> Dict[str, Dict[int, int]]:
+def recurring_excess(round_runs: Dict[str, List[Dict[str, Any]]], top: Optional[int] = None) -> Dict[str, Dict[str, Any]]:
     """Per poolkeeper arm, over two rounds or more: the requests among the ``top`` (default: a
     tenth of the requests, 1 to 5) of largest time beyond torch's (:func:`excess_each`, round i against torch's round i) in more than one round,
     with how many rounds. Host noise lands on other requests each round; a cost of the arm's own
-    (a request that makes many driver calls) lands on the same ones."""
+    (a request that makes many driver calls) lands on the same ones. Per arm: ``requests``
+    (request -> rounds), ``rounds``, ``top`` and ``n`` (requests per round), for
+    :func:`chance_repeats`."""
     base = round_runs.get("torch") or []
     out: Dict[str, Dict[int, int]] = {}
     for arm, runs in round_runs.items():
         if arm not in POOL_ARMS:
             continue
+        if not isinstance(runs, list):
+            continue
         seen: Dict[int, int] = collections.Counter()
-        rounds = 0
+        rounds, k, n_req = 0, 0, 0
         for r, b in zip(runs, base):
             ex = excess_each(r, b)
-            if ex is None:
+            if ex is None or (n_req and len(ex[1]) != n_req):
                 continue
             rounds += 1
-            k = top if top is not None else max(1, min(5, len(ex[1]) // 10))
+            n_req = len(ex[1])
+            k = top if top is not None else max(1, min(5, n_req // 10))
             for i in sorted(range(len(ex[1])), key=lambda i: -ex[1][i])[:k]:
                 seen[i] += 1
         if rounds >= 2:
-            out[arm] = {i: n for i, n in sorted(seen.items(), key=lambda x: (-x[1], x[0])) if n > 1}
+            out[arm] = {"requests": {i: n for i, n in sorted(seen.items(), key=lambda x: (-x[1], x[0])) if n > 1},
+                        "rounds": rounds, "top": k, "n": n_req}
     return out
+
+
+def _call_count(v: Any) -> Optional[int]:
+    """A count read from a saved run: a non-negative whole number, else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if 0 <= v <= 2**53 else None
+    if isinstance(v, float) and math.isfinite(v) and 0 <= v <= 2**53 and v == int(v):
+        return int(v)
+    return None
 
 
 def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -620,42 +639,52 @@ def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
 
     A process runs at its own speed on this host (whole runs of one arm differ by more than the
     arms do), so each request is measured against torch's same request scaled by the arm's median
-    ratio to torch over all requests (``median_ratio``): ``excess_ms`` = time - median_ratio x
-    torch's time. A request's driver calls (maps, unmaps, aliases, unaliases) cost what they cost
-    wherever they fall, so the excess of the requests that made calls, over their calls, is what a
-    call costs the request (``ms_per_call``), host stalls and all; the other requests' excess shows
-    how far the scaling itself is off. ``top``: the requests of largest excess, with their calls
-    and the time inside poolkeeper's allocate and free calls during them."""
+    ratio to torch over the requests that made no driver call (``median_ratio``; over all of them
+    when every request made some): ``excess_ms`` = time - median_ratio x torch's time. A request's
+    driver calls (:data:`DRIVER_CALLS`) cost what they cost wherever they fall, so the summed excess
+    of the requests that made calls, over their calls, is what a call costs the request
+    (``ms_per_call``), host stalls and all; ``mean_excess_without_calls_ms``, the other requests'
+    mean, shows how far the scaling itself is off (a single ratio fits requests of every size only
+    roughly). ``top``: the requests of largest excess, with their calls and the time inside
+    poolkeeper's allocate and free calls during them. A request whose counts cannot be read (not a
+    dict, a count that is not a non-negative whole number) is left out."""
     base = runs.get("torch") or {}
-    tb = request_times(base) if isinstance(base, dict) else None
     out: Dict[str, Dict[str, Any]] = {}
-    if not tb:
-        return out
     for arm, r in runs.items():
         if arm not in POOL_ARMS or not isinstance(r, dict) or "error" in r:
             continue
         calls = r.get("request_calls_each")
-        ex = excess_each(r, base)
-        if ex is None or not isinstance(calls, list) or len(calls) != len(ex[1]):
+        t = request_times(r)
+        tb = request_times(base) if isinstance(base, dict) and "error" not in base else None
+        if not t or not tb or len(t) != len(tb) or any(y <= 0 for y in tb) or not isinstance(calls, list) or len(calls) != len(t):
             continue
-        m, excess = ex
         rows = []
-        for i, (e_i, c) in enumerate(zip(excess, calls)):
-            c = c if isinstance(c, dict) else {}
-            n = sum(int(c.get(k) or 0) for k in DRIVER_CALLS)
-            rows.append({"request": i, "excess_ms": e_i, "calls": n,
-                         **{k: int(c.get(k) or 0) for k in DRIVER_CALLS},
-                         "allocator_ms": c["allocator_ns"] / 1e6 if isinstance(c.get("allocator_ns"), (int, float)) else None})
+        for i, (x, y, c) in enumerate(zip(t, tb, calls)):
+            counts = {k: _call_count(c.get(k)) for k in DRIVER_CALLS} if isinstance(c, dict) else None
+            if counts is None or any(v is None for v in counts.values()):
+                continue
+            ns = _call_count(c.get("allocator_ns"))
+            rows.append({"request": i, "time_ms": x, "torch_ms": y, "calls": sum(counts.values()), **counts,
+                         "allocator_ms": None if ns is None else ns / 1e6})
+        if not rows:
+            continue
+        quiet = [row for row in rows if not row["calls"]] or rows
+        m = statistics.median(row["time_ms"] / row["torch_ms"] for row in quiet)
+        for row in rows:
+            row["excess_ms"] = row["time_ms"] - m * row["torch_ms"]
         with_calls = [row for row in rows if row["calls"]]
+        others = [row for row in rows if not row["calls"]]
         n_calls = sum(row["calls"] for row in with_calls)
         excess_with = math.fsum(row["excess_ms"] for row in with_calls)
         out[arm] = {
             "median_ratio": m,
+            "requests": len(rows),
             "requests_with_calls": len(with_calls),
             "calls": {k: sum(row[k] for row in with_calls) for k in DRIVER_CALLS},
             "excess_with_calls_ms": excess_with,
             "ms_per_call": excess_with / n_calls if n_calls else None,
-            "excess_without_calls_ms": math.fsum(row["excess_ms"] for row in rows if not row["calls"]),
+            "mean_excess_with_calls_ms": excess_with / len(with_calls) if with_calls else None,
+            "mean_excess_without_calls_ms": math.fsum(row["excess_ms"] for row in others) / len(others) if others else None,
             "allocator_ms_with_calls": (math.fsum(row["allocator_ms"] for row in with_calls)
                                         if with_calls and all(row["allocator_ms"] is not None for row in with_calls) else None),
             "top": sorted(rows, key=lambda row: -row["excess_ms"])[:5],
@@ -663,29 +692,42 @@ def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
     return out
 
 
-def excess_table(ex: Dict[str, Dict[str, Any]], recurring: Optional[Dict[str, Dict[int, int]]] = None) -> List[str]:
+def chance_repeats(n: int, k: int, rounds: int) -> float:
+    """How many of n requests would be among the k largest of a round in more than one of
+    ``rounds`` rounds if each round drew its k at random: what recurring_excess finds by chance."""
+    if n <= 0 or rounds < 2:
+        return 0.0
+    p = min(1.0, k / n)
+    return n * (1.0 - sum(math.comb(rounds, j) * p**j * (1 - p) ** (rounds - j) for j in (0, 1)))
+
+
+def excess_table(ex: Dict[str, Dict[str, Any]], recurring: Optional[Dict[str, Dict[str, Any]]] = None) -> List[str]:
     """Markdown of :func:`request_excess` and :func:`recurring_excess` (nothing without either)."""
     lines: List[str] = []
-    for arm, reqs in (recurring or {}).items():
-        said = ", ".join(f"{i} ({n} rounds)" for i, n in reqs.items()) or "none"
-        lines += [f"Requests among the tenth of largest time beyond torch's (1 to 5; each round against torch's) "
-                  f"in more than one round, {arm}: {said}", ""]
+    for arm, rec in (recurring or {}).items():
+        said = ", ".join(f"{i} ({n} rounds)" for i, n in rec["requests"].items()) or "none"
+        lines += [f"Requests among the {rec['top']} of largest time beyond torch's (each round against torch's) in more "
+                  f"than one of {rec['rounds']} rounds, {arm}: {said} (by chance about "
+                  f"{chance_repeats(rec['n'], rec['top'], rec['rounds']):.1f} requests would be)", ""]
     if not ex:
         return lines
     lines += ["Driver calls request by request (round 1): each request's time beyond torch's same request "
-             "scaled by the arm's median ratio to torch (that process's own speed), summed over the requests "
-             "that made driver calls (maps, unmaps, aliases, unaliases) and over the others:", ""]
-    lines += table_head("arm", "median ratio to torch", "requests with calls", "maps / unmaps / aliases / unaliases",
-                        "their time beyond, ms", "per call, us", "inside poolkeeper's calls then, ms",
-                        "the other requests' time beyond, ms")
+              "scaled by the arm's median ratio to torch over the requests without driver calls (that "
+              "process's own speed); driver calls: upstream allocations and frees (the expandable arena's "
+              "maps and unmaps among them), aliases and unaliases:", ""]
+    lines += table_head("arm", "median ratio to torch", "requests with calls", "allocations / frees / aliases / unaliases",
+                        "their time beyond, ms", "per call, us", "per such request, ms",
+                        "inside poolkeeper's calls then, ms", "per other request, ms")
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     for arm, e in ex.items():
         c = e["calls"]
-        lines.append(f"| {arm} | {e['median_ratio']:.3f} | {e['requests_with_calls']} "
-                     f"| {c['map_calls']} / {c['unmap_calls']} / {c['alias_calls']} / {c['unalias_calls']} "
+        lines.append(f"| {arm} | {e['median_ratio']:.3f} | {e['requests_with_calls']} of {e['requests']} "
+                     f"| {' / '.join(str(c[k]) for k in DRIVER_CALLS)} "
                      f"| {e['excess_with_calls_ms']:+.1f} "
-                     f"| {'n/a' if e['ms_per_call'] is None else format(e['ms_per_call'] * 1e3, '.0f')} "
-                     f"| {'n/a' if e['allocator_ms_with_calls'] is None else format(e['allocator_ms_with_calls'], '.1f')} "
-                     f"| {e['excess_without_calls_ms']:+.1f} |")
+                     f"| {fmt(None if e['ms_per_call'] is None else e['ms_per_call'] * 1e3, '.0f')} "
+                     f"| {fmt(e['mean_excess_with_calls_ms'], '+.2f')} "
+                     f"| {fmt(e['allocator_ms_with_calls'], '.1f')} "
+                     f"| {fmt(e['mean_excess_without_calls_ms'], '+.2f')} |")
     lines.append("")
     for arm, e in ex.items():
         tops = ", ".join(f"{row['request']} ({row['excess_ms']:+.1f} ms, {row['calls']} calls)" for row in e["top"])
@@ -985,12 +1027,15 @@ def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Dict[s
     return lambda: {"allocations": torch.cuda.memory_stats().get("allocation.all.allocated"), "allocator_ns": None}
 
 
-DRIVER_CALLS = ("map_calls", "unmap_calls", "alias_calls", "unalias_calls")
+# A pool's driver calls, each tens of microseconds on the H200: its upstream allocations and frees
+# (cuMemAlloc / cuMemFree; the expandable arena's maps and unmaps count as these) and the expandable
+# arena's aliases and unaliases.
+DRIVER_CALLS = ("upstream_allocations", "upstream_deallocations", "alias_calls", "unalias_calls")
 
 
 def driver_call_counter(arm: str, device: str) -> Callable[[], Optional[Dict[str, int]]]:
-    """A callable returning the driver calls poolkeeper's pool on device 0 has made so far (maps,
-    unmaps, aliases, unaliases: each one a driver call, tens of microseconds on the H200), and the
+    """A callable returning the driver calls poolkeeper's pool on device 0 has made so far
+    (:data:`DRIVER_CALLS`), and the
     wall time inside its allocate and free calls (``allocator_ns``, with call timing on); None for
     PyTorch's allocator. Read around each request, outside its timed window, so that each request's
     time can be set beside the calls made during it (:func:`request_excess`)."""

@@ -747,10 +747,12 @@ def test_render_reads_what_earlier_versions_saved(tmp_path, capsys):
 
 
 def test_request_excess_sets_each_requests_time_beyond_torch_beside_its_driver_calls():
-    """The arm's process runs 10% slower than torch's throughout (its median ratio); two requests
-    made driver calls and took 5 and 10 ms more than that: 15 ms over 300 calls, 50 us a call."""
-    def calls(aliases=0, maps=0, ns=0):
-        return {"map_calls": maps, "unmap_calls": 0, "alias_calls": aliases, "unalias_calls": 0, "allocator_ns": ns}
+    """The arm's process runs 10% slower than torch's throughout (its median ratio over the requests
+    without calls); two requests made driver calls and took 5 and 10 ms more than that: 15 ms over
+    300 calls, 50 us a call."""
+    def calls(aliases=0, allocs=0, ns=0):
+        return {"upstream_allocations": allocs, "upstream_deallocations": 0, "alias_calls": aliases,
+                "unalias_calls": 0, "allocator_ns": ns}
 
     torch_t = [10.0] * 6
     arena_t = [11.0, 11.0, 16.0, 11.0, 21.0, 11.0]
@@ -765,13 +767,15 @@ def test_request_excess_sets_each_requests_time_beyond_torch_beside_its_driver_c
     assert set(ex) == {"arena_expandable"}
     e = ex["arena_expandable"]
     assert e["median_ratio"] == pytest.approx(1.1)
-    assert e["requests_with_calls"] == 2 and e["calls"] == {"map_calls": 50, "unmap_calls": 0, "alias_calls": 250, "unalias_calls": 0}
+    assert e["requests"] == 6 and e["requests_with_calls"] == 2
+    assert e["calls"] == {"upstream_allocations": 50, "upstream_deallocations": 0, "alias_calls": 250, "unalias_calls": 0}
     assert e["excess_with_calls_ms"] == pytest.approx(15.0) and e["ms_per_call"] == pytest.approx(0.05)
-    assert e["excess_without_calls_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert e["mean_excess_with_calls_ms"] == pytest.approx(7.5)
+    assert e["mean_excess_without_calls_ms"] == pytest.approx(0.0, abs=1e-9)
     assert e["allocator_ms_with_calls"] == pytest.approx(12.0)
     assert [row["request"] for row in e["top"][:2]] == [4, 2]
     md = "\n".join(rm.excess_table(ex))
-    assert "| arena_expandable | 1.100 | 2 | 50 / 0 / 250 / 0 | +15.0 | 50 | 12.0 | +0.0 |" in md
+    assert "| arena_expandable | 1.100 | 2 of 6 | 50 / 0 / 250 / 0 | +15.0 | 50 | +7.50 | 12.0 | +0.00 |" in md
     assert "request 4 (+10.0 ms, 200 calls), 2 (+5.0 ms, 100 calls)" in md
     # A run whose calls do not line up with its requests, or no torch run: nothing to say.
     assert rm.request_excess({"torch": runs["torch"], "arena_expandable": {**runs["arena_expandable"], "request_calls_each": []}}) == {}
@@ -779,7 +783,33 @@ def test_request_excess_sets_each_requests_time_beyond_torch_beside_its_driver_c
     assert rm.excess_table({}) == []
 
 
-def test_recurring_excess_names_the_requests_slow_in_more_than_one_round():
+def test_regression_request_excess_baseline_leaves_out_the_requests_that_made_calls():
+    """A review: with the median ratio taken over every request, four requests of five that made
+    calls became "the process's own speed" and their calls cost nothing."""
+    one = {"upstream_allocations": 1, "upstream_deallocations": 0, "alias_calls": 0, "unalias_calls": 0}
+    none = {**one, "upstream_allocations": 0}
+    e = rm.request_excess({"torch": {"request_ms_each": [10.0] * 5, "request_ms": {"total": 50.0}},
+                           "arena_expandable": {"request_ms_each": [10.0, 12, 12, 12, 12], "request_ms": {"total": 58.0},
+                                                "request_calls_each": [none] + [one] * 4}})["arena_expandable"]
+    assert e["median_ratio"] == 1.0 and e["excess_with_calls_ms"] == pytest.approx(8.0) and e["ms_per_call"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad", ["many", float("nan"), [1], float("inf"), 1e308, -1, 2.7, True, None])
+def test_regression_request_excess_leaves_out_a_request_whose_counts_cannot_be_read(bad):
+    """A review: one bad count in a saved run (a string, NaN, inf, a list, 1e308...) stopped the
+    whole report with ValueError / OverflowError; now that request is left out."""
+    good = {"upstream_allocations": 0, "upstream_deallocations": 0, "alias_calls": 3, "unalias_calls": 0,
+            "allocator_ns": 10**400}
+    runs = {"torch": {"request_ms_each": [10.0] * 3, "request_ms": {"total": 30.0}},
+            "arena_expandable": {"request_ms_each": [10.0, 11.0, 10.0], "request_ms": {"total": 31.0},
+                                 "request_calls_each": [{**good, "alias_calls": 0}, {**good, "upstream_allocations": bad}, good]}}
+    e = rm.request_excess(runs)["arena_expandable"]
+    assert e["requests"] == 2 and e["requests_with_calls"] == 1 and e["calls"]["alias_calls"] == 3
+    assert e["allocator_ms_with_calls"] is None  # 10**400 ns is not a count either
+    assert "| arena_expandable | 1.000 | 1 of 2 |" in "\n".join(rm.excess_table(rm.request_excess(runs)))
+
+
+def test_recurring_excess_names_the_requests_slow_in_more_than_one_round_beside_chance():
     def run(*each):
         return {"request_ms": {"total": sum(each)}, "request_ms_each": list(each)}
 
@@ -789,7 +819,20 @@ def test_recurring_excess_names_the_requests_slow_in_more_than_one_round():
               "arena_expandable": [slow(6, 2), slow(6, 3), slow(6, 2)],
               "arena": [slow(1)]}  # one round: nothing to say
     rec = rm.recurring_excess(rounds, top=2)
-    assert rec == {"arena_expandable": {6: 3, 2: 2}}
+    assert rec == {"arena_expandable": {"requests": {6: 3, 2: 2}, "rounds": 3, "top": 2, "n": 8}}
     md = "\n".join(rm.excess_table({}, rec))
-    assert "in more than one round, arena_expandable: 6 (3 rounds), 2 (2 rounds)" in md
-    assert rm.recurring_excess(rounds) == {"arena_expandable": {6: 3}}  # 8 requests: the largest one
+    assert "in more than one of 3 rounds, arena_expandable: 6 (3 rounds), 2 (2 rounds) (by chance about 1.2 requests would be)" in md
+    assert rm.recurring_excess(rounds)["arena_expandable"]["requests"] == {6: 3}  # 8 requests: the largest one
+    # 60 requests, the largest 5 of 3 rounds: about 1.2 repeat by chance.
+    assert rm.chance_repeats(60, 5, 3) == pytest.approx(1.18, abs=0.01)
+    assert rm.chance_repeats(60, 5, 1) == 0.0
+
+
+def test_round_decode_steps_leave_out_the_rounds_the_time_table_does():
+    """A review: a round whose request times were not numbers was "failed" in the time table but
+    paired in the decode-step one."""
+    ok = lambda p50, each=(10.0,): {"request_ms": {"total": sum(each), "n": len(each)},  # noqa: E731
+                                    "request_ms_each": list(each), "decode_step_ms": {"p50": p50}}
+    t = rm.round_times({"torch": [ok(5.0), ok(5.0)], "arena": [ok(6.0, each=(-1.0,)), ok(5.0, each=(float("nan"),))]})
+    assert t["arena"]["total_ms"] == [None, None]
+    assert t["arena"]["decode_p50_ms"] == [None, None] and t["arena"]["decode_paired_median_vs_torch"] is None
