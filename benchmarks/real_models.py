@@ -1038,7 +1038,9 @@ def driver_call_counter(arm: str, device: str) -> Callable[[], Optional[Dict[str
     (:data:`DRIVER_CALLS`), and the
     wall time inside its allocate and free calls (``allocator_ns``, with call timing on); None for
     PyTorch's allocator. Read around each request, outside its timed window, so that each request's
-    time can be set beside the calls made during it (:func:`request_excess`)."""
+    time can be set beside the calls made during it (:func:`request_excess`). (Reading the stats
+    takes the pool's lock and settles frees from other threads, which these single-threaded runs
+    do not make.)"""
     if device != "cuda" or arm not in POOL_ARMS:
         return lambda: None
     from poolkeeper.integrations import torch as pkt
