@@ -1058,12 +1058,12 @@ class VirtualRange final : public BackingSource {
   }
 
   // Alias the chosen pieces end to end from `dst` in one upstream call (one access grant for the
-  // run; stopping at the first refusal, counted) and move
-  // the bytes they give there in the books: out of their segment or stitched backing (an earlier
-  // stitched range's part goes Stale), lent to the range at `owner`, appended to its parts. A
-  // fragment gives only its free end (the first chosen) or its free start (the last); the rest of
-  // its piece stays in its segment. Returns the bytes given, which lie end to end from `dst` plus
-  // the first part's `lo`; the caller adds them to a backing (reserved dropped by them here).
+  // run; stopping at the first refusal, counted) and move the bytes they give there in the books:
+  // out of their segment or stitched backing (an earlier stitched range's part goes Stale), lent
+  // to the range at `owner`, appended to its parts. A fragment gives only its free end (the first
+  // chosen) or its free start (the last); the rest of its piece stays in its segment. Returns the
+  // bytes given, which lie end to end from `dst` plus the first part's `lo`; the caller adds them
+  // to a backing (reserved dropped by them here).
   std::size_t alias_in(std::uintptr_t dst, std::vector<Cand>& chosen, std::uintptr_t owner, Stitch& into) {
     std::vector<Upstream::AliasSource> srcs;
     srcs.reserve(chosen.size());
