@@ -1211,13 +1211,15 @@ def test_vmm_latency_script_measures_runs_beside_single_calls_over_the_fake_driv
     assert all(v > 0 for v in run_.values())
 
 
-def test_vmm_driver_calls_script_times_each_call_and_asks_about_unmapping_a_run(fakes, tmp_path):
+@pytest.mark.parametrize("runs", [0, 1])
+def test_vmm_driver_calls_script_times_each_call_and_asks_about_unmapping_a_run(fakes, tmp_path, runs):
     """benchmarks/vmm_driver_calls.py calls libcuda itself (ctypes): over the fake driver it runs
-    end to end, times every call it names, and reports the fake's answer to one cuMemUnmap over
-    several mappings (refused: the fake takes exactly one mapping per unmap)."""
+    end to end, times every call it names, and reports the driver's answer to one cuMemUnmap over
+    several mappings: refused by default (the fake takes exactly one mapping per unmap), accepted
+    with FAKE_CUDA_UNMAP_RUNS=1, where every piece it took down maps again."""
     out = tmp_path / "d.json"
     script = Path(__file__).parent.parent / "benchmarks" / "vmm_driver_calls.py"
-    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"])
+    e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"], FAKE_CUDA_UNMAP_RUNS=str(runs))
     r = subprocess.run([sys.executable, str(script), "--reps", "2", "--pieces", "3", "--json", str(out)],
                        env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -1226,5 +1228,6 @@ def test_vmm_driver_calls_script_times_each_call_and_asks_about_unmapping_a_run(
     assert set(data["calls_us"]) == {"cuMemCreate", "cuMemMap", "cuMemSetAccess, one piece",
                                      "cuMemSetAccess, run of 3 (per piece)", "cuMemMap of a mapped handle (alias)",
                                      "cuMemUnmap of an alias", "cuMemUnmap", "cuMemRelease"}
-    assert data["unmap_run"]["accepted"] is False and data["unmap_run"]["remapped"] == 0
-    assert "refused" in r.stdout
+    assert data["unmap_run"]["accepted"] is bool(runs) and data["unmap_run"]["remapped"] == 3 * runs
+    assert data["unmap_run"]["cleanup_ok"] is True
+    assert ("accepted" if runs else "refused") in r.stdout

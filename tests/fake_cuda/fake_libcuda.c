@@ -25,6 +25,8 @@
  *   FAKE_CUDA_FAIL_EVENT_RECORD_AT N: the N-th cuEventRecord call (from 1) fails
  *   FAKE_CUDA_FAIL_MEM_RELEASE_AT  N: the N-th cuMemRelease call (from 1) fails (the handle leaks)
  *   FAKE_CUDA_FAIL_SET_ACCESS_AT   N: the N-th cuMemSetAccess call (from 1) fails, granting nothing
+ *   FAKE_CUDA_UNMAP_RUNS    1: cuMemUnmap also takes a range that whole adjacent mappings cover
+ *                           exactly (the driver's documentation leaves open whether it may)
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Stream capture (a model of CUDA's rules, driven by test helpers that are not driver functions):
  * fake_cuda_begin_capture(stream, mode) / fake_cuda_end_capture(stream) -> 1 if the capture stayed
@@ -78,7 +80,7 @@ static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
 static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
 static int fail_mem_release_at = 0, mem_release_calls = 0;
-static int fail_set_access_at = 0, set_access_calls = 0;
+static int fail_set_access_at = 0, set_access_calls = 0, unmap_runs = 0;
 int fake_cuda_set_access_calls(void) { return __atomic_load_n(&set_access_calls, __ATOMIC_SEQ_CST); }
 struct qcopy { void* dst; const void* src; size_t n; };
 static struct qcopy* cq = NULL;
@@ -168,6 +170,7 @@ CUresult cuInit(unsigned flags) {
     fail_event_record_at = env_int("FAKE_CUDA_FAIL_EVENT_RECORD_AT", 0);
     fail_mem_release_at = env_int("FAKE_CUDA_FAIL_MEM_RELEASE_AT", 0);
     fail_set_access_at = env_int("FAKE_CUDA_FAIL_SET_ACCESS_AT", 0);
+    unmap_runs = env_int("FAKE_CUDA_UNMAP_RUNS", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -554,6 +557,22 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t n) {
     mmap((void*)(uintptr_t)ptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     pthread_mutex_unlock(&mu);
     return OK;
+  }
+  if (unmap_runs) {  /* whole adjacent mappings covering [ptr, ptr+n) exactly: all of them go */
+    CUdeviceptr at = ptr;
+    for (int found = 1; at < ptr + n && found;) {
+      found = 0;
+      for (int j = 0; j < nvm && !found; j++)
+        if (vmaps[j].a == at && at + vmaps[j].n <= ptr + n) { at += vmaps[j].n; found = 1; }
+    }
+    if (at == ptr + n) {
+      for (int j = 0; j < nvm;)
+        if (vmaps[j].a >= ptr && vmaps[j].a < ptr + n) { vmaps[j].h->mapped--; vmaps[j] = vmaps[--nvm]; }
+        else j++;
+      mmap((void*)(uintptr_t)ptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      pthread_mutex_unlock(&mu);
+      return OK;
+    }
   }
   pthread_mutex_unlock(&mu);
   return E_INVALID_VALUE;
