@@ -305,3 +305,21 @@ def test_a_refused_block_from_before_the_log_is_named_as_such(tmp_path):
     with pytest.raises(pk.errors.OutOfMemoryError, match=r"^a block held from before the log began \(alloc of") as ei:
         replay(read_log(log), pool, pool.upstream, include_pre_trace=True)
     assert ei.value.event is None and ei.value.line is None
+
+
+def test_replay_reports_a_stitching_pools_aliases_beside_its_upstream_calls(capsys):
+    """Aliases are driver calls that take no memory: the replay counts them apart (JSON) and shows
+    a row for them only when a pool made some (docs/expandable.md, "Trading memory for driver
+    calls")."""
+    log = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "live_bert_arena.csv.gz")
+    opts = ["-o", "single_stream=true", "-o", "map_piece=2MiB", "-o", "stitch_max_parts=256", "-o", "stitch_from=4MiB",
+            "-o", "stitch_edge_from=64MiB", "-o", "stitch_top_up=true"]
+    assert main(["replay", log, "--pool", "arena,arena_expandable", *opts, "--json", "-", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    stitched, arena = doc["pools"]["arena_expandable"], doc["pools"]["arena"]
+    assert stitched["upstream_aliases"] > 0 and stitched["upstream_unaliases"] <= stitched["upstream_aliases"]
+    assert arena["upstream_aliases"] == arena["upstream_unaliases"] == 0
+    assert main(["replay", log, "--pool", "arena_expandable", *opts, "--no-progress"]) == 0
+    assert "aliases / unaliases" in capsys.readouterr().out
+    assert main(["replay", log, "--pool", "arena", "--no-progress"]) == 0
+    assert "aliases / unaliases" not in capsys.readouterr().out

@@ -206,6 +206,8 @@ def render(doc: Dict[str, Any], console: Any) -> None:
         ("reserved / live", lambda r: fmt_ratio(r["reserved_over_live"])),
         ("upstream allocations", lambda r: str(r["upstream_allocations"])),
         ("upstream frees", lambda r: str(r["upstream_deallocations"])),
+        *([("aliases / unaliases", lambda r: f"{r.get('upstream_aliases', 0)} / {r.get('upstream_unaliases', 0)}")]
+          if any(r.get("upstream_aliases") or r.get("upstream_unaliases") for _, r in pools) else []),
         ("fragmentation at peak", frag),
         ("allocate p50 / p99", lambda r: f"{fmt_ns(r['alloc']['p50_ns'])} / {fmt_ns(r['alloc']['p99_ns'])}"),
         ("free p50 / p99", lambda r: f"{fmt_ns(r['free']['p50_ns'])} / {fmt_ns(r['free']['p99_ns'])}"),

@@ -183,6 +183,10 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
         "fragmentation_at_peak": at_peak.get("fragmentation"),
         "upstream_allocations": counters["allocations"],
         "upstream_deallocations": counters["deallocations"],
+        # Second mappings of mapped memory (the expandable arena's stitching): driver calls too,
+        # but no memory, so counted apart from the allocations.
+        "upstream_aliases": counters.get("aliases", 0),
+        "upstream_unaliases": counters.get("unaliases", 0),
         "upstream_alloc_ns": counters.get("alloc_ns"),
         "upstream_dealloc_ns": counters.get("dealloc_ns"),
         "live_at_end_bytes": live_at_end,
