@@ -580,14 +580,18 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def excess_each(r: Any, base: Any) -> Optional[Tuple[float, List[float]]]:
-    """(the run's median ratio to ``base`` request by request, each request's time beyond
-    ``base``'s same request scaled by it), or None when the two runs' requests do not line up."""
+def excess_each(r: Any, base: Any, basis: Optional[Sequence[bool]] = None) -> Optional[Tuple[float, List[float]]]:
+    """(the run's median ratio to ``base`` request by request, over the requests ``basis`` marks
+    (default: all), and each request's time beyond ``base``'s same request scaled by it), or None
+    when the two runs' requests do not line up."""
     t = request_times(r) if isinstance(r, dict) and "error" not in r else None
     tb = request_times(base) if isinstance(base, dict) and "error" not in base else None
-    if not t or not tb or len(t) != len(tb) or any(y <= 0 for y in tb):
+    if not t or not tb or len(t) != len(tb) or any(y <= 0 for y in tb) or (basis is not None and len(basis) != len(t)):
         return None
-    m = statistics.median(x / y for x, y in zip(t, tb))
+    ratios = [x / y for i, (x, y) in enumerate(zip(t, tb)) if basis is None or basis[i]]
+    if not ratios:
+        return None
+    m = statistics.median(ratios)
     return m, [x - m * y for x, y in zip(t, tb)]
 
 
@@ -599,7 +603,7 @@ def recurring_excess(round_runs: Dict[str, List[Dict[str, Any]]], top: Optional[
     (request -> rounds), ``rounds``, ``top`` and ``n`` (requests per round), for
     :func:`chance_repeats`."""
     base = round_runs.get("torch") or []
-    out: Dict[str, Dict[int, int]] = {}
+    out: Dict[str, Dict[str, Any]] = {}
     for arm, runs in round_runs.items():
         if arm not in POOL_ARMS:
             continue
@@ -654,24 +658,26 @@ def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
         if arm not in POOL_ARMS or not isinstance(r, dict) or "error" in r:
             continue
         calls = r.get("request_calls_each")
-        t = request_times(r)
-        tb = request_times(base) if isinstance(base, dict) and "error" not in base else None
-        if not t or not tb or len(t) != len(tb) or any(y <= 0 for y in tb) or not isinstance(calls, list) or len(calls) != len(t):
+        if not isinstance(calls, list):
             continue
-        rows = []
-        for i, (x, y, c) in enumerate(zip(t, tb, calls)):
+        rows: List[Optional[Dict[str, Any]]] = []  # None: a request whose counts cannot be read
+        for i, c in enumerate(calls):
             counts = {k: _call_count(c.get(k)) for k in DRIVER_CALLS} if isinstance(c, dict) else None
             if counts is None or any(v is None for v in counts.values()):
+                rows.append(None)
                 continue
             ns = _call_count(c.get("allocator_ns"))
-            rows.append({"request": i, "time_ms": x, "torch_ms": y, "calls": sum(counts.values()), **counts,
+            rows.append({"request": i, "calls": sum(counts.values()), **counts,
                          "allocator_ms": None if ns is None else ns / 1e6})
-        if not rows:
+        quiet = [row is not None and not row["calls"] for row in rows]
+        ex = excess_each(r, base, quiet if any(quiet) else [row is not None for row in rows])
+        if ex is None:
             continue
-        quiet = [row for row in rows if not row["calls"]] or rows
-        m = statistics.median(row["time_ms"] / row["torch_ms"] for row in quiet)
-        for row in rows:
-            row["excess_ms"] = row["time_ms"] - m * row["torch_ms"]
+        m = ex[0]
+        for row, e in zip(rows, ex[1]):
+            if row is not None:
+                row["excess_ms"] = e
+        rows = [row for row in rows if row is not None]
         with_calls = [row for row in rows if row["calls"]]
         others = [row for row in rows if not row["calls"]]
         n_calls = sum(row["calls"] for row in with_calls)

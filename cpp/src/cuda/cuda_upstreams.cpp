@@ -246,6 +246,39 @@ CUresult allow_access(CUdeviceptr dp, std::size_t bytes, int device) {
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   return cuda::api().cuMemSetAccess(dp, bytes, &access, 1);
 }
+
+// A run (upstream.hpp, "Runs"): up to n items mapped end to end from `base` by map_one(i, at),
+// which returns the bytes it mapped or throws having undone itself; then one grant of access over
+// all of them (cuMemMap alone gives none; one cuMemSetAccess may cover any run of mappings). A
+// refused item: the items before it are granted and booked (book(k, bytes)) and its error
+// rethrown. A refused grant: every item mapped is undone (undo_one(i, at, size)), nothing is
+// booked, and the grant's error is thrown: nothing of the run is reachable without it.
+template <class MapOne, class UndoOne, class Book>
+void granted_run(std::uintptr_t base, std::size_t n, int device, const std::string& who, MapOne&& map_one,
+                 UndoOne&& undo_one, Book&& book) {
+  std::vector<std::size_t> sizes;  // of the items mapped so far
+  std::size_t at = 0;
+  auto grant = [&] {
+    if (sizes.empty()) return;
+    const CUresult r = allow_access(static_cast<CUdeviceptr>(base), at, device);
+    if (r != CUDA_SUCCESS) {
+      for (std::size_t i = 0, off = 0; i < sizes.size(); off += sizes[i++]) undo_one(i, off, sizes[i]);
+      cuda::throw_error(r, at_ptr("cuMemSetAccess", base, at, device), who);
+    }
+    book(sizes.size(), at);
+  };
+  try {
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t k = map_one(i, at);
+      sizes.push_back(k);
+      at += k;
+    }
+  } catch (...) {
+    grant();  // a refused grant throws its own error instead
+    throw;
+  }
+  grant();
+}
 }  // namespace
 
 CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
@@ -299,10 +332,8 @@ void CudaVirtualUpstream::do_unreserve(std::uintptr_t addr, std::size_t bytes) {
   if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemAddressFree", addr, bytes, device_), name());
 }
 
-// Pieces are created and mapped one by one, then granted access in one call: cuMemMap alone gives
-// no access, and one cuMemSetAccess may cover any run of mappings. A refused create or map grants
-// the pieces before it and rethrows; a refused grant unmaps and releases the whole run (nothing is
-// reachable without it), so `done` is then 0.
+// Each piece created and mapped, then the run granted at once (granted_run). A refused create or
+// map releases that piece's handle; `done` gets the bytes granted and booked.
 void CudaVirtualUpstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
   if (!bytes || bytes % granularity_ || addr % granularity_ || !piece || piece % granularity_)
     throw UpstreamFailure("CudaVirtual: map of " + format_bytes(bytes) + " at " + format_ptr(addr) + " in pieces of " +
@@ -311,48 +342,29 @@ void CudaVirtualUpstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, 
   const cuda::DriverApi& a = cuda::api();
   const CUmemAllocationProp prop = device_prop(device_);
   cuda::ScopedContext ctx(device_);
-  std::vector<std::pair<std::size_t, CUmemGenericAllocationHandle>> made;  // (size, handle), by address
-  std::size_t at = 0;
-  // Undo the run: every piece mapped so far unmapped and released (nothing granted yet).
-  auto undo = [&] {
-    std::size_t off = 0;
-    for (const auto& [n, h] : made) {
-      a.cuMemUnmap(static_cast<CUdeviceptr>(addr + off), n);
-      a.cuMemRelease(h);
-      off += n;
-    }
-    made.clear();
-  };
-  // Grant what is mapped and enter it in the books; false when the grant was refused (then undone).
-  auto grant = [&](CUresult& r) {
-    if (made.empty()) return true;
-    r = allow_access(static_cast<CUdeviceptr>(addr), at, device_);
-    if (r != CUDA_SUCCESS) {
-      undo();
-      return false;
-    }
-    std::lock_guard<std::mutex> g(mu_);
-    std::size_t off = 0;
-    for (const auto& [n, h] : made) pieces_[addr + off] = Piece{n, h}, off += n;
-    done = at;
-    return true;
-  };
-  for (; at < bytes;) {
+  std::vector<CUmemGenericAllocationHandle> handles;  // of the pieces mapped so far
+  auto map_one = [&](std::size_t, std::size_t at) {
     const std::size_t n = std::min(piece, bytes - at);
     CUmemGenericAllocationHandle h = 0;
     CUresult r = a.cuMemCreate(&h, n, &prop, 0);
-    const bool created = r == CUDA_SUCCESS;
-    if (created && (r = a.cuMemMap(static_cast<CUdeviceptr>(addr + at), n, 0, h, 0)) != CUDA_SUCCESS) a.cuMemRelease(h);
-    if (r != CUDA_SUCCESS) {
-      CUresult gr = CUDA_SUCCESS;
-      if (!grant(gr)) cuda::throw_error(gr, at_ptr("cuMemSetAccess", addr, at, device_), name());
-      cuda::throw_error(r, created ? at_ptr("cuMemMap", addr + at, n, device_) : on_device("cuMemCreate", n, device_), name());
+    if (r != CUDA_SUCCESS) cuda::throw_error(r, on_device("cuMemCreate", n, device_), name());
+    if ((r = a.cuMemMap(static_cast<CUdeviceptr>(addr + at), n, 0, h, 0)) != CUDA_SUCCESS) {
+      a.cuMemRelease(h);
+      cuda::throw_error(r, at_ptr("cuMemMap", addr + at, n, device_), name());
     }
-    made.emplace_back(n, h);
-    at += n;
-  }
-  CUresult r = CUDA_SUCCESS;
-  if (!grant(r)) cuda::throw_error(r, at_ptr("cuMemSetAccess", addr, bytes, device_), name());
+    handles.push_back(h);
+    return n;
+  };
+  auto undo_one = [&](std::size_t i, std::size_t at, std::size_t n) {
+    a.cuMemUnmap(static_cast<CUdeviceptr>(addr + at), n);
+    a.cuMemRelease(handles[i]);
+  };
+  auto book = [&](std::size_t k, std::size_t mapped) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = 0, at = 0; i < k; ++i, at += piece) pieces_[addr + at] = Piece{std::min(piece, bytes - at), handles[i]};
+    done = mapped;
+  };
+  granted_run(addr, (bytes + piece - 1) / piece, device_, name(), map_one, undo_one, book);
 }
 
 void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
@@ -403,67 +415,48 @@ std::size_t CudaVirtualUpstream::aliases() const {
   return aliases_.size();
 }
 
-// Each source's handle mapped again, one after another from dst, then one grant over the run (as
-// do_map_pieces). A source is held (its alias count raised, under mu_) before its map: an unmap
+// Each source's handle mapped again, one after another from dst, then the run granted at once
+// (granted_run). A source is held (its alias count raised, under mu_) before its map: an unmap
 // either saw the hold and refused, or took the piece out of pieces_ first and this alias finds no
-// source (unmap_piece).
+// source (unmap_piece). Undoing an alias lets go of its hold.
 void CudaVirtualUpstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
   const cuda::DriverApi& a = cuda::api();
   cuda::ScopedContext ctx(device_);
-  std::size_t mapped = 0, at = 0;  // pieces mapped (not yet granted) and their bytes
-  auto release_holds = [&](std::size_t from) {
+  auto let_go = [&](std::uintptr_t src) {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = from; i < mapped; ++i) --pieces_.at(srcs[i].src).aliases;  // held: still there
+    --pieces_.at(src).aliases;  // held: still there
   };
-  auto grant = [&](CUresult& r) {
-    if (!mapped) return true;
-    r = allow_access(static_cast<CUdeviceptr>(dst), at, device_);
-    if (r != CUDA_SUCCESS) {
-      std::size_t off = 0;
-      for (std::size_t i = 0; i < mapped; off += srcs[i++].bytes) a.cuMemUnmap(static_cast<CUdeviceptr>(dst + off), srcs[i].bytes);
-      release_holds(0);
-      mapped = 0;
-      return false;
-    }
-    std::lock_guard<std::mutex> g(mu_);
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < mapped; off += srcs[i++].bytes) aliases_[dst + off] = Alias{srcs[i].src, srcs[i].bytes};
-    done = mapped;
-    return true;
-  };
-  for (; mapped < n;) {
-    const AliasSource& p = srcs[mapped];
+  auto map_one = [&](std::size_t i, std::size_t at) {
+    const AliasSource& p = srcs[i];
     unsigned long long h = 0;
-    bool ok = false;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = pieces_.find(p.src);
-      if (it != pieces_.end() && it->second.size == p.bytes && (dst + at) % granularity_ == 0) {
-        h = it->second.handle;
-        ++it->second.aliases;  // now: the source must not be unmapped while this map runs
-        ok = true;
-      }
-    }
-    CUresult r = CUDA_SUCCESS;
-    if (ok && (r = a.cuMemMap(static_cast<CUdeviceptr>(dst + at), p.bytes, 0, h, 0)) != CUDA_SUCCESS) {
-      std::lock_guard<std::mutex> g(mu_);
-      --pieces_.at(p.src).aliases;  // held: still there
-    }
-    if (!ok || r != CUDA_SUCCESS) {
-      CUresult gr = CUDA_SUCCESS;
-      if (!grant(gr)) cuda::throw_error(gr, at_ptr("cuMemSetAccess", dst, at, device_), name());
-      if (!ok)
+      if (it == pieces_.end() || it->second.size != p.bytes || (dst + at) % granularity_)
         throw UpstreamFailure("CudaVirtual: alias of " + format_ptr(p.src) + " (" + format_bytes(p.bytes) + ") at " +
                                   format_ptr(dst + at) +
                                   ": the source is not one mapped piece or the target is not granule-aligned",
                               name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+      h = it->second.handle;
+      ++it->second.aliases;  // now: the source must not be unmapped while this map runs
+    }
+    const CUresult r = a.cuMemMap(static_cast<CUdeviceptr>(dst + at), p.bytes, 0, h, 0);
+    if (r != CUDA_SUCCESS) {
+      let_go(p.src);
       cuda::throw_error(r, at_ptr("cuMemMap", dst + at, p.bytes, device_), name());
     }
-    ++mapped;
-    at += p.bytes;
-  }
-  CUresult r = CUDA_SUCCESS;
-  if (!grant(r)) cuda::throw_error(r, at_ptr("cuMemSetAccess", dst, at, device_), name());
+    return p.bytes;
+  };
+  auto undo_one = [&](std::size_t i, std::size_t at, std::size_t bytes) {
+    a.cuMemUnmap(static_cast<CUdeviceptr>(dst + at), bytes);
+    let_go(srcs[i].src);
+  };
+  auto book = [&](std::size_t k, std::size_t) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = 0, at = 0; i < k; at += srcs[i++].bytes) aliases_[dst + at] = Alias{srcs[i].src, srcs[i].bytes};
+    done = k;
+  };
+  granted_run(dst, n, device_, name(), map_one, undo_one, book);
 }
 
 void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
