@@ -667,8 +667,10 @@ def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
                 rows.append(None)
                 continue
             ns = _call_count(c.get("allocator_ns"))
+            runs_ = {k: _call_count(c.get(k)) for k in RUN_CALLS}  # absent from runs saved before them
             rows.append({"request": i, "calls": sum(counts.values()), **counts,
-                         "allocator_ms": None if ns is None else ns / 1e6})
+                         "allocator_ms": None if ns is None else ns / 1e6,
+                         "runs": None if None in runs_.values() else runs_})
         quiet = [row is not None and not row["calls"] for row in rows]
         ex = excess_each(r, base, quiet if any(quiet) else [row is not None for row in rows])
         if ex is None:
@@ -687,6 +689,8 @@ def request_excess(runs: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]
             "requests": len(rows),
             "requests_with_calls": len(with_calls),
             "calls": {k: sum(row[k] for row in with_calls) for k in DRIVER_CALLS},
+            "runs": ({k: sum(row["runs"][k] for row in rows) for k in RUN_CALLS}
+                     if rows and all(row["runs"] is not None for row in rows) else None),
             "excess_with_calls_ms": excess_with,
             "ms_per_call": excess_with / n_calls if n_calls else None,
             "mean_excess_with_calls_ms": excess_with / len(with_calls) if with_calls else None,
@@ -735,6 +739,10 @@ def excess_table(ex: Dict[str, Dict[str, Any]], recurring: Optional[Dict[str, Di
                      f"| {fmt(e['allocator_ms_with_calls'], '.1f')} "
                      f"| {fmt(e['mean_excess_without_calls_ms'], '+.2f')} |")
     lines.append("")
+    for arm, e in ex.items():
+        if e.get("runs"):
+            lines += [f"{arm}: its unmaps and unaliases went in {e['runs']['unmap_runs']} / {e['runs']['unalias_runs']} "
+                      "runs (one driver call each where the driver takes a run of mappings at once)", ""]
     for arm, e in ex.items():
         tops = ", ".join(f"{row['request']} ({row['excess_ms']:+.1f} ms, {row['calls']} calls)" for row in e["top"])
         lines += [f"Largest time beyond, {arm}: request {tops}", ""]
@@ -1037,6 +1045,10 @@ def allocation_counter(torch: Any, arm: str, device: str) -> Callable[[], Dict[s
 # (cuMemAlloc / cuMemFree; the expandable arena's maps and unmaps count as these) and the expandable
 # arena's aliases and unaliases.
 DRIVER_CALLS = ("upstream_allocations", "upstream_deallocations", "alias_calls", "unalias_calls")
+# The runs the expandable arena's unmaps and unaliases went in: one cuMemUnmap each where the driver
+# takes a run of mappings at once (CudaVirtual.unmap_runs), so the frees' and unaliases' driver
+# calls are these rather than DRIVER_CALLS' counts there.
+RUN_CALLS = ("unmap_runs", "unalias_runs")
 
 
 def driver_call_counter(arm: str, device: str) -> Callable[[], Optional[Dict[str, int]]]:
@@ -1053,7 +1065,7 @@ def driver_call_counter(arm: str, device: str) -> Callable[[], Optional[Dict[str
 
     def calls() -> Dict[str, int]:
         st = pkt.stats(0)
-        out = {k: int(st.get(k) or 0) for k in DRIVER_CALLS}
+        out = {k: int(st.get(k) or 0) for k in DRIVER_CALLS + RUN_CALLS}
         ct = pkt.call_timing()
         if ct["enabled"]:
             out["allocator_ns"] = int(ct["malloc_ns"]) + int(ct["free_ns"])

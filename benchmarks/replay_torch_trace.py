@@ -73,6 +73,8 @@ def replay(events, kind: str, work_us: float, advance_us: float, pre_trace=(), *
         "upstream_deallocations": st["upstream_deallocations"],
         "alias_calls": st.get("alias_calls", 0),
         "unalias_calls": st.get("unalias_calls", 0),
+        "unmap_runs": st.get("unmap_runs", 0),
+        "unalias_runs": st.get("unalias_runs", 0),
     }
 
 

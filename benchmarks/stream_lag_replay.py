@@ -68,7 +68,9 @@ def main() -> int:
     ap.add_argument("--idle-only", action="store_true", help="only the idle column (a single_stream pool's rows "
                                                              "are the same in every column)")
     ap.add_argument("--calls", action="store_true", help="with each ratio, the upstream calls: maps (or backings) "
-                                                           "and frees, and alias / unalias calls")
+                                                           "and frees, and alias / unalias calls, then in brackets "
+                                                           "the runs the frees and unaliases went in (one cuMemUnmap "
+                                                           "each where the driver takes runs)")
     args = ap.parse_args()
     from poolkeeper.bench.options import parse_options
 
@@ -89,7 +91,7 @@ def main() -> int:
                 r = replay_torch_trace.replay(events, base, w, a, pre_trace=pre, **options)
                 row.append(r["peak_reserved_mib"] / r["peak_live_mib"])
                 calls.append(f"{r['upstream_allocations']}/{r['upstream_deallocations']} "
-                             f"+{r['alias_calls']}/{r['unalias_calls']}")
+                             f"+{r['alias_calls']}/{r['unalias_calls']} [{r['unmap_runs']}/{r['unalias_runs']}]")
             every += row
             tail = "   " + "  ".join(calls) if args.calls else ""
             print(f"{kind:31s} {name:14s} " + " ".join(f"{x:10.3f}" for x in row) + tail, flush=True)

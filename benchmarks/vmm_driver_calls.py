@@ -13,7 +13,8 @@ call (under 1 us).
 Then a question the driver's documentation leaves open ("the range must be the entire contiguous
 address range that was mapped to"): does one cuMemUnmap over ``--pieces`` adjacent mappings take
 them all down? The answer is printed as the driver gave it (and checked: a piece it took down
-can be mapped again).
+can be mapped again). CudaVirtual asks the same question at its first run and keeps the answer
+(``CudaVirtual.unmap_runs``); ``vmm_latency.py`` prints what it got.
 
     python3 benchmarks/vmm_driver_calls.py [--device 0] [--pieces 8] [--reps 20] [--json out.json]
 """

@@ -6,9 +6,11 @@ Each figure is the median of ``--reps`` calls, timed inside the upstream (its co
 
 Runs (``--runs``, default 8,32 pieces of one granule): the expandable arena maps a growth and
 aliases a stitch as one run (``map_pieces`` / ``alias_pieces``: a cuMemMap per piece, one
-cuMemSetAccess for the run). Beside each run, the same pieces mapped (aliased) one call each, as
-``map`` / ``alias`` do (a cuMemSetAccess per piece), and unmapped (unaliased) one by one: per piece,
-the median of ``--reps`` runs, wall time around the calls.
+cuMemSetAccess for the run), and takes free pieces and stitched ranges down as runs
+(``unmap_pieces`` / ``unalias_pieces``: one cuMemUnmap over the run where the driver takes one,
+``CudaVirtual.unmap_runs``). Beside each run, the same pieces mapped (aliased, unaliased, unmapped)
+one call each, as ``map`` / ``alias`` / ``unalias`` / ``unmap`` do: per piece, the median of
+``--reps`` runs, wall time around the calls.
 
     PYTHONPATH=<built poolkeeper> python3 benchmarks/vmm_latency.py [--reps 20] [--json out.json]
 """
@@ -69,12 +71,13 @@ def main() -> None:
 
 
 def run_row(vm, n: int, reps: int) -> Dict:
-    """Per piece (us): n granules mapped one call each vs as one run, aliased likewise, and the
-    unmaps / unaliases (one call per piece either way), medians over ``reps`` repetitions."""
+    """Per piece (us): n granules mapped one call each vs as one run, and likewise aliased,
+    unaliased and unmapped, medians over ``reps`` repetitions (each and run alternate)."""
     g = vm.vm_granularity
     base, dst = vm.reserve(n * g), vm.reserve(n * g)
     srcs = [(base + k * g, g) for k in range(n)]
-    t: Dict[str, List[float]] = {k: [] for k in ("map_each", "map_run", "alias_each", "alias_run", "unalias", "unmap")}
+    keys = ("map_each", "map_run", "alias_each", "alias_run", "unalias_each", "unalias_run", "unmap_each", "unmap_run")
+    t: Dict[str, List[float]] = {k: [] for k in keys}
 
     def clock(key, fn):
         t0 = time.perf_counter_ns()
@@ -91,14 +94,23 @@ def run_row(vm, n: int, reps: int) -> Dict:
                 clock("alias_each", lambda: [vm.alias(dst + k * g, a, g) for k, (a, _) in enumerate(srcs)])
             else:
                 clock("alias_run", lambda: vm.alias_pieces(dst, srcs))
-            clock("unalias", lambda: [vm.unalias(dst + k * g, g) for k in range(n)])
-        clock("unmap", lambda: [vm.unmap(a, g) for a, _ in srcs])
+            if (rep + each) % 2:
+                clock("unalias_each", lambda: [vm.unalias(dst + k * g, g) for k in range(n)])
+            else:
+                clock("unalias_run", lambda: vm.unalias_pieces(dst, [g] * n))
+        if rep % 2:
+            clock("unmap_each", lambda: [vm.unmap(a, g) for a, _ in srcs])
+        else:
+            clock("unmap_run", lambda: vm.unmap_pieces(base, [g] * n))
     vm.unreserve(dst, n * g)
     vm.unreserve(base, n * g)
     row = {"pieces": n, **{f"{k}_us": statistics.median(v) for k, v in t.items() if v}}
-    print(f"run of {n:3d} x {g >> 20} MiB, per piece:  map {row['map_each_us']:6.1f} us each / {row['map_run_us']:6.1f} "
-          f"us in one run  |  alias {row['alias_each_us']:6.1f} / {row['alias_run_us']:6.1f} us  |  "
-          f"unalias {row['unalias_us']:6.1f} us  unmap {row['unmap_us']:6.1f} us")
+    # None where the upstream has no say (a simulated one); False: each run went piece by piece.
+    row["unmap_runs"] = getattr(vm, "unmap_runs", None)
+    print(f"run of {n:3d} x {g >> 20} MiB, per piece (each / one run):  map {row['map_each_us']:6.1f} / "
+          f"{row['map_run_us']:6.1f} us  |  alias {row['alias_each_us']:6.1f} / {row['alias_run_us']:6.1f} us  |  "
+          f"unalias {row['unalias_each_us']:6.1f} / {row['unalias_run_us']:6.1f} us  |  unmap "
+          f"{row['unmap_each_us']:6.1f} / {row['unmap_run_us']:6.1f} us  (driver takes unmap runs: {row['unmap_runs']})")
     return row
 
 

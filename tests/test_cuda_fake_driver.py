@@ -557,6 +557,127 @@ def test_cuda_virtual_refused_piece_mid_run_keeps_the_granted_pieces_before_it(f
     assert out["end"] == [0, 0]
 
 
+UNMAP_PRE = RUNS_PRE + """
+        unmap_calls = fake.fake_cuda_unmap_calls
+        up = pk.upstream.CudaVirtual()
+        pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=64 << 20,
+                            map_piece=G, thread_cache_bytes=0, shrink_interval=0)
+        a = pool.allocate(G)
+        def grow_and_trim():
+            b = pool.allocate(5 * G)         # one growth of five pieces
+            ctypes.memset(b, 0x11, 5 * G)
+            pool.deallocate(b)
+            u0, c0 = up.counters()["unmaps"], unmap_calls()
+            pool.trim()                      # the five free pieces: one run
+            pool.validate()
+            return [up.counters()["unmaps"] - u0, unmap_calls() - c0, up.mapped_pieces]
+"""
+
+
+@pytest.mark.parametrize("runs", [0, 1])
+def test_cuda_virtual_takes_a_run_of_free_pieces_down_in_one_unmap_where_the_driver_takes_runs(fakes, runs):
+    """Five adjacent free pieces trimmed: five unmaps in the books either way. A driver that takes
+    one cuMemUnmap over several mappings gets one call; one that refuses it gets the refused run
+    and then one call per piece, and is not asked again. The handles are released either way:
+    the 12 MiB device fits the second growth only if the first one's memory came back."""
+    out = run(fakes["full"], UNMAP_PRE + """
+        first = grow_and_trim()
+        asked = up.unmap_runs
+        second = grow_and_trim()
+        pool.deallocate(a); pool.close()
+        print(json.dumps({"first": first, "second": second, "asked": asked, "driver": up.driver_unmaps,
+                          "calls": unmap_calls(), "end": [up.mapped_pieces, up.counters()["outstanding_bytes"], up.leaked_handles]}))
+    """, FAKE_CUDA_UNMAP_RUNS=runs, FAKE_CUDA_CAPACITY=12 << 20)
+    if runs:
+        assert out["first"] == [5, 1, 1] and out["second"] == [5, 1, 1] and out["asked"] is True
+    else:
+        assert out["first"] == [5, 6, 1] and out["second"] == [5, 5, 1] and out["asked"] is False
+    assert out["driver"] == out["calls"]  # every cuMemUnmap the upstream made, counted by it
+    assert out["end"] == [0, 0, 0]
+
+
+def test_cuda_virtual_refused_unmap_inside_a_run_keeps_that_piece_and_those_before_it(fakes):
+    """The driver refuses runs, and then the third cuMemUnmap (the second single one, the 4th
+    piece) as well: the 5th piece is unmapped and out of the books, the first four stay mapped
+    and free in the pool, the failure is counted, and a later trim takes them down. A refusal the
+    single unmaps share is not an answer to whether runs work."""
+    out = run(fakes["full"], UNMAP_PRE + """
+        b = pool.allocate(5 * G)
+        pool.deallocate(b)
+        pool.trim()
+        pool.validate()
+        st, c = pool.stats(), up.counters()
+        mid = dict(pieces=up.mapped_pieces, reserved=st["reserved_bytes"], outstanding=c["outstanding_bytes"],
+                   unmaps=c["unmaps"], failed=c["failed_deallocations"], unmap_failures=st["unmap_failures"],
+                   asked=up.unmap_runs)
+        pool.trim()
+        pool.validate()
+        after = [up.mapped_pieces, up.counters()["unmaps"], up.unmap_runs]
+        pool.deallocate(a); pool.close()
+        print(json.dumps({"mid": mid, "after": after, "end": [up.mapped_pieces, up.counters()["outstanding_bytes"]]}))
+    """, FAKE_CUDA_FAIL_UNMAP_AT=3)
+    assert out["mid"] == {"pieces": 5, "reserved": 10 << 20, "outstanding": 10 << 20, "unmaps": 1, "failed": 1,
+                          "unmap_failures": 1, "asked": None}
+    # The second run is refused too and its pieces then go one by one: that settles it.
+    assert out["after"] == [1, 5, False]
+    assert out["end"] == [0, 0]
+
+
+@pytest.mark.parametrize("runs", [0, 1])
+def test_cuda_virtual_tears_a_stitched_range_down_in_one_unmap_where_the_driver_takes_runs(fakes, runs):
+    out = run(fakes["full"], STITCH_PRE + """
+        unmap_calls = fake.fake_cuda_unmap_calls
+        blocks = [pool.allocate(G) for _ in range(9)]
+        for i in (1, 3, 5, 7):
+            pool.deallocate(blocks[i])
+        p = pool.allocate(4 * G)            # stitched from pieces 1, 3, 5, 7: four aliases
+        ctypes.memset(p, 0x5A, 4 * G)
+        c0, u0 = unmap_calls(), up.counters()["unaliases"]
+        pool.deallocate(p)
+        pool.trim()                          # the stitched range torn down (and the pieces unmapped)
+        pool.validate()
+        torn = dict(unaliases=up.counters()["unaliases"] - u0, aliases=up.aliases, teardowns=pool.stats()["stitch_teardowns"],
+                    unmaps=pool.stats()["unmap_calls"], calls=unmap_calls() - c0,
+                    runs=[pool.stats()["unalias_runs"], pool.stats()["unmap_runs"]])
+        for i in (0, 2, 4, 6, 8):
+            pool.deallocate(blocks[i])
+        pool.close()
+        print(json.dumps({"torn": torn, "asked": up.unmap_runs, "end": [up.aliases, up.mapped_pieces, up.leaked_handles]}))
+    """, FAKE_CUDA_UNMAP_RUNS=runs)
+    # The four aliases in one call (runs) or the refused run and four; the four pieces, apart
+    # (live blocks between them), one call each either way.
+    assert out["torn"] == {"unaliases": 4, "aliases": 0, "teardowns": 1, "unmaps": 4, "calls": 5 if runs else 9,
+                           "runs": [1, 4]}
+    assert out["asked"] is bool(runs)
+    assert out["end"] == [0, 0, 0]
+
+
+def test_cuda_virtual_unalias_run_over_the_driver_counts_one_call_per_run(fakes):
+    """unalias_pieces straight on the upstream: four aliases end to end go in one cuMemUnmap
+    (runs taken), their sources stay mapped with their bytes, and can then be unmapped."""
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        base = up.reserve(16 * G)
+        for k in range(4):
+            up.map(base + 2 * k * G, G)
+        ctypes.memset(base, 0x42, G)
+        dst = base + 8 * G
+        n = up.alias_pieces(dst, [(base + 2 * k * G, G) for k in range(4)])
+        c0 = fake.fake_cuda_unmap_calls()
+        gone = up.unalias_pieces(dst, [G] * 4)
+        calls = fake.fake_cuda_unmap_calls() - c0
+        kept = ctypes.string_at(base, 16) == bytes([0x42]) * 16
+        downs = up.unmap_pieces(base, [G])
+        for k in range(1, 4):
+            up.unmap(base + 2 * k * G, G)
+        up.unreserve(base, 16 * G)
+        c = up.counters()
+        print(json.dumps({"n": n, "gone": gone, "calls": calls, "kept": kept, "downs": downs,
+                          "counts": [c["aliases"], c["unaliases"], c["unmaps"]], "end": [up.aliases, up.mapped_pieces]}))
+    """, FAKE_CUDA_UNMAP_RUNS=1)
+    assert out == {"n": 4, "gone": 4, "calls": 1, "kept": True, "downs": 1, "counts": [4, 4, 4], "end": [0, 0]}
+
+
 def test_regression_alias_racing_an_unmap_of_its_source_never_maps_a_released_handle(fakes):
     """A hostile review: unmap checked that a piece had no alias, let go of the lock, then unmapped
     and released it; an alias taken in between mapped the handle being released (a leaked handle)
@@ -1207,7 +1328,9 @@ def test_vmm_latency_script_measures_runs_beside_single_calls_over_the_fake_driv
     data = json.loads(out.read_text())
     (run_,) = data["runs"]
     assert run_["pieces"] == 3
-    assert set(run_) == {"pieces", "map_each_us", "map_run_us", "alias_each_us", "alias_run_us", "unalias_us", "unmap_us"}
+    assert set(run_) == {"pieces", "map_each_us", "map_run_us", "alias_each_us", "alias_run_us", "unalias_each_us",
+                         "unalias_run_us", "unmap_each_us", "unmap_run_us", "unmap_runs"}
+    assert run_.pop("unmap_runs") is False  # the fake driver refuses runs unless told otherwise
     assert all(v > 0 for v in run_.values())
 
 

@@ -124,6 +124,46 @@ def test_map_pieces_and_alias_pieces_are_runs_of_single_maps_that_stop_at_a_refu
     assert up.counters()["aliases"] == 2 and up.counters()["unaliases"] == 2
 
 
+@pytest.mark.parametrize("faulty", [False, True])
+def test_unmap_pieces_and_unalias_pieces_take_runs_down_last_first_and_stop_at_a_refusal(faulty):
+    """A run taken down counts each piece as one unmap (unalias), last first; a refusal is raised
+    with the refused piece and those before it still mapped. Over Faulty the refusal is the
+    injected one (watched calls #0-3 are the maps, #4 the unmap of the piece at 12 MiB, #5 that of
+    the one at 8 MiB); over Simulated a piece that is not one map."""
+    inner = sim(capacity=64 * MiB)
+    up = pk.upstream.Faulty(inner, fail_at=[5], fail_frees=True) if faulty else inner
+    base = up.reserve(64 * MiB)
+    assert up.map_pieces(base, 16 * MiB, 4 * MiB) == 16 * MiB  # pieces at 0, 4, 8, 12 MiB
+    if faulty:
+        with pytest.raises(UpstreamError, match="injected"):
+            up.unmap_pieces(base, [4 * MiB] * 4)
+    else:  # 4 MiB at 8 MiB is two maps' worth of one: refused there
+        with pytest.raises(UpstreamError, match="not one mapped piece"):
+            up.unmap_pieces(base, [4 * MiB, 4 * MiB, 2 * MiB, 2 * MiB, 4 * MiB])
+    c = up.counters()
+    assert (c["unmaps"], c["deallocations"], c["outstanding_bytes"], c["failed_deallocations"]) == (1, 1, 12 * MiB, 1)
+    with pytest.raises(UpstreamError):  # the one at 12 MiB is gone
+        up.unmap(base + 12 * MiB, 4 * MiB)
+    dst = up.reserve(16 * MiB)
+    assert up.alias_pieces(dst, [(base + 8 * MiB, 4 * MiB), (base, 4 * MiB), (base + 4 * MiB, 4 * MiB)]) == 3
+    with pytest.raises(UpstreamError):  # the last size is not its alias's: nothing goes
+        up.unalias_pieces(dst + 4 * MiB, [4 * MiB, 2 * MiB])
+    assert up.unalias_pieces(dst + 4 * MiB, [4 * MiB, 4 * MiB]) == 2
+    assert up.unalias_pieces(dst, [4 * MiB]) == 1
+    with pytest.raises(UpstreamError):  # an empty run is refused, as an empty map is
+        up.unmap_pieces(base, [])
+    with pytest.raises(UpstreamError):
+        up.unalias_pieces(dst, [])
+    for bad in ("ab", [(1,)], 5, ["x"], [-1]):
+        with pytest.raises(InvalidArgumentError):
+            up.unmap_pieces(base, bad)
+    assert up.unmap_pieces(base, [4 * MiB] * 3) == 3
+    c = up.counters()
+    assert (c["unmaps"], c["unaliases"], c["outstanding_bytes"]) == (4, 3, 0)
+    up.unreserve(dst, 16 * MiB)
+    up.unreserve(base, 64 * MiB)
+
+
 class _LyingLength:
     """A sequence whose __len__ claims far more items than it holds."""
 
@@ -164,6 +204,12 @@ def test_regression_alias_pieces_sources_never_size_an_allocation_by_len_nor_swa
     with pytest.raises(InvalidArgumentError):
         up.alias_pieces(base + 4 * G, _RaisingItem(ValueError("no")))
     assert up.counters()["aliases"] == 0 and up.aliased_bytes() == 0
+    # unmap_pieces / unalias_pieces read their sizes the same way.
+    with pytest.raises(InvalidArgumentError, match=r"sizes\[1\] could not be read"):
+        up.unmap_pieces(base, _LyingLength(G))
+    with pytest.raises(KeyboardInterrupt):
+        up.unalias_pieces(base, _RaisingItem(KeyboardInterrupt()))
+    assert up.counters()["unmaps"] == 0 and up.counters()["outstanding_bytes"] == G
     # An empty run is refused as an empty map is (it was a silent 0 on the default upstreams).
     with pytest.raises(UpstreamError):
         up.map_pieces(base + G, 0, G)

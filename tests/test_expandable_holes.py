@@ -107,9 +107,38 @@ def test_map_piece_splits_a_growth_step_so_its_granules_can_go_alone():
     assert pool.trim() == 6 * G
     st = consistent(pool, up)
     assert st["holes"] == 1 and st["hole_bytes"] == 6 * G
+    # Six unmaps in the books, asked of the upstream as one run (adjacent pieces).
+    assert (st["unmap_calls"], st["unmap_runs"], up.counters()["unmaps"]) == (6, 1, 6)
     for x in (a, c):
         pool.deallocate(x)
     pool.close()
+
+
+def test_a_refused_unmap_inside_a_run_keeps_the_run_s_first_pieces_mapped():
+    """Six adjacent free pieces go as one run, last first; the third unmap of it is refused: the
+    two after it are out of the books, it and the three before it stay mapped and free, and the
+    next trim takes them."""
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_frees=True, armed=False, fail_at=[10])
+    pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=8 * G,
+                        map_piece=G, thread_cache_bytes=0)
+    a = pool.allocate(G)
+    big = pool.allocate(6 * G)
+    c = pool.allocate(G)
+    pool.deallocate(big)
+    up.armed = True  # watched calls 0-7 were the maps; the run's unmaps are 8, 9, 10 (refused)
+    assert pool.trim() == 2 * G
+    st = consistent(pool, inner)
+    assert (st["unmap_failures"], st["unmap_runs"], st["unmap_calls"], st["reserved_bytes"]) == (1, 1, 2, 6 * G)
+    assert st["free_bytes"] == 4 * G
+    up.armed = False
+    assert pool.trim() == 4 * G
+    st = consistent(pool, inner)
+    assert (st["unmap_runs"], st["unmap_calls"]) == (2, 6)
+    for x in (a, c):
+        pool.deallocate(x)
+    pool.close()
+    assert inner.counters()["outstanding_bytes"] == 0
 
 
 def test_shrink_scans_unmap_a_middle_piece_only_after_the_hysteresis():

@@ -781,6 +781,25 @@ def test_request_excess_sets_each_requests_time_beyond_torch_beside_its_driver_c
     assert rm.request_excess({"torch": runs["torch"], "arena_expandable": {**runs["arena_expandable"], "request_calls_each": []}}) == {}
     assert rm.request_excess({"arena_expandable": runs["arena_expandable"]}) == {}
     assert rm.excess_table({}) == []
+    # Saved before the runs were counted: no line about them.
+    assert e["runs"] is None and "runs (one driver call" not in md
+
+
+def test_request_excess_says_what_runs_the_unmaps_and_unaliases_went_in():
+    """775 unaliases in 8 runs (one cuMemUnmap each where the driver takes runs), summed over every
+    request; a request without the run counts (an older save) leaves them unsaid."""
+    def calls(unaliases, runs_):
+        return {"upstream_allocations": 0, "upstream_deallocations": 0, "alias_calls": 0, "unalias_calls": unaliases,
+                "unmap_runs": 0, "unalias_runs": runs_}
+
+    runs = {"torch": {"request_ms_each": [10.0] * 3, "request_ms": {"total": 30.0}},
+            "arena_expandable": {"request_ms_each": [10.0, 10.0, 12.0], "request_ms": {"total": 32.0},
+                                 "request_calls_each": [calls(0, 0), calls(0, 0), calls(775, 8)]}}
+    e = rm.request_excess(runs)["arena_expandable"]
+    assert e["runs"] == {"unmap_runs": 0, "unalias_runs": 8} and e["calls"]["unalias_calls"] == 775
+    assert "arena_expandable: its unmaps and unaliases went in 0 / 8 runs" in "\n".join(rm.excess_table({"arena_expandable": e}))
+    del runs["arena_expandable"]["request_calls_each"][0]["unalias_runs"]
+    assert rm.request_excess(runs)["arena_expandable"]["runs"] is None
 
 
 def test_regression_request_excess_baseline_leaves_out_the_requests_that_made_calls():

@@ -174,7 +174,18 @@ void bind_cuda_upstreams(nb::module_& m) {
       .def_prop_ro("leaked_handles", &CudaVirtualUpstream::leaked_handles,
                    "Handles whose cuMemRelease failed after a successful unmap (leaked, not thrown).")
       .def_prop_ro("leaked_ranges", &CudaVirtualUpstream::leaked_ranges,
-                   "Address ranges whose cuMemAddressFree failed after their memory was unmapped.");
+                   "Address ranges whose cuMemAddressFree failed after their memory was unmapped.")
+      .def_prop_ro(
+          "unmap_runs",
+          [](const CudaVirtualUpstream& u) -> nb::object {
+            const int r = u.unmap_runs();
+            if (!r) return nb::none();
+            return nb::bool_(r > 0);
+          },
+          "Whether the driver takes down a run of adjacent mappings with one cuMemUnmap: None until the "
+          "first unmap or unalias run of several pieces asks it; False: each mapping goes alone.")
+      .def_prop_ro("driver_unmaps", &CudaVirtualUpstream::driver_unmaps,
+                   "cuMemUnmap calls made (unmaps and unaliases; a run taken down at once is one).");
 
   nb::class_<CudaPinnedUpstream, Upstream>(m, "CudaPinnedUpstream")
       .def("__init__", [](CudaPinnedUpstream* self, int device) { new (self) CudaPinnedUpstream(device); },

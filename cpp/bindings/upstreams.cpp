@@ -53,6 +53,28 @@ std::vector<Upstream::AliasSource> alias_sources(nb::handle h) {
   }
   return out;
 }
+// unmap_pieces/unalias_pieces' sizes: a sequence of sizes, read item by item as alias_sources
+// reads its pairs (an InvalidArgumentError naming a bad item; interrupts propagate).
+std::vector<std::size_t> piece_sizes(nb::handle h) {
+  const std::string what = "sizes must be a sequence of piece sizes in bytes; got ";
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr())) throw InvalidArgument(what + shown(h));
+  const Py_ssize_t n = PySequence_Size(h.ptr());
+  if (n < 0) {
+    clear_bad_input_error();
+    throw InvalidArgument(what + shown(h));
+  }
+  std::vector<std::size_t> out;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const std::string name = "sizes[" + std::to_string(i) + "]";
+    nb::object o = nb::steal(PySequence_GetItem(h.ptr(), i));
+    if (!o.is_valid()) {
+      clear_bad_input_error();
+      throw InvalidArgument(name + " could not be read");
+    }
+    out.push_back(parse_size(o, name.c_str()));
+  }
+  return out;
+}
 // A capture mode as the driver numbers them: 0 global, 1 thread-local, 2 relaxed.
 int capture_mode(nb::handle h) {
   std::uint64_t m = 3;
@@ -164,6 +186,35 @@ void bind_upstreams(nb::module_& m) {
           "counts as one alias and is unaliased alone. Returns how many were aliased. A refused piece is "
           "raised with the aliases before it in place (``counters()['aliases']``); a refused access grant "
           "(CudaVirtual) leaves none.")
+      .def(
+          "unmap_pieces",
+          [](Upstream& u, nb::handle addr_, nb::handle sizes_) {
+            const std::uintptr_t addr = parse_ptr(addr_);
+            const std::vector<std::size_t> sizes = piece_sizes(sizes_);
+            std::size_t done = 0;
+            ReleaseGil nogil;
+            u.unmap_pieces(addr, sizes.data(), sizes.size(), done);
+            return done;
+          },
+          "addr"_a.none(), "sizes"_a.none(),
+          "Unmap the pieces lying end to end from addr (``sizes``: each one earlier map's bytes) in one "
+          "run, last first: each counts as one unmap; a device that can takes the run down in one call. "
+          "Returns how many were unmapped. A refused piece is raised with it and the pieces before it "
+          "still mapped.")
+      .def(
+          "unalias_pieces",
+          [](Upstream& u, nb::handle dst_, nb::handle sizes_) {
+            const std::uintptr_t dst = parse_ptr(dst_);
+            const std::vector<std::size_t> sizes = piece_sizes(sizes_);
+            std::size_t done = 0;
+            ReleaseGil nogil;
+            u.unalias_pieces(dst, sizes.data(), sizes.size(), done);
+            return done;
+          },
+          "dst"_a.none(), "sizes"_a.none(),
+          "Remove the aliases lying end to end from dst (``sizes``: each one earlier alias's bytes) in one "
+          "run, last first; the memory stays mapped at its sources. Returns how many were removed. A "
+          "refused one is raised with it and the aliases before it still in place.")
       .def(
           "record_event", [](Upstream& u, nb::handle s) { return u.record_event(parse_stream(s)); }, "stream"_a.none())
       .def("query_event", [](Upstream& u, nb::handle e) { return u.query_event(parse_u64(e, "event")); }, "event"_a.none())

@@ -27,6 +27,8 @@
  *   FAKE_CUDA_FAIL_SET_ACCESS_AT   N: the N-th cuMemSetAccess call (from 1) fails, granting nothing
  *   FAKE_CUDA_UNMAP_RUNS    1: cuMemUnmap also takes a range that whole adjacent mappings cover
  *                           exactly (the driver's documentation leaves open whether it may)
+ *   FAKE_CUDA_FAIL_UNMAP_AT N: the N-th cuMemUnmap call (from 1) fails, unmapping nothing;
+ *                           fake_cuda_unmap_calls() counts the calls (refused ones too)
  * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
  * Stream capture (a model of CUDA's rules, driven by test helpers that are not driver functions):
  * fake_cuda_begin_capture(stream, mode) / fake_cuda_end_capture(stream) -> 1 if the capture stayed
@@ -80,8 +82,9 @@ static int inited = 0, ndev = 1, no_pools = 0, no_vmm = 0, event_not_ready = 0;
 static uint64_t capacity = 80ull << 30;
 static int defer_copies = 0, fail_htod_async_at = 0, fail_event_record_at = 0, htod_async_calls = 0, event_record_calls = 0;
 static int fail_mem_release_at = 0, mem_release_calls = 0;
-static int fail_set_access_at = 0, set_access_calls = 0, unmap_runs = 0;
+static int fail_set_access_at = 0, set_access_calls = 0, unmap_runs = 0, fail_unmap_at = 0, unmap_calls = 0;
 int fake_cuda_set_access_calls(void) { return __atomic_load_n(&set_access_calls, __ATOMIC_SEQ_CST); }
+int fake_cuda_unmap_calls(void) { return __atomic_load_n(&unmap_calls, __ATOMIC_SEQ_CST); }
 struct qcopy { void* dst; const void* src; size_t n; };
 static struct qcopy* cq = NULL;
 static uint64_t cq_len = 0, cq_cap = 0, cq_done = 0;  /* copies queued ever, capacity, executed */
@@ -171,6 +174,7 @@ CUresult cuInit(unsigned flags) {
     fail_mem_release_at = env_int("FAKE_CUDA_FAIL_MEM_RELEASE_AT", 0);
     fail_set_access_at = env_int("FAKE_CUDA_FAIL_SET_ACCESS_AT", 0);
     unmap_runs = env_int("FAKE_CUDA_UNMAP_RUNS", 0);
+    fail_unmap_at = env_int("FAKE_CUDA_FAIL_UNMAP_AT", 0);
     const char* c = getenv("FAKE_CUDA_CAPACITY");
     if (c && *c) capacity = strtoull(c, NULL, 10);
     for (int i = 0; i < MAXDEV; i++) { ctxs[i].dev = i; pools[i].dev = i; }
@@ -549,6 +553,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t n, size_t off, unsigned long long h, u
   return OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t n) {
+  if (__atomic_add_fetch(&unmap_calls, 1, __ATOMIC_SEQ_CST) == fail_unmap_at) return E_INVALID_VALUE;
   pthread_mutex_lock(&mu);
   for (int j = 0; j < nvm; j++) {
     if (vmaps[j].a != ptr || vmaps[j].n != n) continue;

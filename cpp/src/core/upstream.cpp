@@ -46,9 +46,9 @@ void Upstream::count_alloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t c
   }
 }
 
-void Upstream::count_dealloc(std::size_t nbytes, std::uint64_t t0) {
+void Upstream::count_dealloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t calls) {
   dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-  deallocations_.fetch_add(1, std::memory_order_relaxed);
+  deallocations_.fetch_add(calls, std::memory_order_relaxed);
   bytes_deallocated_.fetch_add(nbytes, std::memory_order_relaxed);
   outstanding_.fetch_sub(nbytes, std::memory_order_relaxed);
 }
@@ -129,6 +129,45 @@ void Upstream::alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::si
   aliases_.fetch_add(done, std::memory_order_relaxed);
 }
 
+// Runs taken down: each piece down counts as one unmap (a deallocation of its bytes) or one
+// unalias, whether the run completes or stops at a refusal (counted as one failed deallocation,
+// as a refused unmap() is).
+void Upstream::unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  done = 0;
+  RelaxedCapture relaxed(*this);
+  const auto t0 = now_ns();
+  auto count = [&] {
+    if (!done) return false;
+    std::size_t bytes = 0;
+    for (std::size_t i = n - done; i < n; ++i) bytes += sizes[i];
+    unmaps_.fetch_add(done, std::memory_order_relaxed);
+    count_dealloc(bytes, t0, done);
+    return true;
+  };
+  try {
+    if (!n) throw UpstreamFailure(name() + ": unmap of an empty run", name(), "CUDA_ERROR_INVALID_VALUE", 1);
+    do_unmap_pieces(addr, sizes, n, done);
+  } catch (...) {
+    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
+    if (!count()) dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  count();
+}
+
+void Upstream::unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  done = 0;
+  RelaxedCapture relaxed(*this);
+  try {
+    if (!n) throw UpstreamFailure(name() + ": unalias of an empty run", name(), "CUDA_ERROR_INVALID_VALUE", 1);
+    do_unalias_pieces(dst, sizes, n, done);
+  } catch (...) {
+    unaliases_.fetch_add(done, std::memory_order_relaxed);
+    throw;
+  }
+  unaliases_.fetch_add(done, std::memory_order_relaxed);
+}
+
 // At least one do_map: an empty run is refused as map() refuses an empty range.
 void Upstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) {
   std::size_t k = 0;
@@ -139,6 +178,19 @@ void Upstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t
 
 void Upstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
   for (std::size_t at = 0; done < n; at += srcs[done++].bytes) do_alias(dst + at, srcs[done].src, srcs[done].bytes);
+}
+
+// Last first: the pieces still mapped after a refusal are the run's first ones, a shorter run.
+void Upstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < n; ++i) end += sizes[i];
+  for (; done < n; ++done) do_unmap(addr + (end -= sizes[n - 1 - done]), sizes[n - 1 - done]);
+}
+
+void Upstream::do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < n; ++i) end += sizes[i];
+  for (; done < n; ++done) do_unalias(dst + (end -= sizes[n - 1 - done]), sizes[n - 1 - done]);
 }
 
 static std::string no_vm(const std::string& who) {

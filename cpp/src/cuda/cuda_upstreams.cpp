@@ -372,42 +372,90 @@ void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
   do_map_pieces(addr, bytes, bytes, done);
 }
 
-void CudaVirtualUpstream::unmap_piece(std::uintptr_t addr, std::size_t bytes) {
-  Piece piece;
+// Takes down the n mappings lying end to end from `base` (sizes[i] bytes each; the caller has
+// taken them out of its books): one cuMemUnmap over the run while the driver takes runs, else one
+// per mapping, last first. Whether one cuMemUnmap may span several mappings is the driver's to
+// say: the first run of several asks it, and a run refused whose mappings then go one by one
+// settles it for this upstream (unmap_runs() = -1; a refusal that the single unmaps share is a
+// failure, not an answer). Returns how many of the last mappings are down; `err` holds the
+// refusal that stopped it. Call with this upstream's context current.
+std::size_t CudaVirtualUpstream::unmap_run(std::uintptr_t base, const std::size_t* sizes, std::size_t n, CUresult& err) {
+  const cuda::DriverApi& a = cuda::api();
+  err = CUDA_SUCCESS;
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < n; ++i) end += sizes[i];
+  bool asked = false;
+  if (n > 1 && unmap_runs_.load(std::memory_order_relaxed) >= 0) {
+    driver_unmaps_.fetch_add(1, std::memory_order_relaxed);
+    if (a.cuMemUnmap(static_cast<CUdeviceptr>(base), end) == CUDA_SUCCESS) {
+      unmap_runs_.store(1, std::memory_order_relaxed);
+      return n;
+    }
+    asked = true;
+  }
+  std::size_t done = 0;
+  for (; done < n; ++done) {
+    const std::size_t k = sizes[n - 1 - done];
+    end -= k;
+    driver_unmaps_.fetch_add(1, std::memory_order_relaxed);
+    if ((err = a.cuMemUnmap(static_cast<CUdeviceptr>(base + end), k)) != CUDA_SUCCESS) return done;
+  }
+  int unknown = 0;
+  if (asked) unmap_runs_.compare_exchange_strong(unknown, -1, std::memory_order_relaxed);
+  return done;
+}
+
+// Each piece checked, then all out of the books before any unmap, under the lock that checked
+// that none has an alias: an alias of one that comes now finds no source and is refused, instead
+// of mapping a handle this unmap is about to release (a hostile test's race: a leaked handle, and
+// its unalias then counted down another piece's aliases). Those the driver keeps go back in.
+void CudaVirtualUpstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  std::vector<Piece> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = pieces_.find(addr);
-    if (it == pieces_.end() || it->second.size != bytes)
-      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " (" + format_bytes(bytes) +
-                                ") is not one mapped piece",
-                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    if (it->second.aliases)
-      throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr) + " while " + std::to_string(it->second.aliases) +
-                                " alias(es) of it are mapped",
-                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    // Out of the books before the unmap, under the lock that checked it has no alias: an alias
-    // of it that comes now finds no source and is refused, instead of mapping a handle this
-    // unmap is about to release (a hostile test's race: a leaked handle, and its unalias then
-    // counted down another piece's aliases). Back in if the driver refuses.
-    piece = it->second;
-    pieces_.erase(it);
-  }
-  if (cuda::shutting_down()) return;
-  const cuda::DriverApi& a = cuda::api();
-  cuda::ScopedContext ctx(device_);
-  CUresult r = a.cuMemUnmap(static_cast<CUdeviceptr>(addr), bytes);
-  if (r != CUDA_SUCCESS) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      pieces_.emplace(addr, piece);
+    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+      auto it = pieces_.find(addr + at);
+      if (it == pieces_.end() || it->second.size != sizes[i])
+        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr + at) + " (" + format_bytes(sizes[i]) +
+                                  ") is not one mapped piece",
+                              name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+      if (it->second.aliases)
+        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr + at) + " while " +
+                                  std::to_string(it->second.aliases) + " alias(es) of it are mapped",
+                              name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
     }
-    cuda::throw_error(r, at_ptr("cuMemUnmap", addr, bytes, device_), name());  // still mapped
+    taken.reserve(n);
+    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+      auto it = pieces_.find(addr + at);
+      taken.push_back(it->second);
+      pieces_.erase(it);
+    }
   }
+  if (cuda::shutting_down()) {
+    done = n;
+    return;
+  }
+  cuda::ScopedContext ctx(device_);
+  CUresult err = CUDA_SUCCESS;
+  done = unmap_run(addr, sizes, n, err);
   // Unmapped: the unmap has happened, so it must not be reported as failed (the pool would keep
   // the range as mapped and hand out unmapped addresses). A refused release only leaks the
   // physical memory: counted (leaked_handles()), not thrown.
-  r = a.cuMemRelease(piece.handle);
-  if (r != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
+  for (std::size_t i = n - done; i < n; ++i)
+    if (cuda::api().cuMemRelease(taken[i].handle) != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
+  if (done == n) return;
+  std::size_t at = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = 0; i < n - done; at += sizes[i++]) pieces_.emplace(addr + at, taken[i]);
+  }
+  const std::size_t k = sizes[n - done - 1];
+  cuda::throw_error(err, at_ptr("cuMemUnmap", addr + at - k, k, device_), name());  // that one and those before it still mapped
+}
+
+void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
+  std::size_t done = 0;
+  do_unmap_pieces(addr, &bytes, 1, done);
 }
 
 std::size_t CudaVirtualUpstream::aliases() const {
@@ -465,28 +513,51 @@ void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::
   do_alias_pieces(dst, &one, 1, done);
 }
 
-void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
-  Alias al;
+// Out of the books before the unmap (a second unalias of the same range is refused, not unmapped
+// twice); each source keeps its hold until its alias is down, so it cannot be unmapped under it.
+void CudaVirtualUpstream::do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  std::vector<Alias> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto it = aliases_.find(dst);
-    if (it == aliases_.end() || it->second.size != bytes)
-      throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(dst) + " (" + format_bytes(bytes) + ") is not one alias",
-                            name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    al = it->second;
+    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+      auto it = aliases_.find(dst + at);
+      if (it == aliases_.end() || it->second.size != sizes[i])
+        throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(dst + at) + " (" + format_bytes(sizes[i]) +
+                                  ") is not one alias",
+                              name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
+    }
+    taken.reserve(n);
+    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+      auto it = aliases_.find(dst + at);
+      taken.push_back(it->second);
+      aliases_.erase(it);
+    }
   }
-  if (!cuda::shutting_down()) {
+  CUresult err = CUDA_SUCCESS;
+  if (cuda::shutting_down()) {
+    done = n;
+  } else {
     cuda::ScopedContext ctx(device_);
-    const CUresult r = cuda::api().cuMemUnmap(static_cast<CUdeviceptr>(dst), bytes);
-    if (r != CUDA_SUCCESS) cuda::throw_error(r, at_ptr("cuMemUnmap", dst, bytes, device_), name());  // still mapped
+    done = unmap_run(dst, sizes, n, err);
   }
-  std::lock_guard<std::mutex> g(mu_);
-  aliases_.erase(dst);
-  // The source cannot have gone: its unmap is refused while this alias holds it.
-  if (auto it = pieces_.find(al.src); it != pieces_.end()) --it->second.aliases;
+  std::size_t at = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (std::size_t i = 0; i < n - done; at += sizes[i++]) aliases_.emplace(dst + at, taken[i]);
+    // The sources cannot have gone: their unmap is refused while these aliases hold them.
+    for (std::size_t i = n - done; i < n; ++i)
+      if (auto it = pieces_.find(taken[i].src); it != pieces_.end()) --it->second.aliases;
+  }
+  if (done == n) return;
+  const std::size_t k = sizes[n - done - 1];
+  cuda::throw_error(err, at_ptr("cuMemUnmap", dst + at - k, k, device_), name());  // those aliases stay
 }
 
-void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) { unmap_piece(addr, bytes); }
+void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
+  std::size_t done = 0;
+  do_unalias_pieces(dst, &bytes, 1, done);
+}
+
 
 void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
   const std::size_t n = align_up(nbytes, granularity_);
@@ -506,7 +577,7 @@ void* CudaVirtualUpstream::do_allocate(std::size_t nbytes) {
 void CudaVirtualUpstream::do_deallocate(void* p, std::size_t nbytes) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   const std::size_t n = align_up(nbytes, granularity_);
-  unmap_piece(a, n);  // throws only while the piece is still mapped: then nothing changed
+  do_unmap(a, n);  // throws only while the piece is still mapped: then nothing changed
   try {
     do_unreserve(a, n);
   } catch (const Error&) {

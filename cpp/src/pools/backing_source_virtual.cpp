@@ -431,6 +431,8 @@ class VirtualRange final : public BackingSource {
            {"stitch_teardowns", static_cast<std::size_t>(teardowns_)},
            {"alias_calls", static_cast<std::size_t>(alias_calls_)},
            {"unalias_calls", static_cast<std::size_t>(unalias_calls_)},
+           {"unmap_runs", static_cast<std::size_t>(unmap_runs_)},
+           {"unalias_runs", static_cast<std::size_t>(unalias_runs_)},
            {"alias_failures", static_cast<std::size_t>(alias_failures_)},
        })
     st.extra.emplace_back(k, v);
@@ -651,20 +653,33 @@ class VirtualRange final : public BackingSource {
       if (total < min_bytes) return 0;
     }
     std::size_t released = 0;
-    // Last first: a tail given back piece by piece leaves the books as the old tail-only path did.
-    for (auto v = victims.rbegin(); v != victims.rend(); ++v) {
-      const std::size_t n = pieces_.at(*v).size;
+    // Adjacent victims go as one run (one driver call where the device takes runs: upstream.hpp,
+    // "Runs"). Last first, runs and the pieces in each: a tail given back piece by piece leaves
+    // the books as the old tail-only path did, and a refusal keeps a run's first pieces mapped.
+    std::vector<std::size_t> sizes;
+    for (std::size_t hi = victims.size(); hi > 0;) {
+      std::size_t lo = hi - 1;
+      while (lo > 0 && victims[lo - 1] + pieces_.at(victims[lo - 1]).size == victims[lo]) --lo;
+      sizes.clear();
+      for (std::size_t i = lo; i < hi; ++i) sizes.push_back(pieces_.at(victims[i]).size);
+      std::size_t done = 0;
+      bool refused = false;
+      ++unmap_runs_;
       try {
-        a_.upstream_->unmap(*v, n);
+        a_.upstream_->unmap_pieces(victims[lo], sizes.data(), sizes.size(), done);
       } catch (...) {
         ++unmap_failures_;
         ++a_.ev_.upstream_free_failures;
-        break;
+        refused = true;
       }
-      ++unmap_calls_;
-      a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
-      cut(*v, n);
-      released += n;
+      for (std::size_t i = hi; i-- > hi - done;) {
+        ++unmap_calls_;
+        a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
+        cut(victims[i], sizes[i - lo]);
+        released += sizes[i - lo];
+      }
+      if (refused) break;
+      hi = lo;
     }
     return released;
   }
@@ -877,28 +892,40 @@ class VirtualRange final : public BackingSource {
     }
     const std::uintptr_t dst = it->first;
     Stitch& st = it->second;
-    auto unalias = [&](std::uintptr_t at, Part& part) {
+    const std::vector<std::size_t> offs = part_offsets(st);
+    // The parts [j0, j1) unaliased as one run (one driver call where the device takes runs), last
+    // first; returns where the parts still aliased end (j1 - those down): a refusal keeps the
+    // first ones.
+    std::vector<std::size_t> sizes;
+    auto unalias = [&](std::size_t j0, std::size_t j1) {
+      if (j0 == j1) return j1;
+      sizes.clear();
+      for (std::size_t j = j0; j < j1; ++j) sizes.push_back(st.parts[j].n);
+      std::size_t done = 0;
+      ++unalias_runs_;
       try {
-        a_.upstream_->unalias(at, part.n);
+        a_.upstream_->unalias_pieces(dst + offs[j0], sizes.data(), sizes.size(), done);
       } catch (...) {
         ++alias_failures_;
         ++a_.ev_.upstream_free_failures;
-        return false;
       }
-      ++unalias_calls_;
-      --pieces_.at(part.src).aliases;
-      return true;
+      for (std::size_t j = j1 - done; j < j1; ++j) {
+        ++unalias_calls_;
+        --pieces_.at(st.parts[j].src).aliases;
+      }
+      return j1 - done;
     };
-    const std::vector<std::size_t> offs = part_offsets(st);
-    for (std::size_t j = 0; j < st.parts.size(); ++j)
-      if (stale_may_go(st.parts[j]) && unalias(dst + offs[j], st.parts[j])) st.parts[j].st = PartState::Gone;
+    for (std::size_t j = 0, e = 0; j < st.parts.size(); j = std::max(e, j + 1)) {
+      for (e = j; e < st.parts.size() && stale_may_go(st.parts[e]);) ++e;
+      if (e > j)
+        for (std::size_t g = unalias(j, e); g < e; ++g) st.parts[g].st = PartState::Gone;
+    }
     bool any = false;
     if (settled) for (ArenaBacking* b : stitch_backings(dst, st.size)) {
       if (!wholly_free(b)) continue;
       const std::uintptr_t ba = b->addr;
       const auto [j0, j1] = parts_over(offs, st, dst, b);
-      std::size_t keep = j1;
-      while (keep > j0 && unalias(dst + offs[keep - 1], st.parts[keep - 1])) --keep;
+      const std::size_t keep = unalias(j0, j1);
       if (keep == j1) continue;
       drop_backing(b);
       for (std::size_t j = keep; j < j1; ++j) {
@@ -1368,6 +1395,9 @@ class VirtualRange final : public BackingSource {
   std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0, hole_unmaps_ = 0, hole_refills_ = 0;
   std::uint64_t moved_parts_ = 0, stitch_extends_ = 0, top_ups_ = 0, homecomings_ = 0, fragments_lent_ = 0;
   std::uint64_t stitches_made_ = 0, teardowns_ = 0, alias_calls_ = 0, unalias_calls_ = 0, alias_failures_ = 0;
+  // unmap_pieces / unalias_pieces calls (runs of adjacent pieces; one cuMemUnmap each where the
+  // device takes runs), refused ones included; close's teardown goes piece by piece, uncounted.
+  std::uint64_t unmap_runs_ = 0, unalias_runs_ = 0;
 };
 
 std::unique_ptr<BackingSource> make_virtual_range(ArenaPool& arena) { return std::make_unique<VirtualRange>(arena); }

@@ -48,8 +48,13 @@
 //   holds the bytes mapped before it (mapped and accessible; a refused grant maps none: 0).
 // - alias_pieces(dst, srcs, n, done): the n pieces srcs[i] (address, bytes) aliased end to end
 //   from dst, each as alias() would. A refusal likewise: `done` holds the pieces aliased before it.
-// The defaults call do_map/do_alias once per piece; an upstream overrides do_map_pieces /
-// do_alias_pieces to grant access once.
+// - unmap_pieces(addr, sizes, n, done): the n pieces lying end to end from addr (sizes[i] bytes,
+//   each exactly one earlier map's range), unmapped last first, each as unmap() would and counted
+//   as one unmap. Stops at the first refusal and rethrows it; `done` holds how many of the last
+//   pieces are unmapped (the first n - done stay mapped). n == 0 is refused.
+// - unalias_pieces(dst, sizes, n, done): likewise for n aliases end to end from dst.
+// The defaults call do_map/do_alias/do_unmap/do_unalias once per piece; an upstream overrides the
+// do_*_pieces hooks to grant access once, or to take a run down in one driver call.
 // Every call may come from any thread; a pool serializes the calls on its own range.
 //
 // CUDA-graph capture (capture.hpp; docs/integrations.md, "CUDA graphs"): while a stream is being
@@ -129,6 +134,8 @@ class Upstream {
   };
   void map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done);
   void alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done);
+  void unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done);
+  void unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done);
   virtual bool supports_virtual() const { return false; }
   virtual bool supports_alias() const { return false; }
   // The unit of reserve/map/unmap sizes and addresses (CUDA: cuMemGetAllocationGranularity).
@@ -183,6 +190,9 @@ class Upstream {
   // `done` counts what is mapped so far and must be right when a refusal is thrown.
   virtual void do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done);
   virtual void do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done);
+  // `done` counts the last pieces taken down so far and must be right when a refusal is thrown.
+  virtual void do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done);
+  virtual void do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done);
 
  private:
   std::atomic<std::uint64_t> allocations_{0}, deallocations_{0}, bytes_allocated_{0}, bytes_deallocated_{0};
@@ -191,7 +201,7 @@ class Upstream {
   std::atomic<std::uint64_t> maps_{0}, unmaps_{0}, reserves_{0}, unreserves_{0}, aliases_{0}, unaliases_{0};
   mutable std::atomic<int> captures_{0};
   void count_alloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t calls = 1);
-  void count_dealloc(std::size_t nbytes, std::uint64_t t0);
+  void count_dealloc(std::size_t nbytes, std::uint64_t t0, std::uint64_t calls = 1);
 };
 
 }  // namespace poolkeeper

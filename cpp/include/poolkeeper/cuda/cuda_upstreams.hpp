@@ -141,12 +141,22 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   // because the unmap itself happened (a pool must then treat the range as unmapped).
   std::uint64_t leaked_handles() const { return leaked_handles_.load(std::memory_order_relaxed); }
   std::uint64_t leaked_ranges() const { return leaked_ranges_.load(std::memory_order_relaxed); }
+  // Whether the driver takes down a run of adjacent mappings with one cuMemUnmap: 0 not asked
+  // yet, 1 it does, -1 it refused (each mapping then goes alone). The first unmap or unalias run
+  // of several pieces asks.
+  int unmap_runs() const { return unmap_runs_.load(std::memory_order_relaxed); }
+  // cuMemUnmap calls made (unmaps and unaliases, runs and refused runs included): beside
+  // counters().unmaps + unaliases, what runs saved.
+  std::uint64_t driver_unmaps() const { return driver_unmaps_.load(std::memory_order_relaxed); }
 
  protected:
   POOLKEEPER_VIRTUAL_UPSTREAM_HOOKS;
   // One cuMemSetAccess over each run (the driver grants access over any run of mappings).
   void do_map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t piece, std::size_t& done) override;
   void do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) override;
+  // One cuMemUnmap over each run where the driver takes one (unmap_runs()).
+  void do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) override;
+  void do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) override;
 
  private:
   struct Piece {
@@ -159,11 +169,12 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
     std::size_t size;
   };
   std::map<std::uintptr_t, Alias> aliases_;  // by address (guarded by mu_)
-  void unmap_piece(std::uintptr_t addr, std::size_t bytes);  // unmap + release one piece
+  std::size_t unmap_run(std::uintptr_t base, const std::size_t* sizes, std::size_t n, int& err);
   std::size_t granularity_ = 0, capacity_ = 0;
   mutable std::mutex mu_;
   std::map<std::uintptr_t, Piece> pieces_;  // mapped pieces by address
-  std::atomic<std::uint64_t> leaked_handles_{0}, leaked_ranges_{0};
+  std::atomic<std::uint64_t> leaked_handles_{0}, leaked_ranges_{0}, driver_unmaps_{0};
+  std::atomic<int> unmap_runs_{0};
 };
 
 class CudaPinnedUpstream final : public Upstream {
