@@ -319,7 +319,12 @@ def test_replay_reports_a_stitching_pools_aliases_beside_its_upstream_calls(caps
     stitched, arena = doc["pools"]["arena_expandable"], doc["pools"]["arena"]
     assert stitched["upstream_aliases"] > 0 and stitched["upstream_unaliases"] <= stitched["upstream_aliases"]
     assert arena["upstream_aliases"] == arena["upstream_unaliases"] == 0
+    # The unaliases go back in runs of adjacent aliases (docs/expandable.md, "Runs").
+    assert 0 < stitched["unalias_runs"] < stitched["upstream_unaliases"]
+    assert arena["unmap_runs"] == arena["unalias_runs"] == 0
     assert main(["replay", log, "--pool", "arena_expandable", *opts, "--no-progress"]) == 0
-    assert "aliases / unaliases" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "aliases / unaliases" in out and "in runs (frees / unaliases)" in out
     assert main(["replay", log, "--pool", "arena", "--no-progress"]) == 0
-    assert "aliases / unaliases" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "aliases / unaliases" not in out and "in runs" not in out

@@ -208,6 +208,8 @@ def render(doc: Dict[str, Any], console: Any) -> None:
         ("upstream frees", lambda r: str(r["upstream_deallocations"])),
         *([("aliases / unaliases", lambda r: f"{r.get('upstream_aliases', 0)} / {r.get('upstream_unaliases', 0)}")]
           if any(r.get("upstream_aliases") or r.get("upstream_unaliases") for _, r in pools) else []),
+        *([("  in runs (frees / unaliases)", lambda r: f"{r.get('unmap_runs', 0)} / {r.get('unalias_runs', 0)}")]
+          if any(r.get("unmap_runs") or r.get("unalias_runs") for _, r in pools) else []),
         ("fragmentation at peak", frag),
         ("allocate p50 / p99", lambda r: f"{fmt_ns(r['alloc']['p50_ns'])} / {fmt_ns(r['alloc']['p99_ns'])}"),
         ("free p50 / p99", lambda r: f"{fmt_ns(r['free']['p50_ns'])} / {fmt_ns(r['free']['p99_ns'])}"),

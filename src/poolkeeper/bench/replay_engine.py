@@ -187,6 +187,10 @@ def replay(trace: Trace, pool: Any, upstream: Any, on_progress: Optional[Callabl
         # but no memory, so counted apart from the allocations.
         "upstream_aliases": counters.get("aliases", 0),
         "upstream_unaliases": counters.get("unaliases", 0),
+        # The runs the expandable arena gave its unmaps and unaliases back in: one driver call each
+        # where the driver takes a run of mappings at once (docs/expandable.md, "Runs").
+        "unmap_runs": stats.get("unmap_runs", 0),
+        "unalias_runs": stats.get("unalias_runs", 0),
         "upstream_alloc_ns": counters.get("alloc_ns"),
         "upstream_dealloc_ns": counters.get("dealloc_ns"),
         "live_at_end_bytes": live_at_end,
