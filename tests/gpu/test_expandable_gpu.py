@@ -62,6 +62,31 @@ def test_cuda_virtual_runs_grant_access_once_over_many_pieces_on_the_device():
     assert (c["maps"], c["unmaps"], c["aliases"], c["unaliases"], c["outstanding_bytes"]) == (5, 5, 3, 3, 0)
 
 
+def test_cuda_virtual_unmap_and_unalias_runs_on_the_device():
+    """unalias_pieces / unmap_pieces: the driver is asked once whether one cuMemUnmap may take down
+    a run of mappings (either answer is the driver's to give: unmap_runs says which it gave); the
+    runs go either way, the sources keep their bytes, and nothing stays mapped."""
+    up = pk.upstream.CudaVirtual(0)
+    g = up.vm_granularity
+    base, dst = up.reserve(16 * g), up.reserve(16 * g)
+    assert up.map_pieces(base, 6 * g, g) == 6 * g
+    driver.memset_d8(base, 7, 6 * g)
+    assert up.alias_pieces(dst, [(base + k * g, g) for k in (5, 0, 3, 2)]) == 4
+    assert up.unmap_runs is None  # not asked yet
+    d0 = up.driver_unmaps
+    assert up.unalias_pieces(dst, [g] * 4) == 4
+    answer = up.unmap_runs
+    print(f"driver takes unmap runs: {answer}")
+    assert answer in (True, False) and up.aliases == 0
+    assert up.driver_unmaps - d0 == (1 if answer else 5)  # a refused run, then one per alias
+    assert (read(base + 6 * g - 64, 64) == 7).all() and (read(base, 64) == 7).all()
+    assert up.unmap_pieces(base, [g] * 6) == 6
+    c = up.counters()
+    assert (c["unmaps"], c["unaliases"], c["outstanding_bytes"], up.mapped_pieces, up.leaked_handles) == (6, 4, 0, 0, 0)
+    up.unreserve(base, 16 * g)
+    up.unreserve(dst, 16 * g)
+
+
 def test_expandable_arena_by_content_then_trim_and_close():
     rng = random.Random(4321)
     up = pk.upstream.CudaVirtual(0)
