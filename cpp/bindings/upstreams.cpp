@@ -75,6 +75,17 @@ std::vector<std::size_t> piece_sizes(nb::handle h) {
   }
   return out;
 }
+// unmap_pieces / unalias_pieces: the run's base and its piece sizes converted here; returns how
+// many went.
+template <void (Upstream::*F)(std::uintptr_t, const std::size_t*, std::size_t, std::size_t&)>
+std::size_t run_down(Upstream& u, nb::handle base_, nb::handle sizes_) {
+  const std::uintptr_t base = parse_ptr(base_);
+  const std::vector<std::size_t> sizes = piece_sizes(sizes_);
+  std::size_t done = 0;
+  ReleaseGil nogil;
+  (u.*F)(base, sizes.data(), sizes.size(), done);
+  return done;
+}
 // A capture mode as the driver numbers them: 0 global, 1 thread-local, 2 relaxed.
 int capture_mode(nb::handle h) {
   std::uint64_t m = 3;
@@ -187,31 +198,13 @@ void bind_upstreams(nb::module_& m) {
           "raised with the aliases before it in place (``counters()['aliases']``); a refused access grant "
           "(CudaVirtual) leaves none.")
       .def(
-          "unmap_pieces",
-          [](Upstream& u, nb::handle addr_, nb::handle sizes_) {
-            const std::uintptr_t addr = parse_ptr(addr_);
-            const std::vector<std::size_t> sizes = piece_sizes(sizes_);
-            std::size_t done = 0;
-            ReleaseGil nogil;
-            u.unmap_pieces(addr, sizes.data(), sizes.size(), done);
-            return done;
-          },
-          "addr"_a.none(), "sizes"_a.none(),
+          "unmap_pieces", &run_down<&Upstream::unmap_pieces>, "addr"_a.none(), "sizes"_a.none(),
           "Unmap the pieces lying end to end from addr (``sizes``: each one earlier map's bytes) in one "
           "run, last first: each counts as one unmap; a device that can takes the run down in one call. "
           "Returns how many were unmapped. A refused piece is raised with it and the pieces before it "
           "still mapped.")
       .def(
-          "unalias_pieces",
-          [](Upstream& u, nb::handle dst_, nb::handle sizes_) {
-            const std::uintptr_t dst = parse_ptr(dst_);
-            const std::vector<std::size_t> sizes = piece_sizes(sizes_);
-            std::size_t done = 0;
-            ReleaseGil nogil;
-            u.unalias_pieces(dst, sizes.data(), sizes.size(), done);
-            return done;
-          },
-          "dst"_a.none(), "sizes"_a.none(),
+          "unalias_pieces", &run_down<&Upstream::unalias_pieces>, "dst"_a.none(), "sizes"_a.none(),
           "Remove the aliases lying end to end from dst (``sizes``: each one earlier alias's bytes) in one "
           "run, last first; the memory stays mapped at its sources. Returns how many were removed. A "
           "refused one is raised with it and the aliases before it still in place.")

@@ -279,6 +279,36 @@ void granted_run(std::uintptr_t base, std::size_t n, int device, const std::stri
   }
   grant();
 }
+
+// The n entries lying end to end from `base` (sizes[i] bytes each) taken out of `books` (a
+// CudaVirtual book: pieces or aliases, under its lock). Each is checked first -- `check(at, bytes,
+// entry)` throws for one that is missing (null) or may not go -- so a refusal takes none.
+template <class Books, class Check>
+std::vector<typename Books::mapped_type> take_run(Books& books, std::uintptr_t base, const std::size_t* sizes, std::size_t n,
+                                                  Check&& check) {
+  for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+    auto it = books.find(base + at);
+    check(base + at, sizes[i], it == books.end() || it->second.size != sizes[i] ? nullptr : &it->second);
+  }
+  std::vector<typename Books::mapped_type> taken;
+  taken.reserve(n);
+  for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
+    auto it = books.find(base + at);
+    taken.push_back(it->second);
+    books.erase(it);
+  }
+  return taken;
+}
+
+// The first k of a run take_run took back into `books` (the driver kept them); returns where
+// they end.
+template <class Books>
+std::uintptr_t put_back(Books& books, std::uintptr_t base, const std::size_t* sizes, std::size_t k,
+                        const std::vector<typename Books::mapped_type>& taken) {
+  std::uintptr_t at = base;
+  for (std::size_t i = 0; i < k; at += sizes[i++]) books.emplace(at, taken[i]);
+  return at;
+}
 }  // namespace
 
 CudaVirtualUpstream::CudaVirtualUpstream(int device) : CudaDeviceUpstreamBase(device) {
@@ -413,23 +443,15 @@ void CudaVirtualUpstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t
   std::vector<Piece> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
-      auto it = pieces_.find(addr + at);
-      if (it == pieces_.end() || it->second.size != sizes[i])
-        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr + at) + " (" + format_bytes(sizes[i]) +
-                                  ") is not one mapped piece",
+    taken = take_run(pieces_, addr, sizes, n, [&](std::uintptr_t at, std::size_t bytes, const Piece* p) {
+      if (!p)
+        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(at) + " (" + format_bytes(bytes) + ") is not one mapped piece",
                               name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-      if (it->second.aliases)
-        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(addr + at) + " while " +
-                                  std::to_string(it->second.aliases) + " alias(es) of it are mapped",
+      if (p->aliases)
+        throw UpstreamFailure("CudaVirtual: unmap of " + format_ptr(at) + " while " + std::to_string(p->aliases) +
+                                  " alias(es) of it are mapped",
                               name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    }
-    taken.reserve(n);
-    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
-      auto it = pieces_.find(addr + at);
-      taken.push_back(it->second);
-      pieces_.erase(it);
-    }
+    });
   }
   if (cuda::shutting_down()) {
     done = n;
@@ -444,13 +466,13 @@ void CudaVirtualUpstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t
   for (std::size_t i = n - done; i < n; ++i)
     if (cuda::api().cuMemRelease(taken[i].handle) != CUDA_SUCCESS) leaked_handles_.fetch_add(1, std::memory_order_relaxed);
   if (done == n) return;
-  std::size_t at = 0;
+  std::uintptr_t end = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = 0; i < n - done; at += sizes[i++]) pieces_.emplace(addr + at, taken[i]);
+    end = put_back(pieces_, addr, sizes, n - done, taken);
   }
   const std::size_t k = sizes[n - done - 1];
-  cuda::throw_error(err, at_ptr("cuMemUnmap", addr + at - k, k, device_), name());  // that one and those before it still mapped
+  cuda::throw_error(err, at_ptr("cuMemUnmap", end - k, k, device_), name());  // that one and those before it still mapped
 }
 
 void CudaVirtualUpstream::do_unmap(std::uintptr_t addr, std::size_t bytes) {
@@ -519,19 +541,11 @@ void CudaVirtualUpstream::do_unalias_pieces(std::uintptr_t dst, const std::size_
   std::vector<Alias> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
-      auto it = aliases_.find(dst + at);
-      if (it == aliases_.end() || it->second.size != sizes[i])
-        throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(dst + at) + " (" + format_bytes(sizes[i]) +
-                                  ") is not one alias",
+    taken = take_run(aliases_, dst, sizes, n, [&](std::uintptr_t at, std::size_t bytes, const Alias* al) {
+      if (!al)
+        throw UpstreamFailure("CudaVirtual: unalias of " + format_ptr(at) + " (" + format_bytes(bytes) + ") is not one alias",
                               name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
-    }
-    taken.reserve(n);
-    for (std::size_t i = 0, at = 0; i < n; at += sizes[i++]) {
-      auto it = aliases_.find(dst + at);
-      taken.push_back(it->second);
-      aliases_.erase(it);
-    }
+    });
   }
   CUresult err = CUDA_SUCCESS;
   if (cuda::shutting_down()) {
@@ -540,17 +554,17 @@ void CudaVirtualUpstream::do_unalias_pieces(std::uintptr_t dst, const std::size_
     cuda::ScopedContext ctx(device_);
     done = unmap_run(dst, sizes, n, err);
   }
-  std::size_t at = 0;
+  std::uintptr_t end = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = 0; i < n - done; at += sizes[i++]) aliases_.emplace(dst + at, taken[i]);
+    end = put_back(aliases_, dst, sizes, n - done, taken);
     // The sources cannot have gone: their unmap is refused while these aliases hold them.
     for (std::size_t i = n - done; i < n; ++i)
       if (auto it = pieces_.find(taken[i].src); it != pieces_.end()) --it->second.aliases;
   }
   if (done == n) return;
   const std::size_t k = sizes[n - done - 1];
-  cuda::throw_error(err, at_ptr("cuMemUnmap", dst + at - k, k, device_), name());  // those aliases stay
+  cuda::throw_error(err, at_ptr("cuMemUnmap", end - k, k, device_), name());  // those aliases stay
 }
 
 void CudaVirtualUpstream::do_unalias(std::uintptr_t dst, std::size_t bytes) {
