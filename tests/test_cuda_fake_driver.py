@@ -578,20 +578,26 @@ UNMAP_PRE = RUNS_PRE + """
 def test_cuda_virtual_takes_a_run_of_free_pieces_down_in_one_unmap_where_the_driver_takes_runs(fakes, runs):
     """Five adjacent free pieces trimmed: five unmaps in the books either way. A driver that takes
     one cuMemUnmap over several mappings gets one call; one that refuses it gets the refused run
-    and then one call per piece, and is not asked again. The handles are released either way:
+    and then one call per piece, twice, and is not asked again. The handles are released either way:
     the 12 MiB device fits the second growth only if the first one's memory came back."""
     out = run(fakes["full"], UNMAP_PRE + """
         first = grow_and_trim()
         asked = up.unmap_runs
         second = grow_and_trim()
+        settled = up.unmap_runs
+        third = grow_and_trim()
         pool.deallocate(a); pool.close()
-        print(json.dumps({"first": first, "second": second, "asked": asked, "driver": up.driver_unmaps,
+        print(json.dumps({"first": first, "second": second, "third": third, "asked": asked, "settled": settled,
+                          "driver": up.driver_unmaps,
                           "calls": unmap_calls(), "end": [up.mapped_pieces, up.counters()["outstanding_bytes"], up.leaked_handles]}))
     """, FAKE_CUDA_UNMAP_RUNS=runs, FAKE_CUDA_CAPACITY=12 << 20)
     if runs:
         assert out["first"] == [5, 1, 1] and out["second"] == [5, 1, 1] and out["asked"] is True
+        assert out["third"] == [5, 1, 1] and out["settled"] is True
     else:
-        assert out["first"] == [5, 6, 1] and out["second"] == [5, 5, 1] and out["asked"] is False
+        # Refused, each piece alone: asked again at the next run, refused again: settled.
+        assert out["first"] == [5, 6, 1] and out["second"] == [5, 6, 1] and out["asked"] is None
+        assert out["third"] == [5, 5, 1] and out["settled"] is False
     assert out["driver"] == out["calls"]  # every cuMemUnmap the upstream made, counted by it
     assert out["end"] == [0, 0, 0]
 
@@ -618,8 +624,9 @@ def test_cuda_virtual_refused_unmap_inside_a_run_keeps_that_piece_and_those_befo
     """, FAKE_CUDA_FAIL_UNMAP_AT=3)
     assert out["mid"] == {"pieces": 5, "reserved": 10 << 20, "outstanding": 10 << 20, "unmaps": 1, "failed": 1,
                           "unmap_failures": 1, "asked": None}
-    # The second run is refused too and its pieces then go one by one: that settles it.
-    assert out["after"] == [1, 5, False]
+    # The second run is refused too and its pieces then go one by one: one such refusal is not
+    # an answer yet (two in a row are).
+    assert out["after"] == [1, 5, None]
     assert out["end"] == [0, 0]
 
 
@@ -648,7 +655,7 @@ def test_cuda_virtual_tears_a_stitched_range_down_in_one_unmap_where_the_driver_
     # (live blocks between them), one call each either way.
     assert out["torn"] == {"unaliases": 4, "aliases": 0, "teardowns": 1, "unmaps": 4, "calls": 5 if runs else 9,
                            "runs": [1, 4]}
-    assert out["asked"] is bool(runs)
+    assert out["asked"] is (True if runs else None)  # one refused run is not an answer yet
     assert out["end"] == [0, 0, 0]
 
 
@@ -676,6 +683,56 @@ def test_cuda_virtual_unalias_run_over_the_driver_counts_one_call_per_run(fakes)
                           "counts": [c["aliases"], c["unaliases"], c["unmaps"]], "end": [up.aliases, up.mapped_pieces]}))
     """, FAKE_CUDA_UNMAP_RUNS=1)
     assert out == {"n": 4, "gone": 4, "calls": 1, "kept": True, "downs": 1, "counts": [4, 4, 4], "end": [0, 0]}
+
+
+def test_regression_a_refused_context_switch_in_an_unalias_or_unmap_keeps_the_books(fakes):
+    """A hostile review: unalias_pieces took its aliases out of the books and only then made the
+    device's context current; a refused switch threw past the code that puts them back, so the
+    alias stayed mapped in the driver but was gone from the books (a retry: "not one alias"; its
+    source could never be unmapped). unmap_pieces lost its pieces the same way. The context is
+    now made current before the books change."""
+    out = run(fakes["full"], RUNS_PRE + """
+        up = pk.upstream.CudaVirtual()
+        base = up.reserve(16 * G)
+        up.map_pieces(base, 2 * G, G)
+        dst = base + 8 * G
+        up.alias_pieces(dst, [(base, G), (base + G, G)])
+        refused = []
+        for call in (lambda: up.unalias_pieces(dst, [G, G]), lambda: up.unmap(base + G, G)):
+            fake.fake_cuda_fail_ctx_set(1)
+            try:
+                call()
+            except pk.errors.PoolkeeperError as e:
+                refused.append(type(e).__name__)
+        kept = [up.aliases, up.mapped_pieces]
+        up.unalias_pieces(dst, [G, G])       # the retries go through
+        up.unmap_pieces(base, [G, G])
+        up.unreserve(base, 16 * G)
+        print(json.dumps({"refused": refused, "kept": kept, "end": [up.aliases, up.mapped_pieces, up.leaked_handles]}))
+    """)
+    assert out["refused"] == ["UpstreamError", "UpstreamError"]
+    assert out["kept"] == [2, 2]
+    assert out["end"] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("runs", [0, 1])
+def test_regression_one_refused_run_does_not_turn_unmap_runs_off(fakes, runs):
+    """A hostile review: the first run's cuMemUnmap failing once (for any reason) turned runs off
+    for good, though the driver took them. Now two runs in a row must be refused as invalid ranges
+    (with their mappings then going one by one) before runs stop; one taken settles it the other
+    way. FAKE_CUDA_FAIL_UNMAP_AT=1 refuses the first run once."""
+    out = run(fakes["full"], UNMAP_PRE + """
+        seen = []
+        for _ in range(3):
+            seen.append([grow_and_trim()[1], up.unmap_runs])
+        pool.deallocate(a); pool.close()
+        print(json.dumps({"seen": seen, "end": [up.mapped_pieces, up.leaked_handles]}))
+    """, FAKE_CUDA_UNMAP_RUNS=runs, FAKE_CUDA_FAIL_UNMAP_AT=1, FAKE_CUDA_CAPACITY=12 << 20)
+    if runs:  # refused once, then taken: runs from then on
+        assert out["seen"] == [[6, None], [1, True], [1, True]]
+    else:  # refused twice (each time the pieces went alone): settled, no more asking
+        assert out["seen"] == [[6, None], [6, False], [5, False]]
+    assert out["end"] == [0, 0]
 
 
 def test_regression_alias_racing_an_unmap_of_its_source_never_maps_a_released_handle(fakes):

@@ -165,13 +165,13 @@ def test_unmap_pieces_and_unalias_pieces_take_runs_down_last_first_and_stop_at_a
 
 
 class _LyingLength:
-    """A sequence whose __len__ claims far more items than it holds."""
+    """A sequence whose __len__ claims more items than it holds."""
 
-    def __init__(self, item):
-        self.item = item
+    def __init__(self, item, n=2**62):
+        self.item, self.n = item, n
 
     def __len__(self):
-        return 2**62
+        return self.n
 
     def __getitem__(self, i):
         if i:
@@ -198,6 +198,8 @@ def test_regression_alias_pieces_sources_never_size_an_allocation_by_len_nor_swa
     base = up.reserve(8 * G)
     up.map(base, G)
     with pytest.raises(InvalidArgumentError, match=r"sources\[1\] could not be read"):
+        up.alias_pieces(base + 4 * G, _LyingLength((base, G), 1000))
+    with pytest.raises(InvalidArgumentError, match="a run holds at most"):  # refused before any item is read
         up.alias_pieces(base + 4 * G, _LyingLength((base, G)))
     with pytest.raises(KeyboardInterrupt):
         up.alias_pieces(base + 4 * G, _RaisingItem(KeyboardInterrupt()))
@@ -206,7 +208,7 @@ def test_regression_alias_pieces_sources_never_size_an_allocation_by_len_nor_swa
     assert up.counters()["aliases"] == 0 and up.aliased_bytes() == 0
     # unmap_pieces / unalias_pieces read their sizes the same way.
     with pytest.raises(InvalidArgumentError, match=r"sizes\[1\] could not be read"):
-        up.unmap_pieces(base, _LyingLength(G))
+        up.unmap_pieces(base, _LyingLength(G, 1000))
     with pytest.raises(KeyboardInterrupt):
         up.unalias_pieces(base, _RaisingItem(KeyboardInterrupt()))
     assert up.counters()["unmaps"] == 0 and up.counters()["outstanding_bytes"] == G
@@ -219,6 +221,27 @@ def test_regression_alias_pieces_sources_never_size_an_allocation_by_len_nor_swa
     up.unmap(base, G)
     for k in range(1, 8):
         up.unmap(base + k * G, G)
+    up.unreserve(base, 8 * G)
+
+
+def test_regression_a_run_whose_sizes_wrap_past_the_address_space_unmaps_nothing():
+    """A hostile review: the default run takedown walked last first from base + sum(sizes), and sizes
+    summing past 2^64 wrapped onto a real piece, which was unmapped before the refusal. Now such a
+    run is refused whole, from Python (InvalidArgumentError) and from C++ (UpstreamError); a
+    range(...) of billions of sizes is refused before it is read, and empty pieces are refused."""
+    up = sim()
+    base = up.reserve(8 * G)
+    up.map_pieces(base, 4 * G, G)
+    for bad in ([2**62] * 4 + [G], [G, 0], range(G, 2**62, G)):
+        with pytest.raises(InvalidArgumentError):
+            up.unmap_pieces(base + G, bad)
+        with pytest.raises(InvalidArgumentError):
+            up.unalias_pieces(base + G, bad)
+    with pytest.raises(UpstreamError, match="past the end of the address space"):
+        up.unmap_pieces(2**64 - G, [G, G])
+    c = up.counters()
+    assert (c["unmaps"], c["outstanding_bytes"], up.mapped_bytes()) == (0, 4 * G, 4 * G)
+    assert up.unmap_pieces(base, [G] * 4) == 4
     up.unreserve(base, 8 * G)
 
 

@@ -21,6 +21,20 @@ void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
   ReleaseGil nogil;
   (u.*F)(addr, n);
 }
+// A run given from Python holds at most this many pieces (2 TiB of 2 MiB pieces, more than any
+// device has): the length of a sequence that claims more is refused before any item is read.
+constexpr Py_ssize_t kMaxRunPieces = Py_ssize_t{1} << 20;
+constexpr std::size_t kMaxRunBytes = std::size_t{1} << 62;
+Py_ssize_t run_length(nb::handle h, const std::string& what) {
+  const Py_ssize_t n = PySequence_Size(h.ptr());
+  if (n < 0) {
+    clear_bad_input_error();
+    throw InvalidArgument(what + " must be a sequence with a length; got " + shown(h));
+  }
+  if (n > kMaxRunPieces)
+    throw InvalidArgument(what + " holds " + std::to_string(n) + " pieces; a run holds at most " + std::to_string(kMaxRunPieces));
+  return n;
+}
 // alias_pieces' sources: a sequence of (src, nbytes) pairs, each converted like every address and
 // size (anything else is an InvalidArgumentError naming the item, never a TypeError). Read item by
 // item: a __len__ that lies must not size an allocation. An interrupt raised while reading one
@@ -28,11 +42,7 @@ void range_call(Upstream& u, nb::handle addr_, nb::handle nbytes) {
 std::vector<Upstream::AliasSource> alias_sources(nb::handle h) {
   const std::string what = "sources must be a sequence of (src, nbytes) pairs; got ";
   if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr())) throw InvalidArgument(what + shown(h));
-  const Py_ssize_t n = PySequence_Size(h.ptr());
-  if (n < 0) {
-    clear_bad_input_error();
-    throw InvalidArgument(what + shown(h));
-  }
+  const Py_ssize_t n = run_length(h, "sources");
   auto get = [&](PyObject* seq, Py_ssize_t i, const std::string& name) {
     nb::object o = nb::steal(PySequence_GetItem(seq, i));
     if (!o.is_valid()) {
@@ -53,17 +63,16 @@ std::vector<Upstream::AliasSource> alias_sources(nb::handle h) {
   }
   return out;
 }
-// unmap_pieces/unalias_pieces' sizes: a sequence of sizes, read item by item as alias_sources
-// reads its pairs (an InvalidArgumentError naming a bad item; interrupts propagate).
+// unmap_pieces/unalias_pieces' sizes: a sequence of positive sizes, read item by item as
+// alias_sources reads its pairs (an InvalidArgumentError naming a bad item; interrupts
+// propagate), at most kMaxRunPieces of them summing to at most kMaxRunBytes: a lazy sequence of
+// billions of items (range(...)) is refused at once instead of read for minutes into memory.
 std::vector<std::size_t> piece_sizes(nb::handle h) {
   const std::string what = "sizes must be a sequence of piece sizes in bytes; got ";
   if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()) || PyBytes_Check(h.ptr())) throw InvalidArgument(what + shown(h));
-  const Py_ssize_t n = PySequence_Size(h.ptr());
-  if (n < 0) {
-    clear_bad_input_error();
-    throw InvalidArgument(what + shown(h));
-  }
+  const Py_ssize_t n = run_length(h, "sizes");
   std::vector<std::size_t> out;
+  std::size_t total = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     const std::string name = "sizes[" + std::to_string(i) + "]";
     nb::object o = nb::steal(PySequence_GetItem(h.ptr(), i));
@@ -71,7 +80,11 @@ std::vector<std::size_t> piece_sizes(nb::handle h) {
       clear_bad_input_error();
       throw InvalidArgument(name + " could not be read");
     }
-    out.push_back(parse_size(o, name.c_str()));
+    const std::size_t k = parse_size(o, name.c_str());
+    if (!k) throw InvalidArgument(name + " is 0: a piece has at least one byte");
+    total += k;
+    if (total > kMaxRunBytes) throw InvalidArgument("sizes sum past 2^62 bytes at " + name);
+    out.push_back(k);
   }
   return out;
 }

@@ -29,7 +29,8 @@
  *                           exactly (the driver's documentation leaves open whether it may)
  *   FAKE_CUDA_FAIL_UNMAP_AT N: the N-th cuMemUnmap call (from 1) fails, unmapping nothing;
  *                           fake_cuda_unmap_calls() counts the calls (refused ones too)
- * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies.
+ * fake_cuda_pending() (not a driver function) returns the number of queued, unexecuted copies;
+ * fake_cuda_fail_ctx_set(n) makes the next n cuCtxSetCurrent calls to a context fail.
  * Stream capture (a model of CUDA's rules, driven by test helpers that are not driver functions):
  * fake_cuda_begin_capture(stream, mode) / fake_cuda_end_capture(stream) -> 1 if the capture stayed
  * valid; cuStreamIsCapturing and cuThreadExchangeStreamCaptureMode (per-thread mode) are real.
@@ -234,7 +235,15 @@ CUresult cuDevicePrimaryCtxRetain(struct ctx** c, int d) {
 }
 CUresult cuDevicePrimaryCtxRelease_v2(int d) { NEED_DEV(d); pthread_mutex_lock(&mu); ctxs[d].refs--; pthread_mutex_unlock(&mu); return OK; }
 CUresult cuCtxGetCurrent(struct ctx** c) { NEED_INIT(); *c = current; return OK; }
-CUresult cuCtxSetCurrent(struct ctx* c) { NEED_INIT(); current = c; return OK; }
+static int fail_ctx_set = 0;
+/* Test helper (not a driver function): the next n switches to a context fail (INVALID_CONTEXT). */
+void fake_cuda_fail_ctx_set(int n) { __atomic_store_n(&fail_ctx_set, n, __ATOMIC_SEQ_CST); }
+CUresult cuCtxSetCurrent(struct ctx* c) {
+  NEED_INIT();
+  if (c && __atomic_load_n(&fail_ctx_set, __ATOMIC_SEQ_CST) > 0) { __atomic_sub_fetch(&fail_ctx_set, 1, __ATOMIC_SEQ_CST); return E_INVALID_CONTEXT; }
+  current = c;
+  return OK;
+}
 CUresult cuCtxGetDevice(int* d) { NEED_CTX(); *d = current->dev; return OK; }
 
 static uint64_t used_on(int d) { return direct_used[d] + pools[d].reserved; }

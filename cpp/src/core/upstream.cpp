@@ -129,6 +129,18 @@ void Upstream::alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::si
   aliases_.fetch_add(done, std::memory_order_relaxed);
 }
 
+// A run to take down: at least one piece, none empty, and its end inside the address space (the
+// defaults walk it last first from its end: a sum that wrapped would name a real piece).
+static void check_run(const std::string& who, const char* what, std::uintptr_t base, const std::size_t* sizes, std::size_t n) {
+  std::uintptr_t end = base;
+  bool ok = n > 0;
+  for (std::size_t i = 0; ok && i < n; ++i) ok = sizes[i] && end + sizes[i] > end && (end += sizes[i], true);
+  if (!ok)
+    throw UpstreamFailure(who + ": " + what + " of " + std::to_string(n) + " piece(s) from " + format_ptr(base) +
+                              " is empty, holds an empty piece or runs past the end of the address space",
+                          who, "CUDA_ERROR_INVALID_VALUE", 1);
+}
+
 // Runs taken down: each piece down counts as one unmap (a deallocation of its bytes) or one
 // unalias, whether the run completes or stops at a refusal (counted as one failed deallocation,
 // as a refused unmap() is).
@@ -145,7 +157,7 @@ void Upstream::unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::
     return true;
   };
   try {
-    if (!n) throw UpstreamFailure(name() + ": unmap of an empty run", name(), "CUDA_ERROR_INVALID_VALUE", 1);
+    check_run(name(), "unmap run", addr, sizes, n);
     do_unmap_pieces(addr, sizes, n, done);
   } catch (...) {
     failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
@@ -159,7 +171,7 @@ void Upstream::unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std:
   done = 0;
   RelaxedCapture relaxed(*this);
   try {
-    if (!n) throw UpstreamFailure(name() + ": unalias of an empty run", name(), "CUDA_ERROR_INVALID_VALUE", 1);
+    check_run(name(), "unalias run", dst, sizes, n);
     do_unalias_pieces(dst, sizes, n, done);
   } catch (...) {
     unaliases_.fetch_add(done, std::memory_order_relaxed);

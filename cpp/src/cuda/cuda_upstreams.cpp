@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "poolkeeper/core/registry.hpp"
@@ -386,6 +387,7 @@ void CudaVirtualUpstream::do_map_pieces(std::uintptr_t addr, std::size_t bytes, 
     return n;
   };
   auto undo_one = [&](std::size_t i, std::size_t at, std::size_t n) {
+    driver_unmaps_.fetch_add(1, std::memory_order_relaxed);
     a.cuMemUnmap(static_cast<CUdeviceptr>(addr + at), n);
     a.cuMemRelease(handles[i]);
   };
@@ -405,23 +407,28 @@ void CudaVirtualUpstream::do_map(std::uintptr_t addr, std::size_t bytes) {
 // Takes down the n mappings lying end to end from `base` (sizes[i] bytes each; the caller has
 // taken them out of its books): one cuMemUnmap over the run while the driver takes runs, else one
 // per mapping, last first. Whether one cuMemUnmap may span several mappings is the driver's to
-// say: the first run of several asks it, and a run refused whose mappings then go one by one
-// settles it for this upstream (unmap_runs() = -1; a refusal that the single unmaps share is a
-// failure, not an answer). Returns how many of the last mappings are down; `err` holds the
-// refusal that stopped it. Call with this upstream's context current.
+// say: runs of several pieces ask it until it answers. Taken: runs from then on (unmap_runs() =
+// 1). Refused as an invalid range (CUDA_ERROR_INVALID_VALUE) where the mappings then go one by one,
+// kRunRefusals runs in a row: one per mapping from then on (-1). A single refusal is not an answer
+// (a driver call may fail once for its own reasons), nor one that the single unmaps share.
+// Returns how many of the last mappings are down; `err` holds the refusal that stopped it. Call
+// with this upstream's context current.
 std::size_t CudaVirtualUpstream::unmap_run(std::uintptr_t base, const std::size_t* sizes, std::size_t n, CUresult& err) {
+  constexpr int kRunRefusals = 2;
   const cuda::DriverApi& a = cuda::api();
   err = CUDA_SUCCESS;
   std::size_t end = 0;
   for (std::size_t i = 0; i < n; ++i) end += sizes[i];
-  bool asked = false;
+  bool refused = false;
   if (n > 1 && unmap_runs_.load(std::memory_order_relaxed) >= 0) {
     driver_unmaps_.fetch_add(1, std::memory_order_relaxed);
-    if (a.cuMemUnmap(static_cast<CUdeviceptr>(base), end) == CUDA_SUCCESS) {
+    const CUresult r = a.cuMemUnmap(static_cast<CUdeviceptr>(base), end);
+    if (r == CUDA_SUCCESS) {
       unmap_runs_.store(1, std::memory_order_relaxed);
+      run_refusals_.store(0, std::memory_order_relaxed);
       return n;
     }
-    asked = true;
+    refused = r == CUDA_ERROR_INVALID_VALUE;
   }
   std::size_t done = 0;
   for (; done < n; ++done) {
@@ -431,7 +438,8 @@ std::size_t CudaVirtualUpstream::unmap_run(std::uintptr_t base, const std::size_
     if ((err = a.cuMemUnmap(static_cast<CUdeviceptr>(base + end), k)) != CUDA_SUCCESS) return done;
   }
   int unknown = 0;
-  if (asked) unmap_runs_.compare_exchange_strong(unknown, -1, std::memory_order_relaxed);
+  if (refused && run_refusals_.fetch_add(1, std::memory_order_relaxed) + 1 >= kRunRefusals)
+    unmap_runs_.compare_exchange_strong(unknown, -1, std::memory_order_relaxed);
   return done;
 }
 
@@ -439,7 +447,12 @@ std::size_t CudaVirtualUpstream::unmap_run(std::uintptr_t base, const std::size_
 // that none has an alias: an alias of one that comes now finds no source and is refused, instead
 // of mapping a handle this unmap is about to release (a hostile test's race: a leaked handle, and
 // its unalias then counted down another piece's aliases). Those the driver keeps go back in.
+// The context is made current before anything leaves the books: switching may fail, and a run
+// taken out but never unmapped would be lost from them (a review found it).
 void CudaVirtualUpstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  const bool gone = cuda::shutting_down();  // the driver is going: nothing to unmap, only the books
+  std::optional<cuda::ScopedContext> ctx;
+  if (!gone) ctx.emplace(device_);
   std::vector<Piece> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -453,11 +466,10 @@ void CudaVirtualUpstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t
                               name(), "CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE);
     });
   }
-  if (cuda::shutting_down()) {
+  if (gone) {
     done = n;
     return;
   }
-  cuda::ScopedContext ctx(device_);
   CUresult err = CUDA_SUCCESS;
   done = unmap_run(addr, sizes, n, err);
   // Unmapped: the unmap has happened, so it must not be reported as failed (the pool would keep
@@ -518,6 +530,7 @@ void CudaVirtualUpstream::do_alias_pieces(std::uintptr_t dst, const AliasSource*
     return p.bytes;
   };
   auto undo_one = [&](std::size_t i, std::size_t at, std::size_t bytes) {
+    driver_unmaps_.fetch_add(1, std::memory_order_relaxed);
     a.cuMemUnmap(static_cast<CUdeviceptr>(dst + at), bytes);
     let_go(srcs[i].src);
   };
@@ -538,6 +551,9 @@ void CudaVirtualUpstream::do_alias(std::uintptr_t dst, std::uintptr_t src, std::
 // Out of the books before the unmap (a second unalias of the same range is refused, not unmapped
 // twice); each source keeps its hold until its alias is down, so it cannot be unmapped under it.
 void CudaVirtualUpstream::do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  const bool gone = cuda::shutting_down();
+  std::optional<cuda::ScopedContext> ctx;  // current before the books change (do_unmap_pieces)
+  if (!gone) ctx.emplace(device_);
   std::vector<Alias> taken;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -548,12 +564,7 @@ void CudaVirtualUpstream::do_unalias_pieces(std::uintptr_t dst, const std::size_
     });
   }
   CUresult err = CUDA_SUCCESS;
-  if (cuda::shutting_down()) {
-    done = n;
-  } else {
-    cuda::ScopedContext ctx(device_);
-    done = unmap_run(dst, sizes, n, err);
-  }
+  done = gone ? n : unmap_run(dst, sizes, n, err);
   std::uintptr_t end = 0;
   {
     std::lock_guard<std::mutex> g(mu_);

@@ -141,11 +141,12 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   // because the unmap itself happened (a pool must then treat the range as unmapped).
   std::uint64_t leaked_handles() const { return leaked_handles_.load(std::memory_order_relaxed); }
   std::uint64_t leaked_ranges() const { return leaked_ranges_.load(std::memory_order_relaxed); }
-  // Whether the driver takes down a run of adjacent mappings with one cuMemUnmap: 0 not asked
-  // yet, 1 it does, -1 it refused (each mapping then goes alone). The first unmap or unalias run
-  // of several pieces asks.
+  // Whether the driver takes down a run of adjacent mappings with one cuMemUnmap: 0 not settled
+  // yet, 1 it does, -1 it refused (each mapping then goes alone). Unmap and unalias runs of several
+  // pieces ask until it answers: once taken, or refused two runs in a row (unmap_run).
   int unmap_runs() const { return unmap_runs_.load(std::memory_order_relaxed); }
-  // cuMemUnmap calls made (unmaps and unaliases, runs and refused runs included): beside
+  // cuMemUnmap calls made (unmaps and unaliases, runs and refused runs, and those undoing a run
+  // whose grant was refused): beside
   // counters().unmaps + unaliases, what runs saved.
   std::uint64_t driver_unmaps() const { return driver_unmaps_.load(std::memory_order_relaxed); }
 
@@ -174,7 +175,7 @@ class CudaVirtualUpstream final : public CudaDeviceUpstreamBase {
   mutable std::mutex mu_;
   std::map<std::uintptr_t, Piece> pieces_;  // mapped pieces by address
   std::atomic<std::uint64_t> leaked_handles_{0}, leaked_ranges_{0}, driver_unmaps_{0};
-  std::atomic<int> unmap_runs_{0};
+  std::atomic<int> unmap_runs_{0}, run_refusals_{0};  // run_refusals_: refused runs in a row
 };
 
 class CudaPinnedUpstream final : public Upstream {
