@@ -602,6 +602,23 @@ def test_cuda_virtual_takes_a_run_of_free_pieces_down_in_one_unmap_where_the_dri
     assert out["end"] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("runs", [0, 1])
+def test_close_over_cuda_virtual_gives_adjacent_pieces_back_as_one_run(fakes, runs):
+    """A pool of six adjacent pieces closes in one cuMemUnmap where the driver takes runs (at exit a
+    pool of thousands of pieces would otherwise make thousands of calls); else the refused run and
+    one per piece. Everything goes back either way."""
+    out = run(fakes["full"], UNMAP_PRE + """
+        b = pool.allocate(5 * G)
+        pool.deallocate(b)
+        pool.deallocate(a)
+        c0 = unmap_calls()
+        pool.close()
+        print(json.dumps({"calls": unmap_calls() - c0, "unmaps": up.counters()["unmaps"],
+                          "end": [up.mapped_pieces, up.counters()["outstanding_bytes"], up.leaked_handles]}))
+    """, FAKE_CUDA_UNMAP_RUNS=runs)
+    assert out == {"calls": 1 if runs else 7, "unmaps": 6, "end": [0, 0, 0]}
+
+
 def test_cuda_virtual_refused_unmap_inside_a_run_keeps_that_piece_and_those_before_it(fakes):
     """The driver refuses runs, and then the third cuMemUnmap (the second single one, the 4th
     piece) as well: the 5th piece is unmapped and out of the books, the first four stay mapped

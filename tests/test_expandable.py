@@ -507,15 +507,16 @@ def test_close_with_a_refused_unmap_gives_back_every_other_piece_and_stays_consi
     """One refused unmap at close() used to stop the walk: every later piece stayed mapped, the
     range reserved, and the closed pool's books claimed mapped bytes with nothing reserved, so
     validate() failed (found by hostile probing). Now that one piece is leaked and counted and
-    the rest go back."""
+    the rest go back. (close() gives the pieces back as one run, and what a refused run leaves
+    one by one: the piece refused in the run is asked once more alone, watched call 5.)"""
     inner = sim()
-    up = pk.upstream.Faulty(inner, fail_at=[4], fail_frees=True, error="upstream")
+    up = pk.upstream.Faulty(inner, fail_at=[4, 5], fail_frees=True, error="upstream")
     pool = pool_in_granules(up, map_piece=G)
     pool.deallocate(pool.allocate(4 * G))
     assert up.calls == 4  # the four maps: close()'s first unmap is watched call 4
     pool.close()
     st = pool.stats()
-    assert up.injected == 1 and st["unmap_failures"] == 1 and st["upstream_free_failures"] == 1
+    assert up.injected == 2 and st["unmap_failures"] == 1 and st["upstream_free_failures"] == 1
     assert st["reserved_bytes"] == st["mapped_bytes"] == st["mapped_pieces"] == 0
     c = inner.counters()
     assert c["unmaps"] == 3 and inner.mapped_bytes() == G and c["unreserves"] == 0  # the range keeps the leaked piece
@@ -523,6 +524,21 @@ def test_close_with_a_refused_unmap_gives_back_every_other_piece_and_stays_consi
     pool.close()  # nothing is tried twice
     pool.validate()
     assert inner.counters()["unmaps"] == 3 and pool.stats()["unmap_failures"] == 1
+
+
+def test_close_asks_a_piece_refused_in_a_run_once_more_alone():
+    """close() gives adjacent pieces back as one run; a refusal inside it costs nothing when the
+    piece goes alone on its second asking: every piece goes back and the range is unreserved."""
+    inner = sim()
+    up = pk.upstream.Faulty(inner, fail_at=[5], fail_frees=True, error="upstream")  # the run's 2nd unmap
+    pool = pool_in_granules(up, map_piece=G)
+    pool.deallocate(pool.allocate(4 * G))
+    pool.close()
+    st = pool.stats()
+    assert up.injected == 1 and st["unmap_failures"] == 0 and st["upstream_free_failures"] == 0
+    c = inner.counters()
+    assert c["unmaps"] == 4 and inner.mapped_bytes() == 0 and c["unreserves"] == 1
+    pool.validate()
 
 
 def test_a_refused_unmap_keeps_the_piece_and_counts_it():

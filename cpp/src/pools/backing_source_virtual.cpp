@@ -1306,30 +1306,74 @@ class VirtualRange final : public BackingSource {
     return b->first;
   }
 
+  // close: the mappings lying end to end from `base` (sizes) taken down by `down` (unmap_pieces or
+  // unalias_pieces) as one run; if the run is refused, those it left go one by one, last first, as
+  // before runs, so a refusal costs one mapping, never the rest. fate(i, ok) is told each one's.
+  template <class Fate>
+  void close_run(std::uintptr_t base, const std::vector<std::size_t>& sizes,
+                 void (Upstream::*down)(std::uintptr_t, const std::size_t*, std::size_t, std::size_t&), Fate&& fate) {
+    std::size_t done = 0;
+    try {
+      (a_.upstream_.get()->*down)(base, sizes.data(), sizes.size(), done);
+    } catch (...) {
+    }
+    std::size_t left = sizes.size() - done;
+    for (std::size_t i = left; i < sizes.size(); ++i) fate(i, true);
+    std::uintptr_t end = base;
+    for (std::size_t i = 0; i < left; ++i) end += sizes[i];
+    while (left--) {
+      end -= sizes[left];
+      std::size_t one = 0;
+      bool ok = true;
+      try {
+        (a_.upstream_.get()->*down)(end, &sizes[left], 1, one);
+      } catch (...) {
+        ok = false;
+      }
+      fate(left, ok);
+    }
+  }
+
   // close/destructor: every chunk gone, every alias and piece unmapped, the ranges unreserved.
   // Failures are counted, never thrown, and never stop the walk: each refused unalias or unmap
   // leaks that one alias or piece (out of the books, like a refused backing of the default arena:
   // a closed pool's books are empty, so validate() holds), the rest still go back, and a range
-  // that keeps a mapping stays reserved, leaked with it.
+  // that keeps a mapping stays reserved, leaked with it. Adjacent mappings go as runs (a pool of
+  // many pieces closes in a few driver calls where the device takes runs).
   void release_all() {
     bool aliases_left = false;
-    for (auto& [dst, st] : stitches_) {
-      std::size_t at = st.size;
-      for (auto p = st.parts.rbegin(); p != st.parts.rend(); ++p) {
-        at -= p->n;
-        if (p->st == PartState::Gone) continue;
-        try {
-          a_.upstream_->unalias(dst + at, p->n);
+    std::vector<std::size_t> sizes;
+    std::vector<Part*> run;
+    auto unalias_run = [&](std::uintptr_t at) {
+      close_run(at, sizes, &Upstream::unalias_pieces, [&](std::size_t i, bool ok) {
+        Part* p = run[i];
+        if (ok) {
           ++unalias_calls_;
           Piece& piece = pieces_.at(p->src);
           --piece.aliases;
           if (p->st == PartState::Active) piece.lent_to = piece.lent_lo = piece.lent_hi = 0;
-        } catch (...) {
+        } else {
           ++alias_failures_;
           ++a_.ev_.upstream_free_failures;
           aliases_left = true;  // the piece stays lent: mapped twice, its unmap would be refused
         }
+      });
+      sizes.clear();
+      run.clear();
+    };
+    for (auto& [dst, st] : stitches_) {
+      std::size_t at = 0, from = 0;
+      for (Part& p : st.parts) {
+        if (p.st == PartState::Gone) {
+          if (!run.empty()) unalias_run(dst + from);
+        } else {
+          if (run.empty()) from = at;
+          run.push_back(&p);
+          sizes.push_back(p.n);
+        }
+        at += p.n;
       }
+      if (!run.empty()) unalias_run(dst + from);
     }
     stitches_.clear();
     auto& segs = a_.backings_;
@@ -1355,27 +1399,34 @@ class VirtualRange final : public BackingSource {
     }
     sva_base_ = 0;  // released, or leaked with the aliases left in it: never tried again
     bool pieces_left = false;
-    for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
-      // A piece still aliased is not asked: the upstream refuses to unmap it.
-      const bool aliased = it->second.aliases != 0;
-      bool gone = false;
-      if (!aliased) {
-        try {
-          a_.upstream_->unmap(it->first, it->second.size);
-          gone = true;
-        } catch (...) {
+    // A piece still aliased is not asked (the upstream refuses to unmap it): it ends a run.
+    auto unmap_run = [&](std::uintptr_t at) {
+      close_run(at, sizes, &Upstream::unmap_pieces, [&](std::size_t i, bool ok) {
+        if (ok) {
+          ++unmap_calls_;
+          a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          ++unmap_failures_;
+          ++a_.ev_.upstream_free_failures;
+          pieces_left = true;
         }
-      }
-      if (gone) {
-        ++unmap_calls_;
-        a_.up_frees_.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        ++unmap_failures_;
-        if (!aliased) ++a_.ev_.upstream_free_failures;  // one not asked was counted at its refused unalias
+      });
+      sizes.clear();
+    };
+    std::uintptr_t from = 0, end = 0;
+    for (const auto& [at, piece] : pieces_) {
+      if (!sizes.empty() && (piece.aliases || at != end)) unmap_run(from);
+      mapped_ -= piece.size;
+      if (piece.aliases) {
+        ++unmap_failures_;  // its refused unalias was counted as the upstream's failure
         pieces_left = true;
+        continue;
       }
-      mapped_ -= it->second.size;
+      if (sizes.empty()) from = at;
+      sizes.push_back(piece.size);
+      end = at + piece.size;
     }
+    if (!sizes.empty()) unmap_run(from);
     pieces_.clear();
     if (va_base_ && !pieces_left) {
       try {
@@ -1396,7 +1447,7 @@ class VirtualRange final : public BackingSource {
   std::uint64_t moved_parts_ = 0, stitch_extends_ = 0, top_ups_ = 0, homecomings_ = 0, fragments_lent_ = 0;
   std::uint64_t stitches_made_ = 0, teardowns_ = 0, alias_calls_ = 0, unalias_calls_ = 0, alias_failures_ = 0;
   // unmap_pieces / unalias_pieces calls (runs of adjacent pieces; one cuMemUnmap each where the
-  // device takes runs), refused ones included; close's teardown goes piece by piece, uncounted.
+  // device takes runs), refused ones included; close's teardown (runs too) is not counted.
   std::uint64_t unmap_runs_ = 0, unalias_runs_ = 0;
 };
 
