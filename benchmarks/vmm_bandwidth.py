@@ -13,9 +13,10 @@ same kernels, with CUDA events, on one buffer of ``--mib`` MiB from each source:
 - ``stitched 2``: every other 2 MiB piece of a range twice the size, aliased end to end into a
   fresh range (``alias_pieces``), as a stitched range is.
 
-Kernels: a sum over the buffer (streaming read), a copy into a cudaMalloc buffer (streaming read),
-and a gather of 8 KiB rows in random order (``index_select``: translation-heavy, as reading a KV
-cache's blocks is). Each figure is the median of ``--reps`` runs, the sources taken in turn within
+Kernels: a sum over the buffer (streaming read); a copy into a cudaMalloc buffer (``copy_``: a
+device-to-device memcpy), the same bytes through an elementwise kernel (``torch.add(b, 0, out=)``),
+and a copy into the buffer; and a gather of 8 KiB rows in random order (``index_select``:
+translation-heavy, as reading a KV cache's blocks is). Each figure is the median of ``--reps`` runs, the sources taken in turn within
 each repetition so that a drifting clock falls on all of them alike; ratios are against cudaMalloc.
 
     PYTHONPATH=<built poolkeeper> python3 benchmarks/vmm_bandwidth.py [--mib 1024] [--reps 30] [--json out.json]
@@ -78,9 +79,12 @@ def main(argv: List[str] | None = None) -> int:
     gathered = torch.empty(idx.numel(), row, dtype=torch.float16, device="cuda")
     for b in bufs.values():
         b.fill_(1.0)
+    src = torch.ones(n // 2, dtype=torch.float16, device="cuda")
     kernels: Dict[str, Callable[[torch.Tensor], object]] = {
         "sum": lambda b: b.sum(),
-        "copy": lambda b: out.copy_(b),
+        "copy": lambda b: out.copy_(b),  # contiguous, same dtype: torch's device-to-device memcpy
+        "copy by kernel": lambda b: torch.add(b, 0.0, out=out),  # the same bytes through an elementwise kernel
+        "copy in": lambda b: b.copy_(src),  # the source as the memcpy's destination
         "gather 8 KiB rows": lambda b: torch.index_select(b.view(-1, row), 0, idx, out=gathered),
     }
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,7 +102,7 @@ def main(argv: List[str] | None = None) -> int:
                 ms[kname][s].append(start.elapsed_time(end))
     res = {k: {s: statistics.median(v) for s, v in per.items()} for k, per in ms.items()}
     print(f"{args.mib} MiB per buffer, median of {args.reps} runs, ms (ratio to cudaMalloc)")
-    print(f"{'source':14s} " + " ".join(f"{k:>24s}" for k in kernels))
+    print(f"{'source':14s} " + " ".join(f"{k:>24s}" for k in kernels))  # noqa: E501
     for s in bufs:
         print(f"{s:14s} " + " ".join(f"{res[k][s]:14.3f} ({res[k][s] / res[k]['cudaMalloc']:6.3f}x)" for k in kernels))
     del bufs
