@@ -102,7 +102,7 @@ def main(argv: List[str] | None = None) -> int:
                 ms[kname][s].append(start.elapsed_time(end))
     res = {k: {s: statistics.median(v) for s, v in per.items()} for k, per in ms.items()}
     print(f"{args.mib} MiB per buffer, median of {args.reps} runs, ms (ratio to cudaMalloc)")
-    print(f"{'source':14s} " + " ".join(f"{k:>24s}" for k in kernels))  # noqa: E501
+    print(f"{'source':14s} " + " ".join(f"{k:>24s}" for k in kernels))
     for s in bufs:
         print(f"{s:14s} " + " ".join(f"{res[k][s]:14.3f} ({res[k][s] / res[k]['cudaMalloc']:6.3f}x)" for k in kernels))
     del bufs
