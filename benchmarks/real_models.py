@@ -58,10 +58,14 @@ NATIVE_ARMS = ("torch", "torch_expandable")
 # "KIND+OPTION": the kind installed with OPTION=True (not in the default run; name them in --arms).
 VARIANT_ARMS = ("arena+single_stream", "arena_expandable+single_stream", "arena_expandable+single_stream+wide_stitch",
                 "arena_expandable+single_stream+wide_stitch+no_stitch_top_up",
-                "arena_expandable+single_stream+wide_stitch+no_stitch_fragments")
+                "arena_expandable+single_stream+wide_stitch+no_stitch_fragments",
+                # install()'s default in 20 MiB pieces: copies out of 2 MiB pieces run 1.18x slower on
+                # the H200 (docs/expandable.md, "Not done"); does the decode step follow?
+                "arena_expandable+single_stream+wide_stitch+map_piece=20MiB")
 # Named option sets an arm may add after "+": "wide_stitch" is poolkeeper.pools.WIDE_STITCH (what
 # install() adds to its default pool; docs/expandable.md, "Stitching moves on"). "+no_OPTION" sets
-# OPTION=False (after a preset: "+wide_stitch+no_stitch_top_up").
+# OPTION=False (after a preset: "+wide_stitch+no_stitch_top_up"); "+OPTION=VALUE" sets a value as
+# `poolkeeper replay -o` reads it ("+map_piece=20MiB").
 PRESETS = ("wide_stitch",)
 POOL_ARMS = ("arena", "arena_expandable", "size_class") + VARIANT_ARMS
 DEFAULT_ARMS = NATIVE_ARMS + POOL_ARMS[:3]
@@ -70,12 +74,17 @@ ALL_ARMS = NATIVE_ARMS + POOL_ARMS
 
 def arm_pool(arm: str) -> Tuple[str, Dict[str, Any]]:
     """The pool kind and options of one of poolkeeper's arms (``"arena_expandable+single_stream"``
-    is ``("arena_expandable", {"single_stream": True})``; a name in PRESETS adds its options, and
-    ``no_OPTION`` sets OPTION to False)."""
+    is ``("arena_expandable", {"single_stream": True})``; a name in PRESETS adds its options,
+    ``no_OPTION`` sets OPTION to False and ``OPTION=VALUE`` sets a value, read as ``poolkeeper
+    replay -o`` reads it)."""
     kind, *flags = arm.split("+")
     options: Dict[str, Any] = {}
     for flag in flags:
-        if flag in PRESETS:
+        if "=" in flag:
+            from poolkeeper.bench.options import parse_options
+
+            options.update(parse_options([flag]))
+        elif flag in PRESETS:
             from poolkeeper import pools
 
             options.update(getattr(pools, flag.upper()))

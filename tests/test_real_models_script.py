@@ -155,10 +155,16 @@ def test_arm_and_pool_kind_names_agree():
                 expected.update(getattr(pools, f.upper()))
             elif f.startswith("no_"):
                 expected[f[3:]] = False
+            elif "=" in f:
+                continue  # checked below
             else:
                 expected[f] = True
-        assert options == expected
+        set_later = {f.partition("=")[0] for f in arm.split("+")[1:] if "=" in f}
+        assert {k: v for k, v in options.items() if k not in set_later} == {k: v for k, v in expected.items()
+                                                                            if k not in set_later}
     assert rm.arm_pool("arena_expandable+single_stream+wide_stitch+no_stitch_top_up")[1]["stitch_top_up"] is False
+    # "+OPTION=VALUE" reads its value as `poolkeeper replay -o` does.
+    assert rm.arm_pool("arena_expandable+single_stream+wide_stitch+map_piece=20MiB")[1]["map_piece"] == 20 << 20
 
 
 def test_variant_arms_build_a_pool_with_their_option_and_stay_out_of_the_default_run():
