@@ -15,7 +15,7 @@ same kernels, with CUDA events, on one buffer of ``--mib`` MiB from each source:
 
 Kernels: a sum over the buffer (streaming read); a copy into a cudaMalloc buffer (``copy_``: a
 device-to-device memcpy), the same bytes through an elementwise kernel (``torch.add(b, 0, out=)``),
-and a copy into the buffer; and a gather of 8 KiB rows in random order (``index_select``:
+and a copy into the buffer; a ``torch.cat`` of its two halves (as a KV cache grows); and a gather of 8 KiB rows in random order (``index_select``:
 translation-heavy, as reading a KV cache's blocks is). Each figure is the median of ``--reps`` runs, the sources taken in turn within
 each repetition so that a drifting clock falls on all of them alike; ratios are against cudaMalloc.
 
@@ -85,6 +85,9 @@ def main(argv: List[str] | None = None) -> int:
         "copy": lambda b: out.copy_(b),  # contiguous, same dtype: torch's device-to-device memcpy
         "copy by kernel": lambda b: torch.add(b, 0.0, out=out),  # the same bytes through an elementwise kernel
         "copy in": lambda b: b.copy_(src),  # the source as the memcpy's destination
+        # A KV cache grown by torch.cat (as a dynamic cache grows it each decode step): two halves
+        # of the buffer, each 256 rows of 8 KiB blocks, concatenated along the rows.
+        "cat": lambda b: torch.cat([h.view(256, -1) for h in b.chunk(2)], dim=1, out=out.view(256, -1)),
         "gather 8 KiB rows": lambda b: torch.index_select(b.view(-1, row), 0, idx, out=gathered),
     }
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
