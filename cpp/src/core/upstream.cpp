@@ -26,6 +26,22 @@ decltype(auto) timed_call(F&& f, std::uint64_t t0, std::atomic<std::uint64_t>& f
     throw;
   }
 }
+
+// A run (map_pieces and the rest): `count()` books the pieces it got through, whether `run`
+// returns or throws; a refusal is also counted in `failed` (where the run's kind has one), and a
+// refused run that booked nothing adds its time to `ns` itself (count() adds it otherwise).
+template <class Run, class Count>
+void counted_run(Run&& run, Count&& count, std::uint64_t t0 = 0, std::atomic<std::uint64_t>* failed = nullptr,
+                 std::atomic<std::uint64_t>* ns = nullptr) {
+  try {
+    run();
+  } catch (...) {
+    if (failed) failed->fetch_add(1, std::memory_order_relaxed);
+    if (!count() && ns) ns->fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    throw;
+  }
+  count();
+}
 }  // namespace
 
 void* Upstream::allocate(std::size_t nbytes) {
@@ -101,32 +117,20 @@ void Upstream::map_pieces(std::uintptr_t addr, std::size_t bytes, std::size_t pi
   if (!piece) piece = bytes;
   RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
-  auto count = [&] {
-    if (!done) return false;
-    maps_.fetch_add((done + piece - 1) / piece, std::memory_order_relaxed);
-    count_alloc(done, t0, (done + piece - 1) / piece);
-    return true;
-  };
-  try {
-    do_map_pieces(addr, bytes, piece, done);
-  } catch (...) {
-    failed_allocations_.fetch_add(1, std::memory_order_relaxed);
-    if (!count()) alloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
-  count();
+  counted_run([&] { do_map_pieces(addr, bytes, piece, done); },
+              [&] {
+                if (!done) return false;
+                maps_.fetch_add((done + piece - 1) / piece, std::memory_order_relaxed);
+                count_alloc(done, t0, (done + piece - 1) / piece);
+                return true;
+              },
+              t0, &failed_allocations_, &alloc_ns_);
 }
 
 void Upstream::alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std::size_t n, std::size_t& done) {
   done = 0;
   RelaxedCapture relaxed(*this);
-  try {
-    do_alias_pieces(dst, srcs, n, done);
-  } catch (...) {
-    aliases_.fetch_add(done, std::memory_order_relaxed);
-    throw;
-  }
-  aliases_.fetch_add(done, std::memory_order_relaxed);
+  counted_run([&] { do_alias_pieces(dst, srcs, n, done); }, [&] { return aliases_.fetch_add(done, std::memory_order_relaxed), true; });
 }
 
 // A run to take down: at least one piece, none empty, and its end inside the address space (the
@@ -148,36 +152,31 @@ void Upstream::unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::
   done = 0;
   RelaxedCapture relaxed(*this);
   const auto t0 = now_ns();
-  auto count = [&] {
-    if (!done) return false;
-    std::size_t bytes = 0;
-    for (std::size_t i = n - done; i < n; ++i) bytes += sizes[i];
-    unmaps_.fetch_add(done, std::memory_order_relaxed);
-    count_dealloc(bytes, t0, done);
-    return true;
-  };
-  try {
-    check_run(name(), "unmap run", addr, sizes, n);
-    do_unmap_pieces(addr, sizes, n, done);
-  } catch (...) {
-    failed_deallocations_.fetch_add(1, std::memory_order_relaxed);
-    if (!count()) dealloc_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-    throw;
-  }
-  count();
+  counted_run(
+      [&] {
+        check_run(name(), "unmap run", addr, sizes, n);
+        do_unmap_pieces(addr, sizes, n, done);
+      },
+      [&] {
+        if (!done) return false;
+        std::size_t bytes = 0;
+        for (std::size_t i = n - done; i < n; ++i) bytes += sizes[i];
+        unmaps_.fetch_add(done, std::memory_order_relaxed);
+        count_dealloc(bytes, t0, done);
+        return true;
+      },
+      t0, &failed_deallocations_, &dealloc_ns_);
 }
 
 void Upstream::unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
   done = 0;
   RelaxedCapture relaxed(*this);
-  try {
-    check_run(name(), "unalias run", dst, sizes, n);
-    do_unalias_pieces(dst, sizes, n, done);
-  } catch (...) {
-    unaliases_.fetch_add(done, std::memory_order_relaxed);
-    throw;
-  }
-  unaliases_.fetch_add(done, std::memory_order_relaxed);
+  counted_run(
+      [&] {
+        check_run(name(), "unalias run", dst, sizes, n);
+        do_unalias_pieces(dst, sizes, n, done);
+      },
+      [&] { return unaliases_.fetch_add(done, std::memory_order_relaxed), true; });
 }
 
 // At least one do_map: an empty run is refused as map() refuses an empty range.
@@ -193,16 +192,20 @@ void Upstream::do_alias_pieces(std::uintptr_t dst, const AliasSource* srcs, std:
 }
 
 // Last first: the pieces still mapped after a refusal are the run's first ones, a shorter run.
-void Upstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+// `one` is do_unmap or do_unalias.
+static void take_down_last_first(Upstream& u, void (Upstream::*one)(std::uintptr_t, std::size_t), std::uintptr_t base,
+                                 const std::size_t* sizes, std::size_t n, std::size_t& done) {
   std::size_t end = 0;
   for (std::size_t i = 0; i < n; ++i) end += sizes[i];
-  for (; done < n; ++done) do_unmap(addr + (end -= sizes[n - 1 - done]), sizes[n - 1 - done]);
+  for (; done < n; ++done) (u.*one)(base + (end -= sizes[n - 1 - done]), sizes[n - 1 - done]);
+}
+
+void Upstream::do_unmap_pieces(std::uintptr_t addr, const std::size_t* sizes, std::size_t n, std::size_t& done) {
+  take_down_last_first(*this, &Upstream::do_unmap, addr, sizes, n, done);
 }
 
 void Upstream::do_unalias_pieces(std::uintptr_t dst, const std::size_t* sizes, std::size_t n, std::size_t& done) {
-  std::size_t end = 0;
-  for (std::size_t i = 0; i < n; ++i) end += sizes[i];
-  for (; done < n; ++done) do_unalias(dst + (end -= sizes[n - 1 - done]), sizes[n - 1 - done]);
+  take_down_last_first(*this, &Upstream::do_unalias, dst, sizes, n, done);
 }
 
 static std::string no_vm(const std::string& who) {
