@@ -411,7 +411,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
 ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "request_calls_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
                   "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
                   "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
-                  "log_path", "log_events")
+                  "log_path", "log_events", "barrier_timeouts")
 
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
@@ -515,8 +515,10 @@ def markdown(results: Dict[str, Any]) -> str:
         times = results.get("round_times", {}).get(wl)
         if times:
             n = max(len(t["total_ms"]) for t in times.values())
-            lines += [f"Time over {n} rounds (every arm once per round, the order rotated each round; summed request "
-                      "time per round, ms):", ""]
+            how = ("every arm at once in each round, each on its own CPUs, the CPUs rotated each round, every "
+                   "request started in all arms together" if results.get("together")
+                   else "every arm once per round, the order rotated each round")
+            lines += [f"Time over {n} rounds ({how}; summed request time per round, ms):", ""]
             lines += table_head("arm", "per round", "median", "median vs torch", "per-round ratio vs torch",
                                 "median of those", "fastest of the rounds, per request, summed", "that vs torch",
                                 "most fastest requests in one round", "median of the rounds, per request, summed",
@@ -812,8 +814,10 @@ def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) 
             probe = r.get("host_probe_ms")
             probe_text = ("/".join(f"{x:.1f}" for x in probe)
                           if isinstance(probe, list) and probe and all(isinstance(x, (int, float)) for x in probe) else "n/a")
+            # --together: a run whose peers stopped meeting it ran its later requests unpaired.
+            alone = ", ran on alone after a peer fell behind" if r.get("barrier_timeouts") else ""
             cells.append(f"{fmt_ms(total)} ms, host probe {probe_text} ms, "
-                         f"{fmt_mib(r.get('peak_reserved_bytes'))}, `{str(r.get('output_sha256', ''))[:12]}` {same}")
+                         f"{fmt_mib(r.get('peak_reserved_bytes'))}, `{str(r.get('output_sha256', ''))[:12]}` {same}{alone}")
         rows.append(f"| {arm} | " + " | ".join(cells) + " |")
     if not rows:
         return []
@@ -920,7 +924,8 @@ def native_memory_stats(torch: Any) -> Dict[str, Any]:
 
 def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
           count: Callable[[], Dict[str, Optional[int]]],
-          calls: Callable[[], Optional[Dict[str, int]]] = lambda: None) -> Dict[str, Any]:
+          calls: Callable[[], Optional[Dict[str, int]]] = lambda: None,
+          meet: Callable[[str], None] = lambda tag: None) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
@@ -942,6 +947,7 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
             ids = torch.from_numpy(rng.integers(1000, BERT_CONFIG["vocab_size"], size=(b, L))).to(dev)
             am = torch.ones((b, L), dtype=torch.long, device=dev)
             _sync(torch, device)
+            meet(f"request{i}")  # --together: every arm starts this request at once
             k0 = calls()
             t0 = time.perf_counter()
             out = model(input_ids=ids, attention_mask=am).last_hidden_state
@@ -961,7 +967,8 @@ def _bert(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dty
 
 def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dtype: Any,
            count: Callable[[], Dict[str, Optional[int]]],
-           calls: Callable[[], Optional[Dict[str, int]]] = lambda: None) -> Dict[str, Any]:
+           calls: Callable[[], Optional[Dict[str, int]]] = lambda: None,
+           meet: Callable[[str], None] = lambda tag: None) -> Dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -1004,6 +1011,7 @@ def _llama(torch: Any, np: Any, plan: Dict[str, Any], seed: int, device: str, dt
             b, L = ids.shape
             ids, am = torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
             _sync(torch, device)
+            meet(f"request{i}")  # --together: every arm starts this request at once
             k0 = calls()
             t0 = time.perf_counter()
             toks = generate(ids, am, plan["new_tokens"], True)
@@ -1170,14 +1178,16 @@ def parse_cpus(text: str) -> List[int]:
 
 
 def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: str,
-              log_path: Optional[str] = None, deterministic: bool = False) -> Dict[str, Any]:
+              log_path: Optional[str] = None, deterministic: bool = False,
+              barrier: Optional["RequestBarrier"] = None) -> Dict[str, Any]:
     """One arm on one workload in this (fresh) process. ``log_path``: for poolkeeper's arms, the
     pool installed on device 0 is wrapped in a :class:`poolkeeper.LoggingPool` writing every
     allocation and free there (RMM's CSV, which ``poolkeeper replay`` reads), so the live sequence
     can be replayed offline; its times then include the logging. ``deterministic``: PyTorch's
     deterministic algorithms (warnings only where an op has none), with every uninitialized
     tensor filled (``torch.utils.deterministic.fill_uninitialized_memory``), so that outputs cannot
-    depend on what an allocator's memory held before; its times include the filling."""
+    depend on what an allocator's memory held before; its times include the filling. ``barrier``:
+    a ``--together`` round's, met before each timed request."""
     probe_start = host_probe_ms()
     if arm in POOL_ARMS:
         from poolkeeper.integrations import torch as pkt
@@ -1207,7 +1217,10 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
         pkt.call_timing(True)  # the pool's own time per step, beside the step (off by default)
     count = allocation_counter(torch, arm, device)
     res.update((_bert if workload == "bert" else _llama)(torch, np, plan, seed, device, dtype, count,
-                                                         driver_call_counter(arm, device)))
+                                                         driver_call_counter(arm, device),
+                                                         barrier.meet if barrier else lambda tag: None))
+    if barrier:
+        res["barrier_timeouts"] = barrier.timeouts
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
@@ -1296,23 +1309,21 @@ def check_log_dir(ap: argparse.ArgumentParser, log_dir: str, names: List[str]) -
         print("[real_models] --log-dir: no poolkeeper arm selected, nothing will be logged", flush=True)
 
 
-def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
-                    log_file: Optional[str] = None) -> Dict[str, Any]:
-    """Run one (arm, workload) in a fresh interpreter; its result, or ``{"error": ...}``.
-    ``log_file``: where a poolkeeper arm logs its allocations (``--log-dir``)."""
-    path = os.path.join(tmp, f"{arm}-{workload}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--workloads", workload, "--result-file", path,
-           *(["--log-file", log_file] if log_file else []),
-           "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else []) + \
-          (["--deterministic"] if getattr(args, "deterministic", False) else [])
+def arm_command(arm: str, workload: str, args: argparse.Namespace, path: str,
+                log_file: Optional[str] = None, barrier: Optional[Tuple[str, int, int]] = None) -> List[str]:
+    """The command line of one (arm, workload) child writing its result to ``path``. ``barrier``:
+    (folder, arms, this arm's index) of a ``--together`` round (:class:`RequestBarrier`)."""
+    return [sys.executable, os.path.abspath(__file__), "--child", arm, "--workloads", workload, "--result-file", path,
+            *(["--log-file", log_file] if log_file else []),
+            *(["--barrier", barrier[0], "--barrier-arms", str(barrier[1]), "--barrier-index", str(barrier[2])]
+              if barrier else []),
+            "--seed", str(args.seed), "--device", args.device] + (["--quick"] if args.quick else []) + \
+        (["--deterministic"] if getattr(args, "deterministic", False) else [])
+
+
+def arm_result(path: str, rc: Any, t0: float) -> Dict[str, Any]:
+    """What a finished child left at ``path`` (its stderr beside it), or ``{"error": ...}``."""
     errpath = path + ".stderr"
-    t0 = time.perf_counter()
-    try:
-        with open(errpath, "w") as err:
-            r = subprocess.run(cmd, env=child_env(arm, dict(os.environ)), stderr=err, timeout=args.timeout)
-        rc: Any = r.returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timed out after {args.timeout} s"
     with open(errpath, errors="replace") as f:
         stderr = f.read()
     res: Dict[str, Any] = {}
@@ -1325,6 +1336,101 @@ def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
     # Anything a clean run prints to stderr at exit (leak reports, aborts) is worth seeing.
     res["stderr_tail"] = stderr[-1500:]
     return res
+
+
+def run_arm_process(arm: str, workload: str, args: argparse.Namespace, tmp: str,
+                    log_file: Optional[str] = None) -> Dict[str, Any]:
+    """Run one (arm, workload) in a fresh interpreter; its result, or ``{"error": ...}``.
+    ``log_file``: where a poolkeeper arm logs its allocations (``--log-dir``)."""
+    path = os.path.join(tmp, f"{arm}-{workload}.json")
+    cmd = arm_command(arm, workload, args, path, log_file)
+    t0 = time.perf_counter()
+    try:
+        with open(path + ".stderr", "w") as err:
+            r = subprocess.run(cmd, env=child_env(arm, dict(os.environ)), stderr=err, timeout=args.timeout)
+        rc: Any = r.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {args.timeout} s"
+    return arm_result(path, rc, t0)
+
+
+def cpu_slices(cpus: Sequence[int], arms: int, rnd: int) -> List[List[int]]:
+    """``--together``: the CPUs split into one equal slice per arm (the remainder unused), arm i
+    on slice (i + rnd) mod arms, so that over the rounds every arm runs on every slice."""
+    k = len(cpus) // arms
+    if k < 1:
+        raise ValueError(f"{len(cpus)} CPUs cannot give {arms} arms one each")
+    slices = [list(cpus[j * k:(j + 1) * k]) for j in range(arms)]
+    return [slices[(i + rnd) % arms] for i in range(arms)]
+
+
+def run_arms_together(arms: Sequence[str], workload: str, args: argparse.Namespace, tmp: str, rnd: int,
+                      cpus: Sequence[int], log_files: Optional[Dict[str, Optional[str]]] = None) -> Dict[str, Dict[str, Any]]:
+    """``--together``: every arm's process at once, each pinned to its own slice of ``cpus``
+    (:func:`cpu_slices`), the same request started in all of them together
+    (:class:`RequestBarrier`): whatever slows the machine meanwhile slows every arm alike, so
+    the per-round ratios compare arms under one host. They share the one GPU, whose share of a
+    decode step is small beside the host's here (both wait on it alike)."""
+    slices = cpu_slices(cpus, len(arms), rnd)
+    bar = tempfile.mkdtemp(prefix=f"barrier-{rnd}-", dir=tmp)
+    procs = []
+    t0 = time.perf_counter()
+    for i, arm in enumerate(arms):
+        path = os.path.join(tmp, f"{arm}-{workload}-together.json")
+        env = child_env(arm, dict(os.environ))
+        env["OMP_NUM_THREADS"] = str(len(slices[i]))  # its own cores' worth of threads, as every arm
+        err = open(path + ".stderr", "w")
+        cmd = arm_command(arm, workload, args, path, (log_files or {}).get(arm), (bar, len(arms), i))
+        procs.append((arm, path, err, subprocess.Popen(cmd, env=env, stderr=err,
+                                                       preexec_fn=lambda c=slices[i]: os.sched_setaffinity(0, c))))
+    out: Dict[str, Dict[str, Any]] = {}
+    deadline = time.monotonic() + args.timeout
+    for arm, path, err, p in procs:
+        try:
+            rc: Any = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = f"timed out after {args.timeout} s"
+        err.close()
+        out[arm] = arm_result(path, rc, t0)
+        out[arm]["together"] = {"arms": len(arms), "round": rnd + 1}
+    return out
+
+
+class RequestBarrier:
+    """The arms of a ``--together`` round meet here before each timed request: each leaves a file
+    ``<tag>.<index>`` in the shared folder and waits until every arm's is there. A peer that failed
+    (it leaves ``gone.<index>``, :meth:`leave`) or fell behind by ``timeout`` s breaks the barrier
+    for the rest of the run (a timeout is counted in ``timeouts``): the survivors then run on
+    without waiting, and the report says so."""
+
+    def __init__(self, folder: str, arms: int, index: int, timeout: float = 120.0) -> None:
+        self.folder, self.arms, self.index, self.timeout = folder, arms, index, timeout
+        self.timeouts = 0
+        self.broken = False
+
+    def meet(self, tag: str) -> None:
+        if self.broken:
+            return
+        open(os.path.join(self.folder, f"{tag}.{self.index}"), "w").close()
+        end = time.monotonic() + self.timeout
+        while True:
+            names = [n.rsplit(".", 1)[0] for n in os.listdir(self.folder)]
+            if "gone" in names:
+                self.broken = True
+                return
+            if names.count(tag) >= self.arms:
+                return
+            if time.monotonic() > end:
+                self.timeouts += 1
+                self.broken = True
+                return
+            time.sleep(0.0005)
+
+    def leave(self) -> None:
+        """This arm failed: its peers stop waiting for it."""
+        open(os.path.join(self.folder, f"gone.{self.index}"), "w").close()
 
 
 def _readopt_saved_run(r: Dict[str, Any]) -> None:
@@ -1356,6 +1462,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "round 1, and a time table gives each arm's median and paired ratios over the rounds")
     ap.add_argument("--cpus", default=None,
                     help="run every arm's process on these CPUs only (e.g. 0-3): the same cores for every arm")
+    ap.add_argument("--together", action="store_true",
+                    help="each round runs every arm's process at once, each on its own equal slice of the CPUs "
+                         "(--cpus, else all this process may use; the slices rotate each round), every request "
+                         "started in all arms together: the machine's drift falls on all arms alike")
     ap.add_argument("--out", default=None, help="output stem or directory (default benchmarks/results/real_models_h200)")
     ap.add_argument("--deterministic", action="store_true",
                     help="PyTorch's deterministic algorithms, every uninitialized tensor filled: outputs that "
@@ -1363,6 +1473,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--child", choices=ALL_ARMS, help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--log-file", help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", help=argparse.SUPPRESS)
+    ap.add_argument("--barrier-arms", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--log-dir", default=None,
                     help="poolkeeper's arms log every allocation and free to DIR/<workload>_<arm>_round<N>.csv "
                          "(RMM's CSV: `poolkeeper replay` reads it), to replay the live sequence offline; "
@@ -1406,9 +1519,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.child:
         try:
             res = run_child(args.child, workloads[0], plan[workloads[0]], args.seed, args.device, args.log_file,
-                            args.deterministic)
+                            args.deterministic,
+                            RequestBarrier(args.barrier, args.barrier_arms, args.barrier_index) if args.barrier else None)
             code = 0
         except BaseException as e:  # reported by the parent; the other arms still run
+            if args.barrier:
+                RequestBarrier(args.barrier, args.barrier_arms, args.barrier_index).leave()
             res = {"arm": args.child, "workload": workloads[0], "error": f"{type(e).__name__}: {e}",
                    "traceback": traceback.format_exc()[-4000:]}
             code = 1
@@ -1417,12 +1533,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return code
 
     arms = _parse_list(args.arms, ALL_ARMS, "arm")
+    together_cpus: List[int] = []
+    if args.together:
+        together_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if len(together_cpus) < len(arms):
+            ap.error(f"--together: {len(together_cpus)} CPUs cannot give {len(arms)} arms one each")
     if args.log_dir is not None:
         check_log_dir(ap, args.log_dir, [log_name(wl, a, r) for wl in workloads for a in arms
                                          if a in POOL_ARMS for r in range(args.rounds)])
     results: Dict[str, Any] = {
         "plan_name": plan_name,
         "deterministic": args.deterministic,
+        "together": args.together,
         "plan": {w: plan[w] for w in workloads},
         "seed": args.seed,
         "device": args.device,
@@ -1448,11 +1570,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rnd, wl in ((rnd, wl) for rnd in range(args.rounds) for wl in workloads):
             # Rotated, so that no arm always runs first or right after the same neighbour: the
             # machine's speed drifts over minutes by more than the arms differ.
-            for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
-                print(f"[real_models] round {rnd + 1}: {wl} / {arm} ...", flush=True)
-                log_file = (os.path.join(os.path.abspath(args.log_dir), log_name(wl, arm, rnd))
-                            if args.log_dir and arm in POOL_ARMS else None)
-                r = run_arm_process(arm, wl, args, tmp, log_file)
+            order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            logs = {arm: (os.path.join(os.path.abspath(args.log_dir), log_name(wl, arm, rnd))
+                          if args.log_dir and arm in POOL_ARMS else None) for arm in arms}
+            if args.together:
+                print(f"[real_models] round {rnd + 1}: {wl} / {', '.join(arms)} together ...", flush=True)
+                done = run_arms_together(arms, wl, args, tmp, rnd, together_cpus, logs)
+            for arm in (arms if args.together else order):
+                if not args.together:
+                    print(f"[real_models] round {rnd + 1}: {wl} / {arm} ...", flush=True)
+                r = done[arm] if args.together else run_arm_process(arm, wl, args, tmp, logs[arm])
                 rounds[wl][arm].append(r)
                 if rnd == 0:
                     results["runs"][wl][arm] = r

@@ -9,8 +9,10 @@
 #                                              and threads (not in the default: thread_scaling.py, medians of 3, the reference arm included, ~6 minutes)
 #                                              and time_rounds (not in the default: install()'s default pool against PyTorch's
 #                                              allocator, 3 rounds, every arm on cores 0-7, ~7 minutes)
-#                                              and time_pieces (not in the default: the Llama workload's 3 rounds with
-#                                              install()'s default also in 20 MiB pieces, ~4 minutes)
+#                                              and time_pieces (not in the default: the Llama workload's 4 rounds with
+#                                              install()'s default also in 20 MiB pieces, the arms together, ~4 minutes)
+#                                              and time_together (not in the default: time_rounds' arms in 5 rounds, the
+#                                              arms' processes at once on cores 0-7 and 8-15, ~6 minutes)
 #                                              and live_logs (not in the default: the arena's and the expandable arena's
 #                                              every allocation and free in the real-model runs, gzipped CSVs for
 #                                              `poolkeeper replay`, ~3 minutes)
@@ -60,7 +62,10 @@ for s in "${steps[@]}"; do
                    --arms torch,arena_expandable+single_stream+wide_stitch --rounds 3 --cpus 0-7 --out "$OUT/real_models_rounds" ;;
     time_pieces) step real_models_pieces timeout 590 python3 benchmarks/real_models.py --workloads llama \
                    --arms torch,arena_expandable+single_stream+wide_stitch,arena_expandable+single_stream+wide_stitch+map_piece=20MiB \
-                   --rounds 3 --cpus 0-7 --out "$OUT/real_models_pieces" ;;
+                   --rounds 4 --together --cpus 0-14 --out "$OUT/real_models_pieces" ;;
+    time_together) step real_models_together timeout 590 python3 benchmarks/real_models.py --workloads bert,llama \
+                   --arms torch,arena_expandable+single_stream+wide_stitch --rounds 5 --together --cpus 0-15 \
+                   --out "$OUT/real_models_together" ;;
     live_logs)
       step real_models_logs timeout 400 python3 benchmarks/real_models.py --workloads bert,llama \
         --arms arena,arena_expandable --no-warmup --log-dir "$OUT/live_logs" --out "$OUT/real_models_logs"

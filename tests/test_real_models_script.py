@@ -861,3 +861,117 @@ def test_round_decode_steps_leave_out_the_rounds_the_time_table_does():
     t = rm.round_times({"torch": [ok(5.0), ok(5.0)], "arena": [ok(6.0, each=(-1.0,)), ok(5.0, each=(float("nan"),))]})
     assert t["arena"]["total_ms"] == [None, None]
     assert t["arena"]["decode_p50_ms"] == [None, None] and t["arena"]["decode_paired_median_vs_torch"] is None
+
+
+# --together: every arm at once, each on its own CPUs, each request started together ---------------
+
+
+def test_cpu_slices_give_each_arm_its_own_cpus_and_rotate_them_over_the_rounds():
+    cpus = list(range(7))
+    r0 = rm.cpu_slices(cpus, 3, 0)
+    assert r0 == [[0, 1], [2, 3], [4, 5]]  # the remainder (6) unused: every arm gets as many
+    assert rm.cpu_slices(cpus, 3, 1) == [[2, 3], [4, 5], [0, 1]]
+    seen = {i: {tuple(rm.cpu_slices(cpus, 3, r)[i]) for r in range(3)} for i in range(3)}
+    assert all(len(s) == 3 for s in seen.values())  # over the rounds every arm ran on every slice
+    with pytest.raises(ValueError):
+        rm.cpu_slices([0], 2, 0)
+
+
+def test_request_barrier_holds_each_arm_until_every_arm_arrives(tmp_path):
+    import threading
+    import time
+
+    arrived = {}
+
+    def arm(i, delay):
+        time.sleep(delay)
+        arrived[i] = time.monotonic()
+        b = rm.RequestBarrier(str(tmp_path), 2, i, timeout=30)
+        b.meet("request0")
+        arrived[f"left{i}"] = time.monotonic()
+        arrived[f"broken{i}"] = b.broken
+
+    ts = [threading.Thread(target=arm, args=(0, 0.0)), threading.Thread(target=arm, args=(1, 0.3))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert arrived["left0"] >= arrived[1]  # the early arm waited for the late one
+    assert not arrived["broken0"] and not arrived["broken1"]
+
+
+def test_request_barrier_stops_waiting_for_a_failed_or_late_peer(tmp_path):
+    import time
+
+    (tmp_path / "a").mkdir()
+    b = rm.RequestBarrier(str(tmp_path / "a"), 2, 0, timeout=0.05)
+    t0 = time.monotonic()
+    b.meet("request0")  # the peer never comes
+    assert b.broken and b.timeouts == 1
+    b.meet("request1")  # broken: no second wait
+    assert b.timeouts == 1 and time.monotonic() - t0 < 5
+    (tmp_path / "b").mkdir()
+    rm.RequestBarrier(str(tmp_path / "b"), 2, 1).leave()  # the peer failed
+    b = rm.RequestBarrier(str(tmp_path / "b"), 2, 0, timeout=60)
+    t0 = time.monotonic()
+    b.meet("request0")
+    assert b.broken and b.timeouts == 0 and time.monotonic() - t0 < 5
+
+
+def test_together_runs_every_arm_at_once_each_on_its_own_cpus(tmp_path, monkeypatch):
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs and sched_getaffinity")
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    child = ("import json, os, sys, time\n"
+             "sys.path.insert(0, {here!r})\n"
+             "from benchmark_scripts import load_script\n"
+             "rm = load_script('real_models.py')\n"
+             "path, folder, n, i = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])\n"
+             "b = rm.RequestBarrier(folder, n, i, timeout=60)\n"
+             "time.sleep(0.5 * i)\n"  # the second arm starts late: the barrier lines them up
+             "b.meet('request0')\n"
+             "t = time.time()\n"
+             "json.dump({{'request_ms': {{'p50': 1.0, 'total': 1.0, 'n': 1}}, 'request_ms_each': [1.0], 'met': t,\n"
+             "           'cpus': sorted(os.sched_getaffinity(0)), 'omp': os.environ.get('OMP_NUM_THREADS')}},\n"
+             "          open(path, 'w'))\n").format(here=os.path.dirname(os.path.abspath(__file__)))
+
+    def fake_command(arm, workload, args, path, log_file=None, barrier=None):
+        return [sys.executable, "-c", child, path, barrier[0], str(barrier[1]), str(barrier[2])]
+
+    monkeypatch.setattr(rm, "arm_command", fake_command)
+    args = rm.argparse.Namespace(seed=1, device="cpu", quick=True, timeout=60.0)
+    out = rm.run_arms_together(["torch", "arena"], "bert", args, str(tmp_path), 1, cpus)
+    assert out["torch"]["cpus"] == [cpus[1]] and out["arena"]["cpus"] == [cpus[0]]  # round 2: rotated
+    assert out["torch"]["omp"] == out["arena"]["omp"] == "1"
+    assert abs(out["torch"]["met"] - out["arena"]["met"]) < 0.3  # both left the barrier together
+    assert out["torch"]["together"] == {"arms": 2, "round": 2}
+
+
+def test_together_reaches_the_rounds_and_the_report(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_together(arms, wl, args, tmp, rnd, cpus, log_files=None):
+        seen.append((tuple(arms), rnd, tuple(cpus)))
+        return {a: {"request_ms": {"p50": 1.0 + (a != "torch"), "total": 1.0 + (a != "torch"), "n": 1},
+                    "request_ms_each": [1.0 + (a != "torch")], "request_sha256": ["ab"], "output_sha256": "ab",
+                    "process_s": 0.0, "barrier_timeouts": int(a == "arena" and rnd == 1)} for a in arms}
+
+    monkeypatch.setattr(rm, "run_arms_together", fake_together)
+    monkeypatch.setattr(rm, "run_arm_process", lambda *a, **k: pytest.fail("--together runs no arm alone"))
+    monkeypatch.setattr(rm.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert rm.main(["--device", "cpu", "--arms", "torch,arena", "--workloads", "bert", "--rounds", "2", "--together",
+                    "--out", str(tmp_path / "out")]) == 0
+    assert [r for _, r, _ in seen] == [0, 1] and all(c == (0, 1, 2, 3) for _, _, c in seen)
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["together"] is True
+    assert saved["round_times"]["bert"]["arena"]["paired_vs_torch"] == [2.0, 2.0]
+    md = (tmp_path / "out.md").read_text()
+    assert "every arm at once in each round" in md
+    assert "ran on alone after a peer fell behind" in md  # round 2's arena run
+
+
+def test_together_with_more_arms_than_cpus_is_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(rm.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    with pytest.raises(SystemExit) as e:
+        rm.main(["--device", "cpu", "--arms", "torch,arena", "--together", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
