@@ -1375,27 +1375,31 @@ def run_arms_together(arms: Sequence[str], workload: str, args: argparse.Namespa
     bar = tempfile.mkdtemp(prefix=f"barrier-{rnd}-", dir=tmp)
     procs = []
     t0 = time.perf_counter()
+    out: Dict[str, Dict[str, Any]] = {}
     for i, arm in enumerate(arms):
         path = os.path.join(tmp, f"{arm}-{workload}-together.json")
         env = child_env(arm, dict(os.environ))
         env["OMP_NUM_THREADS"] = str(len(slices[i]))  # its own cores' worth of threads, as every arm
-        err = open(path + ".stderr", "w")
         cmd = arm_command(arm, workload, args, path, (log_files or {}).get(arm), (bar, len(arms), i))
-        procs.append((arm, path, err, subprocess.Popen(cmd, env=env, stderr=err,
-                                                       preexec_fn=lambda c=slices[i]: os.sched_setaffinity(0, c))))
-    out: Dict[str, Dict[str, Any]] = {}
+        try:
+            with open(path + ".stderr", "w") as err:  # the child holds its own copy
+                procs.append((arm, path, subprocess.Popen(
+                    cmd, env=env, stderr=err, preexec_fn=lambda c=slices[i]: os.sched_setaffinity(0, c))))
+        except (OSError, subprocess.SubprocessError) as e:  # the others must not wait for it
+            RequestBarrier(bar, len(arms), i).leave()
+            out[arm] = {"error": f"could not start: {type(e).__name__}: {e}", "process_s": 0.0}
     deadline = time.monotonic() + args.timeout
-    for arm, path, err, p in procs:
+    for arm, path, p in procs:
         try:
             rc: Any = p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
             rc = f"timed out after {args.timeout} s"
-        err.close()
         out[arm] = arm_result(path, rc, t0)
+    for arm in arms:
         out[arm]["together"] = {"arms": len(arms), "round": rnd + 1}
-    return out
+    return {arm: out[arm] for arm in arms}
 
 
 class RequestBarrier:

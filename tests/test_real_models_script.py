@@ -975,3 +975,29 @@ def test_together_with_more_arms_than_cpus_is_a_usage_error(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as e:
         rm.main(["--device", "cpu", "--arms", "torch,arena", "--together", "--out", str(tmp_path / "o")])
     assert e.value.code == 2
+
+
+def test_together_an_arm_that_cannot_start_is_reported_and_its_peers_do_not_wait(tmp_path, monkeypatch):
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs sched_getaffinity")
+    cpus = sorted(os.sched_getaffinity(0))[:1] * 2  # two slices of one CPU
+    child = ("import json, sys, time\n"
+             "sys.path.insert(0, {here!r})\n"
+             "from benchmark_scripts import load_script\n"
+             "rm = load_script('real_models.py')\n"
+             "b = rm.RequestBarrier(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), timeout=60)\n"
+             "t = time.monotonic(); b.meet('request0')\n"
+             "json.dump({{'waited': time.monotonic() - t, 'broken': b.broken}}, open(sys.argv[1], 'w'))\n"
+             ).format(here=os.path.dirname(os.path.abspath(__file__)))
+
+    def fake_command(arm, workload, args, path, log_file=None, barrier=None):
+        if arm == "arena":
+            return ["/nonexistent/python-for-this-test"]
+        return [sys.executable, "-c", child, path, barrier[0], str(barrier[1]), str(barrier[2])]
+
+    monkeypatch.setattr(rm, "arm_command", fake_command)
+    args = rm.argparse.Namespace(seed=1, device="cpu", quick=True, timeout=60.0)
+    out = rm.run_arms_together(["torch", "arena"], "bert", args, str(tmp_path), 0, cpus)
+    assert "could not start" in out["arena"]["error"]
+    assert out["torch"]["broken"] and out["torch"]["waited"] < 30
+    assert list(out) == ["torch", "arena"]
