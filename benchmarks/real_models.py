@@ -411,7 +411,7 @@ def allocator_share(runs: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str
 ROUND_RUN_KEYS = ("request_ms", "request_ms_each", "request_calls_each", "decode_step_ms", "error", "request_sha256", "output_sha256",
                   "peak_reserved_bytes", "peak_live_bytes", "host_probe_ms", "cpus", "alloc_unit",
                   "allocations_per_unit", "allocator_ms_per_unit", "timing_overhead_ns", "empty_drop_ns",
-                  "log_path", "log_events", "barrier_timeouts")
+                  "log_path", "log_events", "barrier_timeouts", "barrier_broken_at")
 
 RESERVED_TARGET = 0.95  # issue 15: peak reserved vs torch_expandable
 MS_TARGET = 1.02  # issue 14: time vs torch, within noise
@@ -815,7 +815,7 @@ def round_outputs(round_runs: Dict[str, List[Dict[str, Any]]], arms: List[str]) 
             probe_text = ("/".join(f"{x:.1f}" for x in probe)
                           if isinstance(probe, list) and probe and all(isinstance(x, (int, float)) for x in probe) else "n/a")
             # --together: a run whose peers stopped meeting it ran its later requests unpaired.
-            alone = ", ran on alone after a peer fell behind" if r.get("barrier_timeouts") else ""
+            alone = f", unpaired from its {r['barrier_broken_at']} on" if r.get("barrier_broken_at") else ""
             cells.append(f"{fmt_ms(total)} ms, host probe {probe_text} ms, "
                          f"{fmt_mib(r.get('peak_reserved_bytes'))}, `{str(r.get('output_sha256', ''))[:12]}` {same}{alone}")
         rows.append(f"| {arm} | " + " | ".join(cells) + " |")
@@ -1220,7 +1220,7 @@ def run_child(arm: str, workload: str, plan: Dict[str, Any], seed: int, device: 
                                                          driver_call_counter(arm, device),
                                                          barrier.meet if barrier else lambda tag: None))
     if barrier:
-        res["barrier_timeouts"] = barrier.timeouts
+        res.update(barrier_timeouts=barrier.timeouts, barrier_broken_at=barrier.broken_at)
     _sync(torch, device)
     res["wall_s"] = time.perf_counter() - t_start
     res["host_probe_ms"] = [probe_start, host_probe_ms()]  # before and after the requests
@@ -1406,13 +1406,18 @@ class RequestBarrier:
     """The arms of a ``--together`` round meet here before each timed request: each leaves a file
     ``<tag>.<index>`` in the shared folder and waits until every arm's is there. A peer that failed
     (it leaves ``gone.<index>``, :meth:`leave`) or fell behind by ``timeout`` s breaks the barrier
-    for the rest of the run (a timeout is counted in ``timeouts``): the survivors then run on
-    without waiting, and the report says so."""
+    for the rest of the run (a timeout is counted in ``timeouts``, and the arm that waited leaves
+    too, so the late one does not wait in turn): from ``broken_at`` on they run unpaired, and the
+    report says so."""
 
     def __init__(self, folder: str, arms: int, index: int, timeout: float = 120.0) -> None:
         self.folder, self.arms, self.index, self.timeout = folder, arms, index, timeout
         self.timeouts = 0
-        self.broken = False
+        self.broken_at: Optional[str] = None  # the tag where it broke
+
+    @property
+    def broken(self) -> bool:
+        return self.broken_at is not None
 
     def meet(self, tag: str) -> None:
         if self.broken:
@@ -1422,13 +1427,14 @@ class RequestBarrier:
         while True:
             names = [n.rsplit(".", 1)[0] for n in os.listdir(self.folder)]
             if "gone" in names:
-                self.broken = True
+                self.broken_at = tag
                 return
             if names.count(tag) >= self.arms:
                 return
             if time.monotonic() > end:
                 self.timeouts += 1
-                self.broken = True
+                self.broken_at = tag
+                self.leave()
                 return
             time.sleep(0.0005)
 

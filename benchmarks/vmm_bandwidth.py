@@ -79,12 +79,12 @@ def main(argv: List[str] | None = None) -> int:
     gathered = torch.empty(idx.numel(), row, dtype=torch.float16, device="cuda")
     for b in bufs.values():
         b.fill_(1.0)
-    src = torch.ones(n // 2, dtype=torch.float16, device="cuda")
+    ones = torch.ones(n // 2, dtype=torch.float16, device="cuda")
     kernels: Dict[str, Callable[[torch.Tensor], object]] = {
         "sum": lambda b: b.sum(),
         "copy": lambda b: out.copy_(b),  # contiguous, same dtype: torch's device-to-device memcpy
         "copy by kernel": lambda b: torch.add(b, 0.0, out=out),  # the same bytes through an elementwise kernel
-        "copy in": lambda b: b.copy_(src),  # the source as the memcpy's destination
+        "copy in": lambda b: b.copy_(ones),  # the source as the memcpy's destination
         # A KV cache grown by torch.cat (as a dynamic cache grows it each decode step): two halves
         # of the buffer, each 256 rows of 8 KiB blocks, concatenated along the rows.
         "cat": lambda b: torch.cat([h.view(256, -1) for h in b.chunk(2)], dim=1, out=out.view(256, -1)),

@@ -907,9 +907,14 @@ def test_request_barrier_stops_waiting_for_a_failed_or_late_peer(tmp_path):
     b = rm.RequestBarrier(str(tmp_path / "a"), 2, 0, timeout=0.05)
     t0 = time.monotonic()
     b.meet("request0")  # the peer never comes
-    assert b.broken and b.timeouts == 1
+    assert b.broken and b.timeouts == 1 and b.broken_at == "request0"
     b.meet("request1")  # broken: no second wait
     assert b.timeouts == 1 and time.monotonic() - t0 < 5
+    late = rm.RequestBarrier(str(tmp_path / "a"), 2, 1, timeout=60)
+    t0 = time.monotonic()
+    late.meet("request0")  # the arm that waited left: the late one does not wait its turn
+    late.meet("request1")
+    assert late.broken and late.timeouts == 0 and time.monotonic() - t0 < 5
     (tmp_path / "b").mkdir()
     rm.RequestBarrier(str(tmp_path / "b"), 2, 1).leave()  # the peer failed
     b = rm.RequestBarrier(str(tmp_path / "b"), 2, 0, timeout=60)
@@ -954,7 +959,8 @@ def test_together_reaches_the_rounds_and_the_report(tmp_path, monkeypatch):
         seen.append((tuple(arms), rnd, tuple(cpus)))
         return {a: {"request_ms": {"p50": 1.0 + (a != "torch"), "total": 1.0 + (a != "torch"), "n": 1},
                     "request_ms_each": [1.0 + (a != "torch")], "request_sha256": ["ab"], "output_sha256": "ab",
-                    "process_s": 0.0, "barrier_timeouts": int(a == "arena" and rnd == 1)} for a in arms}
+                    "process_s": 0.0, "barrier_timeouts": int(a == "arena" and rnd == 1),
+                    "barrier_broken_at": "request0" if a == "arena" and rnd == 1 else None} for a in arms}
 
     monkeypatch.setattr(rm, "run_arms_together", fake_together)
     monkeypatch.setattr(rm, "run_arm_process", lambda *a, **k: pytest.fail("--together runs no arm alone"))
@@ -967,7 +973,7 @@ def test_together_reaches_the_rounds_and_the_report(tmp_path, monkeypatch):
     assert saved["round_times"]["bert"]["arena"]["paired_vs_torch"] == [2.0, 2.0]
     md = (tmp_path / "out.md").read_text()
     assert "every arm at once in each round" in md
-    assert "ran on alone after a peer fell behind" in md  # round 2's arena run
+    assert "unpaired from its request0 on" in md  # round 2's arena run
 
 
 def test_together_with_more_arms_than_cpus_is_a_usage_error(tmp_path, monkeypatch):
