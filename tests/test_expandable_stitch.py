@@ -415,11 +415,11 @@ def free_all_and_close(pool, device, s, blocks, aliases=None):
     assert aliases is None or c["aliases"] == aliases
 
 
-def lent_pieces_behind_a_live_block(up, device=None):
+def lent_pieces_behind_a_live_block(up, device=None, **kw):
     """Single-stream mode, pieces 1, 3, ..., 9 free; a stitched range over pieces 1, 3, 5 whose
     free first two parts sit before a live block in its last part (so the range cannot grow in
     place), with home's releases unsettled. Returns (pool, blocks to free, stream, the live block)."""
-    pool, keep, s = home_fragmented(up, n=10, device=device)
+    pool, keep, s = home_fragmented(up, n=10, device=device, **kw)
     p = pool.allocate(2 * G + MiB, s)  # stitched from pieces 1, 3, 5; its last MiB free
     r = pool.allocate(MiB, s)  # that last MiB: the range's last part holds two live blocks
     pool.deallocate(p, s)  # parts 1 and 3 wholly free; home unsettled, so no teardown
@@ -463,17 +463,40 @@ def test_a_free_stitched_range_grows_in_place_aliasing_only_what_it_lacks():
     free_all_and_close(pool, up, s, keep, 4)
 
 
-def test_stale_aliases_go_at_a_shrink_scan_whose_settle_point_passed_without_home_settling():
-    up = sim()
-    pool, keep, s, r = lent_pieces_behind_a_live_block(up)
-    q = pool.allocate(4 * G, s)  # 2 stale aliases
-    assert pool.stats()["stale_aliases"] == 2
-    # A release on home between scans keeps home unsettled; the first scan records its settle
-    # point, the second finds it passed: what went stale before the first goes, with no wait.
+def scans_past_a_settle_point(pool, keep, s):
+    """Two shrink scans with a release on home between them: home stays unsettled, and the second
+    scan finds the first one's settle point passed (what went stale before it may go, no wait)."""
     pool.shrink_scan()
-    assert pool.stats()["stale_aliases"] == 2  # went stale in this very epoch
+    assert pool.stats()["stale_aliases"] == 2  # went stale in this very epoch: never at this scan
     pool.deallocate(keep.pop(), s)
     pool.shrink_scan()
+
+
+def test_stale_aliases_stay_mapped_through_shrink_scans_that_would_gain_nothing_by_unmapping_them():
+    """An alias holds no memory and unmapping it is a driver call (stale_alias_cap): with their
+    pieces in use in the later range, the scans leave the two stale aliases mapped."""
+    up = sim()
+    pool, keep, s, r = lent_pieces_behind_a_live_block(up)
+    q = pool.allocate(4 * G, s)  # parts 1 and 3 move on: 2 stale aliases
+    scans_past_a_settle_point(pool, keep, s)
+    st = consistent(pool, up)
+    assert st["home_settles"] == 0 and st["home_barriers"] == 0
+    assert (st["stale_aliases"], st["unalias_calls"], st["stitched_ranges"]) == (2, 0, 2)
+    assert st["stitch_area_bytes"] == 7 * G and up.aliased_bytes() == 7 * G
+    pool.trim()  # waits for home, then every alias that may go goes
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"]) == (0, 2)
+    free_all_and_close(pool, up, s, [q, r] + keep, 7)
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_past_stale_alias_cap_stale_aliases_go_at_a_shrink_scan_whose_settle_point_passed(cap):
+    """More than stale_alias_cap left (0: the behaviour before the cap): the scan past the settle
+    point takes down what went stale before the previous scan, without waiting for home."""
+    up = sim()
+    pool, keep, s, r = lent_pieces_behind_a_live_block(up, stale_alias_cap=cap)
+    q = pool.allocate(4 * G, s)
+    scans_past_a_settle_point(pool, keep, s)
     st = consistent(pool, up)
     assert st["home_settles"] == 0 and st["home_barriers"] == 0
     assert (st["stale_aliases"], st["unalias_calls"], st["stitched_ranges"]) == (0, 2, 2)
@@ -481,6 +504,48 @@ def test_stale_aliases_go_at_a_shrink_scan_whose_settle_point_passed_without_hom
     assert st["stitch_area_bytes"] == 5 * G
     assert up.aliased_bytes() == 5 * G
     free_all_and_close(pool, up, s, [q, r] + keep, 7)
+
+
+@pytest.mark.parametrize("va_granules, gone", [(13, True), (14, False)])
+def test_stale_aliases_go_at_a_scan_once_half_the_stitch_area_is_spoken_for(va_granules, gone):
+    """The stitch area is as large as the main range (va_bytes): the two ranges span 7 granules of
+    it, more than half of 13 but not of 14. Past half, a scan past the settle point takes the
+    stale aliases down (in single-stream mode no other pass may), so that later ranges find room."""
+    up = sim()
+    pool, keep, s, r = lent_pieces_behind_a_live_block(up, va_bytes=va_granules * G)
+    q = pool.allocate(4 * G, s)
+    assert pool.stats()["stitch_area_bytes"] == 7 * G
+    scans_past_a_settle_point(pool, keep, s)
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"]) == ((0, 2) if gone else (2, 0))
+    free_all_and_close(pool, up, s, [q, r] + keep, 7)
+
+
+def test_a_shrink_scan_that_unmaps_a_piece_takes_its_stale_aliases_down_first():
+    """The upstream refuses to unmap a piece while an alias of it is mapped: a scan that would
+    unmap a piece with stale aliases unmaps them first. Until then they stay (stale_alias_cap),
+    where they used to go at the first pass that came by."""
+    up = sim()
+    pool = pool_pieces(up, shrink_hysteresis=2)  # streams as given: every release settled at once
+    blocks = [pool.allocate(G) for _ in range(11)]
+    for p in blocks[1:10:2]:
+        pool.deallocate(p)  # pieces 1, 3, 5, 7, 9 free
+    keep = blocks[0::2]
+    p = pool.allocate(2 * G + MiB)  # stitched from pieces 1, 3, 5
+    r = pool.allocate(MiB)  # the last MiB of piece 5: the range is not wholly free
+    pool.deallocate(p)
+    q = pool.allocate(4 * G)  # parts 1 and 3 move on with pieces 7 and 9: 2 stale aliases
+    pool.deallocate(q)  # that range goes at once (4 unaliases), its pieces home; the stale stay
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
+    pool.shrink_scan()  # pieces 1, 3, 7, 9 free for one scan: not yet (hysteresis 2)
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
+    pool.shrink_scan()  # now they go, pieces 1 and 3 after their stale aliases
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (0, 6, 4)
+    assert st["reserved_bytes"] == 7 * G and up.aliased_bytes() == G  # piece 5, still lent
+    free_all_and_close(pool, up, None, [r] + keep, 7)
 
 
 def test_a_refused_unalias_of_a_stale_alias_keeps_it_counted_and_a_later_trim_finishes():
@@ -542,14 +607,15 @@ def test_stitch_edge_from_lets_a_large_request_stitch_the_free_run_at_the_growth
 def test_random_single_stream_traffic_that_moves_lent_pieces_stays_consistent(seed):
     """One stream, home never waited for except at trims: stitched pieces move on and go stale (and,
     odd seeds, top-ups map what free pieces lack and free ranges go home; seeds 14 and 15, stitched
-    ranges begin and end in fragments). No memory lies behind two live blocks."""
+    ranges begin and end in fragments; seed 12 takes every stale alias down at each pass, seed 13
+    once more than 3 are left). No memory lies behind two live blocks."""
     rng = random.Random(seed)
     inner = sim(capacity=160 * MiB)
     up = pk.upstream.Faulty(inner, fail_every=5, fail_frees=True, armed=False)
     pool = pk.ArenaPool(up, expandable=True, initial_backing=G, step_fraction=0.0, max_step=8 * MiB, shrink_interval=32,
                         map_piece=G, stitch=True, stitch_max_parts=256, stitch_edge_from=4 * MiB, single_stream=True,
                         thread_cache_bytes=256 * KiB if seed % 2 else 0, stitch_top_up=bool(seed % 2),
-                        stitch_fragments=seed >= 14)
+                        stitch_fragments=seed >= 14, stale_alias_cap={12: 0, 13: 3}.get(seed, 4096))
     s = inner.stream()
     live = {}
     stale = []

@@ -48,6 +48,7 @@ ArenaOptions arena_options(nb::handle opts) {
   o.stitch_from = r.size("stitch_from", o.stitch_from);
   o.stitch_top_up = r.flag("stitch_top_up", o.stitch_top_up);
   o.stitch_fragments = r.flag("stitch_fragments", o.stitch_fragments);
+  o.stale_alias_cap = r.size("stale_alias_cap", o.stale_alias_cap);
   o.shards = r.size("shards", o.shards);
   o.single_stream = r.flag("single_stream", o.single_stream);
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
@@ -55,7 +56,7 @@ ArenaOptions arena_options(nb::handle opts) {
   if (!o.expandable)
     for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow", "stitch",
                           "stitch_max_parts", "stitch_edge_from", "stitch_from", "stitch_top_up",
-                          "stitch_fragments"})
+                          "stitch_fragments", "stale_alias_cap"})
       if (r.given(k))
         throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();

@@ -203,6 +203,8 @@ std::vector<Case> all_cases() {
     o.stitch_max_parts = 256;
     o.stitch_top_up = true;
     o.stitch_fragments = true;
+    // Low enough that passes take stale aliases down past the cap as well as with their pieces.
+    o.stale_alias_cap = 4;
     return std::make_shared<ArenaPool>(std::move(up), o);
   };
   auto direct = [](std::shared_ptr<Upstream> up) -> std::shared_ptr<Pool> { return std::make_shared<DirectPool>(std::move(up)); };

@@ -15,10 +15,15 @@
 // backing of its own, so each physical byte is tiled by exactly one chunk: in its segment, or in
 // the one stitched backing whose Active part holds it. reserved counts each piece once.
 // - A wholly free Active part may move on to a later stitch at once: it is aliased again there
-//   and its old alias goes Stale (mapped, out of the books) until it can be unmapped without
-//   waiting for queued work (a settled home stream, or a shrink scan past its settle point). In
-//   single-stream mode (install()'s default) the home stream hardly ever settles, and pieces that
-//   stayed locked in free stitched ranges made large requests map more.
+//   and its old alias goes Stale (mapped, out of the books). In single-stream mode (install()'s
+//   default) the home stream hardly ever settles, and pieces that stayed locked in free stitched
+//   ranges made large requests map more.
+// - Stale aliases stay mapped until one must go (retire_stale()): an alias holds no memory, only
+//   addresses of the stitch area and a mapping of the driver's, while unmapping one is a driver
+//   call that rewrites the device's page tables. One goes once queued work can no longer reach it
+//   (a settled home stream, or a shrink scan past its settle point) and its piece is about to be
+//   unmapped, the pool is trimmed or recovers from OOM, more than half the stitch area is spoken
+//   for, or more than stale_alias_cap are left.
 // - A stitched range whose stretch ends in a free chunk grows in place when the area after it is
 //   free: only what that chunk lacks is aliased (extend_stitch()).
 // - Top-up (option `stitch_top_up`): when the wholly free pieces fall short of a request by less
@@ -38,6 +43,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <map>
+#include <set>
 
 #include "poolkeeper/pools/arena_pool.hpp"
 
@@ -82,7 +88,7 @@ class VirtualRange final : public BackingSource {
     // A free stitched backing with a fragment goes home at once: neither its fragment nor the rest
     // of that piece could serve anything else meanwhile (the Llama-style log held 18 MiB more at
     // its peak while they waited for a teardown).
-    if (stitching && (dissolve_free_stitches() | send_home(true)))
+    if (stitching && (dissolve_free_stitches(passing_sweep()) | send_home(true)))
       if (ArenaChunk* c = a_.index_.take_best_fit(rounded)) return c;
     std::vector<ArenaBacking*> segs = main_segments();
     const std::uintptr_t va_end = va_base_ + va_bytes_;
@@ -254,8 +260,10 @@ class VirtualRange final : public BackingSource {
     return absorb(gs, done, prev, next);
   }
 
+  // A shrink scan (hysteresis) takes only the stale aliases that must go (those of the pieces it
+  // unmaps: unmap_free()); trim takes every one it may.
   std::size_t release_free(Detached&, bool hysteresis) override {
-    dissolve_free_stitches();  // their pieces return to the range, where they can be unmapped
+    dissolve_free_stitches(hysteresis ? passing_sweep() : Sweep{true});  // their pieces return to the range
     return unmap_free(hysteresis, false);
   }
 
@@ -264,7 +272,7 @@ class VirtualRange final : public BackingSource {
   // The free tail stays: the retry's growth extends it, and unmapping it would only make that map
   // larger.
   std::size_t release_for_oom(Detached&) override {
-    dissolve_free_stitches();
+    dissolve_free_stitches({true});
     return a_.opt_.reclaim_holes ? unmap_free(false, false, true) : 0;
   }
 
@@ -278,7 +286,7 @@ class VirtualRange final : public BackingSource {
   // reserved unless nothing is left mapped.
   void release_unused(Detached&) override {
     if (a_.upstream_->captures_underway() > 0) return;
-    dissolve_free_stitches();
+    dissolve_free_stitches({true});
     unmap_free(false, true);
     if (pieces_.empty()) release_all();
   }
@@ -288,7 +296,7 @@ class VirtualRange final : public BackingSource {
   void released(std::uintptr_t backing_addr) override {
     if (!stitch_ || in_main(backing_addr) || a_.upstream_->captures_underway() > 0) return;
     auto it = stitch_of(backing_addr);
-    if (it != stitches_.end()) dissolve(it);
+    if (it != stitches_.end()) dissolve(it, passing_sweep());
   }
 
   bool wants_release(const ArenaChunk* c) const override {
@@ -350,7 +358,7 @@ class VirtualRange final : public BackingSource {
     // (a fragment only at a run's edge); with the segments above, every mapped byte is tiled by
     // exactly one chunk and reachable through one address while live. Stale parts are mapped
     // aliases out of the books: each piece's alias count is its Active and Stale parts.
-    std::size_t active = 0;
+    std::size_t active = 0, stale = 0;
     std::uintptr_t s_end = 0;
     std::map<std::uintptr_t, std::size_t> alias_count;
     std::vector<std::pair<std::uintptr_t, std::size_t>> runs;
@@ -366,6 +374,7 @@ class VirtualRange final : public BackingSource {
         auto p = pieces_.find(part.src);
         if (p == pieces_.end() || p->second.size != part.n) fail("stitched range at " + format_ptr(dst) + " names a part that is no mapped piece");
         ++alias_count[part.src];
+        stale += part.st == PartState::Stale;
         any = true;
         if (part.st == PartState::Active) {
           if (p->second.lent_to != dst) fail("stitched range at " + format_ptr(dst) + " has an Active part whose piece is lent elsewhere");
@@ -388,6 +397,7 @@ class VirtualRange final : public BackingSource {
       if (p.aliases != (c == alias_count.end() ? 0 : c->second)) fail("piece at " + format_ptr(at) + ": alias count is off");
     }
     if (active != lent) fail("lent pieces and Active stitched parts differ");
+    if (stale != stale_) fail("stale alias count is off");
   }
 
   void stats(PoolStats& st) const override {
@@ -419,7 +429,7 @@ class VirtualRange final : public BackingSource {
            {"stitch", static_cast<std::size_t>(stitch_ ? 1 : 0)},
            {"stitched_ranges", static_cast<std::size_t>(stitches_.size())},
            {"stitched_bytes", static_cast<std::size_t>(lent_bytes)},
-           {"stale_aliases", static_cast<std::size_t>(stale_aliases())},
+           {"stale_aliases", static_cast<std::size_t>(stale_)},
            {"moved_parts", static_cast<std::size_t>(moved_parts_)},
            {"stitch_extends", static_cast<std::size_t>(stitch_extends_)},
            {"stitch_top_ups", static_cast<std::size_t>(top_ups_)},
@@ -470,11 +480,11 @@ class VirtualRange final : public BackingSource {
     std::size_t size = 0;     // the stretch: every part's bytes, whatever its state
   };
 
-  std::size_t stale_aliases() const {
-    std::size_t n = 0;
-    for (const auto& [dst, st] : stitches_)
-      for (const Part& p : st.parts) n += p.st == PartState::Stale;
-    return n;
+  // `part` (Active) goes Stale: its alias stays mapped, its bytes leave the books.
+  void go_stale(Part& part) {
+    part.st = PartState::Stale;
+    part.stale_epoch = a_.scan_epoch_;
+    ++stale_;
   }
   std::size_t stitch_area_used() const {
     std::size_t n = 0;
@@ -634,9 +644,9 @@ class VirtualRange final : public BackingSource {
         const std::uintptr_t ps = it->first, pe = ps + it->second.size;
         while (c->addr + c->size <= ps) c = c->next_addr;
         std::uint64_t used = 0;
-        // A piece with a Stale alias left cannot be unmapped (the upstream refuses while an alias
-        // is mapped); its alias goes when its stitched range is dissolved.
-        bool free = chunks_free(c, ps, pe, used) && !it->second.aliases;
+        // The upstream refuses to unmap a piece while an alias of it is mapped. A piece in the
+        // main range (not lent) has only Stale aliases, if any: they go first, below.
+        bool free = chunks_free(c, ps, pe, used) && !it->second.lent_to;
         const bool in_tail = si + 1 == segs.size() && ps >= tail_start;
         if ((!holes && !in_tail) || (keep_tail && in_tail)) free = false;
         if (hysteresis) {
@@ -646,6 +656,16 @@ class VirtualRange final : public BackingSource {
         }
         if (free && ps != va_base_) victims.push_back(ps);
       }
+    }
+    // The victims' Stale aliases go now, where queued work can no longer reach them; a victim that
+    // keeps one stays mapped (a later pass unmaps it).
+    std::set<std::uintptr_t> aliased;
+    for (std::uintptr_t v : victims)
+      if (pieces_.at(v).aliases) aliased.insert(v);
+    if (!aliased.empty()) {
+      dissolve_free_stitches({false, &aliased, true});
+      victims.erase(std::remove_if(victims.begin(), victims.end(), [&](std::uintptr_t v) { return pieces_.at(v).aliases != 0; }),
+                    victims.end());
     }
     if (min_bytes) {
       std::size_t total = 0;
@@ -794,14 +814,40 @@ class VirtualRange final : public BackingSource {
     a_.file_free_locked(absorb(ps, n, prev, next, false));
   }
 
-  // Tear down every stitched range that is wholly free (not a live, pending or thread-cached byte
-  // in it): aliases unmapped last first, pieces back in the main range. A refused unalias keeps
-  // the range's first pieces stitched (a shorter range, still free) and is counted. Returns
-  // whether any piece came back.
-  bool dissolve_free_stitches() {
+  // What a pass of dissolve() over the stitched ranges takes down. Stale aliases: every one that
+  // queued work can no longer reach (`all_stale`), or only those of the pieces in `stale_of`.
+  // Wholly free stitched backings (home's releases settled) are torn down, unless `keep_free`
+  // (the caller holds books that must not change). Tearing them down by sending them home instead
+  // (parts Stale, no call) held random_lifetime higher (seeds 1-8 at 4,000 steps: worst 1.094x ->
+  // 1.102x peak / live): a stitched range that keeps its Stale parts keeps its stretch of the
+  // stitch area, and the next ranges are placed with less room to grow in place.
+  struct Sweep {
+    bool all_stale = false;
+    const std::set<std::uintptr_t>* stale_of = nullptr;
+    bool keep_free = false;
+  };
+
+  // A pass that comes by anyway (a growth, a shrink scan, a stitched range freed) takes down every
+  // Stale alias it may only once more than stale_alias_cap are left. Unmapping one is a driver
+  // call that rewrites the device's page tables (~14 us a piece on the H200:
+  // benchmarks/results/vmm_latency_h200.txt) and gains no memory; keeping one costs a mapping in
+  // the driver's books and addresses in the stitch area. The default cap bounds the driver's extra
+  // mappings while staying above what a serving loop leaves behind as it settles into its layout
+  // (the BERT serving log of the H200 run: 978 at most; docs/expandable.md, "Stale aliases stay").
+  // Past half the stitch area spoken for, they go as well: a stitch that finds no room for its
+  // range can take them down only where queued work can no longer reach them, which in
+  // single-stream mode is a shrink scan's pass, not the growth that needs the room.
+  Sweep passing_sweep() const {
+    const bool tight = stale_ && stitch_area_used() * 2 > sva_bytes_;
+    return {stale_ > a_.opt_.stale_alias_cap || tight, nullptr, false};
+  }
+
+  // dissolve() over every stitched range (never while a capture scope is open). Returns whether
+  // any piece came back to the main range.
+  bool dissolve_free_stitches(const Sweep& how) {
     if (stitches_.empty() || a_.upstream_->captures_underway() > 0) return false;
     bool any = false;
-    for (auto it = stitches_.begin(); it != stitches_.end();) any |= dissolve(it);
+    for (auto it = stitches_.begin(); it != stitches_.end();) any |= dissolve(it, how);
     return any;
   }
 
@@ -823,10 +869,8 @@ class VirtualRange final : public BackingSource {
         if ((only_fragments && !st.parts[j0].partial() && !st.parts[j1 - 1].partial()) || !wholly_free(b)) continue;
         drop_backing(b);
         for (std::size_t j = j0; j < j1; ++j) {
-          Part& part = st.parts[j];
-          part.st = PartState::Stale;
-          part.stale_epoch = a_.scan_epoch_;
-          give_back(part.src);
+          go_stale(st.parts[j]);
+          give_back(st.parts[j].src);
           ++homecomings_;
         }
         any = true;
@@ -871,22 +915,23 @@ class VirtualRange final : public BackingSource {
     return at < it->first + it->second.size ? it : stitches_.end();
   }
 
-  // The stitched range at `it`: its Stale aliases unmapped, and each of its backings that is
-  // wholly free torn down (aliases unmapped last first, pieces back in the main range); once every
-  // part is gone the range's stretch is free again. A refused unalias is counted and keeps that
-  // alias (an Active run keeps its first parts as a shorter backing, still free). Advances `it`.
-  // Returns whether any piece came back.
+  // The stitched range at `it`: the Stale aliases `how` names unmapped, and each of its backings
+  // that is wholly free torn down unless `how` keeps them (aliases unmapped last first, pieces back
+  // in the main range); once every part is gone the range's stretch is free again. A
+  // refused unalias is counted and keeps that alias (an Active run keeps its first parts as a
+  // shorter backing, still free). Advances `it`. Returns whether any piece came back.
   // Single-stream mode: free memory may still be in use by the home stream's queued work until the
   // arena has waited for it (the paths that must release wait first; the others skip). A shrink
   // scan whose settle point has passed (fence_passed_) may still unmap the aliases that went Stale
   // before the previous scan: their last use was queued before that scan's event. So stale aliases
   // do not pile up on a server whose home stream never idles.
-  bool dissolve(std::map<std::uintptr_t, Stitch>::iterator& it) {
+  bool dissolve(std::map<std::uintptr_t, Stitch>::iterator& it, const Sweep& how) {
     const bool settled = !a_.home_dirty_;
     auto stale_may_go = [&](const Part& p) {
-      return p.st == PartState::Stale && (settled || (a_.fence_passed_ && p.stale_epoch < a_.scan_epoch_));
+      return p.st == PartState::Stale && (how.all_stale || (how.stale_of && how.stale_of->count(p.src))) &&
+             (settled || (a_.fence_passed_ && p.stale_epoch < a_.scan_epoch_));
     };
-    if (!settled && std::none_of(it->second.parts.begin(), it->second.parts.end(), stale_may_go)) {
+    if ((!settled || how.keep_free) && std::none_of(it->second.parts.begin(), it->second.parts.end(), stale_may_go)) {
       ++it;
       return false;
     }
@@ -918,10 +963,13 @@ class VirtualRange final : public BackingSource {
     for (std::size_t j = 0, e = 0; j < st.parts.size(); j = std::max(e, j + 1)) {
       for (e = j; e < st.parts.size() && stale_may_go(st.parts[e]);) ++e;
       if (e > j)
-        for (std::size_t g = unalias(j, e); g < e; ++g) st.parts[g].st = PartState::Gone;
+        for (std::size_t g = unalias(j, e); g < e; ++g) {
+          st.parts[g].st = PartState::Gone;
+          --stale_;
+        }
     }
     bool any = false;
-    if (settled) for (ArenaBacking* b : stitch_backings(dst, st.size)) {
+    if (settled && !how.keep_free) for (ArenaBacking* b : stitch_backings(dst, st.size)) {
       if (!wholly_free(b)) continue;
       const std::uintptr_t ba = b->addr;
       const auto [j0, j1] = parts_over(offs, st, dst, b);
@@ -1109,9 +1157,7 @@ class VirtualRange final : public BackingSource {
       given += p.bytes();
       if (p.from) {
         ++moved_parts_;
-        Part& old = stitches_.at(p.from).parts[p.part];
-        old.st = PartState::Stale;
-        old.stale_epoch = a_.scan_epoch_;
+        go_stale(stitches_.at(p.from).parts[p.part]);
       }
       Piece& piece = pieces_.at(p.src);
       piece.lent_to = owner;
@@ -1376,6 +1422,7 @@ class VirtualRange final : public BackingSource {
       if (!run.empty()) unalias_run(dst + from);
     }
     stitches_.clear();
+    stale_ = 0;
     auto& segs = a_.backings_;
     for (ArenaBacking* b : segs) {
       for (ArenaChunk* c = b->first; c;) {
@@ -1441,6 +1488,7 @@ class VirtualRange final : public BackingSource {
   std::uintptr_t va_base_ = 0, sva_base_ = 0;
   std::size_t va_bytes_ = 0, sva_bytes_ = 0, granule_ = 0, piece_ = 0, mapped_ = 0;
   bool stitch_ = false, stitch_area_refused_ = false;
+  std::size_t stale_ = 0;  // Stale parts over every stitched range (validate() recounts them)
   std::map<std::uintptr_t, Piece> pieces_;      // every mapped piece, by address
   std::map<std::uintptr_t, Stitch> stitches_;  // stitched ranges, by address in the stitch area
   std::uint64_t map_calls_ = 0, unmap_calls_ = 0, unmap_failures_ = 0, hole_unmaps_ = 0, hole_refills_ = 0;
