@@ -18,7 +18,7 @@
 //   and its old alias goes Stale (mapped, out of the books). In single-stream mode (install()'s
 //   default) the home stream hardly ever settles, and pieces that stayed locked in free stitched
 //   ranges made large requests map more.
-// - Stale aliases stay mapped until one must go (retire_stale()): an alias holds no memory, only
+// - Stale aliases stay mapped until one must go (Sweep, unmap_free()): an alias holds no memory, only
 //   addresses of the stitch area and a mapping of the driver's, while unmapping one is a driver
 //   call that rewrites the device's page tables. One goes once queued work can no longer reach it
 //   (a settled home stream, or a shrink scan past its settle point) and its piece is about to be
@@ -88,7 +88,8 @@ class VirtualRange final : public BackingSource {
     // A free stitched backing with a fragment goes home at once: neither its fragment nor the rest
     // of that piece could serve anything else meanwhile (the Llama-style log held 18 MiB more at
     // its peak while they waited for a teardown).
-    if (stitching && (dissolve_free_stitches(passing_sweep()) | send_home(true)))
+    const Sweep sweep = stitching ? passing_sweep() : Sweep{};
+    if (stitching && (dissolve_free_stitches(sweep) | send_home(true)))
       if (ArenaChunk* c = a_.index_.take_best_fit(rounded)) return c;
     std::vector<ArenaBacking*> segs = main_segments();
     const std::uintptr_t va_end = va_base_ + va_bytes_;
@@ -213,7 +214,8 @@ class VirtualRange final : public BackingSource {
     // step's worth (mapped * step_fraction, at least a granule): smaller releases would cost an
     // unmap now and a map later for little.
     if (opt.release_on_grow && opt.reclaim_holes && quiet &&
-        unmap_free(false, false, true, std::max(granule_, static_cast<std::size_t>(double(mapped_) * opt.step_fraction))))
+        unmap_free(false, false, true, std::max(granule_, static_cast<std::size_t>(double(mapped_) * opt.step_fraction)),
+                   sweep.all_stale))
       find_hole(rounded, true);
     const std::size_t tail_gap = segs.empty() ? va_bytes_ : va_end - (segs.back()->addr + segs.back()->size);
     if (!found)
@@ -263,8 +265,9 @@ class VirtualRange final : public BackingSource {
   // A shrink scan (hysteresis) takes only the stale aliases that must go (those of the pieces it
   // unmaps: unmap_free()); trim takes every one it may.
   std::size_t release_free(Detached&, bool hysteresis) override {
-    dissolve_free_stitches(hysteresis ? passing_sweep() : Sweep{true});  // their pieces return to the range
-    return unmap_free(hysteresis, false);
+    const Sweep sweep = hysteresis ? passing_sweep() : Sweep{true};
+    dissolve_free_stitches(sweep);  // their pieces return to the range, where they can be unmapped
+    return unmap_free(hysteresis, false, false, 0, sweep.all_stale);
   }
 
   // The free memory that no request could use lies in pieces the failed growth did not extend:
@@ -273,7 +276,7 @@ class VirtualRange final : public BackingSource {
   // larger.
   std::size_t release_for_oom(Detached&) override {
     dissolve_free_stitches({true});
-    return a_.opt_.reclaim_holes ? unmap_free(false, false, true) : 0;
+    return a_.opt_.reclaim_holes ? unmap_free(false, false, true, 0, true) : 0;
   }
 
   ArenaChunk* readopt(void*, std::size_t) override {
@@ -287,7 +290,7 @@ class VirtualRange final : public BackingSource {
   void release_unused(Detached&) override {
     if (a_.upstream_->captures_underway() > 0) return;
     dissolve_free_stitches({true});
-    unmap_free(false, true);
+    unmap_free(false, true, false, 0, true);
     if (pieces_.empty()) release_all();
   }
 
@@ -460,8 +463,8 @@ class VirtualRange final : public BackingSource {
   };
   // A part of a stitched range: one piece's alias. Active: its bytes are in the books (a stitched
   // backing tiles them). Stale: the piece moved on to a later stitched range while this alias was
-  // still mapped; the alias stays until the range can be unmapped without waiting (home's queued
-  // work may still use it), its bytes out of the books. Gone: unaliased.
+  // still mapped; its bytes are out of the books, and the alias stays until something needs it
+  // gone and home's queued work can no longer reach it (Sweep). Gone: unaliased.
   enum class PartState : std::uint8_t { Active, Stale, Gone };
   // A part aliases its whole piece (maps are granule-sized), but the range's backing may use
   // only [lo, hi) of it: a fragment (lo > 0: the piece's free end, only the first part of a
@@ -621,9 +624,11 @@ class VirtualRange final : public BackingSource {
   // piece a steady loop reuses between scans is free at every scan that lands between its rounds,
   // and giving it back each time cost a map and an unmap per scan (measured: ~2,600 of each in
   // 0.4 s under 16 threads of 32 MiB blocks on the H200, benchmarks/results/thread_scaling_h200.txt).
-  // With reclaim_holes off, only pieces of the free tail. Under the pool lock; a refused unmap
-  // stops the walk with that piece mapped and counted.
-  std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0) {
+  // With reclaim_holes off, only pieces of the free tail. A piece with Stale aliases counts as free
+  // (they hold none of its bytes; its idle scans count on) and goes once they can go (stale_swept:
+  // the caller's sweep already asked for all of them, so a refused one is not asked again in this
+  // pass). Under the pool lock; a refused unmap stops the walk with that piece mapped and counted.
+  std::size_t unmap_free(bool hysteresis, bool any, bool keep_tail = false, std::size_t min_bytes = 0, bool stale_swept = false) {
     // See dissolve(): home's queued work may still use free memory. A shrink scan counts anyway and
     // releases only what the arena's settle point covers (scan_may_release).
     if (a_.home_dirty_ && !hysteresis) return 0;
@@ -657,20 +662,22 @@ class VirtualRange final : public BackingSource {
         if (free && ps != va_base_) victims.push_back(ps);
       }
     }
+    auto bytes = [&] {
+      std::size_t total = 0;
+      for (std::uintptr_t v : victims) total += pieces_.at(v).size;
+      return total;
+    };
+    if (min_bytes && bytes() < min_bytes) return 0;  // before any unalias: none is made for nothing
     // The victims' Stale aliases go now, where queued work can no longer reach them; a victim that
     // keeps one stays mapped (a later pass unmaps it).
     std::set<std::uintptr_t> aliased;
     for (std::uintptr_t v : victims)
       if (pieces_.at(v).aliases) aliased.insert(v);
     if (!aliased.empty()) {
-      dissolve_free_stitches({false, &aliased, true});
+      if (!stale_swept) dissolve_free_stitches({false, &aliased, true});
       victims.erase(std::remove_if(victims.begin(), victims.end(), [&](std::uintptr_t v) { return pieces_.at(v).aliases != 0; }),
                     victims.end());
-    }
-    if (min_bytes) {
-      std::size_t total = 0;
-      for (std::uintptr_t v : victims) total += pieces_.at(v).size;
-      if (total < min_bytes) return 0;
+      if (min_bytes && bytes() < min_bytes) return 0;
     }
     std::size_t released = 0;
     // Adjacent victims go as one run (one driver call where the device takes runs: upstream.hpp,
@@ -1314,8 +1321,7 @@ class VirtualRange final : public BackingSource {
   // time, end to end, into the stitch area: by growing a stitched range in place
   // (extend_stitch()), else as a fresh stitched range. A piece may come from the main range or
   // from an earlier stitched range whose part over it is wholly free: that part's alias stays
-  // mapped (Stale) until the range can be unmapped without waiting, so moving it on costs one
-  // alias and no wait. With stitch_fragments, when the whole pieces fall short, the fresh range
+  // mapped (Stale, Sweep), so moving it on costs one alias and no wait. With stitch_fragments, when the whole pieces fall short, the fresh range
   // may begin with one piece's free end and end with another's free start (fragments()), the
   // fewest of them that make up the shortfall. At most stitch_max_parts pieces (each is an
   // upstream call); never a piece of the main range in [keep_lo, keep_hi). Returns the stitched

@@ -163,11 +163,12 @@ struct ArenaOptions {
   // short of by less than that then maps a granule or two less (docs/expandable.md, "Fragments").
   bool stitch_fragments = false;
   // Expandable with stitch: Stale aliases (a moved piece's old mapping) left mapped at most; past
-  // it, the next growth, shrink scan or freed stitched range unmaps every one that queued work can
-  // no longer reach. Below it one goes only when its piece is unmapped, on trim, OOM recovery or
-  // close, or once more than half the stitch area is spoken for. An alias holds no memory, and unmapping one is
-  // a driver call that rewrites the device's page tables (docs/expandable.md, "Stale aliases
-  // stay"). 0: every pass unmaps them all.
+  // it, the next growth or shrink scan unmaps every one that queued work can no longer reach (the
+  // free of a stitched range's last block, that range's). Below it one goes only when its piece is
+  // unmapped, on trim, OOM recovery or close, or once more than half the stitch area is spoken
+  // for. An alias holds no memory, and unmapping one is a driver call that rewrites the device's
+  // page tables (docs/expandable.md, "Stale aliases stay"). 0: every such pass unmaps them, as
+  // before the option.
   std::size_t stale_alias_cap = 4096;
   // Arena shards for requests above thread_cache_max_block (docs/threads.md): 0 = one per hardware
   // thread, at most 16; 1 = one lock for everything. Forced to 1 with a limit, without a cache, or
