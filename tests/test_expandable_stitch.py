@@ -566,6 +566,26 @@ def stale_pieces_home(up, **kw):
     return pool, [r] + blocks[0::2]
 
 
+def test_regression_a_piece_home_from_a_stitched_range_was_unmapped_at_the_first_scan():
+    """A piece counts the scans that found it free and unused; while lent, no scan sees it. It kept
+    the count it had before it was lent, so a piece in use through its alias until just before
+    came home already idle and went at the next scan (found by review). Home, it starts again."""
+    up = sim()
+    pool = pool_pieces(up, shrink_hysteresis=2)
+    blocks = [pool.allocate(G) for _ in range(7)]
+    for p in blocks[1:6:2]:
+        pool.deallocate(p)  # pieces 1, 3, 5 free
+    pool.shrink_scan()  # free at one scan: not yet
+    p = pool.allocate(3 * G)  # stitched from them, in use over the next scan
+    pool.shrink_scan()
+    pool.deallocate(p)  # the range goes at once, its pieces home
+    pool.shrink_scan()
+    assert consistent(pool, up)["unmap_calls"] == 0
+    pool.shrink_scan()  # free and unused at two scans now
+    assert consistent(pool, up)["unmap_calls"] == 3
+    free_all_and_close(pool, up, None, blocks[0::2])
+
+
 def test_regression_a_trim_asked_again_for_a_stale_alias_its_own_sweep_was_refused():
     """trim() asks for every stale alias, then unmaps the free pieces; a piece whose alias was just
     refused stays mapped, and is not asked for again in the same pass (found by review: the

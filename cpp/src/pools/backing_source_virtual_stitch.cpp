@@ -43,6 +43,7 @@ void VirtualRange::give_back(std::uintptr_t src) {
   const std::uintptr_t ps = src + piece.lent_lo;
   const std::size_t n = piece.lent_hi - piece.lent_lo;
   piece.lent_to = piece.lent_lo = piece.lent_hi = 0;
+  piece.idle_scans = 0;
   const auto& segs = a_.backings_;
   auto it = std::upper_bound(segs.begin(), segs.end(), ps, [](std::uintptr_t x, const ArenaBacking* b) { return x < b->addr; });
   ArenaBacking* prev = it != segs.begin() && in_main((*(it - 1))->addr) && (*(it - 1))->addr + (*(it - 1))->size == ps ? *(it - 1) : nullptr;
