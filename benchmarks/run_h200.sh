@@ -40,7 +40,8 @@ for s in "${steps[@]}"; do
     gpu_tests) step pytest_gpu timeout 570 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
     vmm)
       step vmm_latency timeout 120 python3 benchmarks/vmm_latency.py --json "$OUT/vmm_latency_h200.json"
-      step vmm_driver_calls timeout 120 python3 benchmarks/vmm_driver_calls.py --json "$OUT/vmm_driver_calls_h200.json"
+      step vmm_driver_calls timeout 120 python3 benchmarks/vmm_driver_calls.py --background 0,1000,4000 \
+        --json "$OUT/vmm_driver_calls_h200.json"
       step vmm_bandwidth timeout 180 python3 benchmarks/vmm_bandwidth.py --json "$OUT/vmm_bandwidth_h200.json" ;;
     uploader) step uploader timeout 420 python3 benchmarks/uploader_bench.py "$OUT/uploader_h200.json" --sizes 256M,2G \
                 --engine native,python --nt off --tail on,off --chunks 1M,2M,4M,8M --threads 8,12 --reps 5 ;;

@@ -16,7 +16,13 @@ them all down? The answer is printed as the driver gave it (and checked: a piece
 can be mapped again). CudaVirtual asks the same question at its first run and keeps the answer
 (``CudaVirtual.unmap_runs``); ``vmm_latency.py`` prints what it got.
 
-    python3 benchmarks/vmm_driver_calls.py [--device 0] [--pieces 8] [--reps 20] [--json out.json]
+With ``--background 0,1000,4096`` the calls are timed again with that many other mappings present
+(aliases of one piece, access granted, as the expandable arena's stale aliases are): whether the
+driver's calls slow as its mappings grow, which is what keeping stale aliases mapped could cost
+(docs/expandable.md, "Stale aliases stay").
+
+    python3 benchmarks/vmm_driver_calls.py [--device 0] [--pieces 8] [--reps 20] [--background 0]
+                                           [--json out.json]
 """
 from __future__ import annotations
 
@@ -148,6 +154,26 @@ def measure(d: Driver, n: int, reps: int) -> Dict[str, float]:
     return {k: statistics.median(v) for k, v in t.items()}
 
 
+def with_background(d: Driver, count: int, fn: Callable[[], Dict[str, float]]) -> Dict[str, float]:
+    """fn() with ``count`` other mappings present: one piece aliased ``count`` times end to end,
+    access granted over them; all taken down afterwards."""
+    if not count:
+        return fn()
+    g = d.granule
+    base = d.reserve(count * g)
+    h = d.create()
+    for k in range(count):
+        d.map(base + k * g, h)
+    d.grant(base, count * g)
+    try:
+        return fn()
+    finally:
+        for k in range(count):
+            d.check(d.unmap(base + k * g, g), "cuMemUnmap")
+        d.release(h)
+        d.check(d.lib.cuMemAddressFree(base, count * g), "cuMemAddressFree")
+
+
 def unmap_run_probe(d: Driver, n: int) -> Dict[str, object]:
     """One cuMemUnmap over n adjacent mappings: the driver's answer, and whether each piece it
     took down can be mapped again (it is unmapped)."""
@@ -179,13 +205,21 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--pieces", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--background", default="0",
+                    help="comma-separated counts of other mappings present while timing (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    counts = [int(x) for x in args.background.split(",")]
+    if any(c < 0 for c in counts):
+        ap.error("--background counts must be >= 0")
     d = Driver(args.device)
-    calls = measure(d, args.pieces, args.reps)
+    by_count = {c: with_background(d, c, lambda: measure(d, args.pieces, args.reps)) for c in counts}
+    calls = by_count[counts[0]]
     print(f"one piece = {d.granule >> 20} MiB; median of {args.reps} repetitions, us per call (per piece for a run)")
-    for k, v in calls.items():
-        print(f"  {k:42s} {v:8.1f}")
+    if len(counts) > 1:
+        print(f"  {'other mappings present':42s} " + " ".join(f"{c:>8d}" for c in counts))
+    for k in calls:
+        print(f"  {k:42s} " + " ".join(f"{by_count[c][k]:8.1f}" for c in counts))
     probe = unmap_run_probe(d, args.pieces)
     verdict = (f"accepted ({probe['us']:.1f} us; {probe['remapped']} of {args.pieces} pieces mapped again after it)"
                if probe["accepted"] else f"refused (CUresult {probe['result']}); unmapped one by one instead")
@@ -195,7 +229,7 @@ def main(argv: List[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"granularity": d.granule, "reps": args.reps, "pieces": args.pieces, "calls_us": calls,
-                       "unmap_run": probe}, f, indent=1)
+                       "background_calls_us": {str(c): v for c, v in by_count.items()}, "unmap_run": probe}, f, indent=1)
     return 0
 
 

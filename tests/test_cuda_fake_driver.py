@@ -1417,14 +1417,19 @@ def test_vmm_driver_calls_script_times_each_call_and_asks_about_unmapping_a_run(
     out = tmp_path / "d.json"
     script = Path(__file__).parent.parent / "benchmarks" / "vmm_driver_calls.py"
     e = dict(os.environ, POOLKEEPER_LIBCUDA=fakes["full"], FAKE_CUDA_UNMAP_RUNS=str(runs))
-    r = subprocess.run([sys.executable, str(script), "--reps", "2", "--pieces", "3", "--json", str(out)],
-                       env=e, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(script), "--reps", "2", "--pieces", "3", "--background", "0,7",
+                        "--json", str(out)], env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
     assert data["granularity"] == 2 << 20 and data["pieces"] == 3
     assert set(data["calls_us"]) == {"cuMemCreate", "cuMemMap", "cuMemSetAccess, one piece",
                                      "cuMemSetAccess, run of 3 (per piece)", "cuMemMap of a mapped handle (alias)",
                                      "cuMemUnmap of an alias", "cuMemUnmap", "cuMemRelease"}
+    # The calls again with 7 other mappings present (--background), each timed as without them.
+    assert set(data["background_calls_us"]) == {"0", "7"}
+    assert data["background_calls_us"]["0"] == data["calls_us"]
+    assert set(data["background_calls_us"]["7"]) == set(data["calls_us"])
+    assert "other mappings present" in r.stdout
     assert data["unmap_run"]["accepted"] is bool(runs) and data["unmap_run"]["remapped"] == 3 * runs
     assert data["unmap_run"]["cleanup_ok"] is True
     assert ("accepted" if runs else "refused") in r.stdout
