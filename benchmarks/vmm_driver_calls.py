@@ -16,7 +16,7 @@ them all down? The answer is printed as the driver gave it (and checked: a piece
 can be mapped again). CudaVirtual asks the same question at its first run and keeps the answer
 (``CudaVirtual.unmap_runs``); ``vmm_latency.py`` prints what it got.
 
-With ``--background 0,1000,4096`` the calls are timed again with that many other mappings present
+With ``--background 0,1000,4000`` the calls are timed again with that many other mappings present
 (aliases of one piece, access granted, as the expandable arena's stale aliases are): whether the
 driver's calls slow as its mappings grow, which is what keeping stale aliases mapped could cost
 (docs/expandable.md, "Stale aliases stay").

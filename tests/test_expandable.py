@@ -52,6 +52,23 @@ def test_bad_expandable_options_are_typed_errors(bad):
     assert up.counters()["reserves"] == 0
 
 
+def test_every_expandable_only_option_is_refused_without_expandable_and_listed_for_its_kind():
+    """One list (the C++ reader's, _core.EXPANDABLE_OPTIONS): each name given without
+    expandable=True is a typed error naming it, and the arena_expandable kind offers exactly those
+    (poolkeeper bench / replay -o)."""
+    from poolkeeper import _core
+
+    names = _core.EXPANDABLE_OPTIONS
+    assert "stale_alias_cap" in names and "stitch" in names and len(set(names)) == len(names)
+    assert pk.pools.KINDS["arena_expandable"].extra_options == tuple(names)
+    flags = {"reclaim_holes", "release_on_grow", "stitch", "stitch_top_up", "stitch_fragments"}
+    for name in names:
+        value = True if name in flags else 0.5 if name == "step_fraction" else 4 * MiB
+        pk.ArenaPool(sim(), expandable=True, **{name: value}).close()  # a value the option takes
+        with pytest.raises(pk.errors.InvalidArgumentError, match=f"'{name}' applies only to expandable=True"):
+            pk.ArenaPool(sim(), **{name: value})
+
+
 def test_simulated_vm_contract_is_enforced_and_counted():
     up = sim(capacity=8 * MiB)
     assert up.supports_virtual and up.vm_granularity == G and up.memory_capacity == 8 * MiB

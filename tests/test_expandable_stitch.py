@@ -521,33 +521,6 @@ def test_stale_aliases_go_at_a_scan_once_half_the_stitch_area_is_spoken_for(va_g
     free_all_and_close(pool, up, s, [q, r] + keep, 7)
 
 
-def test_a_shrink_scan_that_unmaps_a_piece_takes_its_stale_aliases_down_first():
-    """The upstream refuses to unmap a piece while an alias of it is mapped: a scan that would
-    unmap a piece with stale aliases unmaps them first. Until then they stay (stale_alias_cap),
-    where they used to go at the first pass that came by."""
-    up = sim()
-    pool = pool_pieces(up, shrink_hysteresis=2)  # streams as given: every release settled at once
-    blocks = [pool.allocate(G) for _ in range(11)]
-    for p in blocks[1:10:2]:
-        pool.deallocate(p)  # pieces 1, 3, 5, 7, 9 free
-    keep = blocks[0::2]
-    p = pool.allocate(2 * G + MiB)  # stitched from pieces 1, 3, 5
-    r = pool.allocate(MiB)  # the last MiB of piece 5: the range is not wholly free
-    pool.deallocate(p)
-    q = pool.allocate(4 * G)  # parts 1 and 3 move on with pieces 7 and 9: 2 stale aliases
-    pool.deallocate(q)  # that range goes at once (4 unaliases), its pieces home; the stale stay
-    st = consistent(pool, up)
-    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
-    pool.shrink_scan()  # pieces 1, 3, 7, 9 free for one scan: not yet (hysteresis 2)
-    st = consistent(pool, up)
-    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
-    pool.shrink_scan()  # now they go, pieces 1 and 3 after their stale aliases
-    st = consistent(pool, up)
-    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (0, 6, 4)
-    assert st["reserved_bytes"] == 7 * G and up.aliased_bytes() == G  # piece 5, still lent
-    free_all_and_close(pool, up, None, [r] + keep, 7)
-
-
 def stale_pieces_home(up, **kw):
     """Multi-stream mode (every release settled at once), pieces 1, 3, ..., 9 free; a stitched range
     over 1, 3, 5 with a live block in its last part, whose parts 1 and 3 moved on into a second
@@ -564,6 +537,24 @@ def stale_pieces_home(up, **kw):
     st = pool.stats()
     assert (st["stale_aliases"], st["unalias_calls"], st["moved_parts"]) == (2, 4, 2)
     return pool, [r] + blocks[0::2]
+
+
+def test_a_shrink_scan_that_unmaps_a_piece_takes_its_stale_aliases_down_first():
+    """The upstream refuses to unmap a piece while an alias of it is mapped: a scan that would
+    unmap a piece with stale aliases unmaps them first. Until then they stay (stale_alias_cap),
+    where they used to go at the first pass that came by."""
+    up = sim()
+    pool, keep = stale_pieces_home(up, shrink_hysteresis=2)  # the second range's 4 unaliases made
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
+    pool.shrink_scan()  # pieces 1, 3, 7, 9 free for one scan: not yet (hysteresis 2)
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (2, 4, 0)
+    pool.shrink_scan()  # now they go, pieces 1 and 3 after their stale aliases
+    st = consistent(pool, up)
+    assert (st["stale_aliases"], st["unalias_calls"], st["unmap_calls"]) == (0, 6, 4)
+    assert st["reserved_bytes"] == 7 * G and up.aliased_bytes() == G  # piece 5, still lent
+    free_all_and_close(pool, up, None, keep, 7)
 
 
 def test_regression_a_piece_home_from_a_stitched_range_was_unmapped_at_the_first_scan():

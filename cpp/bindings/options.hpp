@@ -1,6 +1,7 @@
 // Reading pool options from a Python dict: typed, validated, and unknown keys refused by name.
 #pragma once
 #include <set>
+#include <vector>
 
 #include "bindings.hpp"
 
@@ -85,6 +86,10 @@ class OptionReader {
 
 namespace poolkeeper::py {
 ArenaOptions arena_options(nb::handle opts);
+// The ArenaPool options that shape only the expandable range: arena_options() refuses them
+// without expandable=True, and Python's table of pool kinds lists them for "arena_expandable"
+// (_core.EXPANDABLE_OPTIONS), so the two lists are one.
+const std::vector<const char*>& expandable_options();
 SizeClassOptions size_class_options(nb::handle opts);
 DirectOptions direct_options(nb::handle opts);
 }  // namespace poolkeeper::py

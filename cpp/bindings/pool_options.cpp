@@ -23,6 +23,14 @@ O read_options(nb::handle opts, const char* kind, Rest rest) {
 }
 }  // namespace
 
+const std::vector<const char*>& expandable_options() {
+  static const std::vector<const char*> names = {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes",
+                                                 "release_on_grow", "stitch", "stitch_max_parts", "stitch_from",
+                                                 "stitch_edge_from", "stitch_top_up", "stitch_fragments",
+                                                 "stale_alias_cap"};
+  return names;
+}
+
 ArenaOptions arena_options(nb::handle opts) {
   OptionReader r(opts, "ArenaPool");
   ArenaOptions o;
@@ -54,9 +62,7 @@ ArenaOptions arena_options(nb::handle opts) {
   // Options that shape only the expandable range would be ignored without it: a silent no-op is
   // a misconfiguration the user never hears about.
   if (!o.expandable)
-    for (const char* k : {"va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow", "stitch",
-                          "stitch_max_parts", "stitch_edge_from", "stitch_from", "stitch_top_up",
-                          "stitch_fragments", "stale_alias_cap"})
+    for (const char* k : expandable_options())
       if (r.given(k))
         throw InvalidArgument(std::string("ArenaPool: option '") + k + "' applies only to expandable=True");
   r.finish();

@@ -13,6 +13,11 @@
 namespace poolkeeper::py {
 
 void bind_pools(nb::module_& m) {
+  {
+    nb::list names;
+    for (const char* k : expandable_options()) names.append(k);
+    m.attr("EXPANDABLE_OPTIONS") = nb::tuple(names);
+  }
   auto pool_cls = nb::class_<Pool>(m, "Pool", "A memory pool (abstract): see poolkeeper.pools for the documented classes.");
   pool_cls
       .def(

@@ -313,9 +313,7 @@ KINDS: Dict[str, PoolKind] = {
         ArenaPool,
         {"expandable": True},
         needs_virtual=True,
-        extra_options=("va_bytes", "step_fraction", "max_step", "map_piece", "reclaim_holes", "release_on_grow",
-                       "stitch", "stitch_max_parts", "stitch_from", "stitch_edge_from", "stitch_top_up",
-                       "stitch_fragments", "stale_alias_cap"),
+        extra_options=tuple(_core.EXPANDABLE_OPTIONS),  # the list the C++ reader refuses without expandable
         description="ArenaPool(expandable=True): one virtual range, physical pieces mapped at its end",
     ),
 }

@@ -368,9 +368,9 @@ class VirtualRange final : public BackingSource {
   // time, end to end, into the stitch area: by growing a stitched range in place
   // (extend_stitch()), else as a fresh stitched range. A piece may come from the main range or
   // from an earlier stitched range whose part over it is wholly free: that part's alias stays
-  // mapped (Stale, Sweep), so moving it on costs one alias and no wait. With stitch_fragments, when the whole pieces fall short, the fresh range
-  // may begin with one piece's free end and end with another's free start (fragments()), the
-  // fewest of them that make up the shortfall. At most stitch_max_parts pieces (each is an
+  // mapped (Stale, Sweep), so moving it on costs one alias and no wait. With stitch_fragments,
+  // when the whole pieces fall short, the fresh range may begin with one piece's free end and end
+  // with another's free start (fragments()), the fewest of them that make up the shortfall. At most stitch_max_parts pieces (each is an
   // upstream call); never a piece of the main range in [keep_lo, keep_hi). Returns the stitched
   // chunk, out of the index, or nullptr (then the caller maps more). Pieces aliased before a
   // refusal stay stitched, filed free.
