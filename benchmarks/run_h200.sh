@@ -17,6 +17,9 @@
 #                                              every allocation and free in the real-model runs, gzipped CSVs for
 #                                              `poolkeeper replay`, ~3 minutes)
 #
+# The build step compiles the tree, unless .devwheel holds the wheel tools/device_wheel.sh built
+# from this same tree (carry .devwheel in the device call): then it installs that in seconds.
+#
 # Each step writes its output under $OUT and goes on after a failure (the summary says which).
 # Everything also lands in $OUT/h200_run.tgz: the device tool brings back only a few files a call.
 set -u
@@ -36,7 +39,18 @@ step() {  # name command...
 }
 for s in "${steps[@]}"; do
   case $s in
-    build) step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site . ;;
+    build)
+      # A wheel built beforehand from this very tree (tools/device_wheel.sh, .devwheel carried)
+      # saves the lease its compile; any other wheel is ignored and the tree is compiled.
+      tag=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+      wheel=$(ls .devwheel/poolkeeper-*-"$tag"-*.whl 2>/dev/null | head -1 || true)
+      if [ -n "$wheel" ] && [ "$(cat .devwheel/STAMP 2>/dev/null)" = "$(bash tools/device_wheel.sh --stamp)" ]; then
+        echo "build: installing $wheel (stamp $(cat .devwheel/STAMP))"
+        step build python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site "$wheel"
+      else
+        [ -d .devwheel ] && echo "build: .devwheel is not this tree's $tag wheel; compiling"
+        step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site .
+      fi ;;
     gpu_tests) step pytest_gpu timeout 570 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
     vmm)
       step vmm_latency timeout 120 python3 benchmarks/vmm_latency.py --json "$OUT/vmm_latency_h200.json"
