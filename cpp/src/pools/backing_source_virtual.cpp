@@ -356,38 +356,37 @@ void VirtualRange::stats(PoolStats& st) const {
       // Mapped, not a hole; but a lent free end of the last segment's last piece lies after it.
       if (at + p.lent_lo < last_end) hole_bytes -= p.lent_hi - p.lent_lo;
     }
-  st.extra.emplace_back("expandable", 1);
-  st.extra.emplace_back("mapped_bytes", mapped_);
-for (const auto& [k, v] : std::initializer_list<std::pair<const char*, std::size_t>>{
-         {"va_bytes", static_cast<std::size_t>(va_bytes_)},
-         {"map_calls", static_cast<std::size_t>(map_calls_)},
-         {"unmap_calls", static_cast<std::size_t>(unmap_calls_)},
-         {"mapped_pieces", static_cast<std::size_t>(pieces_.size())},
-         {"unmap_failures", static_cast<std::size_t>(unmap_failures_)},
-         {"holes", static_cast<std::size_t>(holes)},
-         {"hole_bytes", static_cast<std::size_t>(hole_bytes)},
-         {"hole_unmaps", static_cast<std::size_t>(hole_unmaps_)},
-         {"hole_refills", static_cast<std::size_t>(hole_refills_)},
-         {"stitch", static_cast<std::size_t>(stitch_ ? 1 : 0)},
-         {"stitched_ranges", static_cast<std::size_t>(stitches_.size())},
-         {"stitched_bytes", static_cast<std::size_t>(lent_bytes)},
-         {"stale_aliases", static_cast<std::size_t>(stale_)},
-         {"moved_parts", static_cast<std::size_t>(moved_parts_)},
-         {"stitch_extends", static_cast<std::size_t>(stitch_extends_)},
-         {"stitch_top_ups", static_cast<std::size_t>(top_ups_)},
-         {"stitched_fragments", static_cast<std::size_t>(fragments_lent_)},
-         {"stitch_homecomings", static_cast<std::size_t>(homecomings_)},
-         {"stitch_area_bytes", static_cast<std::size_t>(stitch_area_used())},
-         {"stitched_backings", static_cast<std::size_t>(a_.backings_.size() - segs.size())},
-         {"stitches", static_cast<std::size_t>(stitches_made_)},
-         {"stitch_teardowns", static_cast<std::size_t>(teardowns_)},
-         {"alias_calls", static_cast<std::size_t>(alias_calls_)},
-         {"unalias_calls", static_cast<std::size_t>(unalias_calls_)},
-         {"unmap_runs", static_cast<std::size_t>(unmap_runs_)},
-         {"unalias_runs", static_cast<std::size_t>(unalias_runs_)},
-         {"alias_failures", static_cast<std::size_t>(alias_failures_)},
-     })
-  st.extra.emplace_back(k, v);
+  // The keys of stats() the docs list (docs/expandable.md, "`stats()` extras").
+  const auto put = [&st](const char* key, std::uint64_t value) { st.extra.emplace_back(key, value); };
+  put("expandable", 1);
+  put("mapped_bytes", mapped_);
+  put("va_bytes", va_bytes_);
+  put("map_calls", map_calls_);
+  put("unmap_calls", unmap_calls_);
+  put("mapped_pieces", pieces_.size());
+  put("unmap_failures", unmap_failures_);
+  put("holes", holes);
+  put("hole_bytes", hole_bytes);
+  put("hole_unmaps", hole_unmaps_);
+  put("hole_refills", hole_refills_);
+  put("stitch", stitch_ ? 1u : 0u);
+  put("stitched_ranges", stitches_.size());
+  put("stitched_bytes", lent_bytes);
+  put("stale_aliases", stale_);
+  put("moved_parts", moved_parts_);
+  put("stitch_extends", stitch_extends_);
+  put("stitch_top_ups", top_ups_);
+  put("stitched_fragments", fragments_lent_);
+  put("stitch_homecomings", homecomings_);
+  put("stitch_area_bytes", stitch_area_used());
+  put("stitched_backings", a_.backings_.size() - segs.size());
+  put("stitches", stitches_made_);
+  put("stitch_teardowns", teardowns_);
+  put("alias_calls", alias_calls_);
+  put("unalias_calls", unalias_calls_);
+  put("unmap_runs", unmap_runs_);
+  put("unalias_runs", unalias_runs_);
+  put("alias_failures", alias_failures_);
 }
 
 std::vector<ArenaBacking*> VirtualRange::main_segments() const {
