@@ -41,15 +41,21 @@ for s in "${steps[@]}"; do
   case $s in
     build)
       # A wheel built beforehand from this very tree (tools/device_wheel.sh, .devwheel carried)
-      # saves the lease its compile; any other wheel is ignored and the tree is compiled.
+      # saves the lease its compile. Only the one wheel of this Python, vouched for by a stamp
+      # equal to this tree's, is installed; anything else, or a failed install, compiles the tree.
       tag=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-      wheel=$(ls .devwheel/poolkeeper-*-"$tag"-*.whl 2>/dev/null | head -1 || true)
-      if [ -n "$wheel" ] && [ "$(cat .devwheel/STAMP 2>/dev/null)" = "$(bash tools/device_wheel.sh --stamp)" ]; then
-        echo "build: installing $wheel (stamp $(cat .devwheel/STAMP))"
-        step build python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site "$wheel"
+      wheels=(.devwheel/poolkeeper-*-"$tag"-*.whl)
+      [ -e "${wheels[0]}" ] || wheels=()
+      want=$(bash tools/device_wheel.sh --stamp 2>/dev/null || true)
+      have=$(cat .devwheel/STAMP 2>/dev/null || true)
+      compile=(python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site .)
+      if [ ${#wheels[@]} -eq 1 ] && [[ $want =~ ^[0-9a-f]{16}$ ]] && [ "$have" = "$want" ]; then
+        echo "build: installing ${wheels[0]} (stamp $have)"
+        step build bash -c 'python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site "$1" \
+          || { echo "build: the wheel did not install; compiling"; shift; "$@"; }' _ "${wheels[0]}" "${compile[@]}"
       else
-        [ -d .devwheel ] && echo "build: .devwheel is not this tree's $tag wheel; compiling"
-        step build python3 -m pip install -q --no-build-isolation --no-deps --no-index --upgrade --target /tmp/site .
+        [ -d .devwheel ] && echo "build: .devwheel holds no single $tag wheel of this tree; compiling"
+        step build "${compile[@]}"
       fi ;;
     gpu_tests) step pytest_gpu timeout 570 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs ;;
     vmm)

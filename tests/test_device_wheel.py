@@ -34,8 +34,10 @@ def tree(tmp_path):
     bin_.mkdir()
     fake = bin_ / "python3"
     # `-c ...` is the tag query (cp312, the device's Python); anything else is a pip call, logged.
+    # FAIL_WHEEL=1: installing a wheel fails, as a corrupt one would.
     fake.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo cp312; exit 0; fi\n'
-                    'echo "$*" >> "$PIP_LOG"\n')
+                    'echo "$*" >> "$PIP_LOG"\n'
+                    'case "$*" in *.whl*) [ -n "$FAIL_WHEEL" ] && exit 1;; esac\nexit 0\n')
     fake.chmod(0o755)
     return t
 
@@ -45,20 +47,20 @@ def stamp(t: Path) -> str:
                           capture_output=True, text=True).stdout.strip()
 
 
-def build_step(t: Path, tmp_path: Path) -> str:
+def build_step(t: Path, tmp_path: Path, **extra: str) -> str:
     log = tmp_path / "pip.log"
     log.unlink(missing_ok=True)
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               PIP_LOG=str(log))
+               PIP_LOG=str(log), **extra)
     subprocess.run(["bash", "benchmarks/run_h200.sh", "build"], cwd=t, env=env, check=True,
                    capture_output=True, text=True, timeout=60)
     return log.read_text()
 
 
-def put_wheel(t: Path, tag: str = "cp312") -> Path:
+def put_wheel(t: Path, tag: str = "cp312", version: str = "0.1.0") -> Path:
     d = t / ".devwheel"
     d.mkdir(exist_ok=True)
-    w = d / f"poolkeeper-0.1.0-{tag}-{tag}-linux_x86_64.whl"
+    w = d / f"poolkeeper-{version}-{tag}-{tag}-linux_x86_64.whl"
     w.write_bytes(b"")
     (d / "STAMP").write_text(stamp(t) + "\n")
     return w
@@ -97,3 +99,57 @@ def test_build_compiles_when_the_wheel_is_for_another_python(tree, tmp_path):
 def test_build_compiles_without_a_wheel(tree, tmp_path):
     log = build_step(tree, tmp_path)
     assert "--no-build-isolation" in log
+
+
+def test_stamp_follows_a_linked_header_to_what_it_points_at(tree):
+    ext = tree / "ext"
+    ext.mkdir()
+    (ext / "h.hpp").write_text("#define A 1\n")
+    (tree / "cpp" / "include").mkdir()
+    (tree / "cpp" / "include" / "h.hpp").symlink_to(ext / "h.hpp")
+    s0 = stamp(tree)
+    (ext / "h.hpp").write_text("#define A 2\n")
+    assert stamp(tree) != s0
+
+
+def test_build_compiles_when_two_wheels_could_be_meant(tree, tmp_path):
+    put_wheel(tree)
+    put_wheel(tree, version="0.0.9")  # a leftover: the stamp cannot say which one it vouches for
+    log = build_step(tree, tmp_path)
+    assert ".whl" not in log and "--no-build-isolation" in log
+
+
+def test_build_compiles_when_no_stamp_can_be_taken(tree, tmp_path):
+    put_wheel(tree)
+    (tree / ".devwheel" / "STAMP").write_text("")
+    # Without a working sha256sum both sides would be empty, and empty must not match empty.
+    bad = tmp_path / "bin" / "sha256sum"
+    bad.write_text("#!/bin/sh\nexit 1\n")
+    bad.chmod(0o755)
+    log = build_step(tree, tmp_path)
+    assert ".whl" not in log and "--no-build-isolation" in log
+
+
+def test_build_compiles_when_the_wheel_does_not_install(tree, tmp_path):
+    wheel = put_wheel(tree)
+    log = build_step(tree, tmp_path, FAIL_WHEEL="1").splitlines()
+    assert str(wheel.relative_to(tree)) in log[0]
+    assert "--no-build-isolation" in log[1] and log[1].endswith(" .")
+
+
+def test_device_wheel_refuses_sources_that_changed_during_the_build(tree):
+    # A stand-in build that edits a source while it "builds": no stamp may vouch for that wheel.
+    fake_build = tree / "tools" / "build_wheels.sh"
+    fake_build.write_text('#!/bin/sh\nmkdir -p "$WHEEL_DIR"\n'
+                          'touch "$WHEEL_DIR/poolkeeper-0.1.0-cp312-cp312-linux_x86_64.whl"\n'
+                          'echo "int g();" >> cpp/src/pool.cpp\n')
+    fake_build.chmod(0o755)
+    r = subprocess.run(["bash", "tools/device_wheel.sh", "python3"], cwd=tree, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "changed during the build" in r.stderr
+    assert not (tree / ".devwheel").exists()
+    fake_build.write_text('#!/bin/sh\nmkdir -p "$WHEEL_DIR"\n'
+                          'touch "$WHEEL_DIR/poolkeeper-0.1.0-cp312-cp312-linux_x86_64.whl"\n')
+    r = subprocess.run(["bash", "tools/device_wheel.sh", "python3"], cwd=tree, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and (tree / ".devwheel" / "STAMP").read_text().strip() == stamp(tree)

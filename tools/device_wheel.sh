@@ -12,13 +12,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp() {
-  find cpp src/poolkeeper CMakeLists.txt pyproject.toml -type f \
+  # -L: a linked header or folder is hashed by what it points at, as the compiler reads it.
+  find -L cpp src/poolkeeper CMakeLists.txt pyproject.toml -type f \
     ! -name '*.so' ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
     | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
 }
 if [ "${1:-}" = "--stamp" ]; then stamp; exit 0; fi
 py=${1:-python3.12}
 rm -rf .devwheel
+before=$(stamp)
 WHEEL_DIR=$PWD/.devwheel tools/build_wheels.sh "$py"
-stamp > .devwheel/STAMP
+# A source edited while the build ran may or may not be in the wheel: no stamp vouches for it.
+if [ "$(stamp)" != "$before" ]; then
+  rm -rf .devwheel
+  echo "the sources changed during the build; run again" >&2
+  exit 1
+fi
+echo "$before" > .devwheel/STAMP
 echo "stamp $(cat .devwheel/STAMP): carry .devwheel in the device call"
