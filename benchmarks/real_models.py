@@ -254,6 +254,8 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
       ``best_ms`` when the quiet spells are rarer than the rounds);
     - against ``torch``: ``best_vs_torch``, ``median_each_vs_torch``, ``median_vs_torch`` and
       ``paired_vs_torch`` (round i against torch's round i) with their median ``paired_median_vs_torch``;
+    - ``paired_each_vs_torch``: request by request against torch's same request of the same round,
+      the geometric mean over every round with a 95% interval (:func:`paired_each`; None for torch);
     - where the runs time decode steps (Llama): ``decode_p50_ms``, each round's median decode step,
       and ``decode_paired_vs_torch`` (round i against torch's round i) with their median
       ``decode_paired_median_vs_torch``: the "ms/step" of a server's steady state, apart from the
@@ -299,6 +301,7 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
 
     base = totals(rounds.get("torch", []))
     base_ok = [t for t in base if t is not None]
+    each = paired_each(rounds)
     base_decode = [decode_p50(r) for r in rounds.get("torch", [])]
     base_best = best(rounds.get("torch", []))
     out: Dict[str, Dict[str, Any]] = {}
@@ -328,7 +331,71 @@ def round_times(rounds: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Dict[str, 
             "decode_p50_ms": dec,
             "decode_paired_vs_torch": dec_paired,
             "decode_paired_median_vs_torch": statistics.median(dec_paired) if dec_paired else None,
+            "paired_each_vs_torch": each.get(arm),
         }
+    return out
+
+
+def _paired_upto(r: Dict[str, Any], n: int) -> int:
+    """How many of a run's first requests ran paired: all ``n``, or those before the request at which
+    its ``--together`` peers stopped meeting it (``barrier_broken_at``, "request<i>")."""
+    m = re.fullmatch(r"request(\d+)", str(r.get("barrier_broken_at") or ""))
+    return min(n, int(m.group(1))) if m else n
+
+
+def paired_each(rounds: Dict[str, List[Dict[str, Any]]], resamples: int = 2000,
+                seed: int = 0) -> Dict[str, Dict[str, Any]]:
+    """Request by request against torch's same request of the same round, over every round: per arm,
+    the geometric mean of those ratios (``gm``) and a 95% interval for it (``lo``, ``hi``) from
+    ``resamples`` bootstrap draws of rounds and of requests, both with replacement (a draw takes
+    every pair that lies in one of its rounds and one of its requests). Both are drawn because
+    both repeat: a request that costs an arm more costs it in every round, and a round whose CPUs
+    or layout suit one arm suits it in every request; drawing requests alone would call a round's
+    luck a difference between the arms.
+
+    Under ``--together`` the two runs of a pair started each request at the same moment, so a drift
+    of the machine falls on both and cancels in the ratio. Only paired requests count: both runs
+    measured, the request's output hash the same in both (the same work), and before either run's
+    peers stopped meeting it. Arms with no such pair, and torch itself, are left out."""
+    import random
+    base = rounds.get("torch", [])
+    out: Dict[str, Dict[str, Any]] = {}
+    for arm, runs in rounds.items():
+        if arm == "torch":
+            continue
+        cells: List[Dict[int, float]] = []  # one per round that paired anything: request -> log ratio
+        for r, b in zip(runs, base):
+            xs, ys = request_times(r), request_times(b)
+            if xs is None or ys is None:
+                continue
+            n = _paired_upto(b, _paired_upto(r, min(len(xs), len(ys))))
+            ha, hb = list(r.get("request_sha256") or []), list(b.get("request_sha256") or [])
+            row = {i: math.log(xs[i] / ys[i]) for i in range(n)
+                   if xs[i] > 0 and ys[i] > 0 and i < len(ha) and i < len(hb) and ha[i] == hb[i]}
+            if row:
+                cells.append(row)
+        if not cells:
+            continue
+        requests = sorted({i for row in cells for i in row})
+        rng = random.Random(seed)
+        draws = []
+        for _ in range(resamples):
+            picked = collections.Counter(requests[rng.randrange(len(requests))] for _ in requests)
+            logs, n = 0.0, 0
+            for _ in cells:
+                row = cells[rng.randrange(len(cells))]
+                for i, k in picked.items():
+                    if i in row:
+                        logs += k * row[i]
+                        n += k
+            if n:
+                draws.append(logs / n)
+        draws.sort()
+        allv = [v for row in cells for v in row.values()]
+        out[arm] = {"gm": math.exp(math.fsum(allv) / len(allv)),
+                    "lo": math.exp(draws[int(0.025 * (len(draws) - 1))]),
+                    "hi": math.exp(draws[int(math.ceil(0.975 * (len(draws) - 1)))]),
+                    "pairs": len(allv), "requests": len(requests), "rounds": len(cells)}
     return out
 
 
@@ -537,6 +604,17 @@ def markdown(results: Dict[str, Any]) -> str:
                     f"| {fmt_ms(t.get('median_each_ms'))} | {fmt_ratio(t.get('median_each_vs_torch'))} |"
                 )
             lines.append("")
+            each = [(a, times[a]["paired_each_vs_torch"]) for a in results.get("arms", [])
+                    if a in times and times[a].get("paired_each_vs_torch")]
+            if each:
+                lines += ["Request by request against torch's same request of the same round, over every round "
+                          "(geometric mean of the ratios, and a 95% interval from drawing rounds and requests "
+                          "again 2,000 times; only requests both ran paired with the same output):", ""]
+                lines += table_head("arm", "per request vs torch", "95% interval", "pairs", "requests", "rounds")
+                for arm, e in each:
+                    lines.append(f"| {arm} | {fmt_ratio(e['gm'])} | {e['lo']:.3f}-{e['hi']:.3f} "
+                                 f"| {e['pairs']} | {e['requests']} | {e['rounds']} |")
+                lines.append("")
             dec_arms = [a for a in results.get("arms", []) if any(x is not None for x in (times.get(a) or {}).get("decode_p50_ms", []))]
             if dec_arms:
                 lines += ["Decode step over the rounds (each round's median decode step, ms; the steady state of "

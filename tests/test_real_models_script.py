@@ -238,6 +238,60 @@ def test_round_times_pairs_each_round_with_torchs_and_skips_failures():
     assert rm.round_times({"arena": rounds["arena"]})["arena"]["paired_median_vs_torch"] is None
 
 
+def _each_run(times, hashes=None, broken=None):
+    r = {"request_ms": {"total": sum(times)}, "request_ms_each": list(times),
+         "request_sha256": list(hashes or [f"h{i}" for i in range(len(times))])}
+    if broken is not None:
+        r["barrier_broken_at"] = f"request{broken}"
+    return r
+
+
+def test_paired_each_is_the_geometric_mean_of_same_round_request_ratios():
+    # Round 2 is twice as slow for both arms (a drifting host): paired within the round it cancels.
+    torch = [_each_run([10, 20, 40]), _each_run([20, 40, 80])]
+    arena = [_each_run([11, 22, 44]), _each_run([22, 44, 88])]
+    e = rm.paired_each({"torch": torch, "arena": arena})
+    assert "torch" not in e
+    a = e["arena"]
+    assert a["gm"] == pytest.approx(1.1) and a["lo"] == pytest.approx(1.1) and a["hi"] == pytest.approx(1.1)
+    assert (a["pairs"], a["requests"], a["rounds"]) == (6, 3, 2)
+    assert rm.round_times({"torch": torch, "arena": arena})["arena"]["paired_each_vs_torch"] == a
+
+
+def test_paired_each_counts_only_requests_that_ran_paired_with_the_same_output():
+    torch = [_each_run([10, 10, 10, 10], broken=3), _each_run([10, 10, 10, 10])]
+    arena = [_each_run([12, 12, 12, 99]),  # request 3 ran after torch's peers stopped meeting it
+             _each_run([12, 99, 12, 12], hashes=["h0", "other", "h2", "h3"])]  # request 1: other work
+    a = rm.paired_each({"torch": torch, "arena": arena})["arena"]
+    assert a["gm"] == pytest.approx(1.2) and (a["pairs"], a["requests"], a["rounds"]) == (6, 4, 2)
+    # A failed round and a round without per-request times pair nothing; no pair at all, no entry.
+    assert rm.paired_each({"torch": torch, "arena": [{"error": "boom"}, {"request_ms": {"total": 1}}]}) == {}
+
+
+def test_paired_each_interval_widens_with_the_spread_and_holds_the_mean():
+    import random
+    rng = random.Random(3)
+    base = [float(rng.randint(5, 50)) for _ in range(60)]
+    tight = {"torch": [_each_run(base)], "arena": [_each_run([x * 1.05 for x in base])]}
+    wide = {"torch": [_each_run(base)],
+            "arena": [_each_run([x * (1.05 + (0.3 if i % 2 else -0.3)) for i, x in enumerate(base)])]}
+    t, w = rm.paired_each(tight)["arena"], rm.paired_each(wide)["arena"]
+    assert t["hi"] - t["lo"] < 1e-9
+    assert w["lo"] < w["gm"] < w["hi"] and w["hi"] - w["lo"] > 0.05
+    assert rm.paired_each(wide) == rm.paired_each(wide)  # seeded
+
+
+def test_paired_each_interval_holds_a_rounds_luck():
+    # Every request 1.25x in one round and 0.8x in the other: the arms are even, and the interval
+    # must say so (drawing requests alone, every draw would average the same two rounds).
+    base = [float(x) for x in range(5, 65)]
+    torch = [_each_run(base), _each_run(base)]
+    arena = [_each_run([x * 1.25 for x in base]), _each_run([x * 0.8 for x in base])]
+    a = rm.paired_each({"torch": torch, "arena": arena})["arena"]
+    assert a["gm"] == pytest.approx(1.0)
+    assert a["lo"] == pytest.approx(0.8) and a["hi"] == pytest.approx(1.25)
+
+
 def test_round_times_pair_each_rounds_decode_step_with_torchs():
     """Llama runs time their decode steps: each round's median step is paired with torch's round,
     apart from the summed request time (which the prefills dominate)."""
