@@ -393,8 +393,9 @@ def paired_each(rounds: Dict[str, List[Dict[str, Any]]], resamples: int = 2000,
         draws.sort()
         allv = [v for row in cells for v in row.values()]
         out[arm] = {"gm": math.exp(math.fsum(allv) / len(allv)),
-                    "lo": math.exp(draws[int(0.025 * (len(draws) - 1))]),
-                    "hi": math.exp(draws[int(math.ceil(0.975 * (len(draws) - 1)))]),
+                    # No draw met a pair only where pairs are too few to give an interval.
+                    "lo": math.exp(draws[int(0.025 * (len(draws) - 1))]) if draws else None,
+                    "hi": math.exp(draws[int(math.ceil(0.975 * (len(draws) - 1)))]) if draws else None,
                     "pairs": len(allv), "requests": len(requests), "rounds": len(cells)}
     return out
 
@@ -612,7 +613,8 @@ def markdown(results: Dict[str, Any]) -> str:
                           "again 2,000 times; only requests both ran paired with the same output):", ""]
                 lines += table_head("arm", "per request vs torch", "95% interval", "pairs", "requests", "rounds")
                 for arm, e in each:
-                    lines.append(f"| {arm} | {fmt_ratio(e['gm'])} | {e['lo']:.3f}-{e['hi']:.3f} "
+                    span = "n/a" if e.get("lo") is None else f"{e['lo']:.3f}-{e['hi']:.3f}"
+                    lines.append(f"| {arm} | {fmt_ratio(e['gm'])} | {span} "
                                  f"| {e['pairs']} | {e['requests']} | {e['rounds']} |")
                 lines.append("")
             dec_arms = [a for a in results.get("arms", []) if any(x is not None for x in (times.get(a) or {}).get("decode_p50_ms", []))]

@@ -1061,3 +1061,10 @@ def test_together_an_arm_that_cannot_start_is_reported_and_its_peers_do_not_wait
     assert "could not start" in out["arena"]["error"]
     assert out["torch"]["broken"] and out["torch"]["waited"] < 30
     assert list(out) == ["torch", "arena"]
+
+
+def test_paired_each_without_a_draw_gives_no_interval():
+    torch = [_each_run([10, 10])]
+    arena = [_each_run([20, 20])]
+    a = rm.paired_each({"torch": torch, "arena": arena}, resamples=0)["arena"]
+    assert a["gm"] == pytest.approx(2.0) and a["lo"] is None and a["hi"] is None
