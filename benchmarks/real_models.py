@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -357,7 +358,6 @@ def paired_each(rounds: Dict[str, List[Dict[str, Any]]], resamples: int = 2000,
     of the machine falls on both and cancels in the ratio. Only paired requests count: both runs
     measured, the request's output hash the same in both (the same work), and before either run's
     peers stopped meeting it. Arms with no such pair, and torch itself, are left out."""
-    import random
     base = rounds.get("torch", [])
     out: Dict[str, Dict[str, Any]] = {}
     for arm, runs in rounds.items():
@@ -369,9 +369,8 @@ def paired_each(rounds: Dict[str, List[Dict[str, Any]]], resamples: int = 2000,
             if xs is None or ys is None:
                 continue
             n = _paired_upto(b, _paired_upto(r, min(len(xs), len(ys))))
-            ha, hb = list(r.get("request_sha256") or []), list(b.get("request_sha256") or [])
-            row = {i: math.log(xs[i] / ys[i]) for i in range(n)
-                   if xs[i] > 0 and ys[i] > 0 and i < len(ha) and i < len(hb) and ha[i] == hb[i]}
+            differ = set(differing_requests(r, b))
+            row = {i: math.log(xs[i] / ys[i]) for i in range(n) if xs[i] > 0 and ys[i] > 0 and i not in differ}
             if row:
                 cells.append(row)
         if not cells:
